@@ -1,0 +1,39 @@
+"""lightning_ft: fault-tolerant distributed training for PyTorch Lightning.
+
+``import lightning_ft`` is cheap: it does not import Lightning. The Lightning-facing
+names are loaded on first use, and the ``ddp_ft`` strategy is registered with
+Lightning's ``StrategyRegistry`` as soon as ``lightning.pytorch`` is imported (before
+or after this package), so ``Trainer(strategy="ddp_ft")`` works either way. This keeps
+the torchrun agent, which loads our rendezvous backend, free of the Lightning import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lightning_ft._lightning_hook import register_when_lightning_loads
+from lightning_ft.exit_codes import ExitCode
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported lazily; these import Lightning)
+_LAZY_NAMES = {
+    "GracefulTermination": "lightning_ft.termination.callback",
+    "EmergencyCheckpoint": "lightning_ft.checkpoint.callback",
+    "FaultTolerantDDPStrategy": "lightning_ft.strategy",
+}
+
+__all__ = ["ExitCode", "__version__", *_LAZY_NAMES]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY_NAMES.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'lightning_ft' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+register_when_lightning_loads()

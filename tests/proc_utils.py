@@ -1,0 +1,134 @@
+"""Real-process helpers for tests: every process started here is killed by pid at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(**overrides: str) -> dict[str, str]:
+    """Environment for a child process: quiet, unbuffered, no inherited rank variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "LOCAL_WORLD_SIZE", "JOB_COMPLETION_INDEX", "LIGHTNING_FT_INFRA_RANK"):
+        env.pop(key, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TORCH_CPP_LOG_LEVEL"] = env.get("TORCH_CPP_LOG_LEVEL", "ERROR")
+    env.update(overrides)
+    return env
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the process and everything it started (it leads its own session)."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.kill(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class ProcessSet:
+    """Starts processes in their own sessions and kills each whole session at the end."""
+
+    log_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              cwd: str | Path | None = None) -> Proc:
+        log_path = self.log_dir / f"{name}.log"
+        log_file = open(log_path, "wb")
+        popen = subprocess.Popen(
+            argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env if env is not None else child_env(), cwd=cwd or REPO_ROOT,
+            start_new_session=True,
+        )
+        log_file.close()
+        proc = Proc(name, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def python(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        return self.start(name, [sys.executable, *args], env=env)
+
+    def wait_all(self, timeout: float) -> dict[str, int | None]:
+        """Wait for every process until the deadline; returns name -> exit code (None = still running)."""
+        deadline = time.monotonic() + timeout
+        codes: dict[str, int | None] = {}
+        for proc in self.procs:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                codes[proc.name] = proc.popen.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                codes[proc.name] = None
+        return codes
+
+    def dump_logs(self) -> str:
+        return "\n".join(f"===== {p.name} (pid {p.pid}, rc {p.popen.poll()}) =====\n{p.log()[-6000:]}"
+                         for p in self.procs)
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            proc.signal_group(signal.SIGKILL)
+            proc.signal(signal.SIGKILL)
+        for proc in self.procs:
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def session_alive(pgid: int) -> bool:
+    """True while any process of the session/process group still exists."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

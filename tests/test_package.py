@@ -1,0 +1,29 @@
+import subprocess
+import sys
+
+import lightning_ft
+from lightning_ft import ExitCode
+
+
+def test_exit_codes_are_distinct_and_nonzero_except_success():
+    values = [int(code) for code in ExitCode]
+    assert len(set(values)) == len(values)
+    assert ExitCode.SUCCESS == 0
+    assert all(v not in (0, 1, 2) and v < 126 for v in values if v != 0)
+
+
+def test_import_does_not_pull_in_lightning():
+    code = "import sys, lightning_ft; print('lightning' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_cli_lists_commands():
+    out = subprocess.run([sys.executable, "-m", "lightning_ft.cli", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "store" in out.stdout and "health" in out.stdout
+
+
+def test_version():
+    assert lightning_ft.__version__
