@@ -1,0 +1,585 @@
+"""Barrier rendezvous over a ``torch.distributed.Store``: the part that talks to the store.
+
+Protocol (one run, keys in :mod:`lightning_ft.rendezvous.keys`):
+
+* ``cycle`` holds the current round. A participant takes a slot of round N with an atomic
+  ``add`` on ``r{N}/arrived``, writes its :class:`Slot` (carrying N) and bumps ``r{N}/written``.
+* The first arrival coordinates the round (others take over if its beat stops). It re-reads
+  all slots with one ``multi_get`` when the counters say every slot is written, re-checks
+  the counters, and asks :func:`decide_completion`. To complete it wins ``r{N}/closed`` with
+  ``compare_set``, writes every slot's rank, then sets ``r{N}/ready``.
+* Actives of a closed round open round N+1 after a failure (``compare_set`` on ``cycle``).
+  Standby and late participants wait for that, for ``closed_for_good``, or for torch's
+  exit-barrier key of round N (the actives finished).
+
+Waits poll in short slices (signals are handled between them) at an interval that scales
+with ``max_nodes`` so the total load on the store stays bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+
+from lightning_ft.rendezvous.decisions import (
+    Action,
+    Arrival,
+    RoundTimer,
+    RoundView,
+    arrivals_of_round,
+    assign_ranks,
+    decide_completion,
+    is_extra_participant,
+    newly_dead,
+)
+from lightning_ft.rendezvous.keys import StoreKeys
+from lightning_ft.rendezvous.participant import ParticipantInfo, Slot, decode_slot, encode_slot
+from lightning_ft.rendezvous.settings import RendezvousSettings
+
+log = logging.getLogger(__name__)
+
+_SEP = "\x1f"
+
+
+class ParticipantExcludedError(RendezvousError):
+    """This participant may not take part; the job itself goes on without it."""
+
+
+class ExtraParticipantError(ParticipantExcludedError):
+    """More participants arrived than ``max_nodes``; this one has no place."""
+
+
+class UnhealthyNodeError(ParticipantExcludedError):
+    """This node failed its health check and was excluded."""
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """Where this participant stands after a round completed."""
+
+    cycle_id: int
+    #: rank among the actives, ``-1`` for standby
+    rank: int
+    #: number of actives in the round
+    world_size: int
+    slot_index: int
+    #: prefix (on the rendezvous store) for the job's own keys in this round
+    store_prefix: str
+
+    @property
+    def is_active(self) -> bool:
+        return self.rank >= 0
+
+
+class _Closed(Exception):
+    """Internal: the rendezvous was closed for good while we waited."""
+
+
+class BarrierRendezvous:
+    """One participant's side of the barrier rendezvous.
+
+    ``store`` is any ``torch.distributed.Store`` (TCPStore in production). ``is_store_host``
+    marks the process whose exit takes the store down: its :meth:`shutdown` waits (bounded)
+    for the others to acknowledge so they can read the final state first.
+    """
+
+    def __init__(self, store, settings: RendezvousSettings, participant: ParticipantInfo, *,
+                 is_store_host: bool = False, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep,
+                 heartbeat_store_factory: Callable[[], object] | None = None) -> None:
+        self.store = store
+        self.settings = settings
+        self.participant = participant
+        self.is_store_host = is_store_host
+        self.keys = StoreKeys(settings.run_id)
+        self._clock = clock
+        self._sleep = sleep
+        self._heartbeat_store_factory = heartbeat_store_factory
+        self._heartbeat_thread: threading.Thread | None = None
+        self._heartbeat_stop = threading.Event()
+        self._last_active_cycle: int | None = None
+        self._last_result: RoundResult | None = None
+        self._excluded = False
+        self._acked = False
+        self._decode_cache: dict[bytes, Slot | None] = {}
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def participant_id(self) -> str:
+        return self.participant.participant_id
+
+    @property
+    def last_result(self) -> RoundResult | None:
+        return self._last_result
+
+    def next_active_round(self) -> RoundResult:
+        """Join rounds until this participant is active in one; standby waits in between.
+
+        Raises ``RendezvousGracefulExitError`` when the job finished or the rendezvous was
+        closed for good while this participant was not needed.
+        """
+        while True:
+            result = self.join_round()
+            if result.is_active:
+                return result
+            self.wait_while_standby(result.cycle_id)
+
+    def join_round(self) -> RoundResult:
+        """Take part in the current (or, after being active, the next) round once."""
+        self._start_heartbeat()
+        while True:
+            self._raise_if_closed_for_good()
+            cycle = self._current_cycle()
+            last = self._last_result
+            if last is not None and not last.is_active and cycle <= last.cycle_id:
+                self.wait_while_standby(last.cycle_id)  # still standby: wait for a newer round
+                continue
+            if self._last_active_cycle is not None and cycle <= self._last_active_cycle:
+                cycle = self.open_next_round(self._last_active_cycle, "a participant re-joined")
+            result = self._join(cycle)
+            if result is not None:
+                self._last_result = result
+                if result.is_active:
+                    self._last_active_cycle = result.cycle_id
+                return result
+
+    def wait_while_standby(self, cycle_id: int) -> None:
+        """Wait while round ``cycle_id`` trains without us; return when a newer round opens."""
+        log.info("standby in round %d: waiting for a failure to open the next round", cycle_id)
+        exit_barrier = self.keys.exit_barrier(cycle_id)
+        poll = self.settings.poll_interval
+        while True:
+            reason = self._closed_reason()
+            if reason is not None:
+                self._graceful_exit(f"rendezvous closed for good while standby: {reason}")
+            if self.store.check([exit_barrier]):
+                self._graceful_exit(f"the active nodes of round {cycle_id} finished")
+            if self._current_cycle() > cycle_id:
+                return
+            self._sleep(poll)
+
+    def open_next_round(self, failed_cycle: int, reason: str) -> int:
+        """Open round ``failed_cycle + 1`` (idempotent; concurrent callers agree). Returns it."""
+        current = int(self.store.compare_set(self.keys.cycle, str(failed_cycle), str(failed_cycle + 1)))
+        if current == failed_cycle + 1:
+            log.info("round %d opened after round %d: %s", current, failed_cycle, reason)
+        return max(current, failed_cycle + 1)
+
+    def current_cycle(self) -> int:
+        return self._current_cycle()
+
+    def num_nodes_waiting(self) -> int:
+        """Participants in a round newer than the one this (active) participant trains in.
+
+        Spares waiting for a closed round are not counted, so they never make the actives
+        restart.
+        """
+        if self._last_active_cycle is None:
+            return 0
+        cycle = self._current_cycle()
+        if cycle <= self._last_active_cycle:
+            return 0
+        arrived = self.store.add(self.keys.arrived(cycle), 0)
+        withdrawn = self.store.add(self.keys.withdrawn(cycle), 0)
+        return max(1, arrived - withdrawn)
+
+    def is_closed(self) -> bool:
+        return self._closed_reason() is not None
+
+    def closed_reason(self) -> str | None:
+        return self._closed_reason()
+
+    def close_for_good(self, reason: str) -> str:
+        """Permanently close the rendezvous (first reason wins); returns the reason in force."""
+        current = self.store.compare_set(self.keys.closed_for_good, "", reason).decode()
+        if current == reason:
+            log.info("rendezvous %s closed for good: %s", self.settings.run_id, reason)
+        return current
+
+    def report_unhealthy(self, reasons: str) -> None:
+        """Count this node as unhealthy and lost; it will not be placed again."""
+        if self._mark_lost(self.participant_id, f"unhealthy: {reasons}"):
+            self.store.add(self.keys.unhealthy_count, 1)
+        self._excluded = True
+
+    def withdraw(self, reason: str) -> None:
+        """Leave the job for good: free our slot in an open round and count us as lost."""
+        result = self._last_result
+        if result is not None and not self.store.check([self.keys.ready(result.cycle_id)]):
+            self._withdraw_slot(result.cycle_id, result.slot_index)
+        self._mark_lost(self.participant_id, f"withdrew: {reason}")
+        self._excluded = True
+
+    def finished_round(self, cycle_id: int) -> bool:
+        """True when the actives of ``cycle_id`` passed torch's elastic exit barrier."""
+        return self.store.check([self.keys.exit_barrier(cycle_id)])
+
+    def shutdown(self, job_finished: bool, reason: str = "training finished") -> bool:
+        """Leave the rendezvous at process end.
+
+        ``job_finished``: close the rendezvous for good *first*, so that spares and late
+        readers see the final state; then acknowledge. The store host then waits until
+        every participant of the last round acknowledged (at most ``store_grace_timeout``)
+        before its process, and with it the store, goes away.
+        """
+        self._heartbeat_stop.set()
+        try:
+            if job_finished and not self._excluded:
+                self.close_for_good(reason)
+            self._acknowledge()
+            if self.is_store_host:
+                self._wait_for_acknowledgements()
+            return True
+        except (RendezvousError, RuntimeError, OSError) as exc:
+            # the store (or its host) may already be gone: nothing left to tell anyone
+            log.warning("rendezvous shutdown could not reach the store: %s", exc)
+            return False
+
+    # ----------------------------------------------------------------- joining
+
+    def _join(self, cycle: int) -> RoundResult | None:
+        keys, store = self.keys, self.store
+        index = store.add(keys.arrived(cycle), 1) - 1
+        withdrawn = store.add(keys.withdrawn(cycle), 0)
+        if is_extra_participant(index, withdrawn, self.settings.max_nodes):
+            self._write_slot(cycle, index, withdrawn=True)
+            store.add(keys.withdrawn(cycle), 1)
+            self._excluded = True
+            raise ExtraParticipantError(
+                f"participant {self.participant_id} is extra: more than max_nodes="
+                f"{self.settings.max_nodes} participants arrived in round {cycle} of run "
+                f"{self.settings.run_id!r}; check --nnodes=MIN:MAX and how many nodes were "
+                "launched. The job goes on without this node.")
+        self._write_slot(cycle, index, withdrawn=False)
+        log.debug("%s took slot %d of round %d", self.participant_id, index, cycle)
+        if index == 0:
+            store.compare_set(keys.coordinator(cycle), "", self.participant_id)
+        try:
+            return self._await_round(cycle, index)
+        except (RendezvousGracefulExitError, ParticipantExcludedError):
+            raise
+        except BaseException:
+            # signal, timeout or closed: free the slot so the round does not wait for us
+            try:
+                if not store.check([keys.ready(cycle)]):
+                    self._withdraw_slot(cycle, index)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            raise
+
+    def _write_slot(self, cycle: int, index: int, withdrawn: bool) -> None:
+        self.store.set(self.keys.slot(index), encode_slot(Slot(cycle, self.participant, withdrawn)))
+        self.store.add(self.keys.written(cycle), 1)
+
+    def _withdraw_slot(self, cycle: int, index: int) -> None:
+        self.store.set(self.keys.slot(index), encode_slot(Slot(cycle, self.participant, withdrawn=True)))
+        self.store.add(self.keys.withdrawn(cycle), 1)
+        log.info("%s withdrew from round %d", self.participant_id, cycle)
+
+    def _await_round(self, cycle: int, index: int) -> RoundResult | None:
+        keys, store, settings = self.keys, self.store, self.settings
+        deadline = self._clock() + settings.join_timeout
+        coordinator = _Coordinator(self, cycle) if index == 0 else None
+        watch = _CoordinatorWatch(self._clock())
+        poll = settings.poll_interval
+        while True:
+            if store.check([keys.ready(cycle)]):
+                return self._read_result(cycle, index)
+            reason = self._closed_reason()
+            if reason is not None:
+                raise RendezvousClosedError(
+                    f"rendezvous {settings.run_id!r} was closed for good before round {cycle} "
+                    f"completed: {reason}")
+            if self._current_cycle() > cycle:
+                # a newer round opened before this one completed: leave this one, join that
+                self._withdraw_slot(cycle, index)
+                return None
+            if coordinator is None and self._should_take_over(cycle, watch):
+                coordinator = _Coordinator(self, cycle)
+            if coordinator is not None:
+                if not coordinator.still_mine():
+                    coordinator = None
+                else:
+                    coordinator.step()
+                    if store.check([keys.ready(cycle)]):
+                        continue
+            if self._clock() > deadline:
+                arrived = store.add(keys.arrived(cycle), 0) - store.add(keys.withdrawn(cycle), 0)
+                raise RendezvousTimeoutError(
+                    f"round {cycle} of run {settings.run_id!r} did not complete within "
+                    f"join_timeout={settings.join_timeout}s: {arrived} participant(s) arrived, "
+                    f"min_nodes={settings.min_nodes}")
+            self._sleep(poll)
+
+    def _should_take_over(self, cycle: int, watch: "_CoordinatorWatch") -> bool:
+        # The coordinator bumps a beat each poll. If it stops for ``dead_after`` (it died),
+        # one waiter wins a compare_set and coordinates instead.
+        now = self._clock()
+        if now < watch.next_check:
+            return False
+        watch.next_check = now + self.settings.heartbeat_interval
+        beat = self.store.add(self.keys.coordinator_beat(cycle), 0)
+        if beat != watch.beat:
+            watch.beat, watch.since = beat, now
+            return False
+        if now - watch.since < self.settings.dead_after:
+            return False
+        holder = self._get_or_empty(self.keys.coordinator(cycle))
+        won = self.store.compare_set(self.keys.coordinator(cycle), holder, self.participant_id)
+        if won.decode() == self.participant_id:
+            log.info("%s took over coordinating round %d from %r (silent for %.1fs)",
+                     self.participant_id, cycle, holder, now - watch.since)
+            return True
+        watch.since = now
+        return False
+
+    def _read_result(self, cycle: int, index: int) -> RoundResult:
+        raw = self.store.get(self.keys.slot_rank(index)).decode() \
+            if self.store.check([self.keys.slot_rank(index)]) else ""
+        parts = raw.split(",")
+        store_prefix = self.keys.round_store_prefix(cycle)
+        if len(parts) == 3 and int(parts[0]) == cycle:
+            rank, world_size = int(parts[1]), int(parts[2])
+        else:  # our slot was not part of the decision: we arrived after the round closed
+            world_size = self.settings.min_nodes
+            rank = -1
+            log.info("%s arrived after round %d closed; waiting as standby", self.participant_id, cycle)
+        result = RoundResult(cycle, rank, world_size, index, store_prefix)
+        log.info("round %d complete: %s is %s", cycle, self.participant_id,
+                 f"active rank {rank} of {world_size}" if rank >= 0 else "standby")
+        return result
+
+    # ----------------------------------------------------------------- helpers
+
+    def _current_cycle(self) -> int:
+        # compare_set with expected "" creates the key at 0 on first use, else returns it
+        return int(self.store.compare_set(self.keys.cycle, "", "0"))
+
+    def _closed_reason(self) -> str | None:
+        if not self.store.check([self.keys.closed_for_good]):
+            return None
+        return self.store.get(self.keys.closed_for_good).decode()
+
+    def _raise_if_closed_for_good(self) -> None:
+        reason = self._closed_reason()
+        if reason is not None:
+            self._graceful_exit(f"rendezvous {self.settings.run_id!r} is closed for good: {reason}")
+
+    def _graceful_exit(self, message: str) -> None:
+        self._acknowledge()
+        log.info("%s exits gracefully: %s", self.participant_id, message)
+        raise RendezvousGracefulExitError(message)
+
+    def _get_or_empty(self, key: str) -> str:
+        return self.store.get(key).decode() if self.store.check([key]) else ""
+
+    def _mark_lost(self, participant_id: str, why: str) -> bool:
+        marker = self.keys.lost_marker(participant_id)
+        if self.store.compare_set(marker, "", why).decode() != why:
+            return False  # already counted
+        self.store.add(self.keys.lost_count, 1)
+        log.warning("participant %s lost for good: %s", participant_id, why)
+        return True
+
+    def _acknowledge(self) -> None:
+        if self._acked or self._excluded:
+            return
+        marker = f"{self.keys.prefix}/ack/{self.participant_id}"
+        if self.store.compare_set(marker, "", "1").decode() == "1":
+            self.store.add(self.keys.shutdown_acks, 1)
+        self._acked = True
+
+    def expected_acknowledgements(self) -> int:
+        """Participants of the newest round that should acknowledge shutdown."""
+        cycle = self._current_cycle()
+        return self.store.add(self.keys.arrived(cycle), 0) - self.store.add(self.keys.withdrawn(cycle), 0)
+
+    def _wait_for_acknowledgements(self) -> None:
+        expected = self.expected_acknowledgements()
+        start = self._clock()
+        deadline = start + self.settings.store_grace_timeout
+        acks = self.store.add(self.keys.shutdown_acks, 0)
+        while acks < expected and self._clock() < deadline:
+            self._sleep(0.01)
+            acks = self.store.add(self.keys.shutdown_acks, 0)
+        waited = self._clock() - start
+        if acks >= expected:
+            log.info("store host: all %d participant(s) acknowledged shutdown after %.3fs", expected, waited)
+        else:
+            log.warning("store host: %d of %d participant(s) acknowledged within store_grace_timeout="
+                        "%.1fs; letting the store go", acks, expected, self.settings.store_grace_timeout)
+
+    def _start_heartbeat(self) -> None:
+        if self._heartbeat_thread is not None:
+            return
+        store = self._heartbeat_store_factory() if self._heartbeat_store_factory else self.store
+        key = self.keys.heartbeat(self.participant_id)
+        interval = self.settings.heartbeat_interval
+        stop = self._heartbeat_stop
+
+        def beat() -> None:
+            while not stop.is_set():
+                try:
+                    store.add(key, 1)
+                except Exception as exc:  # noqa: BLE001 - store gone: stop beating quietly
+                    log.debug("heartbeat stopped: %s", exc)
+                    return
+                stop.wait(interval)
+
+        store.add(key, 1)
+        self._heartbeat_thread = threading.Thread(target=beat, name="lightning_ft-heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+
+    def stop_heartbeat(self) -> None:
+        self._heartbeat_stop.set()
+
+
+@dataclass
+class _CoordinatorWatch:
+    since: float
+    beat: int = -1
+    next_check: float = 0.0
+
+
+class _Coordinator:
+    """Decides one round: reads the slots, asks the pure decision, writes the result."""
+
+    def __init__(self, rendezvous: BarrierRendezvous, cycle: int) -> None:
+        self.rdzv = rendezvous
+        self.store = rendezvous.store
+        self.keys = rendezvous.keys
+        self.settings = rendezvous.settings
+        self.cycle = cycle
+        self.clock = rendezvous._clock
+        self.timer = RoundTimer(opened_at=self.clock())
+        self.previous_actives = self._read_previous_actives()
+        self._heartbeats_seen: dict[str, tuple[int | None, float]] = {}
+        self._dead: set[str] = set()
+        self._counts: tuple[int, int, int] | None = None
+        self._unwritten_since: float | None = None
+        self._view: RoundView | None = None
+        self._last_reason = ""
+        log.info("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,
+                 cycle, len(self.previous_actives))
+
+    def still_mine(self) -> bool:
+        holder = self.store.get(self.keys.coordinator(self.cycle)).decode() \
+            if self.store.check([self.keys.coordinator(self.cycle)]) else ""
+        return holder in ("", self.rdzv.participant_id)
+
+    def _read_previous_actives(self) -> tuple[str, ...]:
+        key = self.keys.last_actives
+        if not self.store.check([key]):
+            return ()
+        cycle, *ids = self.store.get(key).decode().split(_SEP)
+        return tuple(ids) if int(cycle) < self.cycle else ()
+
+    def _read_counts(self) -> tuple[int, int, int]:
+        store, keys, c = self.store, self.keys, self.cycle
+        return (store.add(keys.arrived(c), 0), store.add(keys.written(c), 0), store.add(keys.withdrawn(c), 0))
+
+    def _read_slots(self, arrived: int, all_written: bool) -> list[Slot | None]:
+        slot_keys = self.keys.slot_keys(arrived)
+        if all_written:
+            raw_values = self.store.multi_get(slot_keys)
+        else:
+            # Someone took a slot and never wrote it (died in between): read the slots that
+            # exist one check at a time; missing ones, and stale ones from earlier rounds, count
+            # as absent.
+            present = [k for k in slot_keys if self.store.check([k])]
+            fetched = dict(zip(present, self.store.multi_get(present))) if present else {}
+            raw_values = [fetched.get(k, b"") for k in slot_keys]
+        cache = self.rdzv._decode_cache
+        slots = []
+        for raw in raw_values:
+            slot = cache.get(raw)
+            if slot is None and raw not in cache:
+                slot = decode_slot(raw)
+                if len(cache) < 100_000:
+                    cache[raw] = slot
+            slots.append(slot)
+        return slots
+
+    def read_view(self) -> RoundView | None:
+        """Full re-read of the round; ``None`` when it must be retried (counts moved)."""
+        now = self.clock()
+        arrived, written, withdrawn = self._read_counts()
+        if written < arrived:
+            if self._unwritten_since is None:
+                self._unwritten_since = now
+            if now - self._unwritten_since < self.settings.unwritten_slot_timeout:
+                return None
+        else:
+            self._unwritten_since = None
+        slots = self._read_slots(arrived, all_written=written >= arrived)
+        if self._read_counts()[0::2] != (arrived, withdrawn):
+            return None  # someone arrived or withdrew while we read: read again
+        arrivals = arrivals_of_round(self.cycle, slots)
+        lost = self.store.add(self.keys.lost_count, 0)
+        return RoundView(self.cycle, arrivals, self.previous_actives, frozenset(self._dead), lost)
+
+    def _update_dead(self, view: RoundView) -> None:
+        arrived_ids = {a.participant_id for a in view.arrivals}
+        missing = [p for p in self.previous_actives if p not in arrived_ids and p not in self._dead]
+        if not missing:
+            return
+        hb_keys = [self.keys.heartbeat(p) for p in missing]
+        values = {}
+        for pid, key in zip(missing, hb_keys):
+            values[pid] = self.store.add(key, 0) if self.store.check([key]) else None
+        for pid in newly_dead(values, self._heartbeats_seen, self.clock(), self.settings.dead_after):
+            self._dead.add(pid)
+            self.rdzv._mark_lost(pid, f"heartbeat silent for {self.settings.dead_after:.2f}s "
+                                      f"(previous active, missing from round {self.cycle})")
+
+    def step(self) -> None:
+        self.store.add(self.keys.coordinator_beat(self.cycle), 1)
+        view = self.read_view()
+        if view is None:
+            return
+        self._update_dead(view)
+        view = RoundView(view.cycle_id, view.arrivals, view.previous_actives, frozenset(self._dead),
+                         self.store.add(self.keys.lost_count, 0))
+        now = self.clock()
+        decision = decide_completion(view, self.settings, self.timer, now)
+        if decision.reason != self._last_reason:
+            log.info("round %d: %s -> %s", self.cycle, decision.reason, decision.action.value)
+            self._last_reason = decision.reason
+        if decision.action is Action.COMPLETE:
+            self._complete(view.arrivals)
+        elif decision.action is Action.CLOSE_FOR_GOOD:
+            self.rdzv.close_for_good(decision.reason)
+
+    def _complete(self, arrivals: tuple[Arrival, ...]) -> None:
+        token = f"{self.rdzv.participant_id}"
+        if self.store.compare_set(self.keys.closed(self.cycle), "", token).decode() != token:
+            return  # another coordinator already decided this round
+        assignment = assign_ranks(arrivals, self.previous_actives, self.settings.min_nodes,
+                                  self.settings.segment)
+        world = len(assignment.active)
+        rank_keys, rank_values = [], []
+        for rank, arrival in enumerate(assignment.active):
+            rank_keys.append(self.keys.slot_rank(arrival.slot_index))
+            rank_values.append(f"{self.cycle},{rank},{world}")
+        for arrival in assignment.standby:
+            rank_keys.append(self.keys.slot_rank(arrival.slot_index))
+            rank_values.append(f"{self.cycle},-1,{world}")
+        self.store.multi_set(rank_keys, rank_values)
+        self.store.set(self.keys.last_actives,
+                       _SEP.join([str(self.cycle), *(a.participant_id for a in assignment.active)]))
+        # ready last: a reader that sees it finds every rank key above already written
+        self.store.set(self.keys.ready(self.cycle),
+                       f"{world},{len(assignment.standby)},{self.clock() - self.timer.opened_at:.4f}")
+        log.info("round %d closed: %d active, %d standby (decided in %.3fs)", self.cycle, world,
+                 len(assignment.standby), self.clock() - self.timer.opened_at)

@@ -1,0 +1,202 @@
+"""Pure decisions of the barrier rendezvous: no store, no clock, no I/O.
+
+The coordinator reads the store into a :class:`RoundView`, asks :func:`decide_completion`
+what to do, and performs the answer. Everything here is deterministic so it can be
+tested with plain values and a fake clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from lightning_ft.rendezvous.participant import ParticipantInfo, Slot
+from lightning_ft.rendezvous.settings import RendezvousSettings
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A participant that took slot ``slot_index`` in the round under decision."""
+
+    slot_index: int
+    info: ParticipantInfo
+
+    @property
+    def participant_id(self) -> str:
+        return self.info.participant_id
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What the coordinator read from the store for one round."""
+
+    cycle_id: int
+    arrivals: tuple[Arrival, ...]
+    #: participant ids of the previous round's actives, in their old rank order
+    previous_actives: tuple[str, ...] = ()
+    #: previous actives known to be dead (heartbeat silent)
+    dead_previous_actives: frozenset[str] = frozenset()
+    #: participants the job lost for good so far (unhealthy, dead, withdrawn)
+    lost_count: int = 0
+
+
+def arrivals_of_round(cycle_id: int, slots: Sequence[Slot | None]) -> tuple[Arrival, ...]:
+    """Arrivals of ``cycle_id`` from the slot values read at indexes 0..n-1.
+
+    Slots written in other rounds (stale: slot keys are never cleared), unreadable slots
+    and withdrawn participants are left out. A participant that appears twice (it took a
+    second slot after a restart) counts once, at its newest slot.
+    """
+    by_id: dict[str, Arrival] = {}
+    for index, slot in enumerate(slots):
+        if slot is None or slot.cycle_id != cycle_id or slot.withdrawn:
+            continue
+        by_id[slot.info.participant_id] = Arrival(index, slot.info)
+    return tuple(sorted(by_id.values(), key=lambda a: a.slot_index))
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Result of a round: actives in rank order, the rest standby."""
+
+    active: tuple[Arrival, ...]
+    standby: tuple[Arrival, ...]
+
+    def rank_of(self, slot_index: int) -> int:
+        for rank, arrival in enumerate(self.active):
+            if arrival.slot_index == slot_index:
+                return rank
+        return -1
+
+
+def _priority(arrival: Arrival, previous_rank: dict[str, int]) -> tuple:
+    # previous actives first (in their old rank order), then scheduler node index, then arrival
+    old = previous_rank.get(arrival.participant_id)
+    if old is not None:
+        return (0, old, 0, arrival.slot_index)
+    infra = arrival.info.infra_rank if arrival.info.infra_rank >= 0 else math.inf
+    return (1, 0, infra, arrival.slot_index)
+
+
+def assign_ranks(arrivals: Iterable[Arrival], previous_actives: Sequence[str], min_nodes: int,
+                 segment: int = 1) -> Assignment:
+    """Choose the ``min_nodes`` actives deterministically; everyone else is standby.
+
+    With ``segment > 1`` actives come in whole groups of ``segment`` participants sharing
+    a ``domain_id``; domains are taken in the order of their best member's priority.
+    Fewer than ``min_nodes`` eligible participants gives fewer actives (callers check
+    :func:`can_form_active_set` first).
+    """
+    previous_rank = {pid: rank for rank, pid in enumerate(previous_actives)}
+    ordered = sorted(arrivals, key=lambda a: _priority(a, previous_rank))
+    if segment == 1:
+        return Assignment(tuple(ordered[:min_nodes]), tuple(ordered[min_nodes:]))
+
+    domains: dict[str, list[Arrival]] = {}
+    for arrival in ordered:  # keeps each domain's members in priority order
+        domains.setdefault(arrival.info.domain_id, []).append(arrival)
+    active: list[Arrival] = []
+    for members in domains.values():  # dict order = order of each domain's best member
+        room = min_nodes - len(active)
+        if room <= 0:
+            break
+        usable = (len(members) // segment) * segment
+        active.extend(members[:min(usable, (room // segment) * segment)])
+    chosen = {a.slot_index for a in active}
+    return Assignment(tuple(active), tuple(a for a in ordered if a.slot_index not in chosen))
+
+
+def can_form_active_set(arrivals: Sequence[Arrival], min_nodes: int, segment: int = 1) -> bool:
+    if segment == 1:
+        return len(arrivals) >= min_nodes
+    per_domain: dict[str, int] = {}
+    for arrival in arrivals:
+        per_domain[arrival.info.domain_id] = per_domain.get(arrival.info.domain_id, 0) + 1
+    return sum((n // segment) * segment for n in per_domain.values()) >= min_nodes
+
+
+class Action(enum.Enum):
+    WAIT = "wait"
+    COMPLETE = "complete"
+    CLOSE_FOR_GOOD = "close_for_good"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    #: for WAIT: the time (same clock as ``now``) at which waiting alone would change the answer
+    wake_at: float | None = None
+
+
+@dataclass
+class RoundTimer:
+    """Times the coordinator tracks for one round (same clock as ``now``)."""
+
+    opened_at: float
+    min_reached_at: float | None = None
+
+
+def decide_completion(view: RoundView, settings: RendezvousSettings, timer: RoundTimer,
+                      now: float) -> Decision:
+    """Should the round complete now, keep waiting, or can it never complete?
+
+    Updates ``timer.min_reached_at`` the first time enough participants are present.
+    """
+    arrived = len(view.arrivals)
+    capacity = settings.max_nodes - view.lost_count
+    if arrived >= settings.max_nodes:
+        return Decision(Action.COMPLETE, f"all max_nodes={settings.max_nodes} arrived")
+
+    if not can_form_active_set(view.arrivals, settings.min_nodes, settings.segment):
+        timer.min_reached_at = None
+        if capacity < settings.min_nodes:
+            return Decision(
+                Action.CLOSE_FOR_GOOD,
+                f"only {max(capacity, 0)} of max_nodes={settings.max_nodes} nodes can still take "
+                f"part ({view.lost_count} lost for good: unhealthy, dead or withdrawn), fewer than "
+                f"min_nodes={settings.min_nodes}; {arrived} arrived in round {view.cycle_id}")
+        need = (f"{settings.min_nodes} in whole segments of {settings.segment}"
+                if settings.segment > 1 else str(settings.min_nodes))
+        return Decision(Action.WAIT, f"{arrived} arrived, need {need}")
+
+    if timer.min_reached_at is None:
+        timer.min_reached_at = now
+    last_call_end = timer.min_reached_at + settings.last_call_timeout
+    arrived_ids = {a.participant_id for a in view.arrivals}
+    missing = [pid for pid in view.previous_actives
+               if pid not in arrived_ids and pid not in view.dead_previous_actives]
+    grace_end = timer.opened_at + settings.previous_active_grace
+    if missing and now < grace_end:
+        return Decision(Action.WAIT,
+                        f"keeping places for {len(missing)} survivor(s) of the previous round",
+                        wake_at=grace_end)
+    if now < last_call_end:
+        return Decision(Action.WAIT, f"last call ({arrived} arrived)", wake_at=last_call_end)
+    return Decision(Action.COMPLETE, f"{arrived} arrived (min_nodes={settings.min_nodes}) and "
+                                     f"the last call ended")
+
+
+def is_extra_participant(slot_index: int, withdrawn: int, max_nodes: int) -> bool:
+    """A slot past ``max_nodes`` live arrivals belongs to a participant the job has no room for."""
+    return slot_index >= max_nodes + withdrawn
+
+
+def newly_dead(heartbeats: dict[str, int | None], last_seen: dict[str, tuple[int | None, float]],
+               now: float, dead_after: float) -> set[str]:
+    """Participants whose heartbeat counter did not move for ``dead_after``.
+
+    ``last_seen`` maps id -> (counter, time it was first seen at that value) and is
+    updated in place. A participant that never wrote a heartbeat counts as silent.
+    """
+    dead = set()
+    for pid, value in heartbeats.items():
+        previous = last_seen.get(pid)
+        if previous is None or previous[0] != value:
+            last_seen[pid] = (value, now)
+            continue
+        if now - previous[1] >= dead_after:
+            dead.add(pid)
+    return dead

@@ -1,0 +1,234 @@
+"""torch elastic ``RendezvousHandler`` for the barrier rendezvous (``--rdzv-backend=lightning_ft``).
+
+Registered under the entry-point group ``torchrun.handlers``; torch also finds it through
+``torch.distributed.elastic.rendezvous.registry.get_rendezvous_handler``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
+
+from lightning_ft.rendezvous.barrier import BarrierRendezvous, UnhealthyNodeError
+from lightning_ft.rendezvous.participant import local_participant
+from lightning_ft.rendezvous.settings import RendezvousConfigError, settings_from_config
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "lightning_ft"
+DEFAULT_PORT = 29400
+
+# --rdzv-conf keys read by the handler itself (the rest are RendezvousSettings fields)
+_HANDLER_KEYS = ("is_host", "connect_timeout", "domain_id", "infra_rank", "local_id")
+# keys torchrun adds on its own
+_TORCHRUN_KEYS = ("timeout", "rank", "read_timeout", "last_call_timeout_torch")
+
+
+def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """Split ``host[:port]``; a clear error names ``--rdzv-endpoint`` when it is malformed."""
+    if not endpoint or not endpoint.strip():
+        raise RendezvousConfigError("rendezvous endpoint is empty; pass --rdzv-endpoint=HOST:PORT")
+    host, sep, port_text = endpoint.strip().rpartition(":")
+    if not sep:
+        host, port_text = endpoint.strip(), str(default_port)
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r}: port {port_text!r} is not a number "
+                                    "(--rdzv-endpoint=HOST:PORT)") from None
+    if not 0 < port < 65536 or not host:
+        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r} needs a host and a port in "
+                                    "1..65535 (--rdzv-endpoint=HOST:PORT)")
+    return host, port
+
+
+def _parse_is_host(raw: Any) -> bool | None:
+    if raw is None or raw == "":
+        return None
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    raise RendezvousConfigError(f"is_host must be true or false, got {raw!r}")
+
+
+def connect_store(host: str, port: int, is_host: bool | None, connect_timeout: float,
+                  op_timeout: float = 300.0) -> tuple[dist.Store, bool]:
+    """Host the TCPStore at the endpoint, or connect to whoever hosts it.
+
+    ``is_host=None`` (the default) hosts when the port can be bound here and connects
+    otherwise, like torch's c10d backend: the first agent to bind the endpoint hosts.
+    Returns the store and whether this process hosts it.
+    """
+    timeout = datetime.timedelta(seconds=op_timeout)
+    if is_host is not False:
+        try:
+            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                                  multi_tenant=True)
+            log.info("hosting the rendezvous store at %s:%d", host, port)
+            return store, True
+        except (RuntimeError, OSError) as exc:
+            if is_host:
+                raise RendezvousConnectionError(
+                    f"is_host=true but the rendezvous store cannot listen on {host}:{port}: {exc}") from exc
+            log.debug("not hosting the store at %s:%d (%s); connecting as a client", host, port, exc)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=connect_timeout))
+    except (RuntimeError, OSError) as exc:
+        raise RendezvousConnectionError(
+            f"cannot reach the rendezvous store at {host}:{port} within connect_timeout={connect_timeout}s "
+            f"(--rdzv-endpoint); is the store host running? ({exc})") from exc
+    store.set_timeout(timeout)
+    return store, False
+
+
+class LightningFTRendezvousHandler(RendezvousHandler):
+    """Adapts :class:`BarrierRendezvous` to torch's elastic agent.
+
+    Standby nodes stay inside :meth:`next_rendezvous` until a failure needs them; they leave
+    with ``RendezvousGracefulExitError`` when the job finished or closed for good.
+    """
+
+    def __init__(self, rendezvous: BarrierRendezvous, local_addr: str | None = None,
+                 health_check: Callable[[], tuple[bool, str]] | None = None) -> None:
+        self._rdzv = rendezvous
+        self._local_addr = local_addr
+        self._health_check = health_check
+        self._shut_down = False
+
+    @property
+    def rendezvous(self) -> BarrierRendezvous:
+        return self._rdzv
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        # Workers get their own store on rank 0 of each round, so a restarted worker group
+        # never meets keys of the previous one.
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._health_check is not None:
+            healthy, reasons = self._health_check()
+            if not healthy:
+                self._rdzv.report_unhealthy(reasons)
+                raise UnhealthyNodeError(
+                    f"node {self._rdzv.participant_id} failed its health check and is excluded: {reasons}")
+        result = self._rdzv.next_active_round()
+        round_store = dist.PrefixStore(result.store_prefix, self._rdzv.store)
+        bootstrap = RendezvousStoreInfo.build(result.rank, round_store, local_addr=self._local_addr)
+        return RendezvousInfo(round_store, result.rank, result.world_size, bootstrap)
+
+    def is_closed(self) -> bool:
+        return self._rdzv.is_closed()
+
+    def set_closed(self) -> None:
+        self._rdzv.close_for_good("closed by set_closed()")
+
+    def num_nodes_waiting(self) -> int:
+        return self._rdzv.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._rdzv.settings.run_id
+
+    def shutdown(self) -> bool:
+        """Called by torch's launcher when the agent ends (not after a death signal).
+
+        If this node's workers finished and passed the exit barrier, the job is done: close
+        the rendezvous for good (so spares exit) and acknowledge. If this node failed, it
+        leaves the job and the others re-form without it.
+        """
+        if self._shut_down:
+            return True
+        self._shut_down = True
+        result = self._rdzv.last_result
+        try:
+            finished = result is not None and result.is_active and self._rdzv.finished_round(result.cycle_id)
+            if result is not None and result.is_active and not finished and not self._rdzv.is_closed():
+                self._rdzv.withdraw("its workers failed and it gave up (restarts exhausted or error)")
+                if self._rdzv.is_store_host:
+                    log.warning("the store host is leaving; the other nodes lose the rendezvous store "
+                                "(run `lightning-ft store` for a store that outlives every node)")
+        except (RuntimeError, OSError) as exc:
+            log.warning("rendezvous shutdown could not reach the store: %s", exc)
+            return False
+        return self._rdzv.shutdown(job_finished=finished)
+
+
+def _pop(config: dict[str, Any], key: str, default: Any = None) -> Any:
+    return config.pop(key, default)
+
+
+def create_handler(params: RendezvousParameters) -> LightningFTRendezvousHandler:
+    """Build the handler from torch's ``RendezvousParameters`` (``--rdzv-conf`` keys as config)."""
+    config = dict(params.config)
+    for key in _TORCHRUN_KEYS:
+        value = config.pop(key, None)
+        if key == "timeout" and value is not None and "join_timeout" not in config:
+            config["join_timeout"] = value
+    is_host = _parse_is_host(_pop(config, "is_host"))
+    connect_timeout = float(_pop(config, "connect_timeout", 60.0))
+    if not connect_timeout > 0:
+        raise RendezvousConfigError(f"connect_timeout must be a positive number of seconds, got {connect_timeout}")
+    domain_id = _pop(config, "domain_id")
+    infra_rank = _pop(config, "infra_rank")
+    local_id = int(_pop(config, "local_id", 0))
+    settings = settings_from_config(params.run_id, params.min_nodes, params.max_nodes, config)
+    host, port = parse_endpoint(params.endpoint)
+    store, hosting = connect_store(host, port, is_host, connect_timeout)
+    participant = local_participant(local_id=local_id, domain_id=domain_id,
+                                    infra_rank=None if infra_rank is None else int(infra_rank),
+                                    addr=params.local_addr)
+    rendezvous = BarrierRendezvous(store, settings, participant, is_store_host=hosting,
+                                   heartbeat_store_factory=store.clone)
+    health_check = _node_health_check() if settings.health_check else None
+    log.info("lightning_ft rendezvous: run %s, nodes %d:%d, endpoint %s:%d, %s, participant %s",
+             settings.run_id, settings.min_nodes, settings.max_nodes, host, port,
+             "store host" if hosting else "store client", participant.participant_id)
+    return LightningFTRendezvousHandler(rendezvous, params.local_addr, health_check)
+
+
+def _node_health_check() -> Callable[[], tuple[bool, str]]:
+    from lightning_ft.health import NodeHealthCheck  # imported only when asked for
+
+    check = NodeHealthCheck()
+
+    def run() -> tuple[bool, str]:
+        report = check.run()
+        return report.healthy, "; ".join(f"{r.name}: {r.reason}" for r in report.results if not r.healthy)
+
+    return run
+
+
+def torchrun_handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """Entry point for ``torchrun.handlers``: torch calls it and registers what it returns."""
+    return create_handler
+
+
+__all__ = [
+    "BACKEND_NAME",
+    "LightningFTRendezvousHandler",
+    "RendezvousClosedError",
+    "RendezvousGracefulExitError",
+    "connect_store",
+    "create_handler",
+    "parse_endpoint",
+    "torchrun_handler_creator",
+]

@@ -1,0 +1,162 @@
+"""Pure decision logic of the barrier rendezvous (no store, fake times)."""
+
+import pytest
+
+from lightning_ft.rendezvous.decisions import (
+    Action,
+    Arrival,
+    RoundTimer,
+    RoundView,
+    arrivals_of_round,
+    assign_ranks,
+    can_form_active_set,
+    decide_completion,
+    is_extra_participant,
+    newly_dead,
+)
+from lightning_ft.rendezvous.participant import ParticipantInfo, Slot, decode_slot, encode_slot
+from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousSettings, settings_from_config
+
+
+def info(n, infra=-1, domain="none"):
+    return ParticipantInfo(addr=f"node{n}", pid=1000 + n, local_id=0, infra_rank=infra, domain_id=domain)
+
+
+def arrival(slot, n, **kw):
+    return Arrival(slot, info(n, **kw))
+
+
+def settings(**kw):
+    base = dict(run_id="job", min_nodes=2, max_nodes=3, last_call_timeout=1.0, previous_active_grace=5.0)
+    base.update(kw)
+    return RendezvousSettings(**base)
+
+
+def test_slot_round_trip_and_garbage():
+    slot = Slot(7, info(3, infra=5, domain="rack-a"), withdrawn=True)
+    assert decode_slot(encode_slot(slot)) == slot
+    assert decode_slot(b"") is None
+    assert decode_slot(b"not a slot") is None
+    assert decode_slot(b"\xff\xfe") is None
+
+
+def test_stale_and_withdrawn_slots_are_ignored():
+    slots = [Slot(1, info(0)), Slot(0, info(1)), None, Slot(1, info(3), withdrawn=True), Slot(1, info(4))]
+    arrivals = arrivals_of_round(1, slots)
+    assert [a.slot_index for a in arrivals] == [0, 4]
+
+
+def test_duplicate_participant_counts_once_at_newest_slot():
+    slots = [Slot(2, info(0)), Slot(2, info(1)), Slot(2, info(0))]
+    assert [a.slot_index for a in arrivals_of_round(2, slots)] == [1, 2]
+
+
+def test_assignment_previous_actives_first_then_infra_rank_then_arrival():
+    arrivals = [arrival(0, 0), arrival(1, 1, infra=9), arrival(2, 2, infra=1), arrival(3, 3)]
+    previous = (info(3).participant_id,)
+    result = assign_ranks(arrivals, previous, min_nodes=3)
+    assert [a.slot_index for a in result.active] == [3, 2, 1]
+    assert [a.slot_index for a in result.standby] == [0]
+    assert result.rank_of(3) == 0 and result.rank_of(0) == -1
+
+
+def test_previous_actives_keep_their_old_order():
+    arrivals = [arrival(0, 5), arrival(1, 6), arrival(2, 7)]
+    previous = (info(7).participant_id, info(5).participant_id)
+    result = assign_ranks(arrivals, previous, min_nodes=2)
+    assert [a.info.addr for a in result.active] == ["node7", "node5"]
+
+
+def test_segments_keep_domains_whole():
+    arrivals = [arrival(0, 0, domain="a"), arrival(1, 1, domain="b"), arrival(2, 2, domain="b"),
+                arrival(3, 3, domain="a"), arrival(4, 4, domain="c")]
+    result = assign_ranks(arrivals, (), min_nodes=4, segment=2)
+    assert {a.info.domain_id for a in result.active[:2]} == {"a"}
+    assert {a.info.domain_id for a in result.active[2:]} == {"b"}
+    assert [a.info.domain_id for a in result.standby] == ["c"]
+    assert not can_form_active_set(arrivals[:3] + arrivals[4:], 4, segment=2)
+    assert can_form_active_set(arrivals, 4, segment=2)
+
+
+def test_complete_immediately_at_max_nodes():
+    view = RoundView(0, tuple(arrival(i, i) for i in range(3)))
+    decision = decide_completion(view, settings(), RoundTimer(opened_at=0.0), now=0.0)
+    assert decision.action is Action.COMPLETE
+
+
+def test_last_call_after_min_nodes():
+    timer = RoundTimer(opened_at=0.0)
+    view = RoundView(0, (arrival(0, 0), arrival(1, 1)))
+    assert decide_completion(view, settings(), timer, now=0.2).action is Action.WAIT
+    assert timer.min_reached_at == 0.2
+    assert decide_completion(view, settings(), timer, now=1.1).action is Action.WAIT
+    assert decide_completion(view, settings(), timer, now=1.2).action is Action.COMPLETE
+
+
+def test_previous_active_grace_holds_places_unless_dead():
+    previous = (info(0).participant_id, info(1).participant_id)
+    view = RoundView(1, (arrival(0, 1), arrival(1, 9)), previous_actives=previous)
+    timer = RoundTimer(opened_at=0.0)
+    decision = decide_completion(view, settings(), timer, now=2.0)
+    assert decision.action is Action.WAIT and "survivor" in decision.reason
+    assert decide_completion(view, settings(), timer, now=5.0).action is Action.COMPLETE
+    dead_view = RoundView(1, view.arrivals, previous, dead_previous_actives=frozenset({previous[0]}))
+    assert decide_completion(dead_view, settings(), RoundTimer(0.0, min_reached_at=0.0), now=1.5).action \
+        is Action.COMPLETE
+
+
+def test_close_for_good_when_too_few_can_ever_arrive():
+    view = RoundView(3, (arrival(0, 0),), lost_count=2)
+    decision = decide_completion(view, settings(), RoundTimer(opened_at=0.0), now=0.0)
+    assert decision.action is Action.CLOSE_FOR_GOOD
+    assert "min_nodes=2" in decision.reason and "2 lost" in decision.reason
+    still_possible = RoundView(3, (arrival(0, 0),), lost_count=1)
+    assert decide_completion(still_possible, settings(), RoundTimer(0.0), 0.0).action is Action.WAIT
+
+
+def test_extra_participant_rule():
+    assert not is_extra_participant(2, withdrawn=0, max_nodes=3)
+    assert is_extra_participant(3, withdrawn=0, max_nodes=3)
+    assert not is_extra_participant(3, withdrawn=1, max_nodes=3)
+
+
+def test_newly_dead_needs_a_silent_heartbeat_for_dead_after():
+    seen = {}
+    assert newly_dead({"a": 1, "b": None}, seen, now=0.0, dead_after=1.0) == set()
+    assert newly_dead({"a": 2, "b": None}, seen, now=0.9, dead_after=1.0) == set()
+    assert newly_dead({"a": 2, "b": None}, seen, now=1.0, dead_after=1.0) == {"b"}
+    assert newly_dead({"a": 2, "b": None}, seen, now=2.0, dead_after=1.0) == {"a", "b"}
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(min_nodes=3, max_nodes=2), "min_nodes (3) must not exceed max_nodes (2)"),
+    (dict(min_nodes=0), "min_nodes must be a positive integer"),
+    (dict(max_nodes=-1), "max_nodes must be a positive integer"),
+    (dict(last_call_timeout=0), "last_call_timeout must be a positive number"),
+    (dict(join_timeout=-5), "join_timeout must be a positive number"),
+    (dict(store_grace_timeout=0.0), "store_grace_timeout"),
+    (dict(run_id=""), "run_id"),
+    (dict(min_nodes=3, max_nodes=4, segment=2), "multiple of segment"),
+])
+def test_bad_settings_name_the_setting(kwargs, needle):
+    with pytest.raises(RendezvousConfigError, match=None) as err:
+        settings(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_settings_from_rdzv_conf():
+    parsed = settings_from_config("j", 2, 3, {"last_call_timeout": "0.25", "segment": "1",
+                                              "health_check": "true"})
+    assert parsed.last_call_timeout == 0.25 and parsed.health_check is True
+    with pytest.raises(RendezvousConfigError, match="unknown rendezvous option 'last_cal_timeout'"):
+        settings_from_config("j", 2, 3, {"last_cal_timeout": "1"})
+    with pytest.raises(RendezvousConfigError, match="join_timeout must be a float"):
+        settings_from_config("j", 2, 3, {"join_timeout": "soon"})
+
+
+def test_poll_interval_scales_to_bound_store_load():
+    small, large = settings(max_nodes=8), settings(min_nodes=2, max_nodes=10_000)
+    assert small.poll_interval == pytest.approx(0.01)
+    assert large.poll_interval == pytest.approx(0.5)
+    # total requests per second from all waiters stays bounded
+    assert large.max_nodes / large.poll_interval <= 20_000

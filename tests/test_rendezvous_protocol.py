@@ -1,0 +1,307 @@
+"""Barrier rendezvous protocol: participants are threads, each with its own client of a real TCPStore."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+
+from lightning_ft.rendezvous import (
+    BarrierRendezvous,
+    ExtraParticipantError,
+    ParticipantInfo,
+    RendezvousSettings,
+)
+from lightning_ft.rendezvous.keys import StoreKeys
+from lightning_ft.rendezvous.participant import Slot, encode_slot
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def client(server) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                         timeout=datetime.timedelta(seconds=20))
+
+
+def make(server, n, run_id="job", infra=-1, domain="none", store=None, **kw) -> BarrierRendezvous:
+    base = dict(run_id=run_id, min_nodes=2, max_nodes=3, last_call_timeout=0.2,
+                previous_active_grace=3.0, heartbeat_interval=0.05, join_timeout=20.0)
+    base.update(kw)
+    info = ParticipantInfo(addr=f"node{n}", pid=10_000 + n, local_id=0, infra_rank=infra, domain_id=domain)
+    # one client per participant; its heartbeat thread shares it (TCPStore clients are
+    # thread-safe), because torch's TCPStore server stalls ~5 s on every ~25th new connection
+    return BarrierRendezvous(store or client(server), RendezvousSettings(**base), info)
+
+
+def clients(server, n):
+    with ThreadPoolExecutor(max_workers=min(n, 32)) as pool:  # overlaps the connection stalls
+        return list(pool.map(lambda _: client(server), range(n)))
+
+
+def join_all(rdzvs, method="join_round"):
+    with ThreadPoolExecutor(max_workers=len(rdzvs)) as pool:
+        futures = [pool.submit(getattr(r, method)) for r in rdzvs]
+        return [f.result(timeout=30) for f in futures]
+
+
+def stop(rdzvs):
+    for r in rdzvs:
+        r.stop_heartbeat()
+
+
+def test_64_participants_split_into_actives_and_standby(tcp_store):
+    stores = clients(tcp_store, 64)
+    rdzvs = [make(tcp_store, i, infra=63 - i, min_nodes=48, max_nodes=64, store=stores[i]) for i in range(64)]
+    try:
+        results = join_all(rdzvs)
+    finally:
+        stop(rdzvs)
+    active = [(r.rank, rd.participant.infra_rank) for r, rd in zip(results, rdzvs) if r.is_active]
+    standby = [rd.participant.infra_rank for r, rd in zip(results, rdzvs) if not r.is_active]
+    assert sorted(rank for rank, _ in active) == list(range(48))
+    # deterministic: lowest scheduler node index first
+    assert sorted(active) == [(rank, rank) for rank in range(48)]
+    assert sorted(standby) == list(range(48, 64))
+    assert {r.world_size for r in results} == {48}
+    assert len({r.cycle_id for r in results}) == 1
+
+
+def test_round_completes_at_min_nodes_after_last_call(tcp_store):
+    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=4) for i in range(2)]
+    try:
+        results = join_all(rdzvs)
+    finally:
+        stop(rdzvs)
+    assert sorted(r.rank for r in results) == [0, 1]
+
+
+def test_stale_slots_from_an_earlier_cycle_are_ignored(tcp_store):
+    keys = StoreKeys("job")
+    # A participant of round 0 that took a slot and died before writing it leaves whatever
+    # the slot held before: here a slot of a much older run state (cycle 7 > current is
+    # impossible, so use a stale cycle of -1) for slot index 2.
+    ghost = ParticipantInfo(addr="ghost", pid=1, local_id=0)
+    tcp_store.set(keys.slot(2), encode_slot(Slot(-1, ghost)))
+    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3, unwritten_slot_timeout=0.3) for i in range(2)]
+    try:
+        tcp_store.add(keys.arrived(0), 1)  # the ghost's slot: taken at index 0, never written
+        results = join_all(rdzvs)
+    finally:
+        stop(rdzvs)
+    assert sorted(r.slot_index for r in results) == [1, 2]
+    assert sorted(r.rank for r in results) == [0, 1]
+
+
+def test_rounds_reuse_slots_and_ignore_previous_cycle(tcp_store):
+    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(3)]
+    try:
+        first = join_all(rdzvs)
+        actives = [rd for rd, r in zip(rdzvs, first) if r.is_active]
+        # a failure: both actives re-join; slot 2 still holds round 0's standby
+        second = join_all(actives)
+    finally:
+        stop(rdzvs)
+    assert {r.cycle_id for r in second} == {1}
+    assert sorted(r.rank for r in second) == [0, 1]
+    # previous actives keep their ranks
+    assert [r.rank for r in first if r.is_active] == [r.rank for r in second]
+
+
+def test_close_for_good_releases_waiting_spares(tcp_store):
+    rdzvs = [make(tcp_store, i) for i in range(3)]
+    try:
+        results = join_all(rdzvs)
+        spare = next(rd for rd, r in zip(rdzvs, results) if not r.is_active)
+        errors = []
+
+        def wait():
+            try:
+                spare.next_active_round()
+            except RendezvousGracefulExitError as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(0.2)
+        rdzvs[0].close_for_good("training finished")
+        thread.join(timeout=10)
+    finally:
+        stop(rdzvs)
+    assert not thread.is_alive()
+    assert errors and "closed for good" in str(errors[0])
+
+
+def test_exit_barrier_key_releases_standby(tcp_store):
+    rdzvs = [make(tcp_store, i) for i in range(3)]
+    try:
+        results = join_all(rdzvs)
+        spare = next(rd for rd, r in zip(rdzvs, results) if not r.is_active)
+        cycle = results[0].cycle_id
+        # what torch's agent writes after its exit barrier, through the round's store
+        round_store = dist.PrefixStore(results[0].store_prefix, tcp_store)
+        round_store.set("torchelastic/agent/terminal_state/last_member", "x")
+        with pytest.raises(RendezvousGracefulExitError, match="finished"):
+            spare.wait_while_standby(cycle)
+    finally:
+        stop(rdzvs)
+
+
+def test_spare_steps_in_when_failure_opens_next_round(tcp_store):
+    rdzvs = [make(tcp_store, i, infra=i, previous_active_grace=0.5) for i in range(3)]
+    try:
+        first = join_all(rdzvs)
+        survivor = rdzvs[1]
+        spare = rdzvs[2]
+        assert not first[2].is_active
+        rdzvs[0].stop_heartbeat()  # node 0 "dies"
+        second = join_all([survivor, spare], method="next_active_round")
+    finally:
+        stop(rdzvs)
+    assert [r.rank for r in second] == [1, 0] or [r.rank for r in second] == [0, 1]
+    assert second[0].rank == 0  # survivor keeps the first place (previous active)
+    assert second[1].is_active
+
+
+def test_previous_active_keeps_place_over_faster_spare(tcp_store):
+    rdzvs = [make(tcp_store, i, infra=i, previous_active_grace=5.0) for i in range(3)]
+    try:
+        first = join_all(rdzvs)
+        assert [r.is_active for r in first] == [True, True, False]
+        results = {}
+
+        def run(i, delay):
+            time.sleep(delay)
+            results[i] = rdzvs[i].join_round()
+
+        rdzvs[1].open_next_round(first[1].cycle_id, "test failure")
+        threads = [threading.Thread(target=run, args=(2, 0.0)), threading.Thread(target=run, args=(1, 0.0)),
+                   threading.Thread(target=run, args=(0, 1.0))]  # slow survivor, alive (heartbeat)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+    finally:
+        stop(rdzvs)
+    assert results[0].rank == 0 and results[1].rank == 1
+    assert not results[2].is_active
+
+
+def test_withdrawal_frees_the_place(tcp_store):
+    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=2, join_timeout=0.5) for i in range(2)]
+    try:
+        with pytest.raises(RendezvousTimeoutError, match="did not complete within join_timeout"):
+            rdzvs[0].join_round()  # alone: times out and withdraws its slot
+        keys = StoreKeys("job")
+        assert tcp_store.add(keys.withdrawn(0), 0) == 1
+        rdzvs[0].settings = rdzvs[0].settings.replace(join_timeout=20.0)
+        rdzvs[0]._excluded = False
+        results = join_all(rdzvs)  # the withdrawn slot does not count; the round completes
+    finally:
+        stop(rdzvs)
+    assert sorted(r.rank for r in results) == [0, 1]
+
+
+def test_unhealthy_nodes_close_the_rendezvous_when_min_cannot_be_met(tcp_store):
+    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(3)]
+    try:
+        rdzvs[1].report_unhealthy("gpu 0 lost")
+        rdzvs[2].report_unhealthy("disk full")
+        assert tcp_store.add(StoreKeys("job").unhealthy_count, 0) == 2
+        with pytest.raises(RendezvousClosedError, match="fewer than min_nodes=2"):
+            rdzvs[0].join_round()
+        assert "2 lost for good" in rdzvs[0].closed_reason()
+    finally:
+        stop(rdzvs)
+
+
+def test_extra_participant_gets_clear_error_and_job_goes_on(tcp_store):
+    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(4)]
+    try:
+        results = join_all(rdzvs[:3])
+        with pytest.raises(ExtraParticipantError, match="more than max_nodes=3"):
+            rdzvs[3].join_round()
+        assert not rdzvs[0].is_closed()
+    finally:
+        stop(rdzvs)
+    assert sorted(r.rank for r in results) == [-1, 0, 1]
+
+
+def test_coordinator_takeover_when_first_arrival_dies(tcp_store):
+    keys = StoreKeys("job")
+    # the first arrival took slot 0, wrote it, claimed coordination, then died
+    dead = ParticipantInfo(addr="dead", pid=2, local_id=0)
+    tcp_store.add(keys.arrived(0), 1)
+    tcp_store.set(keys.slot(0), encode_slot(Slot(0, dead)))
+    tcp_store.add(keys.written(0), 1)
+    tcp_store.compare_set(keys.coordinator(0), "", dead.participant_id)
+    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(2)]
+    try:
+        results = join_all(rdzvs)
+    finally:
+        stop(rdzvs)
+    # the dead one arrived first, so it gets a place too; what matters: the round completed
+    assert len(results) == 2 and all(r.cycle_id == 0 for r in results)
+
+
+def test_shutdown_closes_first_then_host_waits_for_acknowledgements(tcp_store):
+    rdzvs = [make(tcp_store, i, store_grace_timeout=10.0) for i in range(3)]
+    rdzvs[0].is_store_host = True
+    try:
+        results = join_all(rdzvs)
+        spare = next(rd for rd, r in zip(rdzvs, results) if not r.is_active)
+        other_active = next(rd for rd, r in zip(rdzvs, results) if r.is_active and rd is not rdzvs[0])
+        spare_done = threading.Event()
+
+        def spare_waits():
+            try:
+                spare.wait_while_standby(results[0].cycle_id)
+            except RendezvousGracefulExitError:
+                spare_done.set()
+
+        threading.Thread(target=spare_waits, daemon=True).start()
+        host_done = threading.Event()
+        start = time.monotonic()
+        threading.Thread(target=lambda: (rdzvs[0].shutdown(job_finished=True), host_done.set()),
+                         daemon=True).start()
+        assert spare_done.wait(5)  # the close came first, the spare saw it
+        assert not host_done.wait(0.3)  # still waiting for the other active
+        other_active.shutdown(job_finished=True)
+        assert host_done.wait(5)
+        elapsed = time.monotonic() - start
+    finally:
+        stop(rdzvs)
+    assert elapsed < 10.0  # ended on acknowledgements, not on the grace timeout
+    assert rdzvs[0].closed_reason() == "training finished"
+
+
+def test_shutdown_grace_is_bounded(tcp_store):
+    rdzvs = [make(tcp_store, i, store_grace_timeout=0.3) for i in range(2)]
+    rdzvs[0].is_store_host = True
+    try:
+        join_all(rdzvs)
+        start = time.monotonic()
+        assert rdzvs[0].shutdown(job_finished=True)  # the other never acknowledges
+        assert time.monotonic() - start < 5
+    finally:
+        stop(rdzvs)
+
+
+def test_num_nodes_waiting_ignores_spares(tcp_store):
+    rdzvs = [make(tcp_store, i) for i in range(3)]
+    try:
+        results = join_all(rdzvs)
+        active = next(rd for rd, r in zip(rdzvs, results) if r.is_active)
+        assert active.num_nodes_waiting() == 0
+        active.open_next_round(results[0].cycle_id, "test")
+        assert active.num_nodes_waiting() >= 1
+    finally:
+        stop(rdzvs)
