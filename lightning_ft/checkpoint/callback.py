@@ -1,0 +1,218 @@
+"""``EmergencyCheckpoint``: periodic and on-demand in-memory snapshots, plus auto-resume."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due, steps_between_snapshots
+from lightning_ft.checkpoint.resume import agree_resume_step
+from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore, ensure_writable_root, resolve_root, resolve_run_id
+
+log = logging.getLogger(__name__)
+
+_EMA = 0.3  # weight of the newest step-time sample
+
+
+def _positive(name: str, value: Any, kind: type) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        raise ValueError(f"{name} must be a positive {kind.__name__} or None, got {value!r}")
+
+
+class EmergencyCheckpoint(pl.Callback):
+    """Snapshots the full Lightning checkpoint of each rank into host shared memory.
+
+    * periodically at step boundaries (``every_n_steps`` and/or ``every_n_seconds``), so a
+      ``kill -9`` loses at most that window;
+    * on demand via ``save_now()`` (the SIGTERM path: synchronous, this rank only, no collectives);
+    * on ``fit()``, with ``auto_resume``, restores the newest snapshot all ranks can read when it
+      is newer than whatever ``ckpt_path`` the user passed (none, a path, ``"last"``).
+
+    Args:
+        every_n_steps: snapshot when ``global_step % every_n_steps == 0``.
+        every_n_seconds: snapshot about every so many seconds. The interval is converted to a
+            power-of-two number of steps from this rank's measured step time, so ranks pick
+            common steps without talking to each other.
+        keep_last: snapshots kept per rank (>= 1). With >= 2 the oldest file is overwritten in
+            place by the next snapshot, which is ~3x faster than a fresh tmpfs file.
+        root: snapshot root (default ``$LIGHTNING_FT_SNAPSHOT_DIR`` or ``/dev/shm/lightning_ft``).
+        run_id: scope (default LIGHTNING_FT_RUN_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID / "default").
+        auto_resume: restore on ``fit()`` without a ``ckpt_path``.
+
+    Supported strategies: single device and DDP (replicated state). Not a ``Checkpoint``
+    subclass, so it works with ``enable_checkpointing=False``.
+    """
+
+    def __init__(self, every_n_steps: int | None = None, every_n_seconds: float | None = None,
+                 keep_last: int = 2, root: str | None = None, run_id: str | None = None,
+                 auto_resume: bool = True) -> None:
+        _positive("every_n_steps", every_n_steps, int)
+        if every_n_seconds is not None and isinstance(every_n_seconds, int) and not isinstance(every_n_seconds, bool):
+            every_n_seconds = float(every_n_seconds)
+        _positive("every_n_seconds", every_n_seconds, float)
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+        if not isinstance(auto_resume, bool):
+            raise ValueError(f"auto_resume must be a bool, got {auto_resume!r}")
+        self.every_n_steps = every_n_steps
+        self.every_n_seconds = every_n_seconds
+        self.keep_last = keep_last
+        self.root = resolve_root(root)
+        ensure_writable_root(self.root)
+        self.run_id = resolve_run_id(run_id)
+        self.auto_resume = auto_resume
+        self._store: SnapshotStore | None = None
+        self._durations: deque[float] = deque(maxlen=5)
+        self._last_saved_step: int | None = None
+        self._last_snapshot: SnapshotInfo | None = None
+        self._clock: tuple[float, int] | None = None  # (time, global_step) at the last step change
+        self._seconds_per_step: float | None = None
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def store(self) -> SnapshotStore | None:
+        """This rank's store (created at ``setup``)."""
+        return self._store
+
+    @property
+    def last_snapshot(self) -> SnapshotInfo | None:
+        """The snapshot this callback wrote most recently."""
+        return self._last_snapshot
+
+    def save_now(self, trainer: pl.Trainer, reason: str) -> SnapshotInfo:
+        """Synchronously snapshot this rank's full checkpoint at the current global step.
+
+        No collectives and no barrier, so it is safe when peers are gone or stopping. Call at
+        a step boundary (e.g. from a callback hook), not from inside a signal handler.
+        """
+        start = time.perf_counter()
+        store = self._get_store(trainer)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        step = trainer.global_step
+        info = store.save(checkpoint, step, reason=reason)
+        seconds = time.perf_counter() - start
+        self._durations.append(seconds)
+        self._last_saved_step = step
+        self._last_snapshot = info
+        log.info("rank %d: %s snapshot at step %d committed in %.3f s (%.1f MiB)",
+                 store.rank, reason, step, seconds, info.nbytes / 2**20)
+        return info
+
+    def estimated_save_seconds(self) -> float | None:
+        """Slowest of the last few ``save_now`` durations (conservative for budget decisions);
+        None before the first snapshot."""
+        return max(self._durations) if self._durations else None
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._get_store(trainer)
+        if not self._replicated(trainer):
+            log.warning("EmergencyCheckpoint supports single-device and DDP strategies; with %s each rank's "
+                        "snapshot holds only what dump_checkpoint returns on that rank and auto-resume is off",
+                        type(trainer.strategy).__name__)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.auto_resume:
+            self._auto_resume(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Snapshots past the step we (re)started from belong to an abandoned history; leaving
+        # them would make the next restart jump onto it.
+        self._get_store(trainer).discard_newer_than(trainer.global_step)
+        for optimizer in trainer.optimizers:
+            if hasattr(getattr(optimizer, "_optimizer", optimizer), "consolidate_state_dict"):
+                log.warning("sharded optimizer %s: dump_checkpoint runs a collective; save_now() is not "
+                            "collective-free with it", type(optimizer).__name__)
+        self._clock = (time.perf_counter(), trainer.global_step)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        now = time.perf_counter()
+        if self._clock is not None and step > self._clock[1]:
+            sample = (now - self._clock[0]) / (step - self._clock[1])
+            prev = self._seconds_per_step
+            self._seconds_per_step = sample if prev is None else _EMA * sample + (1 - _EMA) * prev
+        interval = None
+        if self.every_n_seconds is not None and self._seconds_per_step is not None:
+            interval = steps_between_snapshots(self.every_n_seconds, self._seconds_per_step)
+        if snapshot_due(step, self._last_saved_step, self.every_n_steps, interval):
+            try:
+                self.save_now(trainer, reason="periodic")
+            except Exception:
+                # A failed periodic snapshot (e.g. shm full) must not kill training; the next
+                # one may succeed and the error is visible in the log.
+                log.exception("rank %d: periodic snapshot at step %d failed", trainer.global_rank, step)
+        if self._clock is None or step != self._clock[1]:
+            # measured after our own save so the snapshot time is not counted as step time
+            self._clock = (time.perf_counter(), step)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._store is not None:
+            self._store.close()
+
+    # ------------------------------------------------------------------ internals
+    def _get_store(self, trainer: pl.Trainer) -> SnapshotStore:
+        rank = trainer.global_rank
+        if self._store is None or self._store.rank != rank:
+            if self._store is not None:
+                self._store.close()
+            self._store = SnapshotStore(self.root, self.run_id, rank, self.keep_last)
+        return self._store
+
+    @staticmethod
+    def _replicated(trainer: pl.Trainer) -> bool:
+        strategy = trainer.strategy
+        return isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)) and not strategy.restore_checkpoint_after_setup
+
+    def _auto_resume(self, trainer: pl.Trainer) -> None:
+        # How: Lightning has already run its own restore for the ckpt_path the user passed
+        # (_restore_modules_and_callbacks runs before strategy.setup, which runs before
+        # on_fit_start) and will restore loops, optimizers, schedulers and precision state
+        # from `_checkpoint_connector._loaded_checkpoint` right after on_fit_start
+        # (restore_training_state). So we replace `_loaded_checkpoint` and re-run the module
+        # and callback restore; Lightning's own code does the rest, and resume_end logs
+        # "Restored all states from the checkpoint at mem://<step>".
+        # Why not elsewhere: no callback hook runs before fit() resolves ckpt_path, so setting
+        # trainer.ckpt_path from a hook is too late; in `setup` the user's choice is not yet
+        # known (it is a local of Trainer._run) and pre-filling _loaded_checkpoint there would
+        # rely on resume_start(None) happening to leave it untouched. Here we know what the
+        # user's checkpoint contained and can keep it when it is newer. The process group is
+        # up and every rank runs this hook, so the rank agreement (one all_gather) is safe.
+        if not self._replicated(trainer):
+            return
+        connector = trainer._checkpoint_connector
+        given = connector._ckpt_path
+        if parse_mem_url(given) is not None:
+            return  # already restored from a snapshot by MemoryCheckpointIO
+        store = self._get_store(trainer)
+        step = agree_resume_step(store, include_peers=True)
+        if step is None:
+            log.info("rank %d: no snapshot of run %r to resume from%s", store.rank, store.run_id,
+                     f"; using ckpt_path={given}" if given else "; starting fresh")
+            return
+        loaded_step = connector._loaded_checkpoint.get("global_step") if connector._loaded_checkpoint else None
+        if loaded_step is not None and loaded_step >= step:
+            log.info("rank %d: keeping ckpt_path=%s (step %d); newest snapshot is step %d",
+                     store.rank, given, loaded_step, step)
+            return
+        info = store.find(step, include_peers=True)
+        if info is None:
+            raise RuntimeError(f"rank {store.rank}: snapshot at step {step} vanished or broke after the ranks "
+                               f"agreed on it (run {store.run_id!r}, {store.run_dir})")
+        connector._loaded_checkpoint = store.load(info)
+        connector._ckpt_path = f"mem://{step}"
+        connector.restore_model()
+        connector.restore_datamodule()
+        connector.restore_callbacks()
+        log.info("rank %d: auto-resume from snapshot step %d (rank %d's copy)%s", store.rank, step, info.rank,
+                 f", newer than ckpt_path={given} (step {loaded_step})" if given else "")

@@ -1,0 +1,115 @@
+"""``MemoryCheckpointIO``: Lightning CheckpointIO that serves ``mem://`` paths from the snapshot store."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+
+from lightning_ft.checkpoint.policy import parse_mem_url, pick_disk_checkpoint
+from lightning_ft.checkpoint.resume import agree_resume_step
+from lightning_ft.checkpoint.store import SnapshotStore, current_rank, ensure_writable_root, resolve_root, resolve_run_id
+
+log = logging.getLogger(__name__)
+
+
+class MemoryCheckpointIO(CheckpointIO):
+    """Routes ``mem://latest`` and ``mem://<step>`` to in-memory snapshots; any other path
+    goes to the wrapped ``checkpoint_io`` (default ``TorchCheckpointIO``).
+
+    ``Trainer(plugins=[MemoryCheckpointIO()]).fit(model, ckpt_path="mem://latest")`` resumes from
+    the newest snapshot every rank can read (ranks agree over the default process group when
+    one is initialized). With no snapshot, the newest ``*.ckpt`` in ``fallback_dir`` is loaded
+    if given, else FileNotFoundError is raised.
+
+    Args:
+        checkpoint_io: IO for ordinary paths (default ``TorchCheckpointIO()``).
+        root, run_id, keep_last: as for ``SnapshotStore``.
+        replicated: ranks hold identical state (DDP), so a rank may load a peer rank's snapshot
+            from the same host. Set False for sharded strategies.
+        fallback_dir: directory whose newest ``*.ckpt`` is used when no snapshot exists.
+
+    ``save_checkpoint("mem://...")`` through ``Trainer.save_checkpoint`` only runs on global
+    rank 0 (Lightning's rule); per-rank snapshots come from ``EmergencyCheckpoint``.
+    """
+
+    def __init__(self, checkpoint_io: CheckpointIO | None = None, root: str | None = None,
+                 run_id: str | None = None, keep_last: int = 2, replicated: bool = True,
+                 fallback_dir: str | os.PathLike | None = None) -> None:
+        super().__init__()
+        if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
+            raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+        if checkpoint_io is not None and not isinstance(checkpoint_io, CheckpointIO):
+            raise ValueError(f"checkpoint_io must be a CheckpointIO, got {type(checkpoint_io).__name__}")
+        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
+        self.root = resolve_root(root)
+        ensure_writable_root(self.root)
+        self.run_id = resolve_run_id(run_id)
+        self.keep_last = keep_last
+        self.replicated = replicated
+        self.fallback_dir = None if fallback_dir is None else os.fspath(fallback_dir)
+        self._store: SnapshotStore | None = None
+
+    @property
+    def store(self) -> SnapshotStore:
+        # The rank is only known once the process group exists, so the store is built lazily.
+        rank = current_rank()
+        if self._store is None or self._store.rank != rank:
+            if self._store is not None:
+                self._store.close()
+            self._store = SnapshotStore(self.root, self.run_id, rank, self.keep_last)
+        return self._store
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        spec = parse_mem_url(path)
+        if spec is None:
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        step = int(checkpoint.get("global_step", 0)) if spec == "latest" else spec
+        self.store.save(checkpoint, step, reason="CheckpointIO")
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        spec = parse_mem_url(path)
+        if spec is None:
+            return self.checkpoint_io.load_checkpoint(path, *args, **kwargs)
+        store = self.store
+        if spec == "latest":
+            step = agree_resume_step(store, include_peers=self.replicated)
+            if step is None:
+                fallback = self._fallback_path()
+                if fallback is None:
+                    raise FileNotFoundError(
+                        f"{path}: no intact snapshot of run {store.run_id!r} under {store.run_dir}"
+                        + (f" and no *.ckpt in {self.fallback_dir}" if self.fallback_dir else ""))
+                log.info("%s: no snapshot of run %r; falling back to disk checkpoint %s", path, store.run_id, fallback)
+                return self.checkpoint_io.load_checkpoint(fallback, *args, **kwargs)
+        else:
+            step = spec
+        info = store.find(step, include_peers=self.replicated)
+        if info is None:
+            raise FileNotFoundError(f"{path}: no intact snapshot at step {step} for rank {store.rank} of run {store.run_id!r}")
+        return store.load(info)
+
+    def _fallback_path(self) -> str | None:
+        if not self.fallback_dir:
+            return None
+        paths = glob.glob(os.path.join(glob.escape(self.fallback_dir), "*.ckpt"))
+        return pick_disk_checkpoint((p, os.path.getmtime(p)) for p in paths if os.path.isfile(p))
+
+    def remove_checkpoint(self, path: Any) -> None:
+        spec = parse_mem_url(path)
+        if spec is None:
+            self.checkpoint_io.remove_checkpoint(path)
+            return
+        store = self.store
+        infos = store.list()
+        for info in infos[:1] if spec == "latest" else [i for i in infos if i.step == spec]:
+            store.delete(info)
+
+    def teardown(self) -> None:
+        self.checkpoint_io.teardown()
+        if self._store is not None:
+            self._store.close()

@@ -1,0 +1,116 @@
+"""Pure decisions of the snapshot layer: no I/O, no clocks, no torch.distributed.
+
+Everything here takes plain values and returns plain values, so the rules can be unit
+tested exhaustively and the I/O code around them stays thin.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+def snapshots_to_delete(steps: Iterable[int], keep_last: int, protect: int | None = None) -> list[int]:
+    """Steps to remove so that only the newest ``keep_last`` remain (``protect`` is never removed).
+
+    ``protect`` is the snapshot just written: after a resume from an older step it can be
+    older than leftovers, and deleting the state we just saved would be absurd.
+    """
+    ordered = sorted(set(steps), reverse=True)
+    keep = set(ordered[:keep_last])
+    if protect is not None:
+        keep.add(protect)
+        while len(keep) > keep_last and len(keep - {protect}) > 0:
+            keep.discard(min(keep - {protect}))
+    return sorted(s for s in ordered if s not in keep)
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """How to write the snapshot for ``step``: which committed file to recycle, what to prune."""
+
+    recycle: int | None
+    delete_after_commit: list[int]
+
+
+def plan_write(existing: Iterable[int], step: int, keep_last: int) -> WritePlan:
+    """Decide which committed snapshot (if any) can be overwritten in place for ``step``.
+
+    Recycling a file that is about to be pruned anyway keeps its shared-memory pages
+    allocated, which makes the copy ~3x faster than writing a fresh tmpfs file (page
+    allocation dominates). A file is only recycled if another committed snapshot stays
+    valid during the write, so a crash mid-write never leaves zero snapshots.
+    """
+    existing = sorted(set(existing))
+    doomed = snapshots_to_delete([*existing, step], keep_last, protect=step)
+    candidates = sorted(set(doomed) | ({step} & set(existing)))
+    recycle = None
+    for cand in candidates:
+        if any(s != cand for s in existing):
+            recycle = cand
+            break
+    delete = [s for s in doomed if s != recycle]
+    return WritePlan(recycle=recycle, delete_after_commit=delete)
+
+
+def choose_resume_step(readable_per_rank: Sequence[Iterable[int]]) -> int | None:
+    """Newest step that every rank can read, or None.
+
+    All ranks run this on the same all-gathered input, so they reach the same answer
+    without a second round of communication.
+    """
+    if not readable_per_rank:
+        return None
+    common = set(readable_per_rank[0])
+    for steps in readable_per_rank[1:]:
+        common &= set(steps)
+    return max(common) if common else None
+
+
+def steps_between_snapshots(every_n_seconds: float, seconds_per_step: float) -> int:
+    """Step interval for a time-based schedule, rounded DOWN to a power of two.
+
+    Ranks measure their own step time and never talk about it. A power-of-two interval
+    means that if two ranks' estimates differ by up to 2x, the larger interval is a
+    multiple of the smaller one, so they still write snapshots at common steps (and with
+    keep_last >= 2 the newest common one is always retained). Rounding down keeps the
+    loss window within ``every_n_seconds``.
+    """
+    if seconds_per_step <= 0:
+        return 1
+    ratio = every_n_seconds / seconds_per_step
+    if ratio < 2:
+        return 1
+    return 1 << int(math.floor(math.log2(ratio)))
+
+
+def snapshot_due(step: int, last_saved_step: int | None, every_n_steps: int | None,
+                 time_interval_steps: int | None) -> bool:
+    """Whether a periodic snapshot is due at ``step`` (a completed global step)."""
+    if step <= 0 or step == last_saved_step:
+        return False
+    if every_n_steps is not None and step % every_n_steps == 0:
+        return True
+    return time_interval_steps is not None and step % time_interval_steps == 0
+
+
+def pick_disk_checkpoint(candidates: Iterable[tuple[str, float]]) -> str | None:
+    """Newest disk checkpoint by modification time from ``(path, mtime)`` pairs."""
+    best = max(candidates, key=lambda pm: (pm[1], pm[0]), default=None)
+    return best[0] if best else None
+
+
+MEM_SCHEME = "mem://"
+
+
+def parse_mem_url(path: object) -> str | int | None:
+    """``"mem://latest"`` (or ``"mem://"``) -> "latest", ``"mem://<step>"`` -> step, other paths -> None."""
+    if not isinstance(path, str) or not path.startswith(MEM_SCHEME):
+        return None
+    rest = path[len(MEM_SCHEME):].strip("/")
+    if rest in ("", "latest"):
+        return "latest"
+    if rest.isdigit():
+        return int(rest)
+    raise ValueError(f"bad in-memory checkpoint path {path!r}: expected 'mem://latest' or 'mem://<step>'")

@@ -1,0 +1,223 @@
+"""SnapshotStore: round trip, crash consistency, pruning, scoping, raw-bytes transfer."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+
+import pytest
+import torch
+from ckpt_helpers import tensors_equal
+
+from lightning_ft.checkpoint import SnapshotError, SnapshotStore
+from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.store import resolve_root, resolve_run_id
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def nested_state() -> dict:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {
+        "f32": torch.randn(3, 5),
+        "f64": torch.randn(7, dtype=torch.float64),
+        "bf16": torch.randn(9, dtype=torch.bfloat16),
+        "f16": torch.randn(2, 3, dtype=torch.float16),
+        "i8": torch.tensor([-3, 4, 127], dtype=torch.int8),
+        "i64": torch.arange(5),
+        "bool": torch.tensor([True, False, True]),
+        "c64": torch.randn(3, dtype=torch.complex64),
+        "transposed": base.t(),
+        "strided": base[:, ::2],
+        "scalar": torch.tensor(2.5),
+        "int_scalar": torch.tensor(7),
+        "empty": torch.empty(0, 4),
+        "param": torch.nn.Parameter(torch.ones(3)),
+        "nested": {"list": [torch.zeros(2), 1, "two", None], "tuple": (torch.ones(1), 3.0)},
+        "ordered": collections.OrderedDict(a=1, b=[1, 2]),
+        "point": Point(torch.tensor([1.0]), "y"),
+        "python": {"epoch": 3, "name": "run", "lr": 1e-3, "flags": {1, 2}},
+        "sparse": torch.eye(3).to_sparse(),
+    }
+
+
+@pytest.fixture
+def store(tmp_path):
+    with SnapshotStore(root=tmp_path, run_id="unit", rank=0, keep_last=2) as s:
+        yield s
+
+
+def _dense(x):
+    return x.to_dense() if isinstance(x, torch.Tensor) and x.layout != torch.strided else x
+
+
+def test_round_trip_equals_original_and_is_a_copy(store):
+    state = nested_state()
+    shared = torch.randn(4)
+    state["alias_a"] = shared
+    state["alias_b"] = shared
+    store.save(state, step=5)
+    loaded = store.load()
+
+    assert loaded.keys() == state.keys()
+    for key in state:
+        assert tensors_equal(_dense(loaded[key]), _dense(state[key])), key
+    assert loaded["transposed"].shape == (6, 4) and loaded["strided"].shape == (4, 3)
+    assert loaded["scalar"].dim() == 0 and loaded["bf16"].dtype == torch.bfloat16
+    assert isinstance(loaded["param"], torch.nn.Parameter)
+    assert isinstance(loaded["ordered"], collections.OrderedDict) and isinstance(loaded["point"], Point)
+    assert loaded["alias_a"] is loaded["alias_b"]  # identity preserved within one snapshot
+    # a copy: neither side sees the other's later writes
+    loaded["f32"].add_(1)
+    state["i64"].add_(100)
+    assert not torch.equal(loaded["f32"], state["f32"])
+    assert torch.equal(store.load()["i64"], torch.arange(5))
+
+
+def test_snapshot_is_taken_at_save_time(store):
+    weights = torch.zeros(1000)
+    store.save({"w": weights}, step=1)
+    weights.fill_(9)  # what dump_checkpoint returns is live; later training must not leak in
+    assert torch.count_nonzero(store.load()["w"]) == 0
+
+
+def _corrupt(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_data", "flip_meta", "flip_header", "empty"])
+def test_torn_or_corrupt_snapshot_is_skipped(store, damage, caplog):
+    store.save({"w": torch.randn(300_000), "n": 1}, step=1)
+    newest = store.save({"w": torch.randn(300_000), "n": 2}, step=2)
+    with open(newest.path, "rb") as f:
+        header = fmt.Header.unpack(f.read(fmt.HEADER_SIZE))
+    if damage == "truncate":
+        os.truncate(newest.path, newest.nbytes - 4096)
+    elif damage == "flip_data":
+        _corrupt(newest.path, header.data_off + 777_777)
+    elif damage == "flip_meta":
+        _corrupt(newest.path, header.meta_off + 5)
+    elif damage == "flip_header":
+        _corrupt(newest.path, 20)
+    else:
+        os.truncate(newest.path, 0)
+
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+        latest = store.latest()
+    assert latest is not None and latest.step == 1
+    assert store.load(latest)["n"] == 1
+    assert any("skipping snapshot" in r.message and newest.path in r.message for r in caplog.records)
+    assert store.verify(newest) is not None
+    with pytest.raises(SnapshotError):
+        store.load(newest)
+    assert store.readable_steps() == [1]
+
+
+def test_leftover_temp_file_is_ignored_and_cleaned(tmp_path):
+    store = SnapshotStore(root=tmp_path, run_id="unit", rank=0)
+    store.save({"w": torch.ones(10)}, step=3)
+    good_bytes = open(store.list()[0].path, "rb").read()
+    dead_pid = 2**22 + 12345  # above pid_max on default Linux, so never alive
+    temp = os.path.join(store.rank_dir, f".tmp-step-{9:012d}-{dead_pid}-abcdef01.snap")
+    with open(temp, "wb") as f:
+        f.write(good_bytes)  # even a complete-looking temp file is not committed
+    assert [i.step for i in store.list()] == [3]
+    assert store.latest().step == 3
+    SnapshotStore(root=tmp_path, run_id="unit", rank=0)  # a new incarnation cleans up
+    assert not os.path.exists(temp)
+
+
+def test_keep_last_prunes_oldest_and_recycles_files(tmp_path):
+    store = SnapshotStore(root=tmp_path, run_id="unit", rank=0, keep_last=2)
+    inodes = {}
+    for step in (10, 20, 30, 40):
+        info = store.save({"w": torch.full((50_000,), float(step))}, step=step)
+        inodes[step] = os.stat(info.path).st_ino
+    assert [i.step for i in store.list()] == [40, 30]
+    assert inodes[30] == inodes[10] and inodes[40] == inodes[20]  # oldest file rewritten in place
+    assert torch.equal(store.load(store.list()[1])["w"], torch.full((50_000,), 30.0))
+    # a smaller state in a recycled (larger) file is still exact
+    store.save({"w": torch.arange(7)}, step=50)
+    assert torch.equal(store.load()["w"], torch.arange(7))
+    assert [i.step for i in store.list()] == [50, 40]
+    store.close()
+
+
+def test_keep_last_one_never_leaves_zero_snapshots(tmp_path):
+    store = SnapshotStore(root=tmp_path, run_id="unit", rank=0, keep_last=1)
+    store.save({"a": torch.ones(3)}, step=1)
+    first = store.list()[0]
+    store.save({"a": torch.zeros(3)}, step=2)
+    assert [i.step for i in store.list()] == [2]
+    assert not os.path.exists(first.path)
+    store.save({"a": torch.full((3,), 5.0)}, step=2)  # same step again replaces it
+    assert torch.equal(store.load()["a"], torch.full((3,), 5.0))
+
+
+def test_discard_newer_than(tmp_path):
+    store = SnapshotStore(root=tmp_path, run_id="unit", rank=0, keep_last=5)
+    for step in (1, 2, 3):
+        store.save({"s": step}, step=step)
+    assert sorted(store.discard_newer_than(1)) == [2, 3]
+    assert [i.step for i in store.list()] == [1]
+
+
+def test_run_id_scoping(tmp_path, monkeypatch):
+    a = SnapshotStore(root=tmp_path, run_id="job-a", rank=0)
+    b = SnapshotStore(root=tmp_path, run_id="job-b", rank=0)
+    a.save({"who": "a"}, step=7)
+    assert b.latest() is None and b.readable_steps(include_peers=True) == []
+    b.save({"who": "b"}, step=3)
+    assert a.load()["who"] == "a" and b.load()["who"] == "b"
+    # rank directories of the same run are separate, but peers' steps are visible on request
+    a1 = SnapshotStore(root=tmp_path, run_id="job-a", rank=1)
+    assert a1.latest() is None
+    assert a1.readable_steps(include_peers=True) == [7]
+    assert a1.find(7, include_peers=True).rank == 0
+
+    for var in ("LIGHTNING_FT_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "LIGHTNING_FT_SNAPSHOT_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    assert resolve_run_id() == "default"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert resolve_run_id() == "4242"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "te")
+    assert resolve_run_id() == "te"
+    monkeypatch.setenv("LIGHTNING_FT_RUN_ID", "mine/../x")
+    assert resolve_run_id() == "mine_.._x"  # never escapes the root
+    assert resolve_run_id("explicit") == "explicit"
+    monkeypatch.setenv("LIGHTNING_FT_SNAPSHOT_DIR", str(tmp_path / "env-root"))
+    assert resolve_root() == str(tmp_path / "env-root")
+    assert SnapshotStore(rank=0).run_dir == str(tmp_path / "env-root" / "mine_.._x")
+
+
+def test_raw_bytes_transfer(tmp_path):
+    src = SnapshotStore(root=tmp_path / "host-a", run_id="r", rank=0)
+    dst = SnapshotStore(root=tmp_path / "host-b", run_id="r", rank=1)
+    state = {"w": torch.randn(1000), "step": 12}
+    blob = src.read_bytes(src.save(state, step=12))
+    info = dst.write_bytes(blob)
+    assert (info.step, info.rank) == (12, 1)
+    assert tensors_equal(dst.load(), state)
+    damaged = bytearray(blob)
+    damaged[-3] ^= 1
+    with pytest.raises(SnapshotError):
+        dst.write_bytes(damaged)
+    with pytest.raises(SnapshotError):
+        dst.write_bytes(blob[: len(blob) // 2])
+    assert [i.step for i in dst.list()] == [12] and not any(n.startswith(".tmp") for n in os.listdir(dst.rank_dir))
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="keep_last"):
+        SnapshotStore(root=tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="rank"):
+        SnapshotStore(root=tmp_path, rank=-1)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="root="):
+        SnapshotStore(root=blocker / "sub", rank=0)
