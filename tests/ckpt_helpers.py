@@ -1,7 +1,7 @@
 """Shared pieces for the checkpoint tests; also run as a script by the multi-process tests.
 
     python tests/ckpt_helpers.py write-big ROOT RUN_ID      # commit step 1, then write a big step 2
-    torchrun ... tests/ckpt_helpers.py ddp ROOT RUN_ID MAX_STEPS MODE   # MODE: auto | mem
+    torchrun ... tests/ckpt_helpers.py ddp ROOT RUN_ID MAX_STEPS MODE RESULT_DIR   # MODE: auto | mem
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _write_big(root: str, run_id: str) -> None:
     print("committed 2", flush=True)
 
 
-def _ddp(root: str, run_id: str, max_steps: int, mode: str) -> None:
+def _ddp(root: str, run_id: str, max_steps: int, mode: str, result_dir: str) -> None:
     import datetime
     import logging
 
@@ -131,8 +131,10 @@ def _ddp(root: str, run_id: str, max_steps: int, mode: str) -> None:
             info = store.find(probe.start_step, include_peers=True)
             matched = matches_snapshot(probe, store.load(info))
         steps = [i.step for i in SnapshotStore(root=root, run_id=run_id, rank=rank).list()]
-        print("RESULT " + json.dumps({"rank": rank, "start_step": probe.start_step, "end_step": trainer.global_step,
-                                      "matched": matched, "snapshots": steps}), flush=True)
+        result = {"rank": rank, "start_step": probe.start_step, "end_step": trainer.global_step,
+                  "matched": matched, "snapshots": steps}
+        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
     finally:
         # Lightning never destroys a gloo group; without this ~1/15 runs abort at exit
         if dist.is_initialized():
@@ -144,6 +146,6 @@ if __name__ == "__main__":
     if cmd == "write-big":
         _write_big(*args)
     elif cmd == "ddp":
-        _ddp(args[0], args[1], int(args[2]), args[3])
+        _ddp(args[0], args[1], int(args[2]), args[3], args[4])
     else:
         raise SystemExit(f"unknown command {cmd}")

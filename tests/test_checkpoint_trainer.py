@@ -1,0 +1,218 @@
+"""EmergencyCheckpoint and MemoryCheckpointIO inside a real single-process Trainer."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from ckpt_helpers import make_module, matches_snapshot, resume_probe, tensors_equal, trainer_kwargs
+
+from lightning_ft import EmergencyCheckpoint
+from lightning_ft.checkpoint import MemoryCheckpointIO, SnapshotStore
+
+
+def fit(max_steps: int, callbacks: list, seed: int = 0, ckpt_path=None, plugins=None) -> pl.Trainer:
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=max_steps, callbacks=callbacks, plugins=plugins or []))
+    trainer.fit(make_module(seed), ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "shm")
+
+
+def test_periodic_snapshots_then_auto_resume_continues_at_the_saved_step(root):
+    fit(12, [EmergencyCheckpoint(every_n_steps=5, root=root, run_id="t")])
+    store = SnapshotStore(root=root, run_id="t", rank=0)
+    assert [i.step for i in store.list()] == [10, 5]
+    snapshot = store.load()
+    assert snapshot["global_step"] == 10 and snapshot["optimizer_states"][0]["state"]
+
+    probe = resume_probe()
+    trainer = fit(15, [EmergencyCheckpoint(every_n_steps=5, root=root, run_id="t"), probe], seed=7)
+    assert probe.start_step == 10
+    assert matches_snapshot(probe, snapshot)
+    assert trainer.ckpt_path == "mem://10"
+    assert trainer.global_step == 15
+    assert [i.step for i in store.list()] == [15, 10]
+
+
+def test_resumed_run_matches_an_uninterrupted_run(root):
+    # snapshot at an epoch boundary (5 batches per epoch) so the plain DataLoader replays nothing
+    straight = fit(15, [], seed=0)
+    fit(12, [EmergencyCheckpoint(every_n_steps=5, root=root, run_id="t")], seed=0)
+    resumed = fit(15, [EmergencyCheckpoint(root=root, run_id="t")], seed=3)
+    assert tensors_equal(straight.lightning_module.state_dict(), resumed.lightning_module.state_dict())
+    assert tensors_equal(straight.optimizers[0].state_dict(), resumed.optimizers[0].state_dict())
+
+
+def test_ckpt_path_mem_latest_and_mem_step_through_checkpoint_io(root):
+    fit(12, [EmergencyCheckpoint(every_n_steps=5, root=root, run_id="io")])
+    store = SnapshotStore(root=root, run_id="io", rank=0)
+    for path, step in (("mem://latest", 10), ("mem://5", 5)):
+        probe = resume_probe()
+        io = MemoryCheckpointIO(root=root, run_id="io")
+        trainer = fit(step + 1, [probe], seed=5, ckpt_path=path, plugins=[io])
+        assert probe.start_step == step
+        assert matches_snapshot(probe, store.load(store.find(step)))
+        assert trainer.global_step == step + 1
+
+
+def test_checkpoint_io_passes_ordinary_paths_through_and_falls_back_to_disk(root, tmp_path):
+    disk = tmp_path / "ckpts"
+    trainer = fit(4, [])
+    trainer.save_checkpoint(disk / "last.ckpt")
+    io = MemoryCheckpointIO(root=root, run_id="none-yet", fallback_dir=disk)
+    probe = resume_probe()
+    fit(6, [probe], ckpt_path="mem://latest", plugins=[io])
+    assert probe.start_step == 4
+    probe = resume_probe()
+    fit(6, [probe], ckpt_path=str(disk / "last.ckpt"), plugins=[MemoryCheckpointIO(root=root, run_id="none-yet")])
+    assert probe.start_step == 4
+    with pytest.raises(FileNotFoundError, match="no intact snapshot"):
+        fit(6, [], ckpt_path="mem://latest", plugins=[MemoryCheckpointIO(root=root, run_id="none-yet")])
+
+
+def test_auto_resume_prefers_the_newer_of_snapshot_and_user_checkpoint(root, tmp_path, caplog):
+    disk = tmp_path / "d.ckpt"
+    fit(7, [EmergencyCheckpoint(every_n_steps=5, root=root, run_id="pref")]).save_checkpoint(disk)
+    # the user's checkpoint (step 7) is newer than the snapshot (step 5): keep it
+    probe = resume_probe()
+    with caplog.at_level(logging.INFO, logger="lightning_ft"):
+        fit(8, [EmergencyCheckpoint(root=root, run_id="pref"), probe], ckpt_path=str(disk))
+    assert probe.start_step == 7
+    assert any("keeping ckpt_path" in r.message for r in caplog.records)
+    # now a newer snapshot exists (10): it wins over the older disk checkpoint
+    fit(12, [EmergencyCheckpoint(every_n_steps=5, root=root, run_id="pref2")])
+    probe = resume_probe()
+    fit(11, [EmergencyCheckpoint(root=root, run_id="pref2"), probe], ckpt_path=str(disk))
+    assert probe.start_step == 10
+    # no snapshot at all: the user's checkpoint is used unchanged
+    probe = resume_probe()
+    fit(8, [EmergencyCheckpoint(root=root, run_id="empty"), probe], ckpt_path=str(disk))
+    assert probe.start_step == 7
+
+
+def test_auto_resume_off_starts_fresh_and_drops_the_abandoned_snapshots(root):
+    fit(10, [EmergencyCheckpoint(every_n_steps=5, root=root, run_id="off")])
+    probe = resume_probe()
+    fit(3, [EmergencyCheckpoint(root=root, run_id="off", auto_resume=False), probe])
+    assert probe.start_step == 0
+    assert SnapshotStore(root=root, run_id="off", rank=0).list() == []
+
+
+def test_corrupt_newest_snapshot_resumes_from_the_previous_one(root):
+    fit(10, [EmergencyCheckpoint(every_n_steps=5, root=root, run_id="bad")])
+    store = SnapshotStore(root=root, run_id="bad", rank=0)
+    newest = store.list()[0]
+    os.truncate(newest.path, newest.nbytes // 2)
+    probe = resume_probe()
+    fit(6, [EmergencyCheckpoint(root=root, run_id="bad"), probe])
+    assert probe.start_step == 5
+
+
+class _SaveNowAt(pl.Callback):
+    def __init__(self, emergency: EmergencyCheckpoint, step: int) -> None:
+        self.emergency, self.step, self.info, self.estimates = emergency, step, None, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.estimates.append(self.emergency.estimated_save_seconds())
+        if trainer.global_step == self.step:
+            self.info = self.emergency.save_now(trainer, reason="sigterm")
+            self.estimates.append(self.emergency.estimated_save_seconds())
+            trainer.should_stop = True
+
+
+def test_save_now_is_synchronous_and_feeds_the_estimate(root):
+    emergency = EmergencyCheckpoint(root=root, run_id="now")
+    assert emergency.estimated_save_seconds() is None
+    trigger = _SaveNowAt(emergency, step=3)
+    trainer = fit(20, [emergency, trigger])
+    assert trigger.info.step == 3 and os.path.exists(trigger.info.path)
+    assert trigger.estimates[0] is None and trigger.estimates[-1] > 0
+    assert emergency.last_snapshot == trigger.info
+    snapshot = SnapshotStore(root=root, run_id="now", rank=0).load()
+    assert snapshot["global_step"] == 3 and trainer.global_step == 3
+    assert tensors_equal(snapshot["state_dict"], trainer.lightning_module.state_dict())
+
+
+def test_every_n_seconds_takes_snapshots(root):
+    fit(12, [EmergencyCheckpoint(every_n_seconds=1e-9, root=root, run_id="sec", keep_last=3)])
+    # an interval below one step time means every step once the step time is measured
+    assert [i.step for i in SnapshotStore(root=root, run_id="sec", rank=0).list()] == [12, 11, 10]
+
+
+def test_works_with_checkpointing_disabled_and_defaults(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIGHTNING_FT_SNAPSHOT_DIR", str(tmp_path / "env"))
+    monkeypatch.setenv("LIGHTNING_FT_RUN_ID", "envrun")
+    callback = EmergencyCheckpoint()
+    assert callback.root == str(tmp_path / "env") and callback.run_id == "envrun"
+    fit(2, [callback])  # enable_checkpointing=False in trainer_kwargs: no Checkpoint subclass conflict
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(every_n_steps=-1), "every_n_steps"),
+    (dict(every_n_steps=0), "every_n_steps"),
+    (dict(every_n_steps=2.5), "every_n_steps"),
+    (dict(every_n_seconds=-3), "every_n_seconds"),
+    (dict(keep_last=0), "keep_last"),
+    (dict(auto_resume="yes"), "auto_resume"),
+])
+def test_bad_arguments_fail_at_construction(kwargs, name, root):
+    with pytest.raises(ValueError, match=name):
+        EmergencyCheckpoint(root=root, **kwargs)
+
+
+def test_unwritable_root_fails_at_construction(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="root="):
+        EmergencyCheckpoint(root=str(blocker / "x"))
+    with pytest.raises(ValueError, match="root="):
+        MemoryCheckpointIO(root=str(blocker / "x"))
+    with pytest.raises(ValueError, match="keep_last"):
+        MemoryCheckpointIO(root=str(tmp_path), keep_last=0)
+
+
+class _StatefulLoader:
+    """An iterable with state_dict/load_state_dict, which Lightning stores in the loop state."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(20, 8, generator=g)
+        self.batches = [(x[i:i + 4], x[i:i + 4].sum(1, keepdim=True)) for i in range(0, 20, 4)]
+        self.served = 0
+        self.loaded: dict | None = None
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.served += 1
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def state_dict(self) -> dict:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+def test_stateful_dataloader_state_is_snapshotted_and_restored(root):
+    def run(max_steps, callbacks):
+        loader = _StatefulLoader()
+        trainer = pl.Trainer(**trainer_kwargs(max_steps=max_steps, callbacks=callbacks))
+        trainer.fit(make_module(), train_dataloaders=loader)
+        return loader
+
+    run(7, [EmergencyCheckpoint(every_n_steps=7, root=root, run_id="dl")])
+    snapshot = SnapshotStore(root=root, run_id="dl", rank=0).load()
+    saved = snapshot["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert saved and saved[0]["served"] >= 7
+    resumed = run(9, [EmergencyCheckpoint(root=root, run_id="dl")])
+    assert resumed.loaded == saved[0]
