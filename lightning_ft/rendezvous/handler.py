@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
+import sys
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from lightning_ft._logging import ensure_log_output
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, UnhealthyNodeError
 from lightning_ft.rendezvous.participant import local_participant
 from lightning_ft.rendezvous.settings import RendezvousConfigError, settings_from_config
@@ -110,6 +111,7 @@ class LightningFTRendezvousHandler(RendezvousHandler):
         self._local_addr = local_addr
         self._health_check = health_check
         self._shut_down = False
+        self._left_gracefully = False
 
     @property
     def rendezvous(self) -> BarrierRendezvous:
@@ -125,6 +127,13 @@ class LightningFTRendezvousHandler(RendezvousHandler):
         return False
 
     def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            return self._next_rendezvous()
+        except RendezvousGracefulExitError:
+            self._left_gracefully = True
+            raise
+
+    def _next_rendezvous(self) -> RendezvousInfo:
         if self._health_check is not None:
             healthy, reasons = self._health_check()
             if not healthy:
@@ -158,6 +167,10 @@ class LightningFTRendezvousHandler(RendezvousHandler):
         if self._shut_down:
             return True
         self._shut_down = True
+        if self._left_gracefully:
+            done = self._rdzv.shutdown(job_finished=False)
+            _exit_zero_if_torch_mishandles_graceful_exit()
+            return done
         result = self._rdzv.last_result
         try:
             finished = result is not None and result.is_active and self._rdzv.finished_round(result.cycle_id)
@@ -172,12 +185,25 @@ class LightningFTRendezvousHandler(RendezvousHandler):
         return self._rdzv.shutdown(job_finished=finished)
 
 
+def _exit_zero_if_torch_mishandles_graceful_exit() -> None:
+    # torch 2.13: after RendezvousGracefulExitError, SimpleElasticAgent.run() returns None and
+    # launch_agent then calls None.is_failed(); the AttributeError makes torchrun exit 1 for a
+    # spare that was simply not needed. launch_agent calls shutdown() from its ``finally``
+    # while that error is in flight: replace it with a clean exit, and nothing else.
+    exc = sys.exc_info()[1]
+    if isinstance(exc, AttributeError) and "is_failed" in str(exc):
+        log.info("standby node leaves with exit status 0 (not needed; torch's launcher would "
+                 "report a spurious failure here)")
+        raise SystemExit(0)
+
+
 def _pop(config: dict[str, Any], key: str, default: Any = None) -> Any:
     return config.pop(key, default)
 
 
 def create_handler(params: RendezvousParameters) -> LightningFTRendezvousHandler:
     """Build the handler from torch's ``RendezvousParameters`` (``--rdzv-conf`` keys as config)."""
+    ensure_log_output()
     config = dict(params.config)
     for key in _TORCHRUN_KEYS:
         value = config.pop(key, None)

@@ -1,0 +1,124 @@
+"""End to end: torch's own elastic agent (torchrun) with ``--rdzv-backend=lightning_ft``.
+
+Three agents on 127.0.0.1 (``--nnodes=2:3``), one worker each, run a small gloo script.
+Every agent leads its own session, so "kill a node" kills the agent and its workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from proc_utils import REPO_ROOT, child_env, free_port, session_alive, wait_for
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
+
+SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "gloo_steps.py")
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def start_agent(processes, name, infra_rank, port, out, steps, extra_conf="", **env):
+    conf = "last_call_timeout=0.3,previous_active_grace=3,heartbeat_interval=0.1"
+    if extra_conf:
+        conf += "," + extra_conf
+    argv = [TORCHRUN, "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=lightning_ft",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=e2e", f"--rdzv-conf={conf}",
+            "--max-restarts=3", "--monitor-interval=0.1", SCRIPT]
+    environment = child_env(NODE_NAME=name, LIGHTNING_FT_INFRA_RANK=str(infra_rank), TEST_OUT=str(out),
+                            STEPS=str(steps), STEP_TIME="0.05", **env)
+    return processes.start(name, argv, env=environment)
+
+
+def start_three(processes, tmp_path, steps, **env):
+    port = free_port()
+    out = tmp_path / "out"
+    out.mkdir()
+    # A hosts the store (it binds first); B is the other active, C the hot spare.
+    a = start_agent(processes, "A", 0, port, out, steps, **env)
+    assert wait_for(lambda: "hosting the rendezvous store" in a.log(), 30), processes.dump_logs()
+    b = start_agent(processes, "B", 1, port, out, steps, **env)
+    c = start_agent(processes, "C", 2, port, out, steps, **env)
+    return out, a, b, c
+
+
+def worker_pids(out, node):
+    return [int(f.read_text().split()[2]) for f in out.glob(f"ran_{node}_*")]
+
+
+def kill_node(proc, out):
+    """SIGKILL a whole node: torch starts workers in sessions of their own, so kill those too."""
+    proc.signal_group(signal.SIGKILL)
+    for pid in worker_pids(out, proc.name):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def assert_all_gone(procs):
+    for proc in procs:
+        assert wait_for(lambda: not session_alive(proc.pid), 15), f"{proc.name} left processes behind"
+        for pid in worker_pids(proc.log_path.parent / "out", proc.name):
+            assert wait_for(lambda: not pid_alive(pid), 15), f"{proc.name}'s worker {pid} is still running"
+
+
+def test_no_failure_spare_exits_zero_promptly(processes, tmp_path):
+    out, a, b, c = start_three(processes, tmp_path, steps=20)
+    codes = processes.wait_all(timeout=90)
+    logs = processes.dump_logs()
+    assert codes == {"A": 0, "B": 0, "C": 0}, logs
+    assert (out / "done_A").exists() and (out / "done_B").exists()
+    assert not list(out.glob("ran_C_*")), "the spare should never have run workers"
+    assert "exits gracefully" in c.log(), logs
+    assert_all_gone([a, b, c])
+
+
+def test_sigkill_active_node_spare_steps_in(processes, tmp_path):
+    out, a, b, c = start_three(processes, tmp_path, steps=60, MARK_AT_STEP="10")
+    assert wait_for(lambda: (out / "marked").exists(), 60), processes.dump_logs()
+    kill_node(b, out)  # node B dies: its agent and its worker
+    codes = processes.wait_all(timeout=100)
+    logs = processes.dump_logs()
+    assert codes["A"] == 0 and codes["C"] == 0, logs
+    assert codes["B"] == -signal.SIGKILL
+    assert (out / "done_A").exists() and (out / "done_C").exists(), logs
+    assert int((out / "progress").read_text()) == 60
+    assert_all_gone([a, b, c])
+
+
+def test_sigkill_one_worker_node_keeps_its_place(processes, tmp_path):
+    out, a, b, c = start_three(processes, tmp_path, steps=60, MARK_AT_STEP="10")
+    assert wait_for(lambda: (out / "marked").exists(), 60), processes.dump_logs()
+    worker_pid = worker_pids(out, "B")[0]
+    os.kill(worker_pid, signal.SIGKILL)  # only B's worker; B's agent restarts it
+    codes = processes.wait_all(timeout=100)
+    logs = processes.dump_logs()
+    assert codes == {"A": 0, "B": 0, "C": 0}, logs
+    assert (out / "done_A").exists() and (out / "done_B").exists(), logs
+    assert not list(out.glob("ran_C_*")), "the spare stays a spare"
+    assert list(out.glob("ran_B_[1-9]")), "B restarted its workers"
+    assert_all_gone([a, b, c])
+
+
+def test_sigterm_active_agent_survivors_and_spare_finish(processes, tmp_path):
+    out, a, b, c = start_three(processes, tmp_path, steps=60, MARK_AT_STEP="10")
+    assert wait_for(lambda: (out / "marked").exists(), 60), processes.dump_logs()
+    b.signal(signal.SIGTERM)  # torchrun's agent of node B: stops its workers and exits
+    codes = processes.wait_all(timeout=100)
+    logs = processes.dump_logs()
+    assert codes["A"] == 0 and codes["C"] == 0, logs
+    assert codes["B"] != 0
+    assert (out / "done_A").exists() and (out / "done_C").exists(), logs
+    assert_all_gone([a, b, c])
