@@ -1,0 +1,517 @@
+"""``GracefulTermination``: SIGTERM -> agreed stop step -> health probe -> emergency snapshot or immediate exit.
+
+Flow on each rank (see the README section "SIGTERM path" for the exit-code table):
+
+1. The signal handler only records (signal, time). A watcher thread, woken through the
+   signal wakeup fd, starts the node-health check at once, so the probes overlap the
+   wait for the stop step.
+2. At the next optimizer-step boundary the rank proposes ``stop = step + margin_steps``
+   in the process group's store (``compare_set``, first writer wins). Every rank checks
+   the key at every boundary (``check``, a few microseconds), so all ranks stop after
+   the same step; no collective ever runs inside a signal handler.
+3. Unhealthy node (as soon as the check says so, not waiting for the stop step):
+   publish "unhealthy, exiting" in the store, then ``os._exit(UNHEALTHY_NODE)``
+   without saving. Peers see the notice at their next boundary, or see a gloo error in
+   their current collective and find the notice in ``on_exception``; either way they
+   save the state of their last completed optimizer step.
+4. Healthy node at the stop step: if the measured snapshot cost fits in what is left
+   of the grace period, ``EmergencyCheckpoint.save_now`` and exit ``PREEMPTED`` (81);
+   otherwise (or with no ``EmergencyCheckpoint`` configured, or when the save fails)
+   exit ``128 + signal`` (143 for SIGTERM): stopped by the signal, nothing saved.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+
+from lightning_ft.health import HealthReport, NodeHealthCheck, ProbeResult
+from lightning_ft.health.check import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
+from lightning_ft.health.probes import _env_float, default_probes
+from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
+from lightning_ft.termination.decision import (
+    Action,
+    Decision,
+    budget_left,
+    decide_on_termination,
+    not_saved_exit_code,
+    resolve_grace_seconds,
+)
+from lightning_ft.termination.exit import (
+    ExitWatchdog,
+    TerminationExit,
+    exit_now,
+    plan_exit,
+    run_with_timeout,
+)
+from lightning_ft.termination.signals import SignalListener
+
+log = logging.getLogger(__name__)
+
+# Every rank builds its trainers in the same order, so this counter names the same fit on
+# every rank; it keeps the stop keys of two fits in one process group apart.
+_fit_counter = itertools.count()
+
+_STORE_METHODS = ("compare_set", "check", "get", "set", "add")
+_ANNOUNCE_TIMEOUT_S = 0.5  # publishing "unhealthy" must never delay the exit by more
+
+
+class _Termination:
+    """One termination in progress on this rank."""
+
+    def __init__(self, signum: int, started_at: float, cause: str) -> None:
+        self.signum = signum
+        self.started_at = started_at  # time.monotonic() when this rank first knew
+        self.cause = cause
+        self.stop: StopRequest | None = None
+        self.report: HealthReport | None = None
+        self.report_ready = threading.Event()
+        # what a forced exit (watchdog) should report right now: nothing saved yet
+        self.exit_code_if_killed = not_saved_exit_code(signum)
+        self.watchdog = ExitWatchdog(lambda: self.exit_code_if_killed, "lightning_ft termination")
+
+
+class GracefulTermination(pl.Callback):
+    """Stop every rank at the same step on SIGTERM; save an emergency snapshot only on a healthy node.
+
+    Works with the defaults (no arguments); all arguments are keyword-only.
+
+    Args:
+        probes: node-health probes to run when the signal arrives; ``None`` = the built-in
+            set configured from the environment (:func:`lightning_ft.health.default_probes`),
+            ``[]`` = no probing (always healthy).
+        health_timeout_seconds: deadline for the health check; ``None`` =
+            ``LIGHTNING_FT_HEALTH_TIMEOUT`` or 5 s.
+        overrun_is_unhealthy: a probe that has not answered by the deadline counts as
+            unhealthy (default) or is ignored.
+        grace_seconds: seconds between SIGTERM and SIGKILL; ``None`` =
+            ``LIGHTNING_FT_GRACE_SECONDS`` or 30, capped by torchrun's shutdown timeout
+            when it is visible in the environment.
+        margin_steps: optimizer steps between the first boundary after the signal and the
+            agreed stop (>= 1; see ``_propose_margin`` for why 1 suffices under DDP).
+        store: a ``torch.distributed.Store`` to agree through instead of the default
+            process group's store (must be fresh for each job run).
+        signals: the signals that start a termination (default SIGTERM only).
+        save_safety_factor: the measured snapshot cost is multiplied by this before it is
+            compared with the time left (>= 1).
+        exit_reserve_seconds: time kept back from the grace period for the exit itself.
+        exit_timeout_seconds: once the decision is made, the process is force-exited with
+            the decided code if it is still alive after this long (a barrier in another
+            callback, a hung destroy, a user thread).
+    """
+
+    def __init__(
+        self,
+        *,
+        probes: Sequence[Any] | None = None,
+        health_timeout_seconds: float | None = None,
+        overrun_is_unhealthy: bool = True,
+        grace_seconds: float | None = None,
+        margin_steps: int = 1,
+        store: Any | None = None,
+        signals: Sequence[int] = (signal.SIGTERM,),
+        save_safety_factor: float = 1.5,
+        exit_reserve_seconds: float = 1.0,
+        exit_timeout_seconds: float = 5.0,
+    ) -> None:
+        if health_timeout_seconds is None:
+            health_timeout_seconds = _env_float(dict(os.environ), ENV_TIMEOUT, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S
+        _require(_is_number(health_timeout_seconds) and health_timeout_seconds > 0,
+                 "health_timeout_seconds", "a number > 0", health_timeout_seconds)
+        if probes is not None and (isinstance(probes, (str, bytes)) or not hasattr(probes, "__iter__")):
+            raise ValueError(f"GracefulTermination: `probes` must be a sequence of probes or None, got {probes!r}")
+        try:
+            self._health_check = NodeHealthCheck(
+                default_probes() if probes is None else list(probes),
+                timeout_s=float(health_timeout_seconds), overrun_is_unhealthy=overrun_is_unhealthy)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"GracefulTermination: bad `probes`: {exc}") from None
+        _require(grace_seconds is None or (_is_number(grace_seconds) and grace_seconds > 0),
+                 "grace_seconds", "None or a number > 0", grace_seconds)
+        self.grace_seconds, self.grace_source = resolve_grace_seconds(grace_seconds)
+        _require(isinstance(margin_steps, int) and not isinstance(margin_steps, bool) and margin_steps >= 1,
+                 "margin_steps", "an int >= 1", margin_steps)
+        _require(store is None or all(callable(getattr(store, m, None)) for m in _STORE_METHODS),
+                 "store", f"None or a torch.distributed.Store (with {', '.join(_STORE_METHODS)})", store)
+        self.signals = _validate_signals(signals)
+        _require(_is_number(save_safety_factor) and save_safety_factor >= 1,
+                 "save_safety_factor", "a number >= 1", save_safety_factor)
+        _require(_is_number(exit_reserve_seconds) and exit_reserve_seconds >= 0,
+                 "exit_reserve_seconds", "a number >= 0", exit_reserve_seconds)
+        _require(_is_number(exit_timeout_seconds) and exit_timeout_seconds > 0,
+                 "exit_timeout_seconds", "a number > 0", exit_timeout_seconds)
+        _require(exit_reserve_seconds < self.grace_seconds, "exit_reserve_seconds",
+                 f"smaller than the grace period ({self.grace_seconds:g} s from {self.grace_source})",
+                 exit_reserve_seconds)
+        self.margin_steps = margin_steps
+        self.save_safety_factor = float(save_safety_factor)
+        self.exit_reserve_seconds = float(exit_reserve_seconds)
+        self.exit_timeout_seconds = float(exit_timeout_seconds)
+        self._store_override = store
+
+        self._lock = threading.Lock()
+        self._unhealthy_exit_lock = threading.Lock()
+        self._listener: SignalListener | None = None
+        self._termination: _Termination | None = None
+        self._trainer: pl.Trainer | None = None
+        self._coordinator: StoreStopCoordinator | LocalStopCoordinator = LocalStopCoordinator()
+        self._background_coordinator: StoreStopCoordinator | LocalStopCoordinator = self._coordinator
+        self._restore_handlers: dict[int, Any] = {}
+        self._fit_active = False
+        self._last_boundary_step = -1
+        self._store_error_logged = False
+        self._rank = 0
+        self._world_size = 1
+
+    @property
+    def health_check(self) -> NodeHealthCheck:
+        return self._health_check
+
+    # ---- installation ---------------------------------------------------------------
+    # Lightning registers its own SIGTERM handler just before the run stage and calls it
+    # *before* any handler that existed then; its handler broadcasts inside the signal
+    # handler and deadlocks DDP when one non-zero rank is signalled. Installing in
+    # on_sanity_check_start / on_train_start replaces it instead.
+
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer)
+
+    def _install(self, trainer: pl.Trainer) -> None:
+        if self._listener is not None:
+            return
+        self._trainer = trainer
+        self._rank, self._world_size = trainer.global_rank, trainer.world_size
+        self._termination = None
+        self._store_error_logged = False
+        self._coordinator = self._make_coordinator(next(_fit_counter))
+        self._background_coordinator = self._coordinator.clone()
+        self._last_boundary_step = trainer.global_step
+        # Lightning's teardown restores the handlers it found before fit; restore to
+        # those as well, never to Lightning's own (collective-calling) handler.
+        original = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", {}) or {}
+        self._restore_handlers = {s: original.get(s) for s in self.signals}
+        self._fit_active = True
+        self._listener = SignalListener(self.signals, self._on_signal)
+        if self._listener.install():
+            log.info("rank %d: handling %s (grace %.0f s from %s, health check %.1f s, %d probes)",
+                     self._rank, "/".join(signal.Signals(s).name for s in self.signals), self.grace_seconds,
+                     self.grace_source, self._health_check.timeout_s, len(self._health_check.probes))
+        else:
+            self._listener = None
+
+    def _make_coordinator(self, fit_index: int) -> StoreStopCoordinator | LocalStopCoordinator:
+        if self._world_size <= 1:
+            return LocalStopCoordinator()
+        import torch.distributed as dist
+
+        store = self._store_override
+        if store is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                log.warning("rank %d: world size %d but no process group; ranks cannot agree on a stop step",
+                            self._rank, self._world_size)
+                return LocalStopCoordinator()
+            store = dist.distributed_c10d._get_default_store()
+        prefix = f"lightning_ft/termination/{fit_index}/"
+        return StoreStopCoordinator(dist.PrefixStore(prefix, store), self._rank, self._world_size)
+
+    def _finish(self, trainer: pl.Trainer | None = None, exiting: bool = False) -> None:
+        """Stop watching and put the pre-fit handlers back; nothing of ours stays installed.
+
+        With ``exiting`` (the decision is made and the process is on its way out) the
+        signals are ignored instead, here and in what Lightning's teardown restores: a
+        second SIGTERM -- torchrun sends one to every worker as soon as one worker exits
+        non-zero, a scheduler may repeat it -- would otherwise kill the process with
+        -15 during interpreter shutdown and replace the exit code we decided. SIGKILL
+        and our exit watchdog still bound the exit.
+        """
+        self._fit_active = False
+        if self._listener is None:
+            return
+        restore = dict(self._restore_handlers)
+        if exiting:
+            restore = {s: signal.SIG_IGN for s in self.signals}
+            original = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
+            if isinstance(original, dict):
+                original.update(restore)
+        self._listener.uninstall(restore=restore)
+        self._listener = None
+
+    # ---- learning about a termination ---------------------------------------------------
+
+    def _on_signal(self, signum: int, seen_at: float) -> None:  # watcher thread
+        name = signal.Signals(signum).name
+        step = self._trainer.global_step if self._trainer is not None else -1
+        log.warning("rank %d: %s received during step %d; starting the health check, stopping at an agreed step",
+                    self._rank, name, step + 1)
+        self._begin(signum, seen_at, f"{name} received")
+
+    def _begin(self, signum: int, started_at: float, cause: str) -> _Termination:
+        with self._lock:
+            if self._termination is not None:
+                return self._termination
+            termination = _Termination(signum, started_at, cause)
+            self._termination = termination
+        termination.watchdog.arm(started_at + max(0.0, self.grace_seconds - self.exit_reserve_seconds / 2))
+        _disarm_lightning_child_observer(self._rank)
+        threading.Thread(target=self._run_health_check, args=(termination,),
+                         name="lightning-ft-health", daemon=True).start()
+        return termination
+
+    def _run_health_check(self, termination: _Termination) -> None:  # health thread
+        report = self._health_check.run(deadline=termination.started_at + self._health_check.timeout_s)
+        termination.report = report
+        termination.report_ready.set()
+        after_ms = (time.monotonic() - termination.started_at) * 1000
+        if report.healthy:
+            log.warning("rank %d: health check: %s; ready %.0f ms after the signal", self._rank,
+                        report.summary(), after_ms)
+        elif self._fit_active:
+            self._exit_unhealthy(termination, report)
+        else:
+            log.warning("rank %d: health check: %s (training already over; not exiting)", self._rank,
+                        report.summary())
+
+    def _exit_unhealthy(self, termination: _Termination, report: HealthReport) -> None:
+        """Publish "unhealthy, exiting" and leave at once, without saving. Never returns."""
+        with self._unhealthy_exit_lock:  # a second caller blocks here until the process is gone
+            decision = decide_on_termination(
+                healthy=False, health_reasons=report.reasons, has_emergency_checkpoint=False,
+                budget_left_s=0.0, estimated_save_s=None, signum=termination.signum)
+            step = self._trainer.global_step if self._trainer is not None else -1
+            log.error("rank %d: %s; health check took %.0f ms, exiting %.0f ms after the signal at step %d",
+                      self._rank, decision.describe(), report.duration_s * 1000,
+                      (time.monotonic() - termination.started_at) * 1000, step)
+            if self._world_size > 1:
+                coordinator = self._background_coordinator
+                run_with_timeout(lambda: coordinator.announce_unhealthy(step, termination.signum, report.reasons),
+                                 _ANNOUNCE_TIMEOUT_S, f"rank {self._rank}: announcing the unhealthy exit")
+            exit_now(decision.exit_code)
+
+    # ---- the step boundary ----------------------------------------------------------
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._listener is None:
+            return
+        step = trainer.global_step
+        if step == self._last_boundary_step:  # inside a gradient-accumulation window: not a boundary
+            return
+        self._last_boundary_step = step
+        termination = self._termination
+        received = self._listener.received
+        if termination is None and received is not None:  # the watcher has not run yet
+            termination = self._begin(received[0], received[1], f"{signal.Signals(received[0]).name} received")
+        try:
+            stop = termination.stop if termination is not None else None
+            if stop is None:
+                if termination is not None:
+                    stop = self._coordinator.propose(step + self._propose_margin(), termination.signum,
+                                                     f"rank {self._rank}: {termination.cause}")
+                    log.warning("rank %d: at step %d; agreed stop after step %d (proposed by rank %d: %s)",
+                                self._rank, step, stop.step, stop.rank, stop.reason)
+                else:
+                    stop = self._coordinator.poll()
+                    if stop is None:
+                        return
+                    termination = self._begin(stop.signum, time.monotonic(), f"stop requested by rank {stop.rank}")
+                    log.warning("rank %d: at step %d; peer asked to stop after step %d (%s)",
+                                self._rank, step, stop.step, stop.reason)
+                termination.stop = stop
+            peer_unhealthy = self._coordinator.any_peer_unhealthy()
+        except Exception as exc:  # a broken store shows up as a collective error soon; do not add one
+            if not self._store_error_logged:
+                self._store_error_logged = True
+                log.warning("rank %d: cannot reach the store at step %d: %s: %s", self._rank, step,
+                            type(exc).__name__, exc)
+            return
+        if step >= stop.step or peer_unhealthy:
+            if step > stop.step:
+                log.warning("rank %d: already past the agreed stop (%d > %d); stopping now",
+                            self._rank, step, stop.step)
+            self._stop_here(trainer, termination, step, peer_unhealthy)
+
+    def _propose_margin(self) -> int:
+        # Why margin_steps=1 is enough under DDP. Every optimizer step ends with a
+        # gradient all-reduce (on the last micro-batch of an accumulation window; the
+        # others run under no_sync, so "step" here always means optimizer step). A rank
+        # cannot finish that all-reduce before every other rank has entered it. When
+        # rank A proposes at its boundary after step g, its compare_set has completed
+        # (request/response) before A enters step g+1's all-reduce, so any rank B that
+        # finishes step g+1 does so after the key exists and sees it at its boundary g+1
+        # at the latest; a rank that checks earlier sees it before g+1. So every rank
+        # learns of stop = g+1 no later than at step g+1, and none can have passed it.
+        # Later proposals lose the compare_set and adopt the first value, which by the
+        # same argument is never behind them. Checks run only at optimizer-step
+        # boundaries (global_step changed), so ranks never stop inside an accumulation
+        # window, where the accumulated gradients would be lost. A larger margin only
+        # buys tolerance for strategies that do not synchronize every optimizer step
+        # (e.g. local SGD), at the price of one step of the grace period per unit.
+        # A single process has nobody to wait for and stops at its first boundary.
+        return self.margin_steps if self._world_size > 1 else 0
+
+    def _stop_here(self, trainer: pl.Trainer, termination: _Termination, step: int, peer_unhealthy: bool) -> None:
+        peers = self._unhealthy_peers() if peer_unhealthy else {}
+        where = (f"stopping at step {step}: peer(s) exited unhealthy {peers}" if peer_unhealthy
+                 else f"reached the agreed stop step {step}")
+        code, decision = self._decide_and_execute(trainer, termination, step, where)
+        self._finish(trainer, exiting=True)
+        plan_exit(destroy_process_group=True)
+        termination.watchdog.arm(time.monotonic() + self.exit_timeout_seconds)
+        raise TerminationExit(code, decision.describe())
+
+    def _unhealthy_peers(self) -> dict[int, list[str]]:
+        found: dict[int, list[str]] = {}
+
+        def _ask() -> None:
+            found.update(self._coordinator.unhealthy_peers())
+
+        run_with_timeout(_ask, 1.0, f"rank {self._rank}: reading unhealthy peers")
+        return found
+
+    # ---- the decision -------------------------------------------------------------------
+
+    def _decide_and_execute(self, trainer: pl.Trainer, termination: _Termination, step: int,
+                            where: str) -> tuple[int, Decision]:
+        report = self._await_report(termination)
+        if not report.healthy:
+            self._exit_unhealthy(termination, report)
+        checkpoint = _find_emergency_checkpoint(trainer)
+        estimate = None
+        if checkpoint is not None:
+            try:
+                estimate = checkpoint.estimated_save_seconds()
+            except Exception:
+                log.exception("rank %d: EmergencyCheckpoint.estimated_save_seconds() failed", self._rank)
+        left = budget_left(grace_s=self.grace_seconds, signal_time=termination.started_at,
+                           now=time.monotonic(), exit_reserve_s=self.exit_reserve_seconds)
+        decision = decide_on_termination(
+            healthy=True, has_emergency_checkpoint=checkpoint is not None, budget_left_s=left,
+            estimated_save_s=estimate, signum=termination.signum, save_safety_factor=self.save_safety_factor)
+        elapsed_ms = (time.monotonic() - termination.started_at) * 1000
+        log.warning("rank %d: %s, %.0f ms after %s; health: %s; decision: %s", self._rank, where, elapsed_ms,
+                    termination.cause, report.summary(), decision.describe())
+        code = decision.exit_code
+        if decision.action is Action.SAVE_THEN_EXIT:
+            started = time.monotonic()
+            try:
+                info = checkpoint.save_now(trainer, reason=f"{termination.cause}; stop after step {step}")
+            except Exception:
+                code = not_saved_exit_code(termination.signum)
+                log.exception("rank %d: emergency snapshot failed; exiting with %d (state NOT saved)",
+                              self._rank, code)
+            else:
+                log.warning("rank %d: emergency snapshot of step %d committed in %.2f s (%s); exiting with %d",
+                            self._rank, step, time.monotonic() - started, info, code)
+        else:
+            log.warning("rank %d: exiting with %d without a snapshot", self._rank, code)
+        termination.exit_code_if_killed = code
+        return code, decision
+
+    def _await_report(self, termination: _Termination) -> HealthReport:
+        # NodeHealthCheck returns by its deadline; the slack only covers thread start-up.
+        remaining = termination.started_at + self._health_check.timeout_s + 0.5 - time.monotonic()
+        if termination.report_ready.wait(max(0.0, remaining)) and termination.report is not None:
+            return termination.report
+        healthy = not self._health_check.overrun_is_unhealthy
+        result = ProbeResult("health-check", healthy, "no report by the deadline", self._health_check.timeout_s,
+                             overran=True)
+        return HealthReport(healthy, (result,), self._health_check.timeout_s)
+
+    # ---- the exception path and the end of fit -----------------------------------------
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._listener is None or isinstance(exception, TerminationExit):
+            return
+        termination = self._termination
+        received = self._listener.received
+        if termination is None and received is not None:
+            termination = self._begin(received[0], received[1], f"{signal.Signals(received[0]).name} received")
+        peers: dict[int, list[str]] = {}
+        if self._world_size > 1:
+            # A peer that left (unhealthy, or killed) makes our current collective fail;
+            # the store says whether that is part of a termination.
+            learned: dict[str, Any] = {}
+
+            def _ask() -> None:
+                learned["stop"] = self._coordinator.poll()
+                learned["peers"] = self._coordinator.unhealthy_peers()
+
+            run_with_timeout(_ask, 2.0, f"rank {self._rank}: asking the store about a termination")
+            stop, peers = learned.get("stop"), learned.get("peers") or {}
+            if termination is None and stop is not None:
+                termination = self._begin(stop.signum, time.monotonic(), f"stop requested by rank {stop.rank}")
+            if termination is not None and termination.stop is None:
+                termination.stop = stop
+        if termination is None:  # an ordinary failure: not ours to handle
+            self._finish()
+            return
+        step = trainer.global_step
+        where = (f"{type(exception).__name__} during the termination (unhealthy peers: {peers or 'none'}); "
+                 f"saving from the last completed step {step}")
+        code, _ = self._decide_and_execute(trainer, termination, step, where)
+        self._finish(trainer, exiting=True)
+        # Lightning re-raises the original exception (exit status 1); make the status ours.
+        plan_exit(destroy_process_group=True, force_code=code)
+        termination.watchdog.arm(time.monotonic() + self.exit_timeout_seconds)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        termination = self._termination
+        if termination is not None:
+            log.warning("rank %d: training finished at step %d before the agreed stop (%s); nothing to save",
+                        self._rank, trainer.global_step, termination.stop)
+            termination.watchdog.disarm()
+        self._finish()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._finish()
+
+
+def _find_emergency_checkpoint(trainer: pl.Trainer) -> Any | None:
+    for callback in trainer.callbacks:
+        if callable(getattr(callback, "save_now", None)) and callable(getattr(callback, "estimated_save_seconds",
+                                                                              None)):
+            return callback
+    return None
+
+
+def _disarm_lightning_child_observer(rank: int) -> None:
+    # Under Lightning's popen `ddp` launcher, rank 0 runs a thread that SIGKILLs rank 0
+    # and all children as soon as any child exits non-zero -- which every rank now does
+    # on purpose (81/82/143), possibly while rank 0 is still writing its snapshot.
+    for thread in threading.enumerate():
+        if type(thread).__name__ == "_ChildProcessObserver" and thread.is_alive():
+            thread._run = lambda: True  # type: ignore[attr-defined]  # its loop ends at the next poll
+            log.info("rank %d: disabled Lightning's child-process observer for the termination", rank)
+
+
+def _validate_signals(signals: Sequence[int]) -> tuple[signal.Signals, ...]:
+    try:
+        values = tuple(signal.Signals(s) for s in signals)
+    except (TypeError, ValueError):
+        raise ValueError(f"GracefulTermination: `signals` must be signal numbers, got {signals!r}") from None
+    _require(bool(values), "signals", "at least one signal", signals)
+    bad = [s.name for s in values if s in (signal.SIGKILL, signal.SIGSTOP)]
+    _require(not bad, "signals", "catchable signals (not SIGKILL/SIGSTOP)", signals)
+    return values
+
+
+def _require(ok: bool, name: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"GracefulTermination: `{name}` must be {expected}, got {value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+__all__ = ["GracefulTermination", "TerminationExit"]

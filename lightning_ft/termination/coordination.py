@@ -1,0 +1,125 @@
+"""Agreeing on a common stop step through a ``torch.distributed`` Store, without collectives.
+
+Any rank that sees a termination signal proposes ``stop = its step + margin`` with
+``compare_set`` (first writer wins); every rank checks the key at each optimizer-step
+boundary with ``check`` (a few microseconds on a TCPStore). A node that exits as
+unhealthy publishes that first, so its peers know why their next collective fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STOP_KEY = "stop"
+UNHEALTHY_COUNT_KEY = "unhealthy_count"
+
+
+def _unhealthy_key(rank: int) -> str:
+    return f"unhealthy/{rank}"
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """The agreed stop: every rank stops after optimizer step ``step``."""
+
+    step: int
+    rank: int  # who proposed it
+    signum: int
+    reason: str
+
+    def encode(self) -> str:
+        return json.dumps({"step": self.step, "rank": self.rank, "signum": self.signum, "reason": self.reason})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "StopRequest":
+        data = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        return cls(int(data["step"]), int(data["rank"]), int(data["signum"]), str(data["reason"]))
+
+
+class StoreStopCoordinator:
+    """Stop-step agreement and unhealthy-peer notices over a (prefixed) Store."""
+
+    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+
+    def clone(self) -> "StoreStopCoordinator":
+        """A coordinator on its own connection, for use from another thread."""
+        clone = getattr(self.store, "clone", None)
+        store = self.store
+        if callable(clone):
+            try:
+                store = clone()
+            except Exception:  # not every Store type can clone; the TCPStore client is locked anyway
+                log.debug("store clone failed; sharing the connection", exc_info=True)
+        return StoreStopCoordinator(store, self.rank, self.world_size)
+
+    def propose(self, step: int, signum: int, reason: str) -> StopRequest:
+        """Propose stopping after ``step``; returns the agreed request (possibly an earlier one)."""
+        mine = StopRequest(step, self.rank, signum, reason)
+        current = self.store.compare_set(STOP_KEY, "", mine.encode())
+        return StopRequest.decode(current)
+
+    def poll(self) -> StopRequest | None:
+        if not self.store.check([STOP_KEY]):
+            return None
+        return StopRequest.decode(self.store.get(STOP_KEY))
+
+    def announce_unhealthy(self, step: int, signum: int, reasons: list[str]) -> StopRequest:
+        """Tell peers this rank is leaving as unhealthy (and ask them to stop).
+
+        Ends with a request/response operation (``add``), so everything before it has
+        reached the store when this returns, even if the process exits right after.
+        """
+        agreed = self.propose(step, signum, f"rank {self.rank} unhealthy")
+        self.store.set(_unhealthy_key(self.rank), json.dumps({"step": step, "reasons": list(reasons)}))
+        self.store.add(UNHEALTHY_COUNT_KEY, 1)
+        return agreed
+
+    def any_peer_unhealthy(self) -> bool:
+        return bool(self.store.check([UNHEALTHY_COUNT_KEY]))
+
+    def unhealthy_peers(self) -> dict[int, list[str]]:
+        """rank -> reasons, for every rank that announced itself unhealthy."""
+        if not self.any_peer_unhealthy():
+            return {}
+        peers: dict[int, list[str]] = {}
+        for rank in range(self.world_size):
+            if rank != self.rank and self.store.check([_unhealthy_key(rank)]):
+                peers[rank] = list(json.loads(self.store.get(_unhealthy_key(rank)).decode())["reasons"])
+        return peers
+
+
+class LocalStopCoordinator:
+    """The single-process stand-in: no peers, the proposer always wins."""
+
+    def __init__(self) -> None:
+        self.rank = 0
+        self.world_size = 1
+        self._stop: StopRequest | None = None
+
+    def clone(self) -> "LocalStopCoordinator":
+        return self
+
+    def propose(self, step: int, signum: int, reason: str) -> StopRequest:
+        if self._stop is None:
+            self._stop = StopRequest(step, 0, signum, reason)
+        return self._stop
+
+    def poll(self) -> StopRequest | None:
+        return self._stop
+
+    def announce_unhealthy(self, step: int, signum: int, reasons: list[str]) -> StopRequest:
+        return self.propose(step, signum, "rank 0 unhealthy")
+
+    def any_peer_unhealthy(self) -> bool:
+        return False
+
+    def unhealthy_peers(self) -> dict[int, list[str]]:
+        return {}

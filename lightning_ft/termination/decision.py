@@ -1,0 +1,135 @@
+"""Pure decisions for the SIGTERM path: what to do, with which exit code, and why.
+
+No I/O, no clocks: callers pass in times and measurements, so these are unit-testable
+with a fake clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+from dataclasses import dataclass
+from typing import Mapping
+
+from lightning_ft.exit_codes import ExitCode
+
+DEFAULT_GRACE_SECONDS = 30.0
+ENV_GRACE_SECONDS = "LIGHTNING_FT_GRACE_SECONDS"
+# torchrun SIGKILLs its workers this long after forwarding SIGTERM. The agent reads
+# `--shutdown-timeout`, else PET_SHUTDOWN_TIMEOUT (its env-backed flag), else
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s. Workers inherit the two environment
+# variables but never see the command-line flag.
+TORCHELASTIC_SHUTDOWN_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+
+
+class Action(enum.Enum):
+    SAVE_THEN_EXIT = "save-then-exit"
+    EXIT_WITHOUT_SAVE = "exit-without-save"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What this node does after the stop step; ``exit_code`` assumes the action succeeds."""
+
+    action: Action
+    exit_code: int
+    reasons: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"{self.action.value} (exit {self.exit_code}): {'; '.join(self.reasons)}"
+
+
+def not_saved_exit_code(signum: int) -> int:
+    """Exit code when this stop saved no emergency snapshot: 128 + signal, like a signal death.
+
+    ``PREEMPTED`` (81) promises "state saved"; when nothing was saved the truthful code is
+    the conventional "terminated by SIGTERM" 143, which schedulers also treat as a
+    requeueable termination but which no rule for 81 will mistake for a saved state.
+    """
+    return 128 + int(signum)
+
+
+def decide_on_termination(
+    *,
+    healthy: bool,
+    health_reasons: tuple[str, ...] | list[str] = (),
+    has_emergency_checkpoint: bool,
+    budget_left_s: float,
+    estimated_save_s: float | None,
+    signum: int = signal.SIGTERM,
+    save_safety_factor: float = 1.5,
+) -> Decision:
+    """Decide between an emergency snapshot and an exit without one.
+
+    Args:
+        healthy: verdict of the node-health check (an overrun already counted per policy).
+        health_reasons: why the node is unhealthy, for the log.
+        has_emergency_checkpoint: an ``EmergencyCheckpoint`` is in ``trainer.callbacks``.
+        budget_left_s: seconds left before the expected SIGKILL, minus the exit reserve.
+        estimated_save_s: measured cost of recent snapshots (``None`` = never measured).
+        signum: the signal that started the termination (for the not-saved exit code).
+        save_safety_factor: the estimate is multiplied by this before comparing.
+    """
+    if not healthy:
+        reasons = tuple(health_reasons) or ("health check failed",)
+        return Decision(Action.EXIT_WITHOUT_SAVE, int(ExitCode.UNHEALTHY_NODE),
+                        ("node unhealthy, healthy peers hold the state", *reasons))
+    not_saved = not_saved_exit_code(signum)
+    if not has_emergency_checkpoint:
+        return Decision(Action.EXIT_WITHOUT_SAVE, not_saved,
+                        ("no EmergencyCheckpoint callback configured: nothing saved at this stop",))
+    if budget_left_s <= 0:
+        return Decision(Action.EXIT_WITHOUT_SAVE, not_saved,
+                        (f"no time left before the grace period ends ({budget_left_s:.2f} s)",))
+    if estimated_save_s is None:
+        return Decision(Action.SAVE_THEN_EXIT, int(ExitCode.PREEMPTED),
+                        (f"node healthy; save cost not measured yet, trying with {budget_left_s:.1f} s left",))
+    needed = estimated_save_s * save_safety_factor
+    if needed > budget_left_s:
+        return Decision(Action.EXIT_WITHOUT_SAVE, not_saved,
+                        (f"save would not fit: needs ~{needed:.2f} s ({estimated_save_s:.2f} s x "
+                         f"{save_safety_factor:g}), {budget_left_s:.2f} s left",))
+    return Decision(Action.SAVE_THEN_EXIT, int(ExitCode.PREEMPTED),
+                    (f"node healthy; save needs ~{needed:.2f} s, {budget_left_s:.2f} s left",))
+
+
+def budget_left(*, grace_s: float, signal_time: float, now: float, exit_reserve_s: float) -> float:
+    """Seconds still usable for a save: grace minus time since the signal minus the exit reserve."""
+    return grace_s - (now - signal_time) - exit_reserve_s
+
+
+def resolve_grace_seconds(explicit: float | None, env: Mapping[str, str] | None = None) -> tuple[float, str]:
+    """Grace period (seconds from SIGTERM to SIGKILL) and where it came from.
+
+    ``explicit`` (constructor argument) wins; else ``LIGHTNING_FT_GRACE_SECONDS``; else
+    30 s (Kubernetes ``terminationGracePeriodSeconds``, SLURM ``KillWait`` and torchrun
+    defaults). Under torchrun, its shutdown timeout caps the result, because the agent
+    SIGKILLs the workers after it no matter what the scheduler allows.
+    """
+    env = os.environ if env is None else env
+    if explicit is not None:
+        grace, source = float(explicit), "grace_seconds argument"
+    elif env.get(ENV_GRACE_SECONDS, "").strip():
+        grace, source = _positive_env(env, ENV_GRACE_SECONDS), ENV_GRACE_SECONDS
+    else:
+        grace, source = DEFAULT_GRACE_SECONDS, "default"
+    if env.get("TORCHELASTIC_RUN_ID"):  # launched by torchrun / torchelastic
+        for key in TORCHELASTIC_SHUTDOWN_ENV:
+            if env.get(key, "").strip():
+                agent_timeout = _positive_env(env, key)
+                if agent_timeout < grace:
+                    grace, source = agent_timeout, f"{key} (torchrun SIGKILLs workers after it)"
+                break
+    return grace, source
+
+
+def _positive_env(env: Mapping[str, str], key: str) -> float:
+    raw = env[key].strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"environment variable {key}={raw!r} must be > 0 seconds")
+    return value

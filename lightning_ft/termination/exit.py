@@ -1,0 +1,175 @@
+"""Making the process really exit, with the code we decided, within bounded time."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Callable, NoReturn
+
+log = logging.getLogger(__name__)
+
+
+class TerminationExit(SystemExit):
+    """Raised at the agreed stop step; ``code`` is the process exit code.
+
+    A ``SystemExit`` so that Lightning runs its interrupt handling (``on_exception`` of
+    every callback, logger finalization, teardown) and the interpreter then exits with
+    ``code`` -- unlike Lightning's ``SIGTERMException``, whose code is ``None`` (exit 0).
+    """
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"exit {self.code}: {self.message}"
+
+
+def flush_output(timeout_s: float = 0.2) -> None:
+    """Flush stdio and logging handlers, giving up after ``timeout_s`` (a stalled pipe must not block an exit)."""
+
+    def _flush() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                           if isinstance(lg, logging.Logger)]
+        for logger in loggers:
+            for handler in logger.handlers:
+                try:
+                    handler.flush()
+                except Exception:
+                    pass
+
+    thread = threading.Thread(target=_flush, name="lightning-ft-flush", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush what can be flushed and leave immediately (no atexit, no finalizers).
+
+    Used for the unhealthy-node exit and by the watchdog. ``os._exit`` also skips C++
+    static destructors, so gloo's abort-at-exit (which needs interpreter finalization)
+    cannot happen on this path and the process group need not be destroyed first.
+    """
+    flush_output()
+    os._exit(int(code))
+
+
+def run_with_timeout(fn: Callable[[], object], timeout_s: float, what: str) -> bool:
+    """Run ``fn`` in a daemon thread; True if it finished (without raising) in time."""
+    outcome: list[bool] = []
+
+    def _target() -> None:
+        try:
+            fn()
+            outcome.append(True)
+        except Exception as exc:
+            log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
+            outcome.append(False)
+
+    thread = threading.Thread(target=_target, name="lightning-ft-bounded", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("%s did not finish within %.2f s; going on without it", what, timeout_s)
+        return False
+    return bool(outcome and outcome[0])
+
+
+class ExitWatchdog:
+    """Forces ``os._exit(code_fn())`` if the process is still alive at the deadline.
+
+    The deadline can only move earlier. Daemon threads keep running through
+    ``atexit`` and while the interpreter waits for non-daemon threads, which are the
+    places a "finished" process can still hang (a barrier in another callback, a
+    destroy of a broken process group, a user thread).
+    """
+
+    def __init__(self, code_fn: Callable[[], int], what: str) -> None:
+        self._code_fn = code_fn
+        self._what = what
+        self._deadline: float | None = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._disarmed = False
+
+    def arm(self, deadline: float) -> None:
+        with self._cond:
+            if self._disarmed:
+                return
+            if self._deadline is None or deadline < self._deadline:
+                self._deadline = deadline
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lightning-ft-exit-watchdog", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._disarmed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._disarmed:
+                remaining = self._deadline - time.monotonic()  # type: ignore[operator]
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            if self._disarmed:
+                return
+        code = self._code_fn()
+        log.error("%s: process still alive at its exit deadline; forcing exit %d now", self._what, code)
+        exit_now(code)
+
+
+# --- at interpreter exit ----------------------------------------------------------------
+# Registered when this module is imported (normally when GracefulTermination is built,
+# before the training run registers its own handlers), so it runs after the handlers
+# registered later, e.g. by loggers that start during fit.
+_exit_plan: dict[str, object] = {"destroy_process_group": False, "force_code": None}
+
+
+def plan_exit(*, destroy_process_group: bool = True, force_code: int | None = None) -> None:
+    """At interpreter exit: destroy the default process group; optionally force the exit code.
+
+    ``force_code`` is for exits that Lightning reports as an ordinary exception (a peer
+    vanished during the termination): the traceback is printed as usual, then the
+    process exits with the code we decided instead of 1. Handlers registered with
+    :mod:`atexit` before this module was imported are skipped in that case; logging is
+    flushed explicitly.
+    """
+    _exit_plan["destroy_process_group"] = destroy_process_group
+    if force_code is not None:
+        _exit_plan["force_code"] = int(force_code)
+
+
+def destroy_process_group_if_initialized() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+            log.debug("destroyed the default process group")
+    except Exception as exc:  # a broken group may refuse; exiting matters more
+        log.warning("destroying the process group failed: %s: %s", type(exc).__name__, exc)
+
+
+def _at_exit() -> None:
+    if _exit_plan["destroy_process_group"]:
+        destroy_process_group_if_initialized()
+    code = _exit_plan["force_code"]
+    if code is not None:
+        exit_now(int(code))  # type: ignore[arg-type]
+
+
+atexit.register(_at_exit)

@@ -1,0 +1,150 @@
+"""Signal handling that only records: the handler stores (signal, time) and returns.
+
+Everything else happens in a watcher thread. Python runs signal handlers in the main
+thread between bytecodes, so a main thread blocked in C++ (a collective, a long
+backward) would delay them indefinitely. The watcher therefore also listens on the
+interpreter's signal wakeup fd, which the C-level handler writes to the moment the
+signal arrives; when another component already owns that fd (asyncio), the watcher
+falls back to polling the recorded flag.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import signal
+import socket
+import threading
+import time
+from typing import Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+_POLL_INTERVAL_S = 0.1
+_STOP_SENTINEL = b"\x00"  # signal 0 does not exist, so this byte can never be a real signal
+
+
+class SignalListener:
+    """Installs recording handlers for ``signals`` and calls ``on_signal(signum, t)`` from a thread.
+
+    ``t`` is the :func:`time.monotonic` time the signal was first seen. ``on_signal`` runs
+    at most once per listener, never inside the signal handler.
+    """
+
+    def __init__(self, signals: Sequence[int], on_signal: Callable[[int, float], None]) -> None:
+        self.signals = [signal.Signals(s) for s in signals]
+        self._on_signal = on_signal
+        self._recorded: tuple[int, float] | None = None  # written only by the handler
+        self._first: tuple[int, float] | None = None
+        self._first_lock = threading.Lock()
+        self._previous: dict[int, object] = {}
+        self._previous_wakeup_fd = -1
+        self._owns_wakeup_fd = False
+        self._reader: socket.socket | None = None
+        self._writer: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.installed = False
+
+    # -- the handler: records and returns, nothing else (no locks, no I/O, no collectives)
+    def _handler(self, signum: int, frame: object) -> None:
+        if self._recorded is None:
+            self._recorded = (signum, time.monotonic())
+
+    @property
+    def received(self) -> tuple[int, float] | None:
+        """(signum, monotonic time) of the first signal, as seen by the handler or the watcher."""
+        return self._first or self._recorded
+
+    def install(self) -> bool:
+        """Install the handlers (main thread only). Returns False when that is impossible."""
+        if self.installed:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("signal handlers can only be installed from the main thread; %s will not be handled",
+                        ", ".join(s.name for s in self.signals))
+            return False
+        self._reader, self._writer = socket.socketpair()
+        self._reader.setblocking(False)
+        self._writer.setblocking(False)
+        try:
+            self._previous_wakeup_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+            self._owns_wakeup_fd = True
+            if self._previous_wakeup_fd != -1:  # someone else (asyncio) relies on it: give it back, poll instead
+                signal.set_wakeup_fd(self._previous_wakeup_fd)
+                self._owns_wakeup_fd = False
+        except (ValueError, OSError):
+            self._owns_wakeup_fd = False
+        for signum in self.signals:
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._handler)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._watch, name="lightning-ft-signal-watcher", daemon=True)
+        self._thread.start()
+        self.installed = True
+        return True
+
+    def uninstall(self, restore: dict[int, object] | None = None) -> None:
+        """Put back handlers (``restore[signum]`` if given, else what ``install`` replaced)."""
+        if not self.installed:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("cannot restore signal handlers outside the main thread")
+            return
+        for signum in self.signals:
+            target = (restore or {}).get(signum)
+            if target is None:
+                target = self._previous.get(signum, signal.SIG_DFL)
+            if signal.getsignal(signum) == self._handler:
+                signal.signal(signum, target)  # type: ignore[arg-type]
+        if self._owns_wakeup_fd:
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            self._owns_wakeup_fd = False
+        self._stopping = True
+        try:
+            self._writer.send(_STOP_SENTINEL)  # type: ignore[union-attr]
+        except OSError:
+            pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        for sock in (self._reader, self._writer):
+            if sock is not None:
+                sock.close()
+        self._reader = self._writer = None
+        self.installed = False
+
+    def _watch(self) -> None:
+        reader = self._reader
+        wanted = {int(s) for s in self.signals}
+        while not self._stopping:
+            try:
+                ready, _, _ = select.select([reader], [], [], _POLL_INTERVAL_S)
+            except (OSError, ValueError):  # socket closed under us during uninstall
+                return
+            now = time.monotonic()
+            if ready:
+                try:
+                    data = reader.recv(256)  # type: ignore[union-attr]
+                except (BlockingIOError, OSError):
+                    data = b""
+                for byte in data:
+                    if byte in wanted:
+                        self._note(byte, now)
+            recorded = self._recorded
+            if recorded is not None:
+                self._note(*recorded)
+
+    def _note(self, signum: int, when: float) -> None:
+        with self._first_lock:
+            if self._first is not None:
+                return
+            recorded = self._recorded  # the handler may have run first and seen it earlier
+            if recorded is not None and recorded[1] < when:
+                signum, when = recorded
+            self._first = (signum, when)
+        if self._stopping:
+            return
+        try:
+            self._on_signal(signum, when)
+        except Exception:  # the watcher must survive a failing callback
+            log.exception("handling signal %s failed", signum)
