@@ -400,25 +400,9 @@ class BarrierRendezvous:
             self.store.add(self.keys.shutdown_acks, 1)
         self._acked = True
 
-    def expected_acknowledgements(self) -> int:
-        """Participants of the newest round that should acknowledge shutdown."""
-        cycle = self._current_cycle()
-        return self.store.add(self.keys.arrived(cycle), 0) - self.store.add(self.keys.withdrawn(cycle), 0)
-
     def _wait_for_acknowledgements(self) -> None:
-        expected = self.expected_acknowledgements()
-        start = self._clock()
-        deadline = start + self.settings.store_grace_timeout
-        acks = self.store.add(self.keys.shutdown_acks, 0)
-        while acks < expected and self._clock() < deadline:
-            self._sleep(0.01)
-            acks = self.store.add(self.keys.shutdown_acks, 0)
-        waited = self._clock() - start
-        if acks >= expected:
-            log.info("store host: all %d participant(s) acknowledged shutdown after %.3fs", expected, waited)
-        else:
-            log.warning("store host: %d of %d participant(s) acknowledged within store_grace_timeout="
-                        "%.1fs; letting the store go", acks, expected, self.settings.store_grace_timeout)
+        wait_for_acknowledgements(self.store, self.keys, self.settings.store_grace_timeout,
+                                  self._clock, self._sleep)
 
     def _start_heartbeat(self) -> None:
         if self._heartbeat_thread is not None:
@@ -443,6 +427,34 @@ class BarrierRendezvous:
 
     def stop_heartbeat(self) -> None:
         self._heartbeat_stop.set()
+
+
+def expected_acknowledgements(store, keys: StoreKeys) -> int:
+    """Participants of the newest round (arrived, not withdrawn): who should acknowledge shutdown."""
+    cycle = int(store.compare_set(keys.cycle, "", "0"))
+    return store.add(keys.arrived(cycle), 0) - store.add(keys.withdrawn(cycle), 0)
+
+
+def wait_for_acknowledgements(store, keys: StoreKeys, timeout: float,
+                              clock: Callable[[], float] = time.monotonic,
+                              sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Wait until every participant acknowledged shutdown, at most ``timeout`` seconds.
+
+    Ends as soon as all acknowledged (no fixed sleep). Returns whether they all did.
+    """
+    expected = expected_acknowledgements(store, keys)
+    start = clock()
+    acks = store.add(keys.shutdown_acks, 0)
+    while acks < expected and clock() - start < timeout:
+        sleep(0.01)
+        acks = store.add(keys.shutdown_acks, 0)
+    waited = clock() - start
+    if acks >= expected:
+        log.info("store host: all %d participant(s) acknowledged shutdown after %.3fs", expected, waited)
+        return True
+    log.warning("store host: %d of %d participant(s) acknowledged within store_grace_timeout=%.1fs; "
+                "letting the store go", acks, expected, timeout)
+    return False
 
 
 @dataclass

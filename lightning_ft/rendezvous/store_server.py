@@ -1,0 +1,79 @@
+"""``lightning-ft store``: a standalone TCPStore for the rendezvous.
+
+Hosting the store in its own process (for example on the login node, or as a small
+pod) means losing any training node never loses the store. With ``--run-id`` the server
+exits by itself once that run is closed for good and its participants acknowledged
+(bounded by ``--grace-timeout``); otherwise it serves until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import signal
+import sys
+import time
+
+from lightning_ft._logging import ensure_log_output
+
+log = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-ft store", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    parser.add_argument("--port", type=int, default=29400, help="port to listen on (default: 29400)")
+    parser.add_argument("--run-id", help="exit when this run is closed for good and acknowledged")
+    parser.add_argument("--grace-timeout", type=float, default=3.0,
+                        help="after the close, wait at most this long for acknowledgements (s)")
+    return parser
+
+
+def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
+          stop_requested=lambda: False) -> int:
+    import torch.distributed as dist
+
+    from lightning_ft.rendezvous.barrier import wait_for_acknowledgements
+    from lightning_ft.rendezvous.keys import StoreKeys
+
+    try:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                              timeout=datetime.timedelta(seconds=60))
+    except (RuntimeError, OSError) as exc:
+        log.error("cannot listen on %s:%d: %s", host, port, exc)
+        return 2
+    print(f"lightning-ft store listening on {host}:{store.port}", flush=True)
+    keys = StoreKeys(run_id) if run_id else None
+    while not stop_requested():
+        if keys is not None and store.check([keys.closed_for_good]):
+            reason = store.get(keys.closed_for_good).decode()
+            log.info("run %s closed for good (%s); waiting for acknowledgements", run_id, reason)
+            wait_for_acknowledgements(store, keys, grace_timeout)
+            return 0
+        time.sleep(0.1)  # short slices: SIGTERM/SIGINT are handled between them
+    log.info("store server stopping on request")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not 0 <= args.port < 65536:
+        print(f"lightning-ft store: --port must be in 0..65535, got {args.port}", file=sys.stderr)
+        return 2
+    if not args.grace_timeout > 0:
+        print(f"lightning-ft store: --grace-timeout must be positive, got {args.grace_timeout}", file=sys.stderr)
+        return 2
+    ensure_log_output()
+    stop = {"requested": False}
+
+    def request_stop(signum, _frame):
+        stop["requested"] = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    return serve(args.host, args.port, args.run_id, args.grace_timeout, lambda: stop["requested"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

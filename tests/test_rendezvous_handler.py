@@ -1,0 +1,140 @@
+"""The torch-facing handler: registry lookup, configuration errors, standalone store server."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from importlib.metadata import entry_points
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousGracefulExitError
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from lightning_ft.rendezvous import RendezvousConfigError
+from lightning_ft.rendezvous.handler import LightningFTRendezvousHandler, parse_endpoint
+from proc_utils import free_port, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def params(port, run_id="h", min_nodes=1, max_nodes=2, **conf):
+    conf.setdefault("heartbeat_interval", "0.05")
+    conf.setdefault("last_call_timeout", "0.1")
+    return RendezvousParameters(backend="lightning_ft", endpoint=f"127.0.0.1:{port}", run_id=run_id,
+                                min_nodes=min_nodes, max_nodes=max_nodes, **conf)
+
+
+def test_entry_point_is_registered_for_torchrun():
+    names = {ep.name: ep.value for ep in entry_points(group="torchrun.handlers")}
+    assert names.get("lightning_ft") == "lightning_ft.rendezvous.handler:torchrun_handler_creator"
+
+
+def test_registry_builds_our_handler_and_a_round_completes(port):
+    handler = get_rendezvous_handler(params(port, store_grace_timeout="0.5"))
+    try:
+        assert isinstance(handler, LightningFTRendezvousHandler)
+        assert handler.get_backend() == "lightning_ft"
+        assert handler.get_run_id() == "h"
+        assert handler.rendezvous.is_store_host
+        assert handler.rendezvous.settings.store_grace_timeout == 0.5
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        assert info.bootstrap_store_info.master_port > 0
+        assert handler.num_nodes_waiting() == 0
+    finally:
+        handler.rendezvous.stop_heartbeat()
+        handler.shutdown()
+
+
+def test_torchrun_timeout_becomes_join_timeout(port):
+    handler = get_rendezvous_handler(params(port, timeout=42))
+    try:
+        assert handler.rendezvous.settings.join_timeout == 42
+    finally:
+        handler.rendezvous.stop_heartbeat()
+
+
+@pytest.mark.parametrize("conf, needle", [
+    (dict(last_cal_timeout="1"), "unknown rendezvous option 'last_cal_timeout'"),
+    (dict(join_timeout="0"), "join_timeout must be a positive number"),
+    (dict(is_host="maybe"), "is_host must be true or false"),
+    (dict(segment="3"), "multiple of segment"),
+])
+def test_bad_configuration_fails_at_once_naming_the_setting(port, conf, needle):
+    with pytest.raises(RendezvousConfigError) as err:
+        get_rendezvous_handler(params(port, min_nodes=2, max_nodes=3, **conf))
+    assert needle in str(err.value)
+
+
+def test_min_greater_than_max_is_rejected(port):
+    with pytest.raises(ValueError, match="must be greater than or equal to the minimum"):
+        get_rendezvous_handler(params(port, min_nodes=3, max_nodes=2))
+
+
+@pytest.mark.parametrize("endpoint, needle", [("", "endpoint is empty"), ("host:abc", "not a number"),
+                                              ("host:70000", "1..65535")])
+def test_bad_endpoint(endpoint, needle):
+    with pytest.raises(RendezvousConfigError, match=needle):
+        parse_endpoint(endpoint)
+
+
+def test_unreachable_endpoint_fails_quickly_with_a_clear_message():
+    port = free_port()  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="cannot reach the rendezvous store"):
+        get_rendezvous_handler(params(port, is_host="false", connect_timeout="1"))
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.multiprocess
+def test_standalone_store_server_outlives_nodes_and_exits_after_the_run(processes, port):
+    server = processes.python("store", ["-m", "lightning_ft.cli", "store", "--host", "127.0.0.1",
+                                        "--port", str(port), "--run-id", "srv", "--grace-timeout", "5"])
+    assert wait_for(lambda: "listening" in server.log(), 30), server.log()
+    handlers = [get_rendezvous_handler(params(port, run_id="srv", min_nodes=1, max_nodes=2, is_host="false"))
+                for _ in range(2)]
+    try:
+        assert not any(h.rendezvous.is_store_host for h in handlers)
+        results = {}
+
+        def join(i):
+            try:
+                results[i] = handlers[i].next_rendezvous()
+            except RendezvousGracefulExitError as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=join, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        # one is active (min_nodes=1), the other waits as a spare
+        assert wait_for(lambda: len(results) == 1, 20)
+        active = handlers[next(iter(results))]
+        active.rendezvous.store.set(active.rendezvous.keys.exit_barrier(0), "x")  # "workers done"
+        active.shutdown()
+        for t in threads:
+            t.join(timeout=20)
+        assert any(isinstance(r, RendezvousGracefulExitError) for r in results.values())
+        assert server.popen.wait(timeout=20) == 0  # exits by itself after the acknowledgements
+        assert "acknowledged shutdown" in server.log()
+    finally:
+        for h in handlers:
+            h.rendezvous.stop_heartbeat()
+
+
+@pytest.mark.multiprocess
+def test_store_server_stops_on_sigterm(processes, port):
+    server = processes.python("store", ["-m", "lightning_ft.cli", "store", "--host", "127.0.0.1",
+                                        "--port", str(port)])
+    assert wait_for(lambda: "listening" in server.log(), 30), server.log()
+    server.signal(signal.SIGTERM)
+    assert server.popen.wait(timeout=10) == 0
+
+
+def test_store_server_rejects_bad_arguments():
+    from lightning_ft.rendezvous.store_server import main
+
+    assert main(["--port", "70000"]) == 2
+    assert main(["--grace-timeout", "0"]) == 2
