@@ -22,7 +22,7 @@ from lightning_ft.rendezvous import (
     RendezvousSettings,
 )
 from lightning_ft.rendezvous.keys import StoreKeys
-from lightning_ft.rendezvous.participant import Slot, encode_slot
+from lightning_ft.rendezvous.participant import encode_slot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,7 +90,7 @@ def test_stale_slots_from_an_earlier_cycle_are_ignored(tcp_store):
     # the slot held before: here a slot of a much older run state (cycle 7 > current is
     # impossible, so use a stale cycle of -1) for slot index 2.
     ghost = ParticipantInfo(addr="ghost", pid=1, local_id=0)
-    tcp_store.set(keys.slot(2), encode_slot(Slot(-1, ghost)))
+    tcp_store.set(keys.slot(2), encode_slot(-1, ghost))
     rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3, unwritten_slot_timeout=0.3) for i in range(2)]
     try:
         tcp_store.add(keys.arrived(0), 1)  # the ghost's slot: taken at index 0, never written
@@ -240,7 +240,7 @@ def test_coordinator_takeover_when_first_arrival_dies(tcp_store):
     # the first arrival took slot 0, wrote it, claimed coordination, then died
     dead = ParticipantInfo(addr="dead", pid=2, local_id=0)
     tcp_store.add(keys.arrived(0), 1)
-    tcp_store.set(keys.slot(0), encode_slot(Slot(0, dead)))
+    tcp_store.set(keys.slot(0), encode_slot(0, dead))
     tcp_store.add(keys.written(0), 1)
     tcp_store.compare_set(keys.coordinator(0), "", dead.participant_id)
     rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(2)]

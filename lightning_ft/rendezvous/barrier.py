@@ -279,11 +279,11 @@ class BarrierRendezvous:
             raise
 
     def _write_slot(self, cycle: int, index: int, withdrawn: bool) -> None:
-        self.store.set(self.keys.slot(index), encode_slot(Slot(cycle, self.participant, withdrawn)))
+        self.store.set(self.keys.slot(index), encode_slot(cycle, self.participant, withdrawn))
         self.store.add(self.keys.written(cycle), 1)
 
     def _withdraw_slot(self, cycle: int, index: int) -> None:
-        self.store.set(self.keys.slot(index), encode_slot(Slot(cycle, self.participant, withdrawn=True)))
+        self.store.set(self.keys.slot(index), encode_slot(cycle, self.participant, withdrawn=True))
         self.store.add(self.keys.withdrawn(cycle), 1)
         log.info("%s withdrew from round %d", self.participant_id, cycle)
 

@@ -10,22 +10,19 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
-from lightning_ft.rendezvous.participant import ParticipantInfo, Slot
+from lightning_ft.rendezvous.participant import Slot
 from lightning_ft.rendezvous.settings import RendezvousSettings
 
 
-@dataclass(frozen=True)
-class Arrival:
+class Arrival(NamedTuple):
     """A participant that took slot ``slot_index`` in the round under decision."""
 
     slot_index: int
-    info: ParticipantInfo
-
-    @property
-    def participant_id(self) -> str:
-        return self.info.participant_id
+    participant_id: str
+    infra_rank: int = -1
+    domain_id: str = "none"
 
 
 @dataclass(frozen=True)
@@ -53,8 +50,11 @@ def arrivals_of_round(cycle_id: int, slots: Sequence[Slot | None]) -> tuple[Arri
     for index, slot in enumerate(slots):
         if slot is None or slot.cycle_id != cycle_id or slot.withdrawn:
             continue
-        by_id[slot.info.participant_id] = Arrival(index, slot.info)
-    return tuple(sorted(by_id.values(), key=lambda a: a.slot_index))
+        pid = slot.participant_id
+        if pid in by_id:
+            del by_id[pid]  # re-inserted below, so the dict stays in slot order without a sort
+        by_id[pid] = Arrival(index, pid, slot.infra_rank, slot.domain_id)
+    return tuple(by_id.values())
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def _priority(arrival: Arrival, previous_rank: dict[str, int]) -> tuple:
     old = previous_rank.get(arrival.participant_id)
     if old is not None:
         return (0, old, 0, arrival.slot_index)
-    infra = arrival.info.infra_rank if arrival.info.infra_rank >= 0 else math.inf
+    infra = arrival.infra_rank if arrival.infra_rank >= 0 else math.inf
     return (1, 0, infra, arrival.slot_index)
 
 
@@ -96,7 +96,7 @@ def assign_ranks(arrivals: Iterable[Arrival], previous_actives: Sequence[str], m
 
     domains: dict[str, list[Arrival]] = {}
     for arrival in ordered:  # keeps each domain's members in priority order
-        domains.setdefault(arrival.info.domain_id, []).append(arrival)
+        domains.setdefault(arrival.domain_id, []).append(arrival)
     active: list[Arrival] = []
     for members in domains.values():  # dict order = order of each domain's best member
         room = min_nodes - len(active)
@@ -113,7 +113,7 @@ def can_form_active_set(arrivals: Sequence[Arrival], min_nodes: int, segment: in
         return len(arrivals) >= min_nodes
     per_domain: dict[str, int] = {}
     for arrival in arrivals:
-        per_domain[arrival.info.domain_id] = per_domain.get(arrival.info.domain_id, 0) + 1
+        per_domain[arrival.domain_id] = per_domain.get(arrival.domain_id, 0) + 1
     return sum((n // segment) * segment for n in per_domain.values()) >= min_nodes
 
 
