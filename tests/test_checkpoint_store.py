@@ -221,3 +221,43 @@ def test_bad_arguments(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ValueError, match="root="):
         SnapshotStore(root=blocker / "sub", rank=0)
+
+
+def test_preallocated_spare_is_used_by_the_next_fresh_write(tmp_path):
+    store = SnapshotStore(root=tmp_path, run_id="spare", rank=0, keep_last=2)
+    assert store.spare_needed()
+    store.preallocate(64 * 1024)
+    assert not store.spare_needed()
+    spares = [n for n in os.listdir(store.rank_dir) if n.startswith(".tmp-spare-")]
+    assert len(spares) == 1
+    spare_inode = os.stat(os.path.join(store.rank_dir, spares[0])).st_ino
+    info = store.save({"w": torch.arange(100)}, step=1)  # a different size than preallocated: still exact
+    assert os.stat(info.path).st_ino == spare_inode
+    assert not any(n.startswith(".tmp-") for n in os.listdir(store.rank_dir))
+    assert torch.equal(store.load()["w"], torch.arange(100))
+    assert store.spare_needed()  # one snapshot, keep_last=2: the next save cannot recycle yet
+    store.save({"w": torch.ones(3)}, step=2)
+    assert not store.spare_needed()  # now the oldest gets recycled
+    store.close()
+
+
+def test_keep_last_one_turns_the_replaced_snapshot_into_the_spare(tmp_path):
+    store = SnapshotStore(root=tmp_path, run_id="spare1", rank=0, keep_last=1)
+    first = store.save({"w": torch.zeros(1000)}, step=1)
+    inode = os.stat(first.path).st_ino
+    store.save({"w": torch.ones(1000)}, step=2)
+    assert not store.spare_needed()
+    third = store.save({"w": torch.full((1000,), 3.0)}, step=3)
+    assert os.stat(third.path).st_ino == inode  # the first file came back as the write target
+    assert [i.step for i in store.list()] == [3] and torch.equal(store.load()["w"], torch.full((1000,), 3.0))
+    store.discard_spare()
+    assert not any(n.startswith(".tmp-") for n in os.listdir(store.rank_dir))
+
+
+def test_spare_of_a_dead_process_is_cleaned_up(tmp_path):
+    store = SnapshotStore(root=tmp_path, run_id="spare2", rank=0)
+    store.save({"w": 1}, step=1)
+    stale = os.path.join(store.rank_dir, f".tmp-spare-{2**22 + 777}.snap")
+    open(stale, "wb").close()
+    SnapshotStore(root=tmp_path, run_id="spare2", rank=0)
+    assert not os.path.exists(stale)

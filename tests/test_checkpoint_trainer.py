@@ -216,3 +216,28 @@ def test_stateful_dataloader_state_is_snapshotted_and_restored(root):
     assert saved and saved[0]["served"] >= 7
     resumed = run(9, [EmergencyCheckpoint(root=root, run_id="dl")])
     assert resumed.loaded == saved[0]
+
+
+class _SpareProbe(pl.Callback):
+    def __init__(self, emergency: EmergencyCheckpoint) -> None:
+        self.emergency = emergency
+        self.spare_inode = None
+        self.info = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 2:
+            rank_dir = self.emergency.store.rank_dir
+            spares = [n for n in os.listdir(rank_dir) if n.startswith(".tmp-spare-")]
+            self.spare_inode = os.stat(os.path.join(rank_dir, spares[0])).st_ino if spares else None
+            self.info = self.emergency.save_now(trainer, reason="sigterm")
+
+
+def test_first_emergency_save_uses_the_preallocated_spare(root):
+    emergency = EmergencyCheckpoint(root=root, run_id="spare")  # no periodic snapshots at all
+    probe = _SpareProbe(emergency)
+    fit(4, [emergency, probe])
+    assert probe.spare_inode is not None
+    assert os.stat(probe.info.path).st_ino == probe.spare_inode
+    rank_dir = emergency.store.rank_dir
+    assert not any(n.startswith(".tmp-") for n in os.listdir(rank_dir))  # teardown drops the spare
+    assert [i.step for i in SnapshotStore(root=root, run_id="spare", rank=0).list()] == [2]

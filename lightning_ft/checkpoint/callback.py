@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+from lightning_ft.checkpoint import snapshot_format as fmt
 from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due, steps_between_snapshots
 from lightning_ft.checkpoint.resume import agree_resume_step
 from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore, ensure_writable_root, resolve_root, resolve_run_id
@@ -45,6 +46,10 @@ class EmergencyCheckpoint(pl.Callback):
         root: snapshot root (default ``$LIGHTNING_FT_SNAPSHOT_DIR`` or ``/dev/shm/lightning_ft``).
         run_id: scope (default LIGHTNING_FT_RUN_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID / "default").
         auto_resume: restore on ``fit()`` without a ``ckpt_path``.
+        preallocate: keep a spare snapshot file with its shared-memory pages allocated whenever
+            the next save could not overwrite an old snapshot (before the first ``keep_last``
+            snapshots exist). Costs one state-size of shared memory and a one-off allocation at
+            a step boundary, and makes the first emergency save as fast as later ones.
 
     Supported strategies: single device and DDP (replicated state). Not a ``Checkpoint``
     subclass, so it works with ``enable_checkpointing=False``.
@@ -52,7 +57,7 @@ class EmergencyCheckpoint(pl.Callback):
 
     def __init__(self, every_n_steps: int | None = None, every_n_seconds: float | None = None,
                  keep_last: int = 2, root: str | None = None, run_id: str | None = None,
-                 auto_resume: bool = True) -> None:
+                 auto_resume: bool = True, preallocate: bool = True) -> None:
         _positive("every_n_steps", every_n_steps, int)
         if every_n_seconds is not None and isinstance(every_n_seconds, int) and not isinstance(every_n_seconds, bool):
             every_n_seconds = float(every_n_seconds)
@@ -61,6 +66,8 @@ class EmergencyCheckpoint(pl.Callback):
             raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
         if not isinstance(auto_resume, bool):
             raise ValueError(f"auto_resume must be a bool, got {auto_resume!r}")
+        if not isinstance(preallocate, bool):
+            raise ValueError(f"preallocate must be a bool, got {preallocate!r}")
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.keep_last = keep_last
@@ -68,6 +75,8 @@ class EmergencyCheckpoint(pl.Callback):
         ensure_writable_root(self.root)
         self.run_id = resolve_run_id(run_id)
         self.auto_resume = auto_resume
+        self.preallocate = preallocate
+        self._check_spare = True
         self._store: SnapshotStore | None = None
         self._durations: deque[float] = deque(maxlen=5)
         self._last_saved_step: int | None = None
@@ -99,6 +108,7 @@ class EmergencyCheckpoint(pl.Callback):
         info = store.save(checkpoint, step, reason=reason)
         seconds = time.perf_counter() - start
         self._durations.append(seconds)
+        self._check_spare = True
         self._last_saved_step = step
         self._last_snapshot = info
         log.info("rank %d: %s snapshot at step %d committed in %.3f s (%.1f MiB)",
@@ -133,6 +143,7 @@ class EmergencyCheckpoint(pl.Callback):
                 log.warning("sharded optimizer %s: dump_checkpoint runs a collective; save_now() is not "
                             "collective-free with it", type(optimizer).__name__)
         self._clock = (time.perf_counter(), trainer.global_step)
+        self._check_spare = True
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -152,12 +163,15 @@ class EmergencyCheckpoint(pl.Callback):
                 # A failed periodic snapshot (e.g. shm full) must not kill training; the next
                 # one may succeed and the error is visible in the log.
                 log.exception("rank %d: periodic snapshot at step %d failed", trainer.global_rank, step)
+        if self.preallocate and self._check_spare and step >= 1:
+            self._ensure_spare(trainer)
         if self._clock is None or step != self._clock[1]:
             # measured after our own save so the snapshot time is not counted as step time
             self._clock = (time.perf_counter(), step)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._store is not None:
+            self._store.discard_spare()  # committed snapshots stay; the spare is only for this process
             self._store.close()
 
     # ------------------------------------------------------------------ internals
@@ -168,6 +182,22 @@ class EmergencyCheckpoint(pl.Callback):
                 self._store.close()
             self._store = SnapshotStore(self.root, self.run_id, rank, self.keep_last)
         return self._store
+
+    def _ensure_spare(self, trainer: pl.Trainer) -> None:
+        # Runs at step >= 1 so the optimizer state exists and the size estimate is right.
+        self._check_spare = False
+        store = self._get_store(trainer)
+        if not store.spare_needed():
+            return
+        if self._last_snapshot is not None:
+            nbytes = self._last_snapshot.nbytes
+        else:
+            nbytes = fmt.encode(trainer._checkpoint_connector.dump_checkpoint(weights_only=False)).file_size
+        try:
+            store.preallocate(nbytes)
+        except OSError as exc:
+            log.warning("rank %d: could not preallocate a %.1f MiB spare snapshot file (%s); the next "
+                        "snapshot writes a fresh file", store.rank, nbytes / 2**20, exc)
 
     @staticmethod
     def _replicated(trainer: pl.Trainer) -> bool:

@@ -114,3 +114,13 @@ def parse_mem_url(path: object) -> str | int | None:
     if rest.isdigit():
         return int(rest)
     raise ValueError(f"bad in-memory checkpoint path {path!r}: expected 'mem://latest' or 'mem://<step>'")
+
+
+def spare_needed(committed: int, keep_last: int) -> bool:
+    """Whether the next snapshot would have to go into a fresh file (no file to recycle).
+
+    Mirrors ``plan_write``: the next step recycles only when ``committed >= keep_last`` (one
+    is doomed) and another one stays valid during the write (``committed >= 2``). Otherwise a
+    preallocated spare file keeps the emergency save off the slow page-allocation path.
+    """
+    return committed < max(keep_last, 2)
