@@ -225,10 +225,15 @@ class CommandProbe:
         self.name = name or f"command:{argv[0]}"
         self._running: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
+        self._cancelled_at = float("-inf")
 
     def cancel(self) -> None:
-        """Kill a command that is still running (used when nobody waits for it any more)."""
+        """Kill a command that is still running (used when nobody waits for it any more).
+
+        Also covers a check that has started but not yet spawned its command.
+        """
         with self._lock:
+            self._cancelled_at = time.monotonic()
             running = list(self._running)
         for proc in running:
             _kill_session(proc)
@@ -242,6 +247,9 @@ class CommandProbe:
             return ProbeResult(self.name, False, f"cannot run {self.argv[0]!r}: {exc}", time.monotonic() - start)
         with self._lock:
             self._running.add(proc)
+            cancelled = self._cancelled_at >= start
+        if cancelled:
+            _kill_session(proc)
         try:
             try:
                 output, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))

@@ -44,6 +44,7 @@ from lightning_ft.termination.decision import (
     not_saved_exit_code,
     resolve_grace_seconds,
 )
+from lightning_ft.termination.exit_records import ENV_EXIT_RECORD_DIR, write_exit_record
 from lightning_ft.termination.exit import (
     ExitWatchdog,
     TerminationExit,
@@ -105,6 +106,10 @@ class GracefulTermination(pl.Callback):
         exit_timeout_seconds: once the decision is made, the process is force-exited with
             the decided code if it is still alive after this long (a barrier in another
             callback, a hung destroy, a user thread).
+        exit_record_dir: where to write ``rank-<R>.json`` with the decided exit code before
+            exiting; ``None`` = ``LIGHTNING_FT_EXIT_RECORD_DIR`` or no records. torchrun
+            exits 1 whatever its workers did; ``python -m lightning_ft.termination.exit_records``
+            turns these records into the node's real exit code.
     """
 
     def __init__(
@@ -120,6 +125,7 @@ class GracefulTermination(pl.Callback):
         save_safety_factor: float = 1.5,
         exit_reserve_seconds: float = 1.0,
         exit_timeout_seconds: float = 5.0,
+        exit_record_dir: str | os.PathLike | None = None,
     ) -> None:
         if health_timeout_seconds is None:
             health_timeout_seconds = _env_float(dict(os.environ), ENV_TIMEOUT, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S
@@ -155,6 +161,7 @@ class GracefulTermination(pl.Callback):
         self.exit_reserve_seconds = float(exit_reserve_seconds)
         self.exit_timeout_seconds = float(exit_timeout_seconds)
         self._store_override = store
+        self.exit_record_dir = exit_record_dir or os.environ.get(ENV_EXIT_RECORD_DIR) or None
 
         self._lock = threading.Lock()
         self._unhealthy_exit_lock = threading.Lock()
@@ -295,7 +302,18 @@ class GracefulTermination(pl.Callback):
                 coordinator = self._background_coordinator
                 run_with_timeout(lambda: coordinator.announce_unhealthy(step, termination.signum, report.reasons),
                                  _ANNOUNCE_TIMEOUT_S, f"rank {self._rank}: announcing the unhealthy exit")
+            if self.exit_record_dir:
+                run_with_timeout(lambda: self._write_exit_record(decision.exit_code, decision, step),
+                                 _ANNOUNCE_TIMEOUT_S, f"rank {self._rank}: writing the exit record")
             exit_now(decision.exit_code)
+
+    def _write_exit_record(self, code: int, decision: Decision, step: int) -> None:
+        if not self.exit_record_dir:
+            return
+        try:
+            write_exit_record(self.exit_record_dir, self._rank, code, decision.action.value, decision.reasons, step)
+        except OSError as exc:
+            log.warning("rank %d: cannot write the exit record to %s: %s", self._rank, self.exit_record_dir, exc)
 
     # ---- the step boundary ----------------------------------------------------------
 
@@ -405,8 +423,10 @@ class GracefulTermination(pl.Callback):
             started = time.monotonic()
             try:
                 info = checkpoint.save_now(trainer, reason=f"{termination.cause}; stop after step {step}")
-            except Exception:
+            except Exception as exc:
                 code = not_saved_exit_code(termination.signum)
+                decision = Decision(Action.EXIT_WITHOUT_SAVE, code,
+                                    (*decision.reasons, f"snapshot failed: {type(exc).__name__}: {exc}"))
                 log.exception("rank %d: emergency snapshot failed; exiting with %d (state NOT saved)",
                               self._rank, code)
             else:
@@ -415,6 +435,7 @@ class GracefulTermination(pl.Callback):
         else:
             log.warning("rank %d: exiting with %d without a snapshot", self._rank, code)
         termination.exit_code_if_killed = code
+        self._write_exit_record(code, decision, step)
         return code, decision
 
     def _await_report(self, termination: _Termination) -> HealthReport:

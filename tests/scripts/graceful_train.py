@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -63,6 +64,8 @@ def main() -> int:
     parser.add_argument("--overrun-healthy", action="store_true")
     parser.add_argument("--grace", type=float, default=None)
     parser.add_argument("--pg-timeout", type=float, default=30.0)
+    parser.add_argument("--self-signal-step", type=int, default=None, help="SIGTERM to itself at this step")
+    parser.add_argument("--exit-dir", default=None, help="GracefulTermination(exit_record_dir=...)")
     args = parser.parse_args()
 
     rank = rank_from_env()
@@ -119,11 +122,13 @@ def main() -> int:
             if not self.ready_written and trainer.global_step >= args.ready_step:
                 self.ready_written = True
                 self._write("ready", {"pid": os.getpid(), "step": trainer.global_step}, trainer)
+            if args.self_signal_step is not None and trainer.global_step == args.self_signal_step:
+                os.kill(os.getpid(), signal.SIGTERM)
 
         def on_exception(self, trainer, pl_module, exception):
-            if isinstance(exception, TerminationExit):
-                self._write("stop", {"step": trainer.global_step, "code": exception.code,
-                                     "digest": digest(pl_module, trainer.optimizers)}, trainer)
+            code = exception.code if isinstance(exception, TerminationExit) else None
+            self._write("stop", {"step": trainer.global_step, "code": code, "exception": type(exception).__name__,
+                                 "digest": digest(pl_module, trainer.optimizers)}, trainer)
 
         def on_train_end(self, trainer, pl_module):
             self._write("done", {"step": trainer.global_step, "digest": digest(pl_module, trainer.optimizers)},
@@ -137,7 +142,8 @@ def main() -> int:
         if args.hang_probe:
             probes.append(CommandProbe([sys.executable, "-c", "import time; time.sleep(60)"], name="hangs"))
     termination = GracefulTermination(probes=probes, health_timeout_seconds=args.health_timeout,
-                                      overrun_is_unhealthy=not args.overrun_healthy, grace_seconds=args.grace)
+                                      overrun_is_unhealthy=not args.overrun_healthy, grace_seconds=args.grace,
+                                      exit_record_dir=args.exit_dir)
     callbacks: list[pl.Callback] = [Recorder(), termination]
     if not args.no_emergency:
         callbacks.append(EmergencyCheckpoint(every_n_steps=args.snapshot_every, root=args.snapshot_dir,

@@ -1,0 +1,136 @@
+"""Per-rank exit records, and a wrapper that turns them into a truthful exit code for a node.
+
+Why: torchrun exits 1 whenever a worker exits non-zero (``ChildFailedError``) and
+whenever the agent itself is signalled (``SignalException``), so a scheduler that sees
+only torchrun's status can never tell "preempted, state saved" (81) or "unhealthy
+node" (82) from a crash. ``GracefulTermination`` writes ``rank-<R>.json`` into
+``$LIGHTNING_FT_EXIT_RECORD_DIR`` (or its ``exit_record_dir`` argument) right before it
+exits; this module's wrapper runs the launcher, forwards termination signals to it,
+and exits with the code the records imply::
+
+    python -m lightning_ft.termination.exit_records --dir /tmp/ft-exit -- torchrun ... train.py
+
+No Lightning import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from lightning_ft.exit_codes import ExitCode
+
+log = logging.getLogger(__name__)
+
+ENV_EXIT_RECORD_DIR = "LIGHTNING_FT_EXIT_RECORD_DIR"
+_PATTERN = "rank-*.json"
+
+
+def write_exit_record(directory: str | os.PathLike, rank: int, exit_code: int, action: str,
+                      reasons: Sequence[str], step: int) -> Path:
+    """Atomically write this rank's record (``rank-<R>.json``)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank-{rank}.json"
+    tmp = directory / f".rank-{rank}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({
+        "rank": rank, "exit_code": int(exit_code), "action": action, "reasons": list(reasons), "step": step,
+        "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+    }))
+    os.replace(tmp, path)
+    return path
+
+
+def read_exit_records(directory: str | os.PathLike) -> list[dict]:
+    records = []
+    for path in sorted(Path(directory).glob(_PATTERN)):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            log.warning("unreadable exit record %s: %s", path, exc)
+    return records
+
+
+def clear_exit_records(directory: str | os.PathLike) -> None:
+    for path in Path(directory).glob(_PATTERN):
+        path.unlink(missing_ok=True)
+
+
+def summarize_exit_codes(record_codes: Sequence[int], launcher_code: int) -> int:
+    """The exit code a node should report, from its ranks' records and the launcher's own code.
+
+    * launcher succeeded, or no rank left a record: the launcher's code (nothing of ours happened);
+    * any rank exited ``UNHEALTHY_NODE``: 82 -- health is a property of the node;
+    * every rank saved (``PREEMPTED``): 81;
+    * otherwise the first other code (e.g. 143: stopped by SIGTERM, nothing saved).
+    """
+    if launcher_code == 0 or not record_codes:
+        return launcher_code
+    if ExitCode.UNHEALTHY_NODE in record_codes:
+        return int(ExitCode.UNHEALTHY_NODE)
+    others = [c for c in record_codes if c != ExitCode.PREEMPTED]
+    return int(ExitCode.PREEMPTED) if not others else int(others[0])
+
+
+def run_and_summarize(command: Sequence[str], directory: str | os.PathLike,
+                      forward: Sequence[int] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
+                                                signal.SIGUSR2)) -> int:
+    """Run ``command`` with the record dir in its environment; forward signals; return the node code."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    clear_exit_records(directory)  # records of an earlier attempt must not speak for this one
+    env = dict(os.environ, **{ENV_EXIT_RECORD_DIR: str(directory)})
+    # own session: a terminal's Ctrl-C reaches only us, and we forward it exactly once
+    child = subprocess.Popen(list(command), env=env, start_new_session=True)
+
+    def _forward(signum: int, frame: object) -> None:
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in forward:
+        signal.signal(signum, _forward)
+    while True:
+        try:
+            launcher_code = child.wait()
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
+            continue
+    records = read_exit_records(directory)
+    code = summarize_exit_codes([int(r["exit_code"]) for r in records], launcher_code)
+    per_rank = ", ".join(f"rank {r['rank']}: {r['exit_code']} ({r['action']})" for r in records) or "none"
+    print(f"lightning_ft: launcher exited {launcher_code}; rank records: {per_rank}; exiting {code}",
+          file=sys.stderr, flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_ft.termination.exit_records",
+        description="Run a launcher (e.g. torchrun), forward termination signals to it, and exit with the "
+                    "code its ranks recorded (81 preempted+saved, 82 unhealthy node, 143 stopped unsaved) "
+                    "instead of the launcher's own status.")
+    parser.add_argument("--dir", default=os.environ.get(ENV_EXIT_RECORD_DIR),
+                        help=f"directory for the per-rank records ({ENV_EXIT_RECORD_DIR}); node-local")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("missing the command to run (after --)")
+    if not args.dir:
+        parser.error(f"--dir or {ENV_EXIT_RECORD_DIR} is required")
+    return run_and_summarize(command, args.dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

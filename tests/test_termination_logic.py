@@ -1,0 +1,180 @@
+"""Pure SIGTERM-path logic: decisions (fake clock), grace resolution, store agreement, exit records, signals."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from lightning_ft.exit_codes import ExitCode
+from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
+from lightning_ft.termination.decision import (
+    Action,
+    budget_left,
+    decide_on_termination,
+    not_saved_exit_code,
+    resolve_grace_seconds,
+)
+from lightning_ft.termination.exit_records import (
+    read_exit_records,
+    run_and_summarize,
+    summarize_exit_codes,
+    write_exit_record,
+)
+from lightning_ft.termination.signals import SignalListener
+
+
+class FakeClock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+def decide(clock: FakeClock, signal_time: float, estimate: float | None, *, healthy: bool = True,
+           has_checkpoint: bool = True, grace: float = 30.0, reserve: float = 1.0):
+    left = budget_left(grace_s=grace, signal_time=signal_time, now=clock.now, exit_reserve_s=reserve)
+    return decide_on_termination(healthy=healthy, health_reasons=["memory: 3 MiB available"],
+                                 has_emergency_checkpoint=has_checkpoint, budget_left_s=left,
+                                 estimated_save_s=estimate, save_safety_factor=1.5)
+
+
+def test_unhealthy_node_exits_without_saving_whatever_the_budget():
+    clock = FakeClock()
+    decision = decide(clock, clock.now, estimate=0.01, healthy=False)
+    assert decision.action is Action.EXIT_WITHOUT_SAVE
+    assert decision.exit_code == ExitCode.UNHEALTHY_NODE
+    assert "memory: 3 MiB available" in decision.reasons
+
+
+def test_healthy_node_saves_while_the_measured_cost_fits():
+    clock = FakeClock()
+    signal_time = clock.now
+    clock.advance(5.0)  # waited 5 s for the stop step: 30 - 5 - 1 = 24 s left
+    fits = decide(clock, signal_time, estimate=15.0)  # 22.5 s needed
+    assert fits.action is Action.SAVE_THEN_EXIT and fits.exit_code == ExitCode.PREEMPTED
+    clock.advance(2.0)  # 22 s left < 22.5 s
+    late = decide(clock, signal_time, estimate=15.0)
+    assert late.action is Action.EXIT_WITHOUT_SAVE
+    assert late.exit_code == 128 + signal.SIGTERM
+    assert "would not fit" in late.reasons[0]
+
+
+def test_unknown_cost_is_tried_but_an_exhausted_budget_is_not():
+    clock = FakeClock()
+    signal_time = clock.now
+    assert decide(clock, signal_time, estimate=None).action is Action.SAVE_THEN_EXIT
+    clock.advance(29.5)
+    decision = decide(clock, signal_time, estimate=None)
+    assert decision.action is Action.EXIT_WITHOUT_SAVE and decision.exit_code == 143
+
+
+def test_without_emergency_checkpoint_the_code_says_nothing_was_saved():
+    clock = FakeClock()
+    decision = decide(clock, clock.now, estimate=None, has_checkpoint=False)
+    assert decision.action is Action.EXIT_WITHOUT_SAVE
+    assert decision.exit_code == not_saved_exit_code(signal.SIGTERM) == 143
+    assert not_saved_exit_code(signal.SIGUSR1) == 128 + signal.SIGUSR1
+
+
+def test_grace_seconds_resolution():
+    assert resolve_grace_seconds(12.0, {}) == (12.0, "grace_seconds argument")
+    assert resolve_grace_seconds(None, {}) == (30.0, "default")
+    assert resolve_grace_seconds(None, {"LIGHTNING_FT_GRACE_SECONDS": "90"})[0] == 90.0
+    # torchrun SIGKILLs its workers after its shutdown timeout: it caps the grace period
+    torchrun = {"TORCHELASTIC_RUN_ID": "job", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10"}
+    grace, source = resolve_grace_seconds(None, torchrun)
+    assert grace == 10.0 and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in source
+    assert resolve_grace_seconds(None, {**torchrun, "PET_SHUTDOWN_TIMEOUT": "5"})[0] == 5.0
+    assert resolve_grace_seconds(60.0, {**torchrun, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"})[0] == 60.0
+    assert resolve_grace_seconds(None, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})[0] == 30.0  # not under torchrun
+    with pytest.raises(ValueError, match="LIGHTNING_FT_GRACE_SECONDS"):
+        resolve_grace_seconds(None, {"LIGHTNING_FT_GRACE_SECONDS": "soon"})
+
+
+def test_first_proposal_wins_and_every_rank_sees_it(tcp_store):
+    import torch.distributed as dist
+
+    prefix = dist.PrefixStore("t/", tcp_store)
+    rank0, rank1 = StoreStopCoordinator(prefix, 0, 2), StoreStopCoordinator(prefix.clone(), 1, 2)
+    assert rank0.poll() is None
+    agreed = rank1.propose(12, signal.SIGTERM, "rank 1: SIGTERM received")
+    assert agreed == StopRequest(12, 1, signal.SIGTERM, "rank 1: SIGTERM received")
+    assert rank0.propose(14, signal.SIGTERM, "rank 0: SIGTERM received") == agreed  # loses the compare_set
+    assert rank0.poll() == agreed
+    assert not rank0.any_peer_unhealthy()
+
+    rank1.announce_unhealthy(11, signal.SIGTERM, ["marker: xid 79"])
+    assert rank0.any_peer_unhealthy()
+    assert rank0.unhealthy_peers() == {1: ["marker: xid 79"]}
+    assert rank1.unhealthy_peers() == {}  # its own notice is not a peer's
+
+
+def test_local_coordinator_is_its_own_authority():
+    local = LocalStopCoordinator()
+    assert local.poll() is None
+    assert local.propose(7, 15, "x").step == 7
+    assert local.propose(9, 15, "y").step == 7
+    assert local.unhealthy_peers() == {}
+
+
+@pytest.mark.parametrize(("records", "launcher", "expected"), [
+    ([], 1, 1),  # no records: nothing of ours happened
+    ([81, 81], 1, 81),
+    ([81, 82], 1, 82),
+    ([143, 81], 1, 143),
+    ([81], 0, 0),
+])
+def test_node_exit_code_from_rank_records(records, launcher, expected):
+    assert summarize_exit_codes(records, launcher) == expected
+
+
+def test_wrapper_exits_with_the_recorded_code(tmp_path):
+    write_exit_record(tmp_path, 3, 81, "save-then-exit", ["stale"], 1)  # from an earlier attempt: cleared
+    script = ("import sys; sys.path.insert(0, %r);"
+              "from lightning_ft.termination.exit_records import write_exit_record as w;"
+              "import os; d = os.environ['LIGHTNING_FT_EXIT_RECORD_DIR'];"
+              "w(d, 0, 81, 'save-then-exit', [], 5); w(d, 1, 82, 'exit-without-save', ['xid'], 5);"
+              "sys.exit(1)") % str(__import__("proc_utils").REPO_ROOT)
+    assert run_and_summarize([sys.executable, "-c", script], tmp_path) == ExitCode.UNHEALTHY_NODE
+    assert sorted(r["rank"] for r in read_exit_records(tmp_path)) == [0, 1]
+
+
+def test_signal_listener_records_in_the_handler_and_acts_in_a_thread():
+    seen: list[tuple[int, float, str, bool]] = []
+    main_blocked = threading.Event()
+    done = threading.Event()
+
+    def on_signal(signum: int, when: float) -> None:
+        seen.append((signum, when, threading.current_thread().name, main_blocked.is_set()))
+        done.set()
+
+    before = signal.getsignal(signal.SIGUSR2)
+    listener = SignalListener([signal.SIGUSR2], on_signal)
+    assert listener.install()
+    try:
+        assert signal.getsignal(signal.SIGUSR2) == listener._handler
+        # The main thread sits in a C call that retries EINTR itself (glibc system() ->
+        # waitpid), so the Python-level handler cannot run until it returns; the watcher
+        # is woken through the wakeup fd regardless.
+        libc = ctypes.CDLL(None)
+        threading.Timer(0.2, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)).start()
+        main_blocked.set()
+        libc.system(b"sleep 2")
+        main_blocked.clear()
+        assert done.wait(5)
+        signum, _, thread_name, during_block = seen[0]
+        assert signum == signal.SIGUSR2 and thread_name == "lightning-ft-signal-watcher"
+        assert during_block, "the watcher only reacted after the main thread's C call returned"
+        assert listener.received is not None
+    finally:
+        listener.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) == before
+    assert signal.set_wakeup_fd(-1) == -1  # nothing of ours left behind
+    assert len(seen) == 1
