@@ -1,0 +1,69 @@
+"""One structured event log per run: JSON lines, one file per process, in a run directory.
+
+Each line: ``{"t": wall-clock seconds, "mono": monotonic seconds, "pid": ..., "who": participant,
+"event": name, ...fields}``. Writers append and flush every line, so a process killed with
+SIGKILL loses nothing it logged before. ``lightning-ft report RUN_DIR`` merges the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+EVENTS_DIR_ENV = "LIGHTNING_FT_EVENTS_DIR"
+
+
+class EventLog:
+    """Appends events for one process to ``<run_dir>/events-<who>-<pid>.jsonl``."""
+
+    def __init__(self, run_dir: str | os.PathLike, who: str) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.who = who
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in who)
+        self.path = self.run_dir / f"events-{safe}-{os.getpid()}.jsonl"
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {"t": time.time(), "mono": time.monotonic(), "pid": os.getpid(), "who": self.who,
+                  "event": event, **fields}
+        line = json.dumps(record, default=str) + "\n"
+        with self._lock, open(self.path, "a", encoding="utf-8") as out:
+            out.write(line)
+            out.flush()
+
+
+class NullEventLog:
+    """Stands in when no run directory is configured."""
+
+    who = ""
+
+    def emit(self, event: str, **fields: Any) -> None:
+        pass
+
+
+def event_log_from_env(who: str, run_dir: str | os.PathLike | None = None) -> EventLog | NullEventLog:
+    """An :class:`EventLog` in ``run_dir`` (else ``$LIGHTNING_FT_EVENTS_DIR``), or a null log."""
+    run_dir = run_dir or os.environ.get(EVENTS_DIR_ENV)
+    return EventLog(run_dir, who) if run_dir else NullEventLog()
+
+
+def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """All events of a run directory, ordered by wall-clock time; torn last lines are skipped."""
+    events = list(_iter_events(Path(run_dir)))
+    events.sort(key=lambda e: e.get("t", 0.0))
+    return events
+
+
+def _iter_events(run_dir: Path) -> Iterator[dict[str, Any]]:
+    for path in sorted(run_dir.glob("events-*.jsonl")):
+        with open(path, encoding="utf-8") as lines:
+            for line in lines:
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by SIGKILL mid-write
