@@ -104,6 +104,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _listdir(directory: str) -> list[str]:
+    # Unreadable peer directories must not crash one rank while the others wait in a collective.
+    try:
+        return os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        log.warning("cannot list %s: %s", directory, exc)
+        return []
+
+
 def _close_map(mm: mmap.mmap) -> None:
     try:
         mm.close()
@@ -157,6 +168,7 @@ class SnapshotStore:
         # recycle skips re-faulting ~250k pages per GiB (see plan_write).
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._spare: str | None = None  # our preallocated file, if any
+        self._saving = False
         self.remove_stale_temp_files()
 
     # ------------------------------------------------------------------ listing
@@ -168,20 +180,14 @@ class SnapshotStore:
 
     def ranks(self) -> list[int]:
         """Ranks that have a directory in this run."""
-        try:
-            names = os.listdir(self.run_dir)
-        except FileNotFoundError:
-            return []
+        names = _listdir(self.run_dir)
         return sorted(int(m.group(1)) for m in map(_RANK_DIR.match, names) if m)
 
     def list(self, rank: int | None = None) -> list[SnapshotInfo]:
         """Committed snapshots of ``rank`` (default: this store's), newest step first. Not verified."""
         rank = self.rank if rank is None else rank
         directory = self._rank_dir(rank)
-        try:
-            names = os.listdir(directory)
-        except FileNotFoundError:
-            return []
+        names = _listdir(directory)
         infos = []
         for name in names:
             m = _COMMITTED.match(name)
@@ -199,14 +205,11 @@ class SnapshotStore:
     def verify(self, info: SnapshotInfo) -> str | None:
         """None if the snapshot is intact, else the reason it must not be loaded."""
         try:
-            with self._open_read(info.path) as (mm, size):
+            with _ReadMap(info.path) as (mm, size):
                 fmt.verify(mm, size)
         except (SnapshotError, OSError, ValueError) as exc:
             return str(exc)
         return None
-
-    def _open_read(self, path: str):
-        return _ReadMap(path)
 
     def latest(self, rank: int | None = None) -> SnapshotInfo | None:
         """Newest intact snapshot of ``rank`` (default: own); torn/corrupt ones are logged and skipped."""
@@ -259,7 +262,7 @@ class SnapshotStore:
             if info is None:
                 raise FileNotFoundError(f"no intact snapshot in {self.rank_dir}")
         start = time.perf_counter()
-        with self._open_read(info.path) as (mm, size):
+        with _ReadMap(info.path) as (mm, size):
             header = fmt.verify(mm, size)
             state = fmt.decode(mm, header)
         seconds = time.perf_counter() - start
@@ -275,6 +278,18 @@ class SnapshotStore:
         copied (the caller may keep training right after). Older snapshots beyond
         ``keep_last`` are removed after the commit.
         """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        if self._saving:
+            # e.g. save() called from a signal handler that interrupted a periodic save
+            raise RuntimeError("SnapshotStore.save() re-entered while a save is in progress")
+        self._saving = True
+        try:
+            return self._save(state, step, reason)
+        finally:
+            self._saving = False
+
+    def _save(self, state: Any, step: int, reason: str) -> SnapshotInfo:
         start = time.perf_counter()
         enc = fmt.encode(state)
         self._make_dirs()
