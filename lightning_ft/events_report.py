@@ -1,0 +1,355 @@
+"""``lightning-ft report RUN_DIR``: the recovery timeline and summary of a run's event logs.
+
+The pure part, :func:`summarize` and :func:`format_report`, turns a list of events (as
+:func:`lightning_ft.events.read_events` returns them) into a :class:`RunSummary` and text;
+:func:`main` only reads the directory and prints. Exit status: 0 report printed, 2 bad
+arguments, missing directory or no events.
+
+What the summary counts (event names are those the ``ddp_ft`` strategy emits):
+
+* rounds: distinct ``cycle`` values of ``round_complete``;
+* failures: ``failure_detected`` events, one incident per cycle (every survivor reports
+  the same failure; they share the cycle that failed);
+* per failure: the step training had reached, the step restored from (``restored``),
+  steps redone (the difference), and the lost time: first detection to the first
+  ``first_step_after_recovery`` (the event's own ``seconds_since_failure`` when the
+  wall clocks of different hosts make the difference meaningless);
+* spares used: participants that were standby in one round and active in a later one;
+* final status: ``no_restart`` beats ``finished``; neither means the run did not end
+  cleanly (still running, or killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+# fields every event has; the rest are the event's own "key fields"
+_ENVELOPE = ("t", "mono", "pid", "who", "event")
+_MAX_VALUE_CHARS = 90  # long error texts would make the timeline unreadable
+_STEP_FIELDS = ("step", "global_step")
+_LOST_SECONDS_FIELDS = ("seconds_since_failure", "seconds", "lost_seconds")
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    """One event, with its time relative to the first event of the run."""
+
+    seconds: float
+    who: str
+    pid: int | None
+    event: str
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class FailureSummary:
+    cycle: int | None
+    detected_at: float  # seconds since the start of the run
+    detected_by: tuple[str, ...]
+    error: str
+    failure_step: int | None  # step training had reached when the failure was detected
+    restored_step: int | None
+    steps_redone: int | None
+    lost_seconds: float | None  # detection -> first completed step after recovery
+    recovered: bool
+
+
+@dataclass(frozen=True)
+class ParticipantSummary:
+    who: str
+    pids: tuple[int, ...]
+    roles: tuple[str, ...]  # "active"/"standby" per round it completed, in order
+    last_event: str
+    last_seen: float
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    duration: float
+    participants: tuple[ParticipantSummary, ...]
+    rounds: int
+    failures: tuple[FailureSummary, ...]
+    spares_used: tuple[str, ...]
+    spares_exited: tuple[str, ...]
+    status: str  # "finished" | "no_restart" | "incomplete"
+    status_detail: str
+    final_step: int | None
+    timeline: tuple[TimelineEntry, ...] = field(repr=False)
+
+
+# ---------------------------------------------------------------------- pure decisions
+
+def _valid(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """Events that are dicts with an event name and a time, ordered by time (stable for equal times)."""
+    good = [e for e in events
+            if isinstance(e, dict) and isinstance(e.get("event"), str) and _number(e.get("t")) is not None]
+    return sorted(good, key=lambda e: e["t"])
+
+
+def _number(value: Any, default: Any = None) -> Any:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def _int(value: Any) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None else None
+
+
+def _step_of(event: dict[str, Any]) -> int | None:
+    for key in _STEP_FIELDS:
+        if (step := _int(event.get(key))) is not None:
+            return step
+    return None
+
+
+def build_timeline(events: Iterable[Any]) -> tuple[TimelineEntry, ...]:
+    """Every event with relative time, who, pid, name and its own fields; malformed entries dropped."""
+    valid = _valid(events)
+    if not valid:
+        return ()
+    start = valid[0]["t"]
+    return tuple(
+        TimelineEntry(seconds=e["t"] - start, who=str(e.get("who", "?")), pid=_int(e.get("pid")),
+                      event=e["event"], fields={k: v for k, v in e.items() if k not in _ENVELOPE})
+        for e in valid)
+
+
+def _group_failures(timeline: Sequence[TimelineEntry]) -> list[list[TimelineEntry]]:
+    """``failure_detected`` entries grouped into incidents: same cycle, or (no cycle) no new round in between."""
+    incidents: list[list[TimelineEntry]] = []
+    open_incident: list[TimelineEntry] | None = None
+    for entry in timeline:
+        if entry.event == "round_complete" and open_incident is not None:
+            cycle = _int(entry.fields.get("cycle"))
+            opened = _int(open_incident[0].fields.get("cycle"))
+            if cycle is None or opened is None or cycle > opened:
+                open_incident = None
+        elif entry.event == "failure_detected":
+            cycle = _int(entry.fields.get("cycle"))
+            opened = _int(open_incident[0].fields.get("cycle")) if open_incident is not None else None
+            if open_incident is not None and (cycle is None or opened is None or cycle == opened):
+                open_incident.append(entry)
+            else:
+                open_incident = [entry]
+                incidents.append(open_incident)
+    return incidents
+
+
+def _first_after(timeline: Sequence[TimelineEntry], event: str, start: float, end: float) -> TimelineEntry | None:
+    return next((e for e in timeline if e.event == event and start <= e.seconds < end), None)
+
+
+def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[TimelineEntry],
+                       until: float) -> FailureSummary:
+    detected_at = incident[0].seconds
+    steps = [s for s in (_step_of(e.fields) for e in incident) if s is not None]
+    failure_step = max(steps) if steps else None
+    restored = _first_after(timeline, "restored", detected_at, until)
+    restored_step = _step_of(restored.fields) if restored else None
+    first_step = _first_after(timeline, "first_step_after_recovery", detected_at, until)
+    lost = None
+    if first_step is not None:
+        lost = first_step.seconds - detected_at
+        if lost <= 0:  # wall clocks of different hosts disagree: trust the event's own measure
+            lost = next((float(v) for k in _LOST_SECONDS_FIELDS if (v := _number(first_step.fields.get(k))) is not None),
+                        None)
+    errors = [str(e.fields["error"]) for e in incident if e.fields.get("error")]
+    return FailureSummary(
+        cycle=_int(incident[0].fields.get("cycle")),
+        detected_at=detected_at,
+        detected_by=tuple(dict.fromkeys(e.who for e in incident)),
+        error=errors[0] if errors else "",
+        failure_step=failure_step,
+        restored_step=restored_step,
+        steps_redone=(failure_step - restored_step) if failure_step is not None and restored_step is not None else None,
+        lost_seconds=lost,
+        recovered=first_step is not None,
+    )
+
+
+def _participants(timeline: Sequence[TimelineEntry]) -> tuple[ParticipantSummary, ...]:
+    order: dict[str, list[TimelineEntry]] = {}
+    for entry in timeline:
+        order.setdefault(entry.who, []).append(entry)
+    result = []
+    for who, entries in order.items():
+        roles = tuple("standby" if e.fields.get("standby") else "active"
+                      for e in entries if e.event == "round_complete")
+        pids = tuple(dict.fromkeys(e.pid for e in entries if e.pid is not None))
+        result.append(ParticipantSummary(who=who, pids=pids, roles=roles, last_event=entries[-1].event,
+                                         last_seen=entries[-1].seconds))
+    return tuple(result)
+
+
+def _final_status(timeline: Sequence[TimelineEntry]) -> tuple[str, str, int | None]:
+    no_restart = [e for e in timeline if e.event == "no_restart"]
+    finished = [e for e in timeline if e.event == "finished"]
+    steps = [s for s in (_step_of(e.fields) for e in finished) if s is not None]
+    final_step = max(steps) if steps else None
+    if no_restart:
+        first = no_restart[0]
+        reason = first.fields.get("reason") or first.fields.get("error") or ""
+        return "no_restart", f"run stopped for good, reported by {first.who}" + (f": {reason}" if reason else ""), \
+            final_step
+    if finished:
+        who = ", ".join(dict.fromkeys(e.who for e in finished))
+        at = f" at step {final_step}" if final_step is not None else ""
+        return "finished", f"finished{at} ({who})", final_step
+    return "incomplete", "no 'finished' event: the run is still going, or was killed", None
+
+
+def summarize(events: Iterable[Any]) -> RunSummary:
+    """Turn a run's events (any order; entries without an event name or time ignored) into its summary."""
+    timeline = build_timeline(events)
+    incidents = _group_failures(timeline)
+    failures = []
+    for index, incident in enumerate(incidents):
+        until = incidents[index + 1][0].seconds if index + 1 < len(incidents) else float("inf")
+        failures.append(_summarize_failure(incident, timeline, until))
+    participants = _participants(timeline)
+    spares_used = tuple(p.who for p in participants
+                        if "standby" in p.roles and "active" in p.roles[p.roles.index("standby"):])
+    spares_exited = tuple(dict.fromkeys(e.who for e in timeline if e.event == "spare_exit"))
+    cycles = {c for c in (_int(e.fields.get("cycle")) for e in timeline if e.event == "round_complete")
+              if c is not None}
+    status, detail, final_step = _final_status(timeline)
+    return RunSummary(
+        duration=timeline[-1].seconds if timeline else 0.0,
+        participants=participants,
+        rounds=len(cycles),
+        failures=tuple(failures),
+        spares_used=spares_used,
+        spares_exited=spares_exited,
+        status=status,
+        status_detail=detail,
+        final_step=final_step,
+        timeline=timeline,
+    )
+
+
+# ---------------------------------------------------------------------- text
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = " ".join(text.split())  # tracebacks and multi-line errors on one line
+    return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS - 3] + "..."
+
+
+def _fmt_fields(fields: dict[str, Any]) -> str:
+    return " ".join(f"{k}={_short(v)}" for k, v in fields.items())
+
+
+def _fmt_seconds(value: float | None) -> str:
+    return "?" if value is None else f"{value:.2f} s"
+
+
+def _fmt_opt(value: Any) -> str:
+    return "?" if value is None else str(value)
+
+
+def format_timeline(summary: RunSummary) -> list[str]:
+    entries = summary.timeline
+    if not entries:
+        return []
+    multi_pid = {p.who for p in summary.participants if len(p.pids) > 1}
+    names = [f"{e.who}[{e.pid}]" if e.who in multi_pid else e.who for e in entries]
+    who_width = max(len(n) for n in names)
+    event_width = max(len(e.event) for e in entries)
+    return [f"  {e.seconds:+8.2f}s  {name:<{who_width}}  {e.event:<{event_width}}  {_fmt_fields(e.fields)}".rstrip()
+            for e, name in zip(entries, names)]
+
+
+def format_summary(summary: RunSummary) -> list[str]:
+    lines = [f"  duration      {summary.duration:.2f} s (first to last event)",
+             f"  participants  {len(summary.participants)}"]
+    for p in summary.participants:
+        roles = " -> ".join(_compress(p.roles)) or "no round completed"
+        lines.append(f"    {p.who:<14} {roles}; last: {p.last_event} at +{p.last_seen:.2f}s")
+    lines.append(f"  rounds        {summary.rounds}")
+    lines.append(f"  failures      {len(summary.failures)}")
+    for n, f in enumerate(summary.failures, 1):
+        cycle = f" in cycle {f.cycle}" if f.cycle is not None else ""
+        lines.append(f"    #{n}{cycle} at +{f.detected_at:.2f}s, detected by {', '.join(f.detected_by)}"
+                     + (f": {_short(f.error)}" if f.error else ""))
+        if f.recovered:
+            lines.append(f"       lost time {_fmt_seconds(f.lost_seconds)}; failure step {_fmt_opt(f.failure_step)}, "
+                         f"restored step {_fmt_opt(f.restored_step)}, steps redone {_fmt_opt(f.steps_redone)}")
+        else:
+            lines.append("       not recovered (no first step after recovery)")
+    lines.append(f"  spares used   {', '.join(summary.spares_used) or 'none'}")
+    if summary.spares_exited:
+        lines.append(f"  spares exited unused  {', '.join(summary.spares_exited)}")
+    lines.append(f"  final status  {summary.status.upper()}: {summary.status_detail}")
+    return lines
+
+
+def _compress(roles: Sequence[str]) -> list[str]:
+    """["standby", "standby", "active"] -> ["standby x2", "active"]"""
+    out: list[tuple[str, int]] = []
+    for role in roles:
+        if out and out[-1][0] == role:
+            out[-1] = (role, out[-1][1] + 1)
+        else:
+            out.append((role, 1))
+    return [role if count == 1 else f"{role} x{count}" for role, count in out]
+
+
+def format_report(summary: RunSummary, timeline: bool = True) -> str:
+    lines: list[str] = []
+    if timeline:
+        lines += ["Timeline (seconds since the first event):", *format_timeline(summary), ""]
+    lines += ["Summary:", *format_summary(summary)]
+    return "\n".join(lines)
+
+
+def summary_as_dict(summary: RunSummary) -> dict[str, Any]:
+    """JSON-ready summary (without the timeline)."""
+    data = asdict(summary)
+    data.pop("timeline")
+    return data
+
+
+# ---------------------------------------------------------------------- CLI
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-ft report",
+                                     description="Print the recovery timeline and summary of a run directory "
+                                                 "(the events-*.jsonl files written under LIGHTNING_FT_EVENTS_DIR).")
+    parser.add_argument("run_dir", help="directory holding events-*.jsonl")
+    parser.add_argument("--summary-only", action="store_true", help="skip the timeline")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lightning_ft.events import read_events
+
+    args = _parser().parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        print(f"lightning-ft report: {run_dir} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        events = read_events(run_dir)
+    except OSError as exc:
+        print(f"lightning-ft report: cannot read events in {run_dir}: {exc}", file=sys.stderr)
+        return 2
+    summary = summarize(events)
+    if not summary.timeline:
+        print(f"lightning-ft report: no events in {run_dir} (expected events-*.jsonl files; set "
+              f"LIGHTNING_FT_EVENTS_DIR for the training processes)", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary_as_dict(summary), indent=2))
+    else:
+        print(format_report(summary, timeline=not args.summary_only))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""``lightning-ft report``: the pure summary on synthetic events, and the CLI's exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_ft.events_report import format_report, main, summarize, summary_as_dict
+
+T0 = 1_700_000_000.0
+PIDS = {"node0": 100, "node1": 101, "node2": 102}
+
+
+def ev(dt: float, who: str, event: str, **fields):
+    return {"t": T0 + dt, "mono": dt, "pid": PIDS.get(who, 1), "who": who, "event": event, **fields}
+
+
+def recovered_run() -> list[dict]:
+    """2 actives + 1 spare; node1 dies at step 42, the spare steps in, resume from the step-40 snapshot."""
+    return [
+        ev(0.0, "node0", "join"), ev(0.1, "node1", "join"), ev(0.2, "node2", "join"),
+        ev(1.0, "node0", "round_complete", cycle=0, rank=0, world=2, standby=False),
+        ev(1.0, "node1", "round_complete", cycle=0, rank=1, world=2, standby=False),
+        ev(1.0, "node2", "round_complete", cycle=0, rank=None, world=2, standby=True),
+        ev(5.0, "node0", "failure_detected", cycle=0, error="Connection closed by peer", detector="collective",
+           step=42),
+        ev(5.1, "node2", "failure_detected", cycle=0, error="heartbeat lost", detector="watch", step=41),
+        ev(5.2, "node0", "round_open", cycle=1),
+        ev(5.5, "node0", "round_complete", cycle=1, rank=0, world=2, standby=False),
+        ev(5.5, "node2", "round_complete", cycle=1, rank=1, world=2, standby=False),
+        ev(5.6, "node0", "snapshot_sent", step=40, to="node2"),
+        ev(5.7, "node2", "snapshot_received", step=40),
+        ev(5.8, "node0", "restored", step=40),
+        ev(5.8, "node2", "restored", step=40),
+        ev(6.5, "node0", "first_step_after_recovery", step=41, seconds_since_failure=1.5),
+        ev(6.5, "node2", "first_step_after_recovery", step=41, seconds_since_failure=1.4),
+        ev(9.0, "node0", "finished", step=100),
+        ev(9.0, "node2", "finished", step=100),
+    ]
+
+
+def test_recovered_run_summary():
+    events = recovered_run()
+    summary = summarize(list(reversed(events)))  # order of the input does not matter
+    assert summary.rounds == 2
+    assert summary.status == "finished" and summary.final_step == 100
+    assert summary.spares_used == ("node2",)
+    assert len(summary.failures) == 1  # two detectors, one incident
+    failure = summary.failures[0]
+    assert failure.cycle == 0 and failure.detected_by == ("node0", "node2")
+    assert failure.failure_step == 42 and failure.restored_step == 40 and failure.steps_redone == 2
+    assert failure.lost_seconds == pytest.approx(1.5)
+    assert failure.recovered
+    assert summary.duration == pytest.approx(9.0)
+    assert [e.event for e in summary.timeline] == [e["event"] for e in events]
+    assert summary.timeline[0].seconds == 0.0
+
+
+def test_report_text_has_timeline_and_summary():
+    text = format_report(summarize(recovered_run()))
+    assert "+5.00s  node0  failure_detected" in text
+    assert "error=Connection closed by peer" in text
+    assert "lost time 1.50 s; failure step 42, restored step 40, steps redone 2" in text
+    assert "spares used   node2" in text
+    assert "FINISHED" in text
+    assert "node2          standby -> active" in text
+
+
+def test_malformed_entries_are_ignored_and_unknown_events_shown_as_is():
+    events = recovered_run() + [
+        "not a dict", {"t": T0 + 3, "who": "node0"}, {"event": "no_time"},
+        ev(3.0, "node0", "custom_thing", detail="x" * 500, nested={"a": 1}),
+    ]
+    summary = summarize(events)
+    assert summary.failures[0].steps_redone == 2
+    line = next(line for line in format_report(summary).splitlines() if "custom_thing" in line)
+    assert 'nested={"a": 1}' in line and "xxx... " in line and len(line) < 200
+    assert "no_time" not in format_report(summary)
+
+
+def test_no_restart_and_unrecovered_failure():
+    events = recovered_run()[:8] + [
+        ev(6.0, "node0", "no_restart", reason="no spare left and below min_nodes"),
+    ]
+    summary = summarize(events)
+    assert summary.status == "no_restart" and "no spare left" in summary.status_detail
+    assert not summary.failures[0].recovered and summary.failures[0].lost_seconds is None
+    assert summary.failures[0].restored_step is None and summary.failures[0].steps_redone is None
+    assert "not recovered" in format_report(summary)
+
+
+def test_two_failures_in_different_cycles_are_separate():
+    events = recovered_run()[:-2] + [
+        ev(7.0, "node2", "failure_detected", cycle=1, error="peer gone", step=50),
+        ev(7.5, "node2", "round_complete", cycle=2, rank=0, world=1, standby=False),
+        ev(7.6, "node2", "restored", step=48),
+        ev(8.6, "node2", "first_step_after_recovery", step=49),
+        ev(9.5, "node2", "finished", step=100),
+    ]
+    summary = summarize(events)
+    assert [f.cycle for f in summary.failures] == [0, 1]
+    second = summary.failures[1]
+    assert (second.failure_step, second.restored_step, second.steps_redone) == (50, 48, 2)
+    assert second.lost_seconds == pytest.approx(1.6)
+    assert summary.failures[0].restored_step == 40  # not confused by the second recovery
+    assert summary.rounds == 3
+
+
+def test_incomplete_run_and_spare_exit():
+    events = [ev(0, "node0", "join"), ev(1, "node2", "round_complete", cycle=0, standby=True),
+              ev(2, "node2", "spare_exit", reason="run finished")]
+    summary = summarize(events)
+    assert summary.status == "incomplete" and summary.spares_exited == ("node2",) and summary.spares_used == ()
+    json.dumps(summary_as_dict(summary))  # JSON-ready
+
+
+def test_empty():
+    summary = summarize([])
+    assert summary.timeline == () and summary.failures == () and summary.status == "incomplete"
+
+
+def _write_events(run_dir, events, torn: bool = False):
+    by_file: dict[str, list[str]] = {}
+    for e in events:
+        by_file.setdefault(f"events-{e['who']}-{e['pid']}.jsonl", []).append(json.dumps(e))
+    for name, lines in by_file.items():
+        text = "\n".join(lines) + "\n"
+        if torn and name.startswith("events-node1"):
+            text += '{"t": 1700000009.5, "who": "node1", "ev'  # SIGKILL mid-write
+        (run_dir / name).write_text(text)
+
+
+def test_cli_reads_run_dir_with_torn_line(tmp_path, capsys):
+    _write_events(tmp_path, recovered_run(), torn=True)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Timeline" in out and "steps redone 2" in out and "FINISHED" in out
+    assert main([str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["status"] == "finished" and data["failures"][0]["steps_redone"] == 2
+    assert main([str(tmp_path), "--summary-only"]) == 0
+    assert "Timeline" not in capsys.readouterr().out
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main([str(tmp_path)]) == 2
+    assert "no events" in capsys.readouterr().err
+    (tmp_path / "events-x-1.jsonl").write_text('{"torn')
+    assert main([str(tmp_path)]) == 2
+
+
+def test_cli_through_lightning_ft_command(tmp_path):
+    _write_events(tmp_path, recovered_run())
+    ok = subprocess.run([sys.executable, "-m", "lightning_ft.cli", "report", str(tmp_path), "--summary-only"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "spares used   node2" in ok.stdout, ok.stderr
+    missing = subprocess.run([sys.executable, "-m", "lightning_ft.cli", "report", str(tmp_path / "nope")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "not a directory" in missing.stderr
+    usage = subprocess.run([sys.executable, "-m", "lightning_ft.cli", "report"],
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "usage" in usage.stderr
