@@ -32,6 +32,8 @@ from typing import Any, Sequence
 
 import lightning.pytorch as pl
 
+from lightning_ft._logging import ensure_log_output
+from lightning_ft.events import NullEventLog, event_log_from_env
 from lightning_ft.health import HealthReport, NodeHealthCheck, ProbeResult
 from lightning_ft.health.check import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
 from lightning_ft.health.probes import _env_float, default_probes
@@ -161,6 +163,8 @@ class GracefulTermination(pl.Callback):
         self.exit_reserve_seconds = float(exit_reserve_seconds)
         self.exit_timeout_seconds = float(exit_timeout_seconds)
         self._store_override = store
+        self._events: Any = NullEventLog()
+        ensure_log_output()
         self.exit_record_dir = exit_record_dir or os.environ.get(ENV_EXIT_RECORD_DIR) or None
 
         self._lock = threading.Lock()
@@ -208,6 +212,11 @@ class GracefulTermination(pl.Callback):
         original = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", {}) or {}
         self._restore_handlers = {s: original.get(s) for s in self.signals}
         self._fit_active = True
+        try:  # the run's structured event log, when LIGHTNING_FT_EVENTS_DIR is set
+            self._events = event_log_from_env(f"rank{self._rank}")
+        except OSError as exc:
+            log.warning("rank %d: no event log: %s", self._rank, exc)
+            self._events = NullEventLog()
         self._listener = SignalListener(self.signals, self._on_signal)
         if self._listener.install():
             log.info("rank %d: handling %s (grace %.0f s from %s, health check %.1f s, %d probes)",
@@ -260,7 +269,14 @@ class GracefulTermination(pl.Callback):
         step = self._trainer.global_step if self._trainer is not None else -1
         log.warning("rank %d: %s received during step %d; starting the health check, stopping at an agreed step",
                     self._rank, name, step + 1)
+        self._emit("termination_signal", signal=name, step=step)
         self._begin(signum, seen_at, f"{name} received")
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        try:
+            self._events.emit(event, **fields)
+        except Exception as exc:  # the event log is a record, never a reason to fail
+            log.debug("event %s not written: %s", event, exc)
 
     def _begin(self, signum: int, started_at: float, cause: str) -> _Termination:
         with self._lock:
@@ -278,6 +294,8 @@ class GracefulTermination(pl.Callback):
         report = self._health_check.run(deadline=termination.started_at + self._health_check.timeout_s)
         termination.report = report
         termination.report_ready.set()
+        self._emit("health_report", healthy=report.healthy, reasons=report.reasons,
+                   duration_s=round(report.duration_s, 6))
         after_ms = (time.monotonic() - termination.started_at) * 1000
         if report.healthy:
             log.warning("rank %d: health check: %s; ready %.0f ms after the signal", self._rank,
@@ -302,9 +320,14 @@ class GracefulTermination(pl.Callback):
                 coordinator = self._background_coordinator
                 run_with_timeout(lambda: coordinator.announce_unhealthy(step, termination.signum, report.reasons),
                                  _ANNOUNCE_TIMEOUT_S, f"rank {self._rank}: announcing the unhealthy exit")
-            if self.exit_record_dir:
-                run_with_timeout(lambda: self._write_exit_record(decision.exit_code, decision, step),
-                                 _ANNOUNCE_TIMEOUT_S, f"rank {self._rank}: writing the exit record")
+            seconds = time.monotonic() - termination.started_at
+
+            def _record() -> None:
+                self._emit("unhealthy_exit", exit_code=decision.exit_code, reasons=list(decision.reasons),
+                           step=step, seconds_since_signal=round(seconds, 6))
+                self._write_exit_record(decision.exit_code, decision, step)
+
+            run_with_timeout(_record, _ANNOUNCE_TIMEOUT_S, f"rank {self._rank}: recording the unhealthy exit")
             exit_now(decision.exit_code)
 
     def _write_exit_record(self, code: int, decision: Decision, step: int) -> None:
@@ -345,6 +368,7 @@ class GracefulTermination(pl.Callback):
                     log.warning("rank %d: at step %d; peer asked to stop after step %d (%s)",
                                 self._rank, step, stop.step, stop.reason)
                 termination.stop = stop
+                self._emit("stop_agreed", step=step, stop_step=stop.step, proposer=stop.rank, reason=stop.reason)
             peer_unhealthy = self._coordinator.any_peer_unhealthy()
         except Exception as exc:  # a broken store shows up as a collective error soon; do not add one
             if not self._store_error_logged:
@@ -435,6 +459,9 @@ class GracefulTermination(pl.Callback):
         else:
             log.warning("rank %d: exiting with %d without a snapshot", self._rank, code)
         termination.exit_code_if_killed = code
+        self._emit("termination_decision", step=step, action=decision.action.value, exit_code=code,
+                   reasons=list(decision.reasons),
+                   seconds_since_signal=round(time.monotonic() - termination.started_at, 6))
         self._write_exit_record(code, decision, step)
         return code, decision
 
