@@ -138,3 +138,23 @@ def test_store_server_rejects_bad_arguments():
 
     assert main(["--port", "70000"]) == 2
     assert main(["--grace-timeout", "0"]) == 2
+
+
+def test_unhealthy_node_is_counted_and_excluded(port, tmp_path, monkeypatch):
+    from lightning_ft.rendezvous import UnhealthyNodeError
+    from lightning_ft.rendezvous.keys import StoreKeys
+
+    marker = tmp_path / "node-problem"
+    marker.write_text("ECC errors on gpu 3")
+    monkeypatch.setenv("LIGHTNING_FT_HEALTH_MARKERS", str(marker))
+    handler = get_rendezvous_handler(params(port, run_id="sick", health_check="true"))
+    try:
+        with pytest.raises(UnhealthyNodeError, match="failed its health check"):
+            handler.next_rendezvous()
+        store = handler.rendezvous.store
+        assert store.add(StoreKeys("sick").unhealthy_count, 0) == 1
+        assert store.add(StoreKeys("sick").lost_count, 0) == 1
+        handler.shutdown()
+        assert not handler.is_closed()  # an excluded node does not end the job
+    finally:
+        handler.rendezvous.stop_heartbeat()
