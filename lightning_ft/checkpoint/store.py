@@ -41,6 +41,7 @@ _COMMITTED = re.compile(r"^step-(\d+)\.snap$")
 _TEMP = re.compile(r"^\.tmp-(step-\d+|spare)-(\d+)(?:-[0-9a-f]+)?\.snap$")
 _RANK_DIR = re.compile(r"^rank(\d+)$")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux value; Python < 3.13 lacks the name
 
 
 def default_root() -> str:
@@ -113,6 +114,20 @@ def _listdir(directory: str) -> list[str]:
     except OSError as exc:
         log.warning("cannot list %s: %s", directory, exc)
         return []
+
+
+def _prefault_for_write(mm: mmap.mmap) -> None:
+    """Allocate every page of a shared file mapping and make it writable in our page tables.
+
+    MAP_POPULATE is not enough for fresh tmpfs pages: it maps them read-only, and the first
+    write to each page then takes a fault (measured: a 1 GiB copy 0.16 s instead of 0.08 s).
+    MADV_POPULATE_WRITE (Linux 5.14+) pre-faults for writing in one call; older kernels get
+    one written byte per page, which is slower but has the same effect.
+    """
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        fmt.frombuffer_u8(mm, 0, len(mm))[:: mmap.PAGESIZE].fill_(0)
 
 
 def _close_map(mm: mmap.mmap) -> None:
@@ -397,10 +412,8 @@ class SnapshotStore:
             if st.st_size != nbytes:
                 os.ftruncate(fd, nbytes)
             if mm is None:
-                mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                if not _MAP_POPULATE:
-                    os.posix_fallocate(fd, 0, nbytes)
+                mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            _prefault_for_write(mm)
         except BaseException:
             os.close(fd)
             self._spare = None
