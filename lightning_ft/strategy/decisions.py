@@ -1,0 +1,321 @@
+"""Pure decisions of the ``ddp_ft`` strategy: no store, no clock, no torch.distributed.
+
+The strategy reads the world (exceptions, store keys, timings) into plain values, asks one
+of these functions, and performs the answer. Each function is deterministic so that the
+rules can be tested with plain values.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+# ------------------------------------------------------------------ hang detection
+
+
+def hang_timeout(step_seconds: Sequence[float], floor: float, safety_factor: float) -> float | None:
+    """Seconds a training step may take before it counts as hung; ``None`` = not monitored.
+
+    ``step_seconds`` are the durations of the steps completed so far in this round. The
+    first step of a round (no sample yet) is exempt: it includes DDP's parameter broadcast,
+    data-loader start-up and lazy initialisation. The slowest recent step, not the mean,
+    is scaled, so a workload with an occasional slow step (a snapshot, a logging step) does
+    not trip the detector; ``floor`` keeps very fast steps from giving a hair trigger.
+    """
+    if not step_seconds:
+        return None
+    return max(floor, safety_factor * max(step_seconds))
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """What one watchdog knows about a peer of its round."""
+
+    rank: int
+    #: training steps the peer completed in this round (as published by its watchdog)
+    completed: int
+    #: seconds since the peer's rendezvous heartbeat last moved (as observed here)
+    silent_seconds: float
+
+
+@dataclass(frozen=True)
+class StallVerdict:
+    """Which ranks a hung step is blamed on (empty: nobody can be blamed yet)."""
+
+    stalled: tuple[int, ...]
+    reason: str
+
+
+def find_stalled_ranks(own_rank: int, own_completed: int, peers: Iterable[PeerState],
+                       dead_after: float) -> StallVerdict:
+    """Blame an overdue step on the ranks that did not progress.
+
+    1. Peers whose heartbeat is silent for ``dead_after`` are frozen (SIGSTOP, a hung
+       host, a network partition): they are blamed first.
+    2. Otherwise, under DDP every rank enters each gradient all-reduce, so alive ranks are
+       at most one step apart; a rank that completed fewer steps than the others stopped
+       after the last all-reduce (stuck in ``optimizer.step``, a callback, I/O).
+    3. All alive and level: nobody can be told apart (a slow collective, a stuck rank
+       inside its forward pass) -- no verdict; the process-group timeout still bounds it.
+    """
+    peers = [p for p in peers if p.rank != own_rank]
+    frozen = tuple(sorted(p.rank for p in peers if p.silent_seconds >= dead_after))
+    if frozen:
+        return StallVerdict(frozen, f"heartbeat of rank(s) {list(frozen)} silent for >= {dead_after:.2f}s")
+    counts = {p.rank: p.completed for p in peers}
+    counts[own_rank] = own_completed
+    most = max(counts.values())
+    behind = tuple(sorted(r for r, n in counts.items() if n < most and r != own_rank))
+    if behind:
+        return StallVerdict(behind, f"rank(s) {list(behind)} completed fewer steps than the others "
+                                    f"({ {r: counts[r] for r in behind} } < {most})")
+    if own_completed < most:
+        return StallVerdict((), f"this rank (completed {own_completed}) is behind its peers ({most})")
+    return StallVerdict((), "every peer is alive and at the same step")
+
+
+# ------------------------------------------------------------------ snapshot transfer
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Send the snapshot of ``step`` from ``source`` to every rank in ``receivers``."""
+
+    step: int
+    source: int
+    receivers: tuple[int, ...]
+
+
+def plan_snapshot_transfer(steps_per_rank: Sequence[Iterable[int]]) -> TransferPlan | None:
+    """After a round forms: which snapshot to resume from and who must receive it.
+
+    The newest step any rank holds wins (a survivor's newest state, not the newest state
+    every rank happens to hold): ranks of one DDP job hold identical state per step, so a
+    copy from any holder is as good as one's own. The lowest holder rank sends. ``None``
+    when no rank holds a snapshot (fresh start).
+    """
+    held = [set(steps) for steps in steps_per_rank]
+    every = set().union(*held) if held else set()
+    if not every:
+        return None
+    newest = max(every)
+    holders = [rank for rank, steps in enumerate(held) if newest in steps]
+    receivers = tuple(rank for rank, steps in enumerate(held) if newest not in steps)
+    return TransferPlan(newest, holders[0], receivers)
+
+
+# ------------------------------------------------------------------ replication
+
+
+def replica_needed(active_domains: Sequence[str], factor: int) -> bool:
+    """Does the newest snapshot need copies beyond the actives' own?
+
+    Every DDP rank snapshots the same state, so each active already holds a copy.
+    Extra copies (to hot spares) are needed while fewer than ``factor + 1`` participants,
+    or fewer than ``factor + 1`` distinct failure domains, hold one: then losing one
+    node (domain) could lose the newest state. ``factor`` = copies on *other*
+    participants wanted for each snapshot.
+    """
+    if factor <= 0:
+        return False
+    return len(active_domains) < factor + 1 or len(set(active_domains)) < factor + 1
+
+
+def should_pull_replica(my_domain: str, active_domains: Sequence[str], factor: int,
+                        spare_index: int) -> bool:
+    """Should this hot spare keep a copy of the published snapshot?
+
+    A spare in a domain no active covers adds a failure domain and always pulls. Others
+    pull only while the copy count is short, the first ``missing`` spares (by their index
+    among spares, so spares need not talk to each other; a few extra copies are harmless).
+    """
+    if not replica_needed(active_domains, factor):
+        return False
+    if my_domain not in set(active_domains):
+        return True
+    missing = factor + 1 - len(active_domains)
+    return spare_index < missing
+
+
+# ------------------------------------------------------------------ failures
+
+
+class FailureKind(enum.Enum):
+    #: a peer died, hung or left (collective failed; the rendezvous shows why)
+    PEER_LOST = "peer_lost"
+    #: the collective failed and nobody is known lost (network blip, timeout): re-form as is
+    GROUP_BROKEN = "group_broken"
+    #: a peer failed with an error of its own (a bug in training code): not recoverable
+    PEER_ERROR = "peer_error"
+    #: this process raised something that is not a collective failure: a bug, re-raise
+    LOCAL_ERROR = "local_error"
+    #: a deliberate stop (SIGTERM path, KeyboardInterrupt, SystemExit): let it through
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class FailureFacts:
+    """What the strategy learned about an exception that ended a round's ``fit`` run."""
+
+    exception_type: str
+    is_collective_error: bool
+    is_stop: bool = False
+    #: a peer published a non-recoverable error of its own (text), else None
+    peer_error: str | None = None
+    #: the rendezvous opened a newer round (someone saw a failure first)
+    newer_round: bool = False
+    #: this process's watchdog blamed a hung peer
+    hang_detected: bool = False
+    #: members of the round whose heartbeat is already silent
+    dead_members: tuple[str, ...] = ()
+
+
+def classify_failure(facts: FailureFacts) -> FailureKind:
+    """Peer failure (recover) or not (re-raise)?
+
+    Only a failed collective can be a peer's fault. A peer that raised an error of its
+    own publishes it before it exits, so its peers' collective errors are not mistaken
+    for a lost node (a deterministic bug would otherwise consume every spare).
+    """
+    if facts.is_stop:
+        return FailureKind.STOP
+    if not facts.is_collective_error and not facts.hang_detected:
+        return FailureKind.LOCAL_ERROR
+    if facts.peer_error is not None:
+        return FailureKind.PEER_ERROR
+    if facts.newer_round or facts.hang_detected or facts.dead_members:
+        return FailureKind.PEER_LOST
+    return FailureKind.GROUP_BROKEN
+
+
+_COLLECTIVE_ERROR_TYPES = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError",
+                           "ProcessGroupAbortedError", "GroupAbortedError")
+_COLLECTIVE_ERROR_TEXT = (
+    "connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",
+    "gloo", "nccl", "socket timeout", "connection refused", "econnreset", "epipe",
+    "process group", "processgroup", "collective",
+)
+
+
+def looks_like_collective_error(chain: Iterable[tuple[str, str]]) -> bool:
+    """Is any exception in ``chain`` (``(type name, message)`` pairs) a failed collective?
+
+    torch raises ``DistBackendError`` / ``DistNetworkError`` for most transport failures,
+    but gloo errors often surface as a plain ``RuntimeError`` whose text names the
+    transport; both are recognised.
+    """
+    for type_name, message in chain:
+        if type_name in _COLLECTIVE_ERROR_TYPES:
+            return True
+        text = message.lower()
+        if type_name in ("RuntimeError", "OSError", "ConnectionError", "ConnectionResetError",
+                         "BrokenPipeError", "TimeoutError") and any(k in text for k in _COLLECTIVE_ERROR_TEXT):
+            return True
+    return False
+
+
+class RecoveryAction(enum.Enum):
+    RECOVER = "recover"
+    RAISE = "raise"
+    NO_RESTART = "no_restart"
+
+
+@dataclass(frozen=True)
+class RecoveryDecision:
+    action: RecoveryAction
+    reason: str
+
+
+def decide_recovery(kind: FailureKind, failures_without_progress: int,
+                    max_failures_without_progress: int, recoveries: int,
+                    max_recoveries: int | None) -> RecoveryDecision:
+    """What to do about a classified failure.
+
+    ``failures_without_progress`` counts failed rounds in a row that completed no training
+    step, including this one: a failure that recurs before any progress (a collective
+    that fails deterministically, a spare that cannot start) must not loop forever.
+    """
+    if kind is FailureKind.STOP or kind is FailureKind.LOCAL_ERROR:
+        return RecoveryDecision(RecoveryAction.RAISE, f"{kind.value}: not a peer failure; re-raising")
+    if kind is FailureKind.PEER_ERROR:
+        return RecoveryDecision(RecoveryAction.NO_RESTART,
+                                "a peer failed with an error of its own; restarting would repeat it")
+    if failures_without_progress > max_failures_without_progress:
+        return RecoveryDecision(
+            RecoveryAction.NO_RESTART,
+            f"{failures_without_progress} failures in a row without a completed training step "
+            f"(max_failures_without_progress={max_failures_without_progress})")
+    if max_recoveries is not None and recoveries >= max_recoveries:
+        return RecoveryDecision(RecoveryAction.NO_RESTART,
+                                f"already recovered {recoveries} time(s) (max_recoveries={max_recoveries})")
+    return RecoveryDecision(RecoveryAction.RECOVER, f"{kind.value}: re-forming the group")
+
+
+# ------------------------------------------------------------------ the end of the rendezvous
+
+JOB_FINISHED_REASON = "job finished"
+JOB_STOPPED_REASON = "job stopped"
+JOB_FAILED_REASON = "job failed"
+
+
+class EndAction(enum.Enum):
+    #: return from fit() normally: a spare that was not needed, or a finished job
+    RETURN = "return"
+    #: exit NO_RESTART: the job cannot go on and a restart would not help
+    NO_RESTART = "no_restart"
+
+
+def decide_on_rendezvous_end(was_active: bool, closed_reason: str | None, timed_out: bool) -> EndAction:
+    """The rendezvous ended for this participant (closed for good, or a join timed out).
+
+    A participant that never trained (hot spare) returns from ``fit()`` whatever the
+    reason: it lost nothing and has nothing to report. One that trained returns only when
+    the job finished (it was excluded, e.g. after a hang, and the others completed);
+    otherwise the job ended under it -- no spare left, a peer's error -- and the truthful
+    status is NO_RESTART.
+    """
+    if timed_out:
+        return EndAction.NO_RESTART
+    if not was_active:
+        return EndAction.RETURN
+    if closed_reason is not None and closed_reason.startswith(JOB_FINISHED_REASON):
+        return EndAction.RETURN
+    return EndAction.NO_RESTART
+
+
+# ------------------------------------------------------------------ configuration helpers
+
+
+def parse_nnodes(text: str, source: str) -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` -> (min, max); the error names ``source``."""
+    raw = str(text).strip()
+    parts = raw.split(":")
+    try:
+        if len(parts) == 1:
+            low = high = int(parts[0])
+        elif len(parts) == 2:
+            low, high = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{source}={text!r} must be N or MIN:MAX (e.g. 2:3)") from None
+    if low < 1 or high < low:
+        raise ValueError(f"{source}={text!r} needs 1 <= MIN <= MAX")
+    return low, high
+
+
+def merge_setting(name: str, explicit: object, env_name: str, env_value: str | None,
+                  parse=lambda v: v) -> object:
+    """An explicit argument or its environment variable; both set and different is an error."""
+    from_env = parse(env_value) if env_value not in (None, "") else None
+    if explicit is not None and from_env is not None and explicit != from_env:
+        raise ValueError(f"contradictory settings: {name}={explicit!r} but {env_name}={env_value!r}; "
+                         f"set one of them")
+    return explicit if explicit is not None else from_env
+
+
+def first_step_index(step_marks: Mapping[int, float], after: float) -> int | None:
+    """The lowest step whose completion time is after ``after`` (for timelines and benchmarks)."""
+    later = [step for step, t in step_marks.items() if t > after]
+    return min(later) if later else None

@@ -1,0 +1,61 @@
+"""Putting a Trainer back into the state ``fit()`` expects, after a run ended by a peer failure.
+
+The strategy re-runs ``Trainer._fit_impl`` inside the same ``fit()`` call once the group has
+been re-formed. What a failed run leaves behind, and why each piece is reset:
+
+* the loops keep the old train/val ``CombinedLoader`` (``setup_data`` returns early when one
+  exists), whose ``DistributedSampler`` still has the old world size and rank, plus
+  mid-batch progress counters and restart flags. They are replaced by fresh loops with the
+  same limits, as ``Trainer.__init__`` builds them; the resume from the snapshot then
+  restores their progress exactly as in a freshly started process.
+* ``trainer.state``/``should_stop`` are set as ``fit()`` sets them before its first run.
+* the checkpoint connector may hold a half-consumed ``_loaded_checkpoint``: a fresh one.
+* the model may still be wrapped in ``DistributedDataParallel`` bound to the broken group
+  (the exception can come before Lightning's teardown unwrapped it): unwrapped here.
+
+Lightning's own exception-path teardown (strategy, loop, logger connector, signal handlers)
+is run by the caller before this, as ``_call_and_handle_interrupt`` would.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def reset_trainer_for_rerun(trainer) -> None:
+    from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+    from torch.nn.parallel import DistributedDataParallel
+
+    old_fit = trainer.fit_loop
+    old_epoch = old_fit.epoch_loop
+    if type(old_fit) is _FitLoop and type(old_epoch) is _TrainingEpochLoop \
+            and type(old_epoch.val_loop) is _EvaluationLoop:
+        fit_loop = _FitLoop(trainer, min_epochs=old_fit.min_epochs, max_epochs=old_fit.max_epochs)
+        fit_loop.epoch_loop = _TrainingEpochLoop(trainer, min_steps=old_epoch.min_steps,
+                                                 max_steps=old_epoch.max_steps)
+        fit_loop.epoch_loop.val_loop.inference_mode = old_epoch.val_loop.inference_mode
+        trainer.fit_loop = fit_loop
+    else:
+        # a user-supplied loop class: keep it, but drop the data it cached for the old group
+        log.warning("ddp_ft: custom fit loop %s; only its cached data loaders are reset for the re-run",
+                    type(old_fit).__name__)
+        old_fit.teardown()
+        old_fit._combined_loader = None
+        old_epoch.val_loop._combined_loader = None
+
+    trainer._checkpoint_connector = _CheckpointConnector(trainer)
+
+    strategy = trainer.strategy
+    if isinstance(strategy.model, DistributedDataParallel):
+        strategy.model = strategy.lightning_module
+
+    trainer.state.fn = TrainerFn.FITTING
+    trainer.state.status = TrainerStatus.RUNNING
+    trainer.training = True
+    trainer.should_stop = False

@@ -1,0 +1,155 @@
+"""A simulated ``ddp_ft`` cluster on 127.0.0.1, for the strategy tests and the recovery benchmark.
+
+One standalone ``lightning-ft store`` process (so killing a participant never kills the
+store) plus N participants running ``ft_train.py``, each with its own node identity
+(``LIGHTNING_FT_DOMAIN_ID``) and snapshot root. Processes are started through a
+``ProcessSet``-like object (``start(name, argv, env)``) that owns and kills them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "ft_train.py")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def base_env(**overrides: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "LIGHTNING_FT_"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "LOCAL_WORLD_SIZE", "JOB_COMPLETION_INDEX"):
+        env.pop(key, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    env["PYTHONWARNINGS"] = "ignore"
+    env.update(overrides)
+    return env
+
+
+@dataclass
+class Cluster:
+    launcher: Any  # has start(name, argv, env) -> proc with .pid, .popen, .log()
+    root: Path
+    nnodes: str
+    run_id: str = "ft-test"
+    port: int = field(default_factory=free_port)
+    procs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def out(self) -> Path:
+        return self.root / "out"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events"
+
+    def start_store(self) -> Any:
+        proc = self.launcher.start("store", [sys.executable, "-m", "lightning_ft.cli", "store", "--host", "127.0.0.1",
+                                             "--port", str(self.port), "--run-id", self.run_id,
+                                             "--grace-timeout", "5"], env=base_env())
+        deadline = time.monotonic() + 30
+        while "listening" not in proc.log():
+            if proc.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"store did not start:\n{proc.log()}")
+            time.sleep(0.05)
+        return proc
+
+    def start_participant(self, name: str, args: list[str], **env: str) -> Any:
+        environment = base_env(
+            LIGHTNING_FT_ENDPOINT=f"127.0.0.1:{self.port}", LIGHTNING_FT_RUN_ID=self.run_id,
+            LIGHTNING_FT_NNODES=self.nnodes, LIGHTNING_FT_DOMAIN_ID=f"host-{name}",
+            LIGHTNING_FT_SNAPSHOT_DIR=str(self.root / f"shm-{name}"), LIGHTNING_FT_EVENTS_DIR=str(self.events),
+            **env)
+        proc = self.launcher.start(name, [sys.executable, SCRIPT, "--out", str(self.out), *args], env=environment)
+        self.procs[name] = proc
+        return proc
+
+    def start(self, names: list[str], args: list[str], **env: str) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.start_store()
+        for name in names:
+            self.start_participant(name, args, **env)
+
+    # ---------------------------------------------------------------- reading results
+
+    def steps(self) -> dict[str, list[dict]]:
+        """name -> completed-step records of that process."""
+        return {name: _read_jsonl(self.out / f"steps-{proc.pid}.jsonl") for name, proc in self.procs.items()}
+
+    def starts(self, name: str) -> list[dict]:
+        return _read_jsonl(self.out / f"start-{self.procs[name].pid}.jsonl")
+
+    def result(self, name: str) -> dict | None:
+        path = self.out / f"result-{self.procs[name].pid}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def active_names(self) -> list[str]:
+        return [name for name, records in self.steps().items() if records]
+
+    def wait_for_step(self, step: int, timeout: float, among: list[str] | None = None) -> str:
+        """Wait until some process (of ``among``) completed ``step``; returns its name."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, records in self.steps().items():
+                if (among is None or name in among) and records and records[-1]["step"] >= step:
+                    return name
+            time.sleep(0.02)
+        raise TimeoutError(f"no process reached step {step} within {timeout}s")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> float:
+        """Signal one participant; returns the wall-clock time of the kill."""
+        t = time.time()
+        os.kill(self.procs[name].pid, sig)
+        return t
+
+    def wait(self, names: list[str], timeout: float) -> dict[str, int | None]:
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name in names:
+            proc = self.procs[name]
+            while proc.popen.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            codes[name] = proc.popen.poll()
+        return codes
+
+    def events_of(self, event: str) -> list[dict]:
+        records = []
+        for path in sorted(self.events.glob("events-*.jsonl")):
+            records += [r for r in _read_jsonl(path) if r.get("event") == event]
+        return sorted(records, key=lambda r: r["t"])
+
+    def logs(self) -> str:
+        parts = []
+        for name, proc in [("store", None), *self.procs.items()]:
+            if proc is None:
+                continue
+            parts.append(f"===== {name} (pid {proc.pid}, rc {proc.popen.poll()}) =====\n{proc.log()[-5000:]}")
+        return "\n".join(parts)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

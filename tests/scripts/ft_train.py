@@ -1,0 +1,150 @@
+"""Tiny Lightning training run for the ``ddp_ft`` strategy tests and recovery benchmarks.
+
+Same script for every mode:
+
+* ``--strategy ddp_ft``: one process per participant; settings from LIGHTNING_FT_* variables,
+  each process with its own LIGHTNING_FT_SNAPSHOT_DIR and LIGHTNING_FT_DOMAIN_ID (node identity);
+* ``--strategy ddp --devices 2`` under ``torchrun``: plain DDP, the reference and the baseline
+  (``--checkpoint-dir``: Lightning ModelCheckpoint every ``--checkpoint-every`` steps, resumed
+  from ``last.ckpt`` after torchrun restarts the workers).
+
+Writes into ``--out`` (one file per process, named by pid):
+  steps-<pid>.jsonl   {"t", "step", "rank", "loss"} for every completed training step
+  start-<pid>.jsonl   {"t", "step", "rank"} every time training starts (after any restore)
+  result-<pid>.json   {"rank", "trained", "step", "weights", "t"} when fit() returns
+  exit-<pid>          the exit code, when the process leaves through SystemExit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--strategy", default="ddp_ft", choices=["ddp_ft", "ddp"])
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--no-snapshots", action="store_true")
+    parser.add_argument("--graceful", action="store_true", help="add GracefulTermination (no health probes)")
+    parser.add_argument("--checkpoint-dir", default=None, help="baseline: ModelCheckpoint + resume from last")
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--raise-at-step", type=int, default=None, help="training_step raises ValueError here")
+    parser.add_argument("--raise-on-rank", type=int, default=0)
+    parser.add_argument("--hang-floor", type=float, default=2.0)
+    parser.add_argument("--pg-timeout", type=float, default=60.0)
+    parser.add_argument("--replication-factor", type=int, default=1)
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args()
+
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
+                        format=f"[%(asctime)s pid={os.getpid()} %(name)s %(levelname)s] %(message)s")
+    for noisy in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    import datetime
+
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_ft
+    from lightning_ft import EmergencyCheckpoint, GracefulTermination
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pid = os.getpid()
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
+
+        def training_step(self, batch, batch_idx):
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if args.raise_at_step is not None and self.trainer.global_step == args.raise_at_step \
+                    and self.trainer.global_rank == args.raise_on_rank:
+                raise ValueError(f"deliberate bug at step {args.raise_at_step}")
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.last_loss = float(loss.detach())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(1234)
+            x = torch.randn(256, 16, generator=g)
+            return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=args.batch_size, shuffle=True)
+
+    class Recorder(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            with open(out / f"start-{pid}.jsonl", "a") as f:
+                f.write(json.dumps({"t": time.time(), "step": trainer.global_step, "rank": trainer.global_rank}) + "\n")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            with open(out / f"steps-{pid}.jsonl", "a") as f:
+                f.write(json.dumps({"t": time.time(), "step": trainer.global_step, "rank": trainer.global_rank,
+                                    "loss": pl_module.last_loss}) + "\n")
+
+    callbacks: list[pl.Callback] = [Recorder()]
+    if args.graceful:
+        callbacks.append(GracefulTermination(probes=[]))
+    if not args.no_snapshots:
+        callbacks.append(EmergencyCheckpoint(every_n_steps=args.snapshot_every))
+    ckpt_path = None
+    if args.checkpoint_dir:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_train_steps=args.checkpoint_every,
+                                         save_last=True, save_top_k=-1))
+        if (Path(args.checkpoint_dir) / "last.ckpt").exists():
+            ckpt_path = str(Path(args.checkpoint_dir) / "last.ckpt")
+
+    pg_timeout = datetime.timedelta(seconds=args.pg_timeout)
+    if args.strategy == "ddp_ft":
+        strategy = lightning_ft.FaultTolerantDDPStrategy(
+            hang_timeout_floor=args.hang_floor, timeout=pg_timeout, replication_factor=args.replication_factor)
+    else:
+        strategy = pl.strategies.DDPStrategy(timeout=pg_timeout)
+
+    pl.seed_everything(0, verbose=False)
+    model = Regression()
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
+                         max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=bool(args.checkpoint_dir), num_sanity_val_steps=0,
+                         callbacks=callbacks)
+    try:
+        trainer.fit(model, ckpt_path=ckpt_path)
+    except SystemExit as exc:
+        (out / f"exit-{pid}").write_text(str(exc.code))
+        raise
+    trained = getattr(trainer.strategy, "trained", True)
+    result = {"rank": trainer.global_rank, "trained": trained, "step": trainer.global_step, "t": time.time(),
+              "weights": [float(v) for p in model.parameters() for v in p.detach().flatten()]}
+    (out / f"result-{pid}.json").write_text(json.dumps(result))
+    if args.strategy == "ddp":
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
