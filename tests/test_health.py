@@ -149,7 +149,8 @@ def test_composite_stops_at_the_first_unhealthy_answer_and_kills_commands(tmp_pa
     assert report.healthy is False
     assert report.reasons == ["broken: xid 79"]
     assert {r.name: r for r in report.results}["slow"].healthy is None
-    if wait_for(pid_file.exists, timeout=5):  # it may have been cancelled before it even started
+    assert wait_for(lambda: not slow._running, timeout=5)  # killed and reaped, even if cancelled before it ran
+    if pid_file.exists():
         pid = int(pid_file.read_text())
         assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=5)
 

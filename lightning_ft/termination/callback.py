@@ -22,9 +22,9 @@ Flow on each rank (see the README section "SIGTERM path" for the exit-code table
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -57,10 +57,6 @@ from lightning_ft.termination.exit import (
 from lightning_ft.termination.signals import SignalListener
 
 log = logging.getLogger(__name__)
-
-# Every rank builds its trainers in the same order, so this counter names the same fit on
-# every rank; it keeps the stop keys of two fits in one process group apart.
-_fit_counter = itertools.count()
 
 _STORE_METHODS = ("compare_set", "check", "get", "set", "add")
 _ANNOUNCE_TIMEOUT_S = 0.5  # publishing "unhealthy" must never delay the exit by more
@@ -204,7 +200,7 @@ class GracefulTermination(pl.Callback):
         self._rank, self._world_size = trainer.global_rank, trainer.world_size
         self._termination = None
         self._store_error_logged = False
-        self._coordinator = self._make_coordinator(next(_fit_counter))
+        self._coordinator = self._make_coordinator(trainer)
         self._background_coordinator = self._coordinator.clone()
         self._last_boundary_step = trainer.global_step
         # Lightning's teardown restores the handlers it found before fit; restore to
@@ -225,7 +221,7 @@ class GracefulTermination(pl.Callback):
         else:
             self._listener = None
 
-    def _make_coordinator(self, fit_index: int) -> StoreStopCoordinator | LocalStopCoordinator:
+    def _make_coordinator(self, trainer: pl.Trainer) -> StoreStopCoordinator | LocalStopCoordinator:
         if self._world_size <= 1:
             return LocalStopCoordinator()
         import torch.distributed as dist
@@ -237,7 +233,12 @@ class GracefulTermination(pl.Callback):
                             self._rank, self._world_size)
                 return LocalStopCoordinator()
             store = dist.distributed_c10d._get_default_store()
-        prefix = f"lightning_ft/termination/{fit_index}/"
+        # A fresh namespace per fit, chosen by rank 0 and broadcast once while all ranks are
+        # in step (never from a signal handler). Stores outlive worker groups: torchrun's
+        # agent keeps one TCPStore across worker restarts and membership changes, so a
+        # stop key left by an earlier group would stop the restarted one at once.
+        namespace = trainer.strategy.broadcast(secrets.token_hex(8) if self._rank == 0 else None, src=0)
+        prefix = f"lightning_ft/termination/{namespace}/"
         return StoreStopCoordinator(dist.PrefixStore(prefix, store), self._rank, self._world_size)
 
     def _finish(self, trainer: pl.Trainer | None = None, exiting: bool = False) -> None:
