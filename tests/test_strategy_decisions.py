@@ -1,0 +1,260 @@
+"""Pure decisions of the ``ddp_ft`` strategy: hang timeout, blame, snapshot transfer, replica
+placement, failure classification, recovery and end-of-rendezvous decisions, configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_ft.strategy.config import LaunchMode, StrategyConfigError, resolve_launch_config
+from lightning_ft.strategy.decisions import (
+    EndAction,
+    FailureFacts,
+    FailureKind,
+    PeerState,
+    RecoveryAction,
+    TransferPlan,
+    classify_failure,
+    decide_on_rendezvous_end,
+    decide_recovery,
+    find_stalled_ranks,
+    hang_timeout,
+    looks_like_collective_error,
+    parse_nnodes,
+    plan_snapshot_transfer,
+    replica_needed,
+    should_pull_replica,
+)
+
+# ------------------------------------------------------------------ hang timeout
+
+
+def test_first_step_of_a_round_is_exempt():
+    assert hang_timeout([], floor=5.0, safety_factor=10.0) is None
+
+
+def test_hang_timeout_scales_the_slowest_recent_step_with_a_floor():
+    assert hang_timeout([0.01, 0.02], floor=5.0, safety_factor=10.0) == 5.0
+    assert hang_timeout([0.5, 2.0, 0.7], floor=5.0, safety_factor=10.0) == 20.0
+
+
+# ------------------------------------------------------------------ blame
+
+
+def test_silent_peer_is_blamed_first():
+    peers = [PeerState(1, 10, silent_seconds=2.0), PeerState(2, 9, silent_seconds=0.0)]
+    verdict = find_stalled_ranks(0, 10, peers, dead_after=0.4)
+    assert verdict.stalled == (1,)
+    assert "silent" in verdict.reason
+
+
+def test_alive_peer_behind_the_others_is_blamed():
+    peers = [PeerState(1, 10, 0.0), PeerState(2, 9, 0.0)]
+    assert find_stalled_ranks(0, 10, peers, dead_after=0.4).stalled == (2,)
+
+
+def test_nobody_is_blamed_when_everyone_is_alive_and_level():
+    peers = [PeerState(1, 10, 0.1), PeerState(2, 10, 0.0)]
+    verdict = find_stalled_ranks(0, 10, peers, dead_after=0.4)
+    assert verdict.stalled == ()
+    assert "same step" in verdict.reason
+
+
+def test_a_rank_never_blames_itself():
+    verdict = find_stalled_ranks(0, 9, [PeerState(1, 10, 0.0), PeerState(0, 9, 5.0)], dead_after=0.4)
+    assert verdict.stalled == ()
+    assert "behind" in verdict.reason
+
+
+# ------------------------------------------------------------------ snapshot transfer
+
+
+def test_fresh_start_has_no_transfer():
+    assert plan_snapshot_transfer([[], []]) is None
+    assert plan_snapshot_transfer([]) is None
+
+
+def test_newest_snapshot_any_rank_holds_goes_to_the_ranks_that_lack_it():
+    assert plan_snapshot_transfer([[20, 30], [], [30]]) == TransferPlan(30, 0, (1,))
+    assert plan_snapshot_transfer([[10], [10, 20], [10]]) == TransferPlan(20, 1, (0, 2))
+
+
+def test_nothing_to_send_when_every_rank_has_the_newest():
+    assert plan_snapshot_transfer([[10, 20], [20]]) == TransferPlan(20, 0, ())
+
+
+# ------------------------------------------------------------------ replica placement
+
+
+def test_actives_on_distinct_domains_need_no_extra_copy():
+    assert not replica_needed(["hostA", "hostB"], factor=1)
+
+
+def test_actives_sharing_one_domain_need_a_copy_elsewhere():
+    assert replica_needed(["hostA", "hostA"], factor=1)
+    assert should_pull_replica("hostB", ["hostA", "hostA"], factor=1, spare_index=5)
+
+
+def test_spare_in_a_covered_domain_pulls_only_while_copies_are_short():
+    # one active: one copy short, the first spare keeps it
+    assert should_pull_replica("hostA", ["hostA"], factor=1, spare_index=0)
+    assert not should_pull_replica("hostA", ["hostA"], factor=1, spare_index=1)
+    # two actives, same domain, factor 1: copy count is fine, domain count is not -> only other domains
+    assert not should_pull_replica("hostA", ["hostA", "hostA"], factor=1, spare_index=0)
+
+
+def test_factor_zero_disables_replication():
+    assert not replica_needed(["hostA"], factor=0)
+    assert not should_pull_replica("hostB", ["hostA"], factor=0, spare_index=0)
+
+
+def test_higher_factor_asks_for_more_domains():
+    assert replica_needed(["hostA", "hostB"], factor=2)
+    assert should_pull_replica("hostC", ["hostA", "hostB"], factor=2, spare_index=3)
+
+
+# ------------------------------------------------------------------ failure classification
+
+
+def facts(**kw):
+    base = dict(exception_type="RuntimeError", is_collective_error=True)
+    base.update(kw)
+    return FailureFacts(**base)
+
+
+def test_plain_bug_is_a_local_error():
+    assert classify_failure(facts(exception_type="ValueError", is_collective_error=False)) is FailureKind.LOCAL_ERROR
+
+
+def test_deliberate_stop_passes_through():
+    assert classify_failure(facts(is_stop=True, is_collective_error=False)) is FailureKind.STOP
+
+
+def test_collective_error_with_a_peers_own_error_is_not_recovered():
+    assert classify_failure(facts(peer_error="rank 1: ValueError: bug")) is FailureKind.PEER_ERROR
+
+
+def test_collective_error_with_rendezvous_evidence_is_a_lost_peer():
+    assert classify_failure(facts(newer_round=True)) is FailureKind.PEER_LOST
+    assert classify_failure(facts(dead_members=("h:1:0",))) is FailureKind.PEER_LOST
+    assert classify_failure(facts(is_collective_error=False, hang_detected=True)) is FailureKind.PEER_LOST
+
+
+def test_collective_error_without_evidence_is_a_broken_group():
+    assert classify_failure(facts()) is FailureKind.GROUP_BROKEN
+
+
+@pytest.mark.parametrize("chain, expected", [
+    ([("RuntimeError", "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [1.2.3.4]:5")], True),
+    ([("DistBackendError", "anything")], True),
+    ([("RuntimeError", "Timed out waiting 2000ms for recv operation to complete")], True),
+    ([("ValueError", "Connection closed by peer")], False),  # user code's own ValueError
+    ([("RuntimeError", "CUDA out of memory")], False),
+    ([("KeyError", "x"), ("RuntimeError", "Connection reset by peer")], True),  # raised during handling
+])
+def test_collective_errors_are_recognised_through_the_chain(chain, expected):
+    assert looks_like_collective_error(chain) is expected
+
+
+# ------------------------------------------------------------------ recovery decision
+
+
+def test_recoverable_failures_recover():
+    decision = decide_recovery(FailureKind.PEER_LOST, 1, 2, recoveries=0, max_recoveries=None)
+    assert decision.action is RecoveryAction.RECOVER
+
+
+def test_repeated_failures_without_progress_stop():
+    decision = decide_recovery(FailureKind.GROUP_BROKEN, 3, 2, recoveries=2, max_recoveries=None)
+    assert decision.action is RecoveryAction.NO_RESTART
+    assert "without a completed training step" in decision.reason
+
+
+def test_recovery_cap():
+    assert decide_recovery(FailureKind.PEER_LOST, 1, 2, 3, 3).action is RecoveryAction.NO_RESTART
+
+
+def test_peer_error_is_no_restart_and_local_error_raises():
+    assert decide_recovery(FailureKind.PEER_ERROR, 1, 2, 0, None).action is RecoveryAction.NO_RESTART
+    assert decide_recovery(FailureKind.LOCAL_ERROR, 1, 2, 0, None).action is RecoveryAction.RAISE
+    assert decide_recovery(FailureKind.STOP, 1, 2, 0, None).action is RecoveryAction.RAISE
+
+
+# ------------------------------------------------------------------ end of the rendezvous
+
+
+def test_spare_always_leaves_cleanly():
+    assert decide_on_rendezvous_end(False, "job finished: ...", False) is EndAction.RETURN
+    assert decide_on_rendezvous_end(False, "only 1 of max_nodes=3 ...", False) is EndAction.RETURN
+
+
+def test_former_active_returns_only_when_the_job_finished():
+    assert decide_on_rendezvous_end(True, "job finished: round 2 completed fit()", False) is EndAction.RETURN
+    assert decide_on_rendezvous_end(True, "only 1 of max_nodes=3 nodes ...", False) is EndAction.NO_RESTART
+    assert decide_on_rendezvous_end(True, "job failed: rank 1 raised ValueError", False) is EndAction.NO_RESTART
+
+
+def test_join_timeout_is_no_restart():
+    assert decide_on_rendezvous_end(False, None, True) is EndAction.NO_RESTART
+
+
+# ------------------------------------------------------------------ configuration
+
+
+@pytest.mark.parametrize("text, expected", [("3", (3, 3)), ("2:3", (2, 3)), (" 1:1 ", (1, 1))])
+def test_parse_nnodes(text, expected):
+    assert parse_nnodes(text, "X") == expected
+
+
+@pytest.mark.parametrize("text", ["", "a", "3:2", "0:1", "1:2:3"])
+def test_parse_nnodes_rejects_and_names_the_source(text):
+    with pytest.raises(ValueError, match="LIGHTNING_FT_NNODES"):
+        parse_nnodes(text, "LIGHTNING_FT_NNODES")
+
+
+def test_config_from_environment():
+    env = {"LIGHTNING_FT_ENDPOINT": "10.0.0.1:29400", "LIGHTNING_FT_RUN_ID": "job7", "LIGHTNING_FT_NNODES": "2:3"}
+    config = resolve_launch_config(None, None, None, None, env)
+    assert (config.mode, config.host, config.port, config.run_id) == (LaunchMode.RENDEZVOUS, "10.0.0.1", 29400, "job7")
+    assert (config.min_nodes, config.max_nodes) == (2, 3)
+
+
+def test_arguments_win_when_they_agree_with_the_environment():
+    env = {"LIGHTNING_FT_NNODES": "2:3"}
+    config = resolve_launch_config("h:1", "r", 2, 3, env)
+    assert (config.min_nodes, config.max_nodes) == (2, 3)
+    assert resolve_launch_config("h:1", "r", 4, None, {}).max_nodes == 4
+
+
+def test_missing_settings_are_all_named():
+    with pytest.raises(StrategyConfigError) as info:
+        resolve_launch_config(None, None, None, None, {})
+    text = str(info.value)
+    for name in ("LIGHTNING_FT_ENDPOINT", "LIGHTNING_FT_RUN_ID", "LIGHTNING_FT_NNODES"):
+        assert name in text
+
+
+@pytest.mark.parametrize("args, env, needle", [
+    (("h:1", "r", 2, 3), {"LIGHTNING_FT_NNODES": "2:4"}, "LIGHTNING_FT_NNODES"),
+    (("h:1", "r", 2, 3), {"LIGHTNING_FT_ENDPOINT": "other:2"}, "LIGHTNING_FT_ENDPOINT"),
+    (("h:1", "r", 2, 3), {"LIGHTNING_FT_RUN_ID": "s"}, "LIGHTNING_FT_RUN_ID"),
+    (("h:notaport", "r", 2, 3), {}, "port"),
+    (("h:1", "a/b", 2, 3), {}, "run_id"),
+    (("h:1", "r", 3, 2), {}, "max_nodes"),
+    (("h:1", "r", None, 2), {}, "min_nodes"),
+    (("h:1", "r", 0, 2), {}, "min_nodes"),
+])
+def test_bad_or_contradictory_settings_name_the_setting(args, env, needle):
+    with pytest.raises(StrategyConfigError, match=needle):
+        resolve_launch_config(*args, env)
+
+
+def test_under_torchrun_the_agent_owns_the_rendezvous():
+    env = {"TORCHELASTIC_RUN_ID": "job7"}
+    assert resolve_launch_config(None, None, None, None, env).mode is LaunchMode.TORCHELASTIC
+    assert resolve_launch_config(None, "job7", None, None, env).run_id == "job7"
+    with pytest.raises(StrategyConfigError, match="LIGHTNING_FT_ENDPOINT"):
+        resolve_launch_config(None, None, None, None, {**env, "LIGHTNING_FT_ENDPOINT": "h:1"})
+    with pytest.raises(StrategyConfigError, match="min_nodes"):
+        resolve_launch_config(None, None, 2, 3, env)
+    with pytest.raises(StrategyConfigError, match="rdzv-id"):
+        resolve_launch_config(None, "other", None, None, env)

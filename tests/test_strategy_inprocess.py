@@ -1,0 +1,173 @@
+"""``ddp_ft`` in one process (world size 1, a real TCPStore): the recovery loop and the Trainer reset.
+
+A failed collective is simulated by a ``training_step`` that raises gloo's error text; the
+strategy must tear down, reset the Trainer, re-form the (one-rank) group and resume from the
+newest snapshot inside the same ``fit()`` call -- or give up with NO_RESTART when the failure
+repeats without progress, or re-raise a plain bug.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_ft import EmergencyCheckpoint, ExitCode, FaultTolerantDDPStrategy  # noqa: E402
+from lightning_ft.strategy import NoRestartError  # noqa: E402
+from lightning_ft.strategy.strategy import _FaultTolerantLauncher  # noqa: E402
+
+GLOO_ERROR = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
+
+
+class Model(pl.LightningModule):
+    def __init__(self, fail_at=(), error=RuntimeError, message=GLOO_ERROR):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.fail_at = set(fail_at)
+        self.error, self.message = error, message
+        self.steps_seen: list[int] = []
+        self.setup_calls = 0
+
+    def setup(self, stage):
+        self.setup_calls += 1
+
+    def training_step(self, batch, batch_idx):
+        step = self.trainer.global_step
+        self.steps_seen.append(step)
+        if step in self.fail_at:
+            self.fail_at.discard(step)
+            raise self.error(self.message)
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+
+
+class AlwaysFails(Model):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError(GLOO_ERROR)
+
+
+def make_trainer(tmp_path, port, max_steps=30, **strategy_kwargs):
+    strategy = FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{port}", run_id="inproc", min_nodes=1, max_nodes=1,
+                                        events_dir=tmp_path / "events", hang_detection=False,
+                                        snapshot_every_n_seconds=None, **strategy_kwargs)
+    checkpoint = EmergencyCheckpoint(every_n_steps=10, root=str(tmp_path / "shm"), run_id="inproc")
+    return pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, max_epochs=-1,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[checkpoint])
+
+
+def events(tmp_path):
+    out = []
+    for path in sorted((tmp_path / "events").glob("events-*.jsonl")):
+        out += [json.loads(line) for line in path.read_text().splitlines()]
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_collective_failure_recovers_in_place_from_the_snapshot(tmp_path, port):
+    trainer = make_trainer(tmp_path, port)
+    assert isinstance(trainer.strategy.launcher, _FaultTolerantLauncher)
+    model = Model(fail_at=[15])
+    first_loop = trainer.fit_loop
+    trainer.fit(model)
+
+    assert trainer.global_step == 30
+    assert trainer.state.finished
+    assert trainer.strategy.recoveries == 1
+    assert trainer.fit_loop is not first_loop  # fresh loops for the re-run
+    # steps 0..15 ran, 15 failed; the re-run resumed at the step-10 snapshot
+    assert model.steps_seen[:16] == list(range(16))
+    assert model.steps_seen[16:] == list(range(10, 30))
+    assert model.setup_calls == 2
+    names = [e["event"] for e in events(tmp_path)]
+    for name in ("failure_detected", "decision", "round_open", "restored", "first_step_after_recovery", "finished"):
+        assert name in names, names
+    restored = [e for e in events(tmp_path) if e["event"] == "restored"]
+    assert restored[-1]["step"] == 10
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the group is destroyed at the end (Lightning would not)
+
+
+def test_failures_without_progress_end_in_no_restart(tmp_path, port):
+    trainer = make_trainer(tmp_path, port, max_failures_without_progress=2)
+    with pytest.raises(NoRestartError) as info:
+        trainer.fit(AlwaysFails())
+    assert info.value.code == ExitCode.NO_RESTART
+    assert "without a completed training step" in info.value.message
+    assert trainer.strategy.recoveries == 2
+    assert any(e["event"] == "no_restart" for e in events(tmp_path))
+
+
+def test_a_bug_in_training_step_is_re_raised_not_recovered(tmp_path, port):
+    trainer = make_trainer(tmp_path, port)
+    with pytest.raises(ValueError, match="bug"):
+        trainer.fit(Model(fail_at=[5], error=ValueError, message="bug in training_step"))
+    assert trainer.strategy.recoveries == 0
+    rendezvous = trainer.strategy._session.rendezvous
+    assert rendezvous.closed_reason().startswith("job failed: rank 0 raised ValueError: bug in training_step")
+
+
+def test_second_fit_on_a_finished_run_is_refused(tmp_path, port):
+    trainer = make_trainer(tmp_path, port, max_steps=5)
+    trainer.fit(Model())
+    with pytest.raises(ValueError, match="one fit"):
+        trainer.fit(Model())
+
+
+def test_by_name_the_settings_come_from_the_environment(monkeypatch, port):
+    import lightning_ft  # noqa: F401  (registers "ddp_ft")
+
+    monkeypatch.setenv("LIGHTNING_FT_ENDPOINT", f"127.0.0.1:{port}")
+    monkeypatch.setenv("LIGHTNING_FT_RUN_ID", "byname")
+    monkeypatch.setenv("LIGHTNING_FT_NNODES", "2:3")
+    trainer = pl.Trainer(strategy="ddp_ft", accelerator="cpu", devices=1, logger=False)
+    strategy = trainer.strategy
+    assert isinstance(strategy, FaultTolerantDDPStrategy)
+    assert (strategy.run_id, strategy._config.min_nodes, strategy._config.max_nodes) == ("byname", 2, 3)
+    assert strategy.cluster_environment.creates_processes_externally
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(hang_timeout_floor=-1), "hang_timeout_floor"),
+    (dict(replication_factor=1.5), "replication_factor"),
+    (dict(max_recoveries=-1), "max_recoveries"),
+    (dict(segment=3), "segment"),  # min_nodes=2 is not a multiple of segment 3
+    (dict(timeout=30), "timeout"),
+])
+def test_bad_strategy_arguments_are_named(kwargs, needle, port):
+    from lightning_ft.strategy import StrategyConfigError
+
+    with pytest.raises(StrategyConfigError, match=needle):
+        FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{port}", run_id="r", min_nodes=2, max_nodes=3, **kwargs)
+
+
+def test_more_than_one_device_per_process_is_refused(port):
+    from lightning_ft.strategy import StrategyConfigError
+
+    strategy = FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{port}", run_id="r", min_nodes=2, max_nodes=3)
+    with pytest.raises(StrategyConfigError, match="devices=1"):
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
