@@ -181,6 +181,11 @@ class GracefulTermination(pl.Callback):
     def health_check(self) -> NodeHealthCheck:
         return self._health_check
 
+    @property
+    def termination_in_progress(self) -> bool:
+        """True once this rank knows of a termination (its own signal or a peer's stop request)."""
+        return self._termination is not None
+
     # ---- installation ---------------------------------------------------------------
     # Lightning registers its own SIGTERM handler just before the run stage and calls it
     # *before* any handler that existed then; its handler broadcasts inside the signal
