@@ -189,6 +189,11 @@ def test_default_probes_from_the_environment(tmp_path):
     assert probes[0].host_root == tmp_path
     assert probes[-1].argv == ["true", "--flag"]
     assert NodeHealthCheck.from_env({"LIGHTNING_FT_HEALTH_TIMEOUT": "2.5"}).timeout_s == 2.5
+    os.environ["LIGHTNING_FT_HEALTH_TIMEOUT"] = "1.5"
+    try:
+        assert NodeHealthCheck([]).timeout_s == 1.5
+    finally:
+        del os.environ["LIGHTNING_FT_HEALTH_TIMEOUT"]
 
 
 def test_cli_reports_and_exits_non_zero_when_unhealthy(tmp_path, capsys):

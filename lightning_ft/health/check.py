@@ -53,16 +53,19 @@ class NodeHealthCheck:
 
     Args:
         probes: the probes to run; ``None`` = :func:`default_probes` from the environment.
-        timeout_s: deadline for the whole check, in seconds.
+        timeout_s: deadline for the whole check, in seconds; ``None`` =
+            ``LIGHTNING_FT_HEALTH_TIMEOUT`` or 5 s.
         overrun_is_unhealthy: a probe that has not answered by the deadline (or was
             killed at it) makes the node unhealthy; with ``False`` it is reported and ignored.
         stop_at_first_unhealthy: return as soon as one probe says unhealthy, without
             waiting for the rest (they are reported as not awaited; commands are killed).
     """
 
-    def __init__(self, probes: Sequence[Probe] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, probes: Sequence[Probe] | None = None, timeout_s: float | None = None,
                  overrun_is_unhealthy: bool = True, stop_at_first_unhealthy: bool = True) -> None:
         probes = default_probes() if probes is None else list(probes)
+        if timeout_s is None:
+            timeout_s = _env_float(dict(os.environ), ENV_TIMEOUT, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S
         for probe in probes:
             if not callable(getattr(probe, "check", None)) or not isinstance(getattr(probe, "name", None), str):
                 raise TypeError(f"NodeHealthCheck: `probes` must have a str `name` and a `check(deadline)` "
@@ -70,7 +73,7 @@ class NodeHealthCheck:
         names = [p.name for p in probes]
         if len(set(names)) != len(names):
             raise ValueError(f"NodeHealthCheck: `probes` have duplicate names: {names}")
-        if not (timeout_s > 0):
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"NodeHealthCheck: `timeout_s` must be > 0, got {timeout_s!r}")
         self.probes = probes
         self.timeout_s = float(timeout_s)
