@@ -1,0 +1,184 @@
+"""End to end: ``Trainer(strategy="ddp_ft")`` in real processes on 127.0.0.1.
+
+Every test runs a standalone ``lightning-ft store`` (killing a participant never kills the
+store) and participants of ``tests/scripts/ft_train.py``, each with its own node identity
+and snapshot root, so a hot spare really lacks the snapshot and must receive it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from proc_utils import REPO_ROOT, wait_for
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
+from ft_cluster import SCRIPT, Cluster, base_env  # noqa: E402
+
+pytestmark = [pytest.mark.multiprocess]
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
+
+
+def first_loss(cluster: Cluster) -> float:
+    records = [r for recs in cluster.steps().values() for r in recs if r["step"] == 1]
+    return records[0]["loss"]
+
+
+@pytest.mark.timeout(90)
+def test_no_failure_matches_plain_ddp_and_the_spare_exits_zero(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path / "ft", "2:3")
+    cluster.start(["A", "B", "C"], ["--max-steps", "40"])
+    # the same script under plain DDP (torchrun, 2 workers) as the reference, at the same time
+    ref_out = tmp_path / "ref"
+    reference = processes.start("ref", [TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, "--out", str(ref_out),
+                                        "--strategy", "ddp", "--devices", "2", "--max-steps", "40"],
+                                env=base_env(LIGHTNING_FT_SNAPSHOT_DIR=str(tmp_path / "ref-shm"),
+                                             LIGHTNING_FT_RUN_ID="reference"))
+    codes = cluster.wait(["A", "B", "C"], 75)
+    assert codes == {"A": 0, "B": 0, "C": 0}, cluster.logs()
+    assert wait_for(lambda: reference.popen.poll() is not None, 60), reference.log()
+    assert reference.popen.returncode == 0, reference.log()
+
+    results = {name: cluster.result(name) for name in "ABC"}
+    trained = [r for r in results.values() if r["trained"]]
+    spares = [r for r in results.values() if not r["trained"]]
+    assert len(trained) == 2 and len(spares) == 1, results
+    assert sorted(r["rank"] for r in trained) == [0, 1]
+    assert spares[0]["rank"] == -1 and spares[0]["step"] == 0  # a spare never acts as rank 0 after fit()
+    assert all(r["step"] == 40 for r in trained)
+    ref_results = [json.loads(p.read_text()) for p in ref_out.glob("result-*.json")]
+    assert len(ref_results) == 2
+    expected = ref_results[0]["weights"]
+    for result in trained:
+        assert result["weights"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert len(cluster.events_of("finished")) == 2
+    assert len(cluster.events_of("spare_exit")) == 1
+
+
+@pytest.mark.timeout(90)
+def test_sigkill_active_spare_takes_over_from_the_last_snapshot(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.start(["A", "B", "C"], ["--max-steps", "100", *SLOW])
+    cluster.wait_for_step(35, 60)
+    actives = cluster.active_names()
+    victim = actives[-1]
+    spare = next(n for n in "ABC" if n not in actives)
+    reached = max(r["step"] for r in cluster.steps()[victim])
+    cluster.kill(victim)
+    survivors = [n for n in "ABC" if n != victim]
+    codes = cluster.wait(survivors, 60)
+    assert codes == {n: 0 for n in survivors}, cluster.logs()
+    assert cluster.procs[victim].popen.poll() == -signal.SIGKILL
+
+    restored = cluster.events_of("restored")
+    assert restored, cluster.logs()
+    step = restored[-1]["step"]
+    assert step % 10 == 0 and reached - 10 <= step <= reached + 1, (step, reached)
+    # the spare received the snapshot over the new group and continued the loss curve from it
+    assert [e["step"] for e in cluster.events_of("snapshot_received")] == [step]
+    spare_steps = cluster.steps()[spare]
+    assert spare_steps[0]["step"] == step + 1
+    assert spare_steps[0]["loss"] < first_loss(cluster) / 2, "training restarted from scratch"
+    assert [s["step"] for s in cluster.starts(spare)] == [step]
+    for name in survivors:
+        assert cluster.result(name)["step"] == 100 and cluster.result(name)["trained"]
+    assert cluster.events_of("first_step_after_recovery")
+    assert [e["detector"] for e in cluster.events_of("failure_detected")] == ["collective"]
+
+
+@pytest.mark.timeout(100)
+def test_two_failures_with_two_spares(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path, "2:4")
+    names = ["A", "B", "C", "D"]
+    cluster.start(names, ["--max-steps", "110", *SLOW])
+    cluster.wait_for_step(25, 60)
+    first = cluster.active_names()[0]
+    cluster.kill(first)
+    assert wait_for(lambda: len(cluster.events_of("first_step_after_recovery")) >= 1, 30), cluster.logs()
+    # second failure: the spare that stepped in (it holds only the transferred snapshot) dies too
+    stepped_in = [e["who"] for e in cluster.events_of("snapshot_received")]
+    assert len(stepped_in) == 1
+    pid = int(stepped_in[0].split(":")[1])
+    second = next(n for n, p in cluster.procs.items() if p.pid == pid)
+    reached = max(r["step"] for r in cluster.steps()[second])
+    cluster.wait_for_step(reached + 15, 30, among=[second])
+    cluster.kill(second)
+    survivors = [n for n in names if n not in (first, second)]
+    codes = cluster.wait(survivors, 60)
+    assert codes == {n: 0 for n in survivors}, cluster.logs()
+    for name in survivors:
+        assert cluster.result(name)["step"] == 110 and cluster.result(name)["trained"]
+    assert len(cluster.events_of("snapshot_received")) == 2
+    assert {e["cycle"] for e in cluster.events_of("finished")} == {2}
+
+
+@pytest.mark.timeout(60)
+def test_failure_with_no_spare_left_ends_with_no_restart(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path, "2:2")
+    cluster.start(["A", "B"], ["--max-steps", "400", *SLOW])
+    cluster.wait_for_step(15, 45)
+    cluster.kill("B")
+    codes = cluster.wait(["A"], 30)
+    assert codes == {"A": 83}, cluster.logs()
+    assert "no hot spare left" in cluster.procs["A"].log()
+    [event] = cluster.events_of("no_restart")
+    assert "min_nodes" in event["reason"]
+
+
+@pytest.mark.timeout(60)
+def test_bug_in_training_step_fails_the_job_without_using_the_spare(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.start(["A", "B", "C"], ["--max-steps", "400", "--raise-at-step", "15", "--raise-on-rank", "1", *SLOW])
+    codes = cluster.wait(["A", "B", "C"], 45)
+    logs = cluster.logs()
+    assert sorted(codes.values()) == [0, 1, 83], logs  # spare 0, buggy rank 1, its peer NO_RESTART
+    assert "deliberate bug at step 15" in logs
+    assert not cluster.events_of("snapshot_received"), "the spare must not be used for a bug"
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_one_active_takes_the_graceful_termination_path(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.start(["A", "B", "C"], ["--max-steps", "400", "--graceful", *SLOW])
+    cluster.wait_for_step(20, 45)
+    actives = cluster.active_names()
+    spare = next(n for n in "ABC" if n not in actives)
+    cluster.kill(actives[1], signal.SIGTERM)
+    codes = cluster.wait(["A", "B", "C"], 40)
+    assert codes == {actives[0]: 81, actives[1]: 81, spare: 0}, cluster.logs()
+    stops = []
+    for name in actives:
+        stop_step = max(r["step"] for r in cluster.steps()[name])
+        stops.append(stop_step)
+        snapshots = list((tmp_path / f"shm-{name}").rglob(f"step-{stop_step:012d}.snap"))
+        assert snapshots, f"no committed snapshot of the stop step {stop_step} on {name}"
+    assert stops[0] == stops[1]
+    assert cluster.events_of("stopped")
+
+
+@pytest.mark.timeout(90)
+def test_sigstopped_active_is_detected_as_hung_and_replaced(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.start(["A", "B", "C"], ["--max-steps", "100", "--hang-floor", "2", *SLOW])
+    cluster.wait_for_step(30, 60)
+    actives = cluster.active_names()
+    frozen = actives[0]
+    cluster.kill(frozen, signal.SIGSTOP)
+    survivors = [n for n in "ABC" if n != frozen]
+    try:
+        codes = cluster.wait(survivors, 60)
+    finally:
+        cluster.kill(frozen, signal.SIGKILL)
+    assert codes == {n: 0 for n in survivors}, cluster.logs()
+    hangs = [e for e in cluster.events_of("failure_detected") if e["detector"] == "hang"]
+    assert hangs, cluster.logs()
+    frozen_rank = cluster.steps()[frozen][-1]["rank"]
+    assert hangs[0]["stalled"] == [frozen_rank]
+    for name in survivors:
+        assert cluster.result(name)["step"] == 100
