@@ -1,4 +1,4 @@
-"""``lightning-ft`` command line: ``store``, ``health``, ``report``."""
+"""``lightning-ft`` command line: ``store``, ``health``, ``report``, ``exit-code``."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ _SUBCOMMANDS = {
     "store": ("lightning_ft.rendezvous.store_server", "host a standalone rendezvous TCPStore"),
     "health": ("lightning_ft.health.cli", "run the node-health probes and print the report"),
     "report": ("lightning_ft.events_report", "print the recovery timeline of a run directory"),
+    "exit-code": ("lightning_ft.termination.exit_records",
+                  "run a launcher (torchrun) and exit with the code its ranks recorded"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: lightning-ft COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in _SUBCOMMANDS.items()]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in _SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 

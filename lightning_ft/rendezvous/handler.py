@@ -238,7 +238,7 @@ def _node_health_check() -> Callable[[], tuple[bool, str]]:
 
     def run() -> tuple[bool, str]:
         report = check.run()
-        return report.healthy, "; ".join(f"{r.name}: {r.reason}" for r in report.results if not r.healthy)
+        return report.healthy, "; ".join(report.reasons)
 
     return run
 

@@ -116,7 +116,7 @@ def run_and_summarize(command: Sequence[str], directory: str | os.PathLike,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_ft.termination.exit_records",
+        prog="lightning-ft exit-code",
         description="Run a launcher (e.g. torchrun), forward termination signals to it, and exit with the "
                     "code its ranks recorded (81 preempted+saved, 82 unhealthy node, 143 stopped unsaved) "
                     "instead of the launcher's own status.")
