@@ -1,0 +1,286 @@
+"""Plumbing shared by the fine-tuning examples: arguments, Trainer and callbacks, the final line.
+
+The examples import this as ``common`` (Python puts the script's directory on ``sys.path``).
+Only the model and the data differ between examples; everything fault-tolerance related
+is here, so it reads the same way in both:
+
+* ``EmergencyCheckpoint`` snapshots the full training state (weights, optimizer, LR
+  scheduler, loop counters, and the ``StatefulDataLoader`` position) into host shared
+  memory every ``--snapshot-every`` steps and resumes from the newest snapshot on start;
+* ``GracefulTermination`` turns SIGTERM into a snapshot at an agreed step and exit 81
+  ("requeue me"); running the same command again continues from that step;
+* ``--strategy ddp_ft`` runs the fault-tolerant strategy, configured from the
+  ``LIGHTNING_FT_*`` environment (see ``examples/demo.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import sys
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+STRATEGIES = ("auto", "ddp", "ddp_ft")
+ENDPOINT_ENV = "LIGHTNING_FT_ENDPOINT"
+FINAL_LINE_PREFIX = "FINAL"  # tests and the demo look for this word at the start of a line
+
+
+# ---------------------------------------------------------------------- arguments
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def add_training_args(parser: argparse.ArgumentParser, *, max_steps: int, batch_size: int, lr: float,
+                      snapshot_every: int) -> None:
+    """The arguments every example shares (defaults per example)."""
+    train = parser.add_argument_group("training")
+    train.add_argument("--max-steps", type=positive_int, default=max_steps,
+                       help=f"optimizer steps of fine-tuning (default {max_steps})")
+    train.add_argument("--max-epochs", type=positive_int, default=None,
+                       help="stop after this many epochs if that comes before --max-steps (default: no limit)")
+    train.add_argument("--batch-size", type=positive_int, default=batch_size,
+                       help=f"per-process batch size (default {batch_size})")
+    train.add_argument("--lr", type=positive_float, default=lr, help=f"peak learning rate of the head (default {lr:g})")
+    train.add_argument("--seed", type=non_negative_int, default=0,
+                       help="seed for data, initialization and shuffling; same seed, same result (default 0)")
+    ft = parser.add_argument_group("distribution and fault tolerance")
+    ft.add_argument("--strategy", choices=STRATEGIES, default="auto",
+                    help="auto: one process; ddp: Lightning DDP with --devices local processes; ddp_ft: "
+                         f"fault-tolerant DDP, one process per participant, configured by {ENDPOINT_ENV}, "
+                         "LIGHTNING_FT_RUN_ID, LIGHTNING_FT_NNODES (default auto)")
+    ft.add_argument("--devices", type=positive_int, default=1,
+                    help="processes for --strategy ddp (default 1; ddp_ft always runs one per participant)")
+    ft.add_argument("--snapshot-every", type=positive_int, default=snapshot_every,
+                    help=f"in-memory snapshot every N optimizer steps (default {snapshot_every})")
+    ft.add_argument("--snapshot-dir", default=None,
+                    help="snapshot root (default $LIGHTNING_FT_SNAPSHOT_DIR or /dev/shm/lightning_ft)")
+    ft.add_argument("--run-id", default=None,
+                    help="snapshot scope; a rerun with the same id resumes (default $LIGHTNING_FT_RUN_ID, "
+                         "$TORCHELASTIC_RUN_ID, $SLURM_JOB_ID, else the example's name)")
+    ft.add_argument("--keep-snapshots", action="store_true",
+                    help="keep this run's snapshots after it finished (default: free the shared memory)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--progress-every", type=non_negative_int, default=25,
+                     help="print a progress line every N steps, 0 = never (default 25)")
+    out.add_argument("--step-delay", type=non_negative_float, default=0.0,
+                     help="sleep this long after each step, to imitate a bigger model in demos (default 0)")
+    out.add_argument("--verbose", action="store_true", help="show lightning_ft and Lightning info logs")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, environ=os.environ) -> None:
+    """Checks that involve more than one argument or the environment; exits via ``parser.error``."""
+    if args.devices > 1 and args.strategy != "ddp":
+        parser.error(f"--devices {args.devices} needs --strategy ddp (with {args.strategy!r} each process is "
+                     "one device)")
+    if args.strategy == "ddp_ft" and not environ.get(ENDPOINT_ENV):
+        parser.error(f"--strategy ddp_ft needs {ENDPOINT_ENV}=HOST:PORT of a running `lightning-ft store` "
+                     "(and LIGHTNING_FT_RUN_ID, LIGHTNING_FT_NNODES=MIN:MAX); examples/demo.py sets them up")
+    if args.run_id is not None and not args.run_id.strip():
+        parser.error("--run-id must not be empty")
+
+
+def default_run_id(example: str, environ=os.environ) -> str:
+    """The scheduler's job id when there is one (a requeued job resumes), else the example's name."""
+    for key in ("LIGHTNING_FT_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        if environ.get(key):
+            return environ[key]
+    return example
+
+
+# ---------------------------------------------------------------------- setup
+
+def quiet_logs(verbose: bool) -> None:
+    """Keep the examples' output to our own lines unless --verbose (imports Lightning first, which
+    sets up its own console logging that we then quieten)."""
+    import lightning.pytorch  # noqa: F401
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="[%(asctime)s %(name)s %(levelname)s] %(message)s", datefmt="%H:%M:%S")
+    if verbose:
+        logging.getLogger("lightning_ft").setLevel(logging.INFO)
+        return
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_ft"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message in (".*does not have many workers.*", ".*enable_nested_tensor.*", ".*set_vital.*", ".*LeafSpec.*"):
+        warnings.filterwarnings("ignore", message)
+
+
+def stateful_loader(dataset: Any, batch_size: int, seed: int, trainer: Any):
+    """A shuffling ``StatefulDataLoader`` whose position inside the epoch is part of every snapshot,
+    so a resume continues with exactly the batch that came next.
+
+    Two details make the resume exact (both checked by the tests):
+
+    * the sampler gets its own generator. With ``shuffle=True, generator=g`` the loader draws
+      its worker base seed from ``g`` too, once per epoch, but a restored iterator resets ``g``
+      to the epoch start without redoing that draw, so every epoch after a resume would be
+      shuffled differently from the uninterrupted run;
+    * with several processes we pass torchdata's ``StatefulDistributedSampler`` ourselves
+      (Lightning keeps a ``DistributedSampler`` it is given). Its ``__iter__`` is lazy, so it
+      shuffles with the epoch Lightning sets after restoring; the plain ``DistributedSampler``
+      Lightning would insert is iterated by the restore before ``set_epoch`` and would replay
+      epoch 0's order after a mid-epoch resume in a later epoch.
+
+    ``drop_last``: every step sees a full batch, on every rank.
+    """
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
+
+    if trainer.world_size > 1:
+        sampler = StatefulDistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank,
+                                             shuffle=True, seed=seed, drop_last=True)
+    else:
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+    return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                              generator=torch.Generator().manual_seed(seed + 1))
+
+
+def build_trainer(args: argparse.Namespace, run_id: str, extra_callbacks: Sequence[Any] = ()):
+    import lightning.pytorch as pl
+
+    from lightning_ft import EmergencyCheckpoint, GracefulTermination
+
+    callbacks = [
+        EmergencyCheckpoint(every_n_steps=args.snapshot_every, root=args.snapshot_dir, run_id=run_id),
+        GracefulTermination(),
+        progress_printer(args.progress_every, args.step_delay, args.max_steps),
+        *extra_callbacks,
+    ]
+    return pl.Trainer(
+        accelerator="cpu", devices=args.devices if args.strategy == "ddp" else 1, strategy=args.strategy,
+        max_steps=args.max_steps, max_epochs=args.max_epochs if args.max_epochs is not None else -1,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        num_sanity_val_steps=0, limit_val_batches=0, deterministic=True, callbacks=callbacks,
+    )
+
+
+def progress_printer(every_n_steps: int, step_delay: float, max_steps: int):
+    """A callback that prints where training starts (fresh or resumed) and a progress line every N steps.
+
+    Defined in a function so that ``--help`` and argument errors do not wait for the Lightning import.
+    """
+    import lightning.pytorch as pl
+
+    class ProgressPrinter(pl.Callback):
+        def __init__(self) -> None:
+            self._clock: tuple[float, int] | None = None
+
+        @staticmethod
+        def _prefix(trainer) -> str:
+            return f"[rank {trainer.global_rank}/{trainer.world_size}] " if trainer.world_size > 1 else ""
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            step = trainer.global_step
+            how = f"resumed from the snapshot of step {step}" if step else "starting at step 0"
+            print(f"{self._prefix(trainer)}{how} (of {max_steps})", flush=True)
+            self._clock = (time.perf_counter(), step)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if step_delay:
+                time.sleep(step_delay)
+            step = trainer.global_step
+            if not every_n_steps or step % every_n_steps or self._clock is None or step == self._clock[1]:
+                return
+            now = time.perf_counter()
+            rate = (step - self._clock[1]) / max(now - self._clock[0], 1e-9)
+            self._clock = (now, step)
+            metrics = " ".join(f"{name} {float(value):.4f}" for name, value in sorted(trainer.callback_metrics.items()))
+            print(f"{self._prefix(trainer)}step {step}/{max_steps}  {metrics}  ({rate:.1f} steps/s)", flush=True)
+
+    return ProgressPrinter()
+
+
+# ---------------------------------------------------------------------- the end of the run
+
+def weights_digest(module) -> str:
+    """Short hash of the weights: equal digests mean bit-identical models (checks exact resume)."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+def format_final_line(example: str, step: int, metrics: dict[str, float], digest: str) -> str:
+    values = " ".join(f"{name}={value:.4f}" for name, value in metrics.items())
+    return f"{FINAL_LINE_PREFIX} {example} step={step} {values} weights={digest}"
+
+
+def run_finished(trainer) -> bool:
+    """fit() ran to its end (not stopped by a signal or an exception)."""
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    return trainer.state.status == TrainerStatus.FINISHED and not trainer.interrupted
+
+
+def is_idle_spare(trainer) -> bool:
+    """A ddp_ft hot spare that fit() returned for without ever training (it was not needed)."""
+    return bool(getattr(trainer.strategy, "was_spare", False)) and trainer.global_step == 0
+
+
+def free_snapshots(trainer, root: str | None, run_id: str) -> None:
+    """Delete this rank's snapshots of a finished run: they only serve a resume, and hold shared memory."""
+    from lightning_ft.checkpoint import SnapshotStore
+    from lightning_ft.checkpoint.store import resolve_root
+
+    store = SnapshotStore(resolve_root(root), run_id, trainer.global_rank)
+    for info in store.list():
+        store.delete(info)
+    store.close()
+
+
+def finish(example: str, trainer, model, evaluate: Callable[[], dict[str, float]], args, run_id: str) -> int:
+    """After fit(): the final metric line on rank 0, snapshot clean-up; returns the exit code."""
+    if not run_finished(trainer):
+        print(f"{example}: training did not finish (status {trainer.state.status.value})", file=sys.stderr)
+        return 1
+    if is_idle_spare(trainer):
+        print(f"{example}: hot spare, not needed by this run; exiting cleanly", flush=True)
+        return 0
+    if not args.keep_snapshots:
+        free_snapshots(trainer, args.snapshot_dir, run_id)
+    if trainer.global_rank == 0:
+        print(format_final_line(example, trainer.global_step, evaluate(), weights_digest(model)), flush=True)
+    return 0
