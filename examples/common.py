@@ -25,7 +25,6 @@ import warnings
 from typing import Any, Callable, Sequence
 
 STRATEGIES = ("auto", "ddp", "ddp_ft")
-ENDPOINT_ENV = "LIGHTNING_FT_ENDPOINT"
 FINAL_LINE_PREFIX = "FINAL"  # tests and the demo look for this word at the start of a line
 
 
@@ -87,7 +86,7 @@ def add_training_args(parser: argparse.ArgumentParser, *, max_steps: int, batch_
     ft = parser.add_argument_group("distribution and fault tolerance")
     ft.add_argument("--strategy", choices=STRATEGIES, default="auto",
                     help="auto: one process; ddp: Lightning DDP with --devices local processes; ddp_ft: "
-                         f"fault-tolerant DDP, one process per participant, configured by {ENDPOINT_ENV}, "
+                         "fault-tolerant DDP, one process per participant, configured by LIGHTNING_FT_ENDPOINT, "
                          "LIGHTNING_FT_RUN_ID, LIGHTNING_FT_NNODES (default auto)")
     ft.add_argument("--devices", type=positive_int, default=1,
                     help="processes for --strategy ddp (default 1; ddp_ft always runs one per participant)")
@@ -113,9 +112,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, enviro
     if args.devices > 1 and args.strategy != "ddp":
         parser.error(f"--devices {args.devices} needs --strategy ddp (with {args.strategy!r} each process is "
                      "one device)")
-    if args.strategy == "ddp_ft" and not environ.get(ENDPOINT_ENV):
-        parser.error(f"--strategy ddp_ft needs {ENDPOINT_ENV}=HOST:PORT of a running `lightning-ft store` "
-                     "(and LIGHTNING_FT_RUN_ID, LIGHTNING_FT_NNODES=MIN:MAX); examples/demo.py sets them up")
+    if args.strategy == "ddp_ft":
+        # the strategy would raise the same error from inside the Trainer; say it before any work
+        from lightning_ft.strategy.config import StrategyConfigError, resolve_launch_config
+
+        try:
+            resolve_launch_config(None, None, None, None, env=environ)
+        except StrategyConfigError as exc:
+            parser.error(f"{exc} (examples/demo.py shows a complete setup)")
     if args.run_id is not None and not args.run_id.strip():
         parser.error("--run-id must not be empty")
 
@@ -182,6 +186,12 @@ def build_trainer(args: argparse.Namespace, run_id: str, extra_callbacks: Sequen
 
     from lightning_ft import EmergencyCheckpoint, GracefulTermination
 
+    if args.strategy == "ddp_ft":
+        # Normally registered by `import lightning_ft`; but check_args imported lightning_ft.strategy
+        # before Lightning, and the lazy registration misses that order. Registering is idempotent.
+        from lightning_ft.strategy import register_strategy
+
+        register_strategy()
     callbacks = [
         EmergencyCheckpoint(every_n_steps=args.snapshot_every, root=args.snapshot_dir, run_id=run_id),
         GracefulTermination(),
@@ -255,20 +265,22 @@ def run_finished(trainer) -> bool:
     return trainer.state.status == TrainerStatus.FINISHED and not trainer.interrupted
 
 
-def is_idle_spare(trainer) -> bool:
-    """A ddp_ft hot spare that fit() returned for without ever training (it was not needed)."""
-    return bool(getattr(trainer.strategy, "was_spare", False)) and trainer.global_step == 0
+def trained_here(trainer) -> bool:
+    """False for a ddp_ft hot spare that fit() returned for without ever training (not needed)."""
+    return bool(getattr(trainer.strategy, "trained", True))
 
 
 def free_snapshots(trainer, root: str | None, run_id: str) -> None:
-    """Delete this rank's snapshots of a finished run: they only serve a resume, and hold shared memory."""
+    """Delete this rank's snapshots of a finished run: they only serve a resume, and hold shared memory.
+
+    Only this rank's: a peer sharing the root may still be committing the last step's snapshot.
+    """
     from lightning_ft.checkpoint import SnapshotStore
     from lightning_ft.checkpoint.store import resolve_root
 
-    store = SnapshotStore(resolve_root(root), run_id, trainer.global_rank)
-    for info in store.list():
-        store.delete(info)
-    store.close()
+    with SnapshotStore(resolve_root(root), run_id, trainer.global_rank) as store:
+        for info in store.list():
+            store.delete(info)
 
 
 def finish(example: str, trainer, model, evaluate: Callable[[], dict[str, float]], args, run_id: str) -> int:
@@ -276,8 +288,12 @@ def finish(example: str, trainer, model, evaluate: Callable[[], dict[str, float]
     if not run_finished(trainer):
         print(f"{example}: training did not finish (status {trainer.state.status.value})", file=sys.stderr)
         return 1
-    if is_idle_spare(trainer):
+    if not trained_here(trainer):
         print(f"{example}: hot spare, not needed by this run; exiting cleanly", flush=True)
+        return 0
+    if trainer.global_rank < 0:
+        # ddp_ft: this process trained earlier, then waited as a spare while the others finished
+        print(f"{example}: the run finished without this participant; exiting cleanly", flush=True)
         return 0
     if not args.keep_snapshots:
         free_snapshots(trainer, args.snapshot_dir, run_id)

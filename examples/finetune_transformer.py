@@ -116,13 +116,12 @@ def make_encoder(args: argparse.Namespace):
                                                dropout=0.0, batch_first=True, norm_first=True)
             self.layers = nn.TransformerEncoder(layer, args.layers, enable_nested_tensor=False)
             self.norm = nn.LayerNorm(args.d_model)
-            # causal in pretraining and fine-tuning alike, so the representation does not change meaning
-            self.register_buffer("causal_mask", nn.Transformer.generate_square_subsequent_mask(args.seq_len),
-                                 persistent=False)
 
         def forward(self, tokens):
-            hidden = self.layers(self.tokens(tokens) + self.positions, mask=self.causal_mask, is_causal=True)
-            return self.norm(hidden)
+            # causal in pretraining and fine-tuning alike, so the representation keeps its meaning. Built
+            # per call rather than kept as a buffer: DDP would broadcast a buffer before every step.
+            mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+            return self.norm(self.layers(self.tokens(tokens) + self.positions, mask=mask, is_causal=True))
 
     return Encoder()
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import Any, Iterable, Sequence
 _ENVELOPE = ("t", "mono", "pid", "who", "event")
 _MAX_VALUE_CHARS = 90  # long error texts would make the timeline unreadable
 _STEP_FIELDS = ("step", "global_step")
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp|c):\d+\]\s*")
 _LOST_SECONDS_FIELDS = ("seconds_since_failure", "seconds", "lost_seconds")
 
 
@@ -40,7 +42,8 @@ class TimelineEntry:
     """One event, with its time relative to the first event of the run."""
 
     seconds: float
-    who: str
+    who: str  # display name (see display_names)
+    participant_id: str  # the event's own "who"
     pid: int | None
     event: str
     fields: dict[str, Any]
@@ -61,7 +64,8 @@ class FailureSummary:
 
 @dataclass(frozen=True)
 class ParticipantSummary:
-    who: str
+    who: str  # display name
+    participant_id: str
     pids: tuple[int, ...]
     roles: tuple[str, ...]  # "active"/"standby" per round it completed, in order
     last_event: str
@@ -107,15 +111,34 @@ def _step_of(event: dict[str, Any]) -> int | None:
     return None
 
 
+def display_names(events: Iterable[dict[str, Any]]) -> dict[str, str]:
+    """Participant id -> name to show: its ``domain`` (from ``join``) when domains tell participants
+    apart (one process per node, as in the demo), else the id itself (``host:pid:local``)."""
+    ids: list[str] = []
+    domain_of: dict[str, set[str]] = {}
+    for e in events:
+        who = str(e.get("who", "?"))
+        ids.append(who)
+        if e.get("event") == "join" and isinstance(e.get("domain"), str) and e["domain"]:
+            domain_of.setdefault(who, set()).add(e["domain"])
+    ids = list(dict.fromkeys(ids))
+    names = {who: next(iter(domain_of[who])) if len(domain_of.get(who, ())) == 1 else who for who in ids}
+    if len(set(names.values())) != len(names):  # domains shared (several processes per host): keep ids
+        return {who: who for who in ids}
+    return names
+
+
 def build_timeline(events: Iterable[Any]) -> tuple[TimelineEntry, ...]:
     """Every event with relative time, who, pid, name and its own fields; malformed entries dropped."""
     valid = _valid(events)
     if not valid:
         return ()
     start = valid[0]["t"]
+    names = display_names(valid)
     return tuple(
-        TimelineEntry(seconds=e["t"] - start, who=str(e.get("who", "?")), pid=_int(e.get("pid")),
-                      event=e["event"], fields={k: v for k, v in e.items() if k not in _ENVELOPE})
+        TimelineEntry(seconds=e["t"] - start, who=names[str(e.get("who", "?"))], participant_id=str(e.get("who", "?")),
+                      pid=_int(e.get("pid")), event=e["event"],
+                      fields={k: v for k, v in e.items() if k not in _ENVELOPE})
         for e in valid)
 
 
@@ -173,15 +196,18 @@ def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[Timelin
 
 
 def _participants(timeline: Sequence[TimelineEntry]) -> tuple[ParticipantSummary, ...]:
+    """Who joined the rendezvous (everyone who logged, when no one logged a ``join``: a partial log)."""
+    joined = {e.who for e in timeline if e.event == "join"}
     order: dict[str, list[TimelineEntry]] = {}
     for entry in timeline:
-        order.setdefault(entry.who, []).append(entry)
+        if entry.who in joined or not joined:
+            order.setdefault(entry.who, []).append(entry)
     result = []
     for who, entries in order.items():
         roles = tuple("standby" if e.fields.get("standby") else "active"
                       for e in entries if e.event == "round_complete")
         pids = tuple(dict.fromkeys(e.pid for e in entries if e.pid is not None))
-        result.append(ParticipantSummary(who=who, pids=pids, roles=roles, last_event=entries[-1].event,
+        result.append(ParticipantSummary(who=who, participant_id=entries[0].participant_id, pids=pids, roles=roles, last_event=entries[-1].event,
                                          last_seen=entries[-1].seconds))
     return tuple(result)
 
@@ -236,6 +262,7 @@ def summarize(events: Iterable[Any]) -> RunSummary:
 
 def _short(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = _SOURCE_LOCATION.sub("", text)  # "[/__w/pytorch/.../pair.cc:537] " says nothing to a reader
     text = " ".join(text.split())  # tracebacks and multi-line errors on one line
     return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS - 3] + "..."
 

@@ -165,3 +165,33 @@ def test_cli_through_lightning_ft_command(tmp_path):
     usage = subprocess.run([sys.executable, "-m", "lightning_ft.cli", "report"],
                            capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "usage" in usage.stderr
+
+
+def test_participants_named_by_domain_when_domains_are_unique():
+    run = recovered_run()
+    ids = {"node0": "host:100:0", "node1": "host:101:0", "node2": "host:102:0"}
+    events = []
+    for e in run:
+        e = dict(e, who=ids[e["who"]])
+        if e["event"] == "join":
+            e["domain"] = {"host:100:0": "rack-a", "host:101:0": "rack-b", "host:102:0": "rack-c"}[e["who"]]
+        events.append(e)
+    events.append({"t": T0 + 4.9, "pid": 7, "who": "demo", "event": "sigkill", "target": "rack-b"})
+    summary = summarize(events)
+    assert summary.spares_used == ("rack-c",)
+    assert [p.who for p in summary.participants] == ["rack-a", "rack-b", "rack-c"]  # "demo" did not join
+    assert summary.participants[0].participant_id == "host:100:0"
+    line = next(line for line in format_report(summary).splitlines() if "sigkill" in line)
+    assert line.split()[1:3] == ["demo", "sigkill"] and "target=rack-b" in line
+    # several processes per host share a domain: ids are shown instead
+    shared = [dict(e, domain="same-host") if e["event"] == "join" else e for e in events]
+    assert summarize(shared).spares_used == ("host:102:0",)
+
+
+def test_error_text_is_shortened_for_the_timeline():
+    events = recovered_run()
+    events[6] = dict(events[6], error="RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+                                      "pair.cc:537] Read error\n  Connection reset by peer")
+    text = format_report(summarize(events))
+    assert "error=RuntimeError: Read error Connection reset by peer" in text
+    assert "pair.cc" not in text
