@@ -226,8 +226,9 @@ def frombuffer_u8(buf: Any, offset: int, length: int) -> torch.Tensor:
 def verify(buf: Any, actual_size: int) -> Header:
     """Check a whole snapshot held in ``buf`` (mmap or bytes); raise SnapshotError with the reason."""
     header = Header.unpack(buf)
-    if actual_size != header.file_size:
-        raise SnapshotError(f"size {actual_size} != {header.file_size} recorded in the header (torn/truncated)")
+    # A recycled file may be longer than its snapshot (files are never shrunk); shorter is torn.
+    if actual_size < header.file_size:
+        raise SnapshotError(f"size {actual_size} < {header.file_size} recorded in the header (torn/truncated)")
     mv = memoryview(buf)
     sums_raw = mv[HEADER_SIZE: header.meta_off]
     meta = mv[header.meta_off: header.meta_off + header.meta_len]

@@ -280,6 +280,10 @@ class SnapshotStore:
         with _ReadMap(info.path) as (mm, size):
             header = fmt.verify(mm, size)
             state = fmt.decode(mm, header)
+            # The writer may recycle a committed file for a newer snapshot (another process, or a
+            # peer rank's dir); a second check catches a file that changed while we copied it.
+            if fmt.verify(mm, size) != header:
+                raise SnapshotError(f"{info.path} was overwritten while it was being loaded")
         seconds = time.perf_counter() - start
         log.info("loaded snapshot step=%d rank=%d run=%s: %s in %.3f s from %s",
                  info.step, info.rank, info.run_id, _fmt_size(size), seconds, info.path)
@@ -329,17 +333,20 @@ class SnapshotStore:
         try:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
+            # Never shrink a recycled file: a reader that still maps it (a peer rank, a
+            # transfer) would get SIGBUS past the new end. Slack after file_size is ignored.
+            size = max(st.st_size, enc.file_size)
+            if st.st_size < size:
+                os.ftruncate(fd, size)
             mm = self._maps.pop(key, None)
-            if mm is not None and len(mm) != enc.file_size:
+            if mm is not None and len(mm) != size:
                 _close_map(mm)
                 mm = None
-            if st.st_size != enc.file_size:
-                os.ftruncate(fd, enc.file_size)
             if mm is None:
                 # Populating pays off only for pages that already exist (a recycled file);
                 # for a fresh file it would zero every page up front and then fault anyway.
                 flags = mmap.MAP_SHARED | (_MAP_POPULATE if recycled else 0)
-                mm = mmap.mmap(fd, enc.file_size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             data = fmt.frombuffer_u8(mm, enc.data_off, enc.data_len)
             fmt.copy_tensors(enc, data)
             sums = fmt.block_sums(data)
@@ -405,12 +412,13 @@ class SnapshotStore:
         try:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
+            nbytes = max(nbytes, st.st_size)  # never shrink (see _save)
+            if st.st_size < nbytes:
+                os.ftruncate(fd, nbytes)
             mm = self._maps.pop(key, None)
             if mm is not None and len(mm) != nbytes:
                 _close_map(mm)
                 mm = None
-            if st.st_size != nbytes:
-                os.ftruncate(fd, nbytes)
             if mm is None:
                 mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             _prefault_for_write(mm)
@@ -499,13 +507,14 @@ class SnapshotStore:
         """The whole snapshot file as one verified blob, for sending to another host."""
         with open(info.path, "rb") as f:
             blob = f.read()
-        fmt.verify(blob, len(blob))
-        return blob
+        header = fmt.verify(blob, len(blob))
+        return blob[: header.file_size] if len(blob) > header.file_size else blob
 
     def write_bytes(self, blob: bytes | bytearray | memoryview) -> SnapshotInfo:
         """Verify a blob from ``read_bytes`` (possibly another rank/host) and commit it as this
         rank's snapshot of the step recorded inside it. Raises SnapshotError if it is damaged."""
         header = fmt.verify(blob, len(memoryview(blob)))
+        blob = memoryview(blob)[: header.file_size]  # drop any slack of a recycled source file
         self._make_dirs()
         existing = {info.step: info for info in self.list()}
         plan = plan_write(existing, header.step, self.keep_last)
