@@ -267,3 +267,16 @@ def test_spare_of_a_dead_process_is_cleaned_up(tmp_path):
     open(stale, "wb").close()
     SnapshotStore(root=tmp_path, run_id="spare2", rank=0)
     assert not os.path.exists(stale)
+
+
+def test_maps_of_files_replaced_by_another_writer_are_released(tmp_path):
+    store = SnapshotStore(root=tmp_path, run_id="maps", rank=0, keep_last=2)
+    for step in (1, 2):
+        store.save({"w": torch.ones(1000) * step}, step=step)
+    assert len(store._maps) == 2
+    other = SnapshotStore(root=tmp_path, run_id="maps", rank=0, keep_last=2)
+    other.write_bytes(other.read_bytes(other.list()[0]))  # replaces step 2's file with a new inode
+    store.save({"w": torch.zeros(1000)}, step=3)
+    assert len(store._maps) == 1  # only step 3 (recycled step 1); the replaced inode's map was dropped
+    assert [i.step for i in store.list()] == [3, 2] and torch.equal(store.load()["w"], torch.zeros(1000))
+    store.close()

@@ -312,6 +312,7 @@ class SnapshotStore:
         start = time.perf_counter()
         enc = fmt.encode(state)
         self._make_dirs()
+        self._drop_stale_maps()
         existing = {info.step: info for info in self.list()}
         plan = plan_write(existing, step, self.keep_last)
         tmp = self._temp_path(step)
@@ -447,6 +448,18 @@ class SnapshotStore:
         return os.path.join(self.rank_dir, f".tmp-step-{step:012d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.snap")
 
     # ------------------------------------------------------------------ removal
+    def _drop_stale_maps(self) -> None:
+        # Another store instance or process may have replaced or pruned files we still map;
+        # a map would keep such an unlinked tmpfs file's memory alive.
+        if not self._maps:
+            return
+        try:
+            live = {entry.inode() for entry in os.scandir(self.rank_dir)}
+        except OSError:
+            live = set()
+        for key in [k for k in self._maps if k[1] not in live]:
+            _close_map(self._maps.pop(key))
+
     def _forget_map(self, path: str) -> None:
         # A map keeps an unlinked tmpfs file's pages alive, so drop it before the file goes.
         try:
