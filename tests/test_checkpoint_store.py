@@ -280,3 +280,18 @@ def test_maps_of_files_replaced_by_another_writer_are_released(tmp_path):
     assert len(store._maps) == 1  # only step 3 (recycled step 1); the replaced inode's map was dropped
     assert [i.step for i in store.list()] == [3, 2] and torch.equal(store.load()["w"], torch.zeros(1000))
     store.close()
+
+
+def test_full_shm_fails_cleanly_and_keeps_older_snapshots(tmp_path, monkeypatch):
+    import errno
+
+    store = SnapshotStore(root=tmp_path, run_id="full", rank=0, keep_last=3)
+    store.save({"w": torch.ones(10)}, step=1)
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(OSError, match="No space"):
+        store.save({"w": torch.zeros(10)}, step=2)
+    assert [i.step for i in store.list()] == [1] and not any(n.startswith(".tmp") for n in os.listdir(store.rank_dir))
+    assert torch.equal(store.load()["w"], torch.ones(10))

@@ -241,3 +241,15 @@ def test_first_emergency_save_uses_the_preallocated_spare(root):
     rank_dir = emergency.store.rank_dir
     assert not any(n.startswith(".tmp-") for n in os.listdir(rank_dir))  # teardown drops the spare
     assert [i.step for i in SnapshotStore(root=root, run_id="spare", rank=0).list()] == [2]
+
+
+def test_a_failing_periodic_snapshot_does_not_stop_training(root, monkeypatch, caplog):
+    import errno
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with caplog.at_level(logging.ERROR, logger="lightning_ft"):
+        trainer = fit(6, [EmergencyCheckpoint(every_n_steps=2, root=root, run_id="full")])
+    assert trainer.global_step == 6
+    assert any("periodic snapshot at step 2 failed" in r.message for r in caplog.records)
