@@ -33,6 +33,7 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--strategy", default="ddp_ft", choices=["ddp_ft", "ddp"])
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--num-nodes", type=int, default=1, help="plain ddp under torchrun with several agents")
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--hidden", type=int, default=32)
@@ -49,6 +50,10 @@ def main() -> int:
     parser.add_argument("--replication-factor", type=int, default=1)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # stack dump on demand, for debugging hung runs
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
                         format=f"[%(asctime)s pid={os.getpid()} %(name)s %(levelname)s] %(message)s")
@@ -125,7 +130,8 @@ def main() -> int:
 
     pl.seed_everything(0, verbose=False)
     model = Regression()
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
+                         max_steps=args.max_steps,
                          max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=bool(args.checkpoint_dir), num_sanity_val_steps=0,
                          callbacks=callbacks)
