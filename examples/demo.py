@@ -250,8 +250,8 @@ class Demo:
               f"Logs and events go to {self.run_dir}" + (" (deleted at the end without --keep)" if not args.keep
                                                          else ""), flush=True)
         port = free_port()
-        self.start_store(port)
-        self.say(f"rendezvous store listening on 127.0.0.1:{port}")
+        store = self.start_store(port)
+        self.say(f"rendezvous store (pid {store.pid}) listening on 127.0.0.1:{port}")
         self.start_participants(port)
         pids = ", ".join(f"{name} (pid {proc.pid})" for name, proc in self.participants().items())
         self.say(f"started {pids}; they prepare the model, then meet in the rendezvous")
