@@ -15,8 +15,9 @@ What the summary counts (event names are those the ``ddp_ft`` strategy emits):
   ``first_step_after_recovery`` (the event's own ``seconds_since_failure`` when the
   wall clocks of different hosts make the difference meaningless);
 * spares used: participants that were standby in one round and active in a later one;
-* final status: ``no_restart`` beats ``finished``; neither means the run did not end
-  cleanly (still running, or killed).
+* final status: ``no_restart``, else ``finished``, else ``stopped`` (the SIGTERM path:
+  ``stopped``/``termination_decision``/``unhealthy_exit``), else ``incomplete`` (still
+  running, or killed).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class RunSummary:
     failures: tuple[FailureSummary, ...]
     spares_used: tuple[str, ...]
     spares_exited: tuple[str, ...]
-    status: str  # "finished" | "no_restart" | "incomplete"
+    status: str  # "finished" | "no_restart" | "stopped" | "incomplete"
     status_detail: str
     final_step: int | None
     timeline: tuple[TimelineEntry, ...] = field(repr=False)
@@ -226,6 +227,18 @@ def _final_status(timeline: Sequence[TimelineEntry]) -> tuple[str, str, int | No
         who = ", ".join(dict.fromkeys(e.who for e in finished))
         at = f" at step {final_step}" if final_step is not None else ""
         return "finished", f"finished{at} ({who})", final_step
+    decisions = [e for e in timeline if e.event in ("termination_decision", "unhealthy_exit")]
+    stops = [e for e in timeline if e.event == "stopped"]
+    if decisions or stops:
+        codes = sorted({str(e.fields["exit_code"]) for e in decisions if "exit_code" in e.fields})
+        steps = [s for s in (_step_of(e.fields) for e in decisions) if s is not None]
+        detail = "stopped on purpose (SIGTERM path)"
+        if steps:
+            detail += f" after step {max(steps)}"
+        if codes:
+            detail += f", exit code {'/'.join(codes)}"
+        reason = next((str(e.fields["reason"]) for e in stops if e.fields.get("reason")), "")
+        return "stopped", detail + (f": {reason}" if reason and not decisions else ""), max(steps) if steps else None
     return "incomplete", "no 'finished' event: the run is still going, or was killed", None
 
 

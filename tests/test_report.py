@@ -195,3 +195,17 @@ def test_error_text_is_shortened_for_the_timeline():
     text = format_report(summarize(events))
     assert "error=RuntimeError: Read error Connection reset by peer" in text
     assert "pair.cc" not in text
+
+
+def test_sigterm_path_is_reported_as_stopped():
+    events = recovered_run()[:6] + [
+        ev(4.0, "node0", "termination_signal", signal="SIGTERM", step=30),
+        ev(4.1, "node0", "stop_agreed", step=30, stop_step=31, proposer=0, reason="SIGTERM"),
+        ev(4.3, "node0", "termination_decision", step=31, action="save-then-exit", exit_code=81),
+        ev(4.3, "node1", "termination_decision", step=31, action="save-then-exit", exit_code=81),
+        ev(4.4, "node0", "stopped", cycle=0, reason="termination in progress"),
+    ]
+    summary = summarize(events)
+    assert summary.status == "stopped" and summary.final_step == 31
+    assert summary.status_detail == "stopped on purpose (SIGTERM path) after step 31, exit code 81"
+    assert summary.failures == ()
