@@ -324,6 +324,8 @@ class Demo:
         print(f"\nOK: the run lost {victim} at step {lost.failure_step}, recovered in "
               f"{lost.lost_seconds:.1f} s redoing {lost.steps_redone} step(s), and finished all "
               f"{self.args.max_steps} steps; {time.monotonic() - self.started:.1f} s in total.", flush=True)
+        if self.args.keep:
+            print(f"Logs: {self.run_dir}/*.log; timeline again: lightning-ft report {self.events_dir}", flush=True)
         return 0
 
     def dump_logs(self) -> None:

@@ -36,6 +36,8 @@ _MAX_VALUE_CHARS = 90  # long error texts would make the timeline unreadable
 _STEP_FIELDS = ("step", "global_step")
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp|c):\d+\]\s*")
 _LOST_SECONDS_FIELDS = ("seconds_since_failure", "seconds", "lost_seconds")
+# a participant whose log ends with one of these left on its own terms
+_EXIT_EVENTS = ("finished", "spare_exit", "no_restart", "stopped", "termination_decision", "unhealthy_exit")
 
 
 @dataclass(frozen=True)
@@ -309,7 +311,8 @@ def format_summary(summary: RunSummary) -> list[str]:
              f"  participants  {len(summary.participants)}"]
     for p in summary.participants:
         roles = " -> ".join(_compress(p.roles)) or "no round completed"
-        lines.append(f"    {p.who:<14} {roles}; last: {p.last_event} at +{p.last_seen:.2f}s")
+        end = "" if p.last_event in _EXIT_EVENTS else " (no exit event: killed, or still running)"
+        lines.append(f"    {p.who:<14} {roles}; last: {p.last_event} at +{p.last_seen:.2f}s{end}")
     lines.append(f"  rounds        {summary.rounds}")
     lines.append(f"  failures      {len(summary.failures)}")
     for n, f in enumerate(summary.failures, 1):

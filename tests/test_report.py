@@ -67,6 +67,8 @@ def test_report_text_has_timeline_and_summary():
     assert "spares used   node2" in text
     assert "FINISHED" in text
     assert "node2          standby -> active" in text
+    assert "node1          active; last: round_complete at +1.00s (no exit event: killed, or still running)" in text
+    assert "node0          active x2; last: finished at +9.00s\n" in text
 
 
 def test_malformed_entries_are_ignored_and_unknown_events_shown_as_is():
