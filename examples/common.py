@@ -168,10 +168,9 @@ def resumable_sampler(dataset: Any, world_size: int, rank: int, seed: int):
     """This rank's shard of a per-epoch shuffle, that counts its own epochs and saves (epoch, position).
 
     Why not the usual samplers: Lightning tells the sampler the epoch through ``set_epoch``,
-    and after a resume from a snapshot taken at the last step of an epoch its counter is one
-    ahead (the restored, exhausted iterator counts as one more epoch), so a
-    ``DistributedSampler`` would shuffle every later epoch differently from the uninterrupted
-    run. torchdata's single-process ``RandomSampler`` shares its generator with the loader's
+    and after a resume from a snapshot taken at the last step of an epoch its epoch counter is
+    one ahead of the uninterrupted run's, so a ``DistributedSampler`` would shuffle every later
+    epoch differently. torchdata's single-process ``RandomSampler`` shares its generator with the loader's
     per-epoch seed draw, which a restore does not replay. Counting epochs here, seeded by
     ``seed + epoch``, makes the order a pure function of the saved state.
     """
