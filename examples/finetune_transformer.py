@@ -8,8 +8,8 @@ encoder has to work out from the context which source it is reading. Fine-tuning
 (Lightning) then learns to name the source from a few hundred labelled sequences: a
 fresh classification head on the mean-pooled encoder output, the encoder at a 10x
 lower learning rate, warmup + cosine decay. With the defaults the pretrained encoder
-ends about 8 points of accuracy above one fine-tuned from random weights
-(``--pretrain-steps 0``). Everything is generated from ``--seed``; nothing is downloaded.
+reaches about 0.86 validation accuracy, one fine-tuned from random weights
+(``--pretrain-steps 0``) about 0.67. Everything is generated from ``--seed``; nothing is downloaded.
 
     python examples/finetune_transformer.py                        # one process
     python examples/finetune_transformer.py --strategy ddp --devices 2
