@@ -62,10 +62,11 @@ def run_ddp_ft(args, root: Path) -> dict:
         codes = cluster.wait(survivors, 120)
         if any(code != 0 for code in codes.values()):
             raise RuntimeError(f"ddp_ft run failed: {codes}\n{cluster.logs()}")
-        records = [dict(r, pid=cluster.procs[n].pid) for n in survivors for r in cluster.steps()[n]]
-        first = first_step_after(records, kill_time)
+        # a survivor may still finish the step it was in when the peer died: count from the
+        # first step the re-formed group completed (the strategy's own event, written at once)
+        first = min(e["t"] for e in cluster.events_of("first_step_after_recovery"))
         restored = cluster.events_of("restored")[-1]["step"]
-        return {"seconds": first["t"] - kill_time, "resumed_step": restored}
+        return {"seconds": first - kill_time, "resumed_step": restored}
     finally:
         procs.kill_all()
 
@@ -75,6 +76,7 @@ def run_baseline(args, root: Path) -> dict:
     out, ckpt = root / "out", root / "ckpt"
     out.mkdir(parents=True)
     port = free_port()
+    workers: set[int] = set()
     try:
         for node in range(2):
             argv = [TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
@@ -87,6 +89,8 @@ def run_baseline(args, root: Path) -> dict:
         while True:
             steps = {int(p.name.split("-")[1].split(".")[0]): _read_jsonl(p) for p in out.glob("steps-*.jsonl")}
             ready = [pid for pid, recs in steps.items() if recs and recs[-1]["step"] >= args.kill_at]
+            for agent in procs.procs:
+                workers.update(_children(agent.pid))
             if ready:
                 break
             if time.monotonic() > deadline:
@@ -96,7 +100,13 @@ def run_baseline(args, root: Path) -> dict:
         victim = max(before, key=lambda pid: steps[pid][-1]["rank"])  # the rank-1 worker
         kill_time = time.time()
         os.kill(victim, signal.SIGKILL)
-        codes = procs.wait_all(args.baseline_timeout)
+        deadline = time.monotonic() + args.baseline_timeout
+        while time.monotonic() < deadline and any(p.popen.poll() is None for p in procs.procs):
+            for agent in procs.procs:
+                workers.update(_children(agent.pid))
+            time.sleep(0.2)
+        codes = {p.name: p.popen.poll() for p in procs.procs}
+        workers.update(_worker_pids(out))
         records = []
         for path in out.glob("steps-*.jsonl"):
             pid = int(path.name.split("-")[1].split(".")[0])
@@ -115,6 +125,36 @@ def run_baseline(args, root: Path) -> dict:
                 "restarts": restarts, "codes": codes}
     finally:
         procs.kill_all()
+        # torchrun starts its workers in sessions of their own: kill them by pid as well
+        for pid in workers | _worker_pids(out):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _worker_pids(out: Path) -> set[int]:
+    pids = set()
+    for path in out.glob("*-*.json*"):
+        try:
+            pids.add(int(path.name.split("-")[1].split(".")[0]))
+        except ValueError:
+            continue
+    return pids
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(entry.name))
+    return found
 
 
 def main() -> int:

@@ -19,6 +19,7 @@ from lightning_ft.strategy.decisions import (
     find_stalled_ranks,
     hang_timeout,
     looks_like_collective_error,
+    looks_like_peer_gone,
     parse_nnodes,
     plan_snapshot_transfer,
     replica_needed,
@@ -137,6 +138,12 @@ def test_collective_error_with_rendezvous_evidence_is_a_lost_peer():
     assert classify_failure(facts(newer_round=True)) is FailureKind.PEER_LOST
     assert classify_failure(facts(dead_members=("h:1:0",))) is FailureKind.PEER_LOST
     assert classify_failure(facts(is_collective_error=False, hang_detected=True)) is FailureKind.PEER_LOST
+
+
+def test_peer_closing_its_connection_is_a_lost_peer():
+    assert classify_failure(facts(peer_gone=True)) is FailureKind.PEER_LOST
+    assert looks_like_peer_gone([("RuntimeError", "[pair.cc:553] Connection closed by peer [1.2.3.4]:5")])
+    assert not looks_like_peer_gone([("RuntimeError", "Timed out waiting 2000ms for recv")])
 
 
 def test_collective_error_without_evidence_is_a_broken_group():

@@ -182,3 +182,24 @@ def test_sigstopped_active_is_detected_as_hung_and_replaced(processes, tmp_path)
     assert hangs[0]["stalled"] == [frozen_rank]
     for name in survivors:
         assert cluster.result(name)["step"] == 100
+
+
+@pytest.mark.timeout(60)
+def test_sole_active_lost_the_spare_resumes_from_its_replica(processes, tmp_path):
+    # 1 active + 1 spare on different "hosts": each snapshot is replicated to the spare through
+    # the store, because the active alone holds it; when the active dies nobody is left to send
+    # it, and the spare (which opens the next round itself) resumes from its own copy
+    cluster = Cluster(processes, tmp_path, "1:2")
+    cluster.start(["A", "B"], ["--max-steps", "80", *SLOW])
+    cluster.wait_for_step(35, 45)
+    [active] = cluster.active_names()
+    spare = "B" if active == "A" else "A"
+    assert wait_for(lambda: any(e["step"] >= 30 for e in cluster.events_of("replica_received")), 10), cluster.logs()
+    cluster.kill(active)
+    codes = cluster.wait([spare], 40)
+    assert codes == {spare: 0}, cluster.logs()
+    assert cluster.result(spare)["step"] == 80 and cluster.result(spare)["trained"]
+    restored = cluster.events_of("restored")[-1]["step"]
+    assert restored >= 30 and restored % 10 == 0
+    assert not cluster.events_of("snapshot_received")  # nobody could send it: the replica was used
+    assert any("silent" in e["reason"] for e in cluster.events_of("round_open"))

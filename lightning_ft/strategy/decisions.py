@@ -169,6 +169,8 @@ class FailureFacts:
     hang_detected: bool = False
     #: members of the round whose heartbeat is already silent
     dead_members: tuple[str, ...] = ()
+    #: the transport says the peer's end is gone (connection closed/reset by the peer)
+    peer_gone: bool = False
 
 
 def classify_failure(facts: FailureFacts) -> FailureKind:
@@ -184,7 +186,7 @@ def classify_failure(facts: FailureFacts) -> FailureKind:
         return FailureKind.LOCAL_ERROR
     if facts.peer_error is not None:
         return FailureKind.PEER_ERROR
-    if facts.newer_round or facts.hang_detected or facts.dead_members:
+    if facts.newer_round or facts.hang_detected or facts.dead_members or facts.peer_gone:
         return FailureKind.PEER_LOST
     return FailureKind.GROUP_BROKEN
 
@@ -213,6 +215,14 @@ def looks_like_collective_error(chain: Iterable[tuple[str, str]]) -> bool:
                          "BrokenPipeError", "TimeoutError") and any(k in text for k in _COLLECTIVE_ERROR_TEXT):
             return True
     return False
+
+
+_PEER_GONE_TEXT = ("closed by peer", "reset by peer", "broken pipe", "connection refused")
+
+
+def looks_like_peer_gone(chain: Iterable[tuple[str, str]]) -> bool:
+    """Does the transport report that the other end went away (process or host gone)?"""
+    return any(any(k in message.lower() for k in _PEER_GONE_TEXT) for _, message in chain)
 
 
 class RecoveryAction(enum.Enum):

@@ -73,6 +73,7 @@ from lightning_ft.strategy.decisions import (
     decide_on_rendezvous_end,
     decide_recovery,
     looks_like_collective_error,
+    looks_like_peer_gone,
     replica_needed,
 )
 from lightning_ft.strategy.transport import GroupTransport, exchange_snapshots, open_sockets
@@ -201,8 +202,12 @@ class _ElasticLauncher(_Launcher):
         return True
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
-        self._strategy._trainer = trainer
-        self._strategy._attach_callbacks(trainer)
+        strategy = self._strategy
+        strategy._trainer = trainer
+        if strategy._timeline is None:
+            who = f"{socket.gethostname()}:{os.getpid()}:{os.environ.get('LOCAL_RANK', '0')}"
+            strategy._timeline = ev.Timeline(who, strategy._events_dir)
+        strategy._attach_callbacks(trainer)
         try:
             return function(*args, **kwargs)
         finally:
@@ -561,7 +566,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         try:
             store, hosting = connect_store(config.host, config.port, self._is_store_host, self.connect_timeout)
         except RendezvousError as exc:
-            raise NoRestartError(f"ddp_ft: {exc}") from exc
+            self._no_restart(f"cannot reach the rendezvous store: {exc}", cause=exc)
         participant = local_participant(domain_id=self._domain_id, infra_rank=self._infra_rank)
         rendezvous = BarrierRendezvous(store, self._rdzv_settings, participant, is_store_host=hosting,
                                        heartbeat_store_factory=store.clone)
@@ -622,7 +627,10 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             log.info("ddp_ft: SIGTERM while waiting as a hot spare; leaving fit()")
             self._become_spare_exit()
             return None
-        except RendezvousError as exc:  # extra participant, unhealthy, store trouble
+        except (RuntimeError, OSError) as exc:  # the store itself (DistStoreError is a RuntimeError)
+            self._no_restart(f"lost the rendezvous store at {self._config.endpoint}: {type(exc).__name__}: {exc}",
+                             cause=exc)
+        except RendezvousError as exc:  # extra participant, unhealthy
             from lightning_ft.rendezvous.barrier import ParticipantExcludedError
 
             if isinstance(exc, ParticipantExcludedError) and not self._was_active:
@@ -714,8 +722,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             raise exc  # Lightning runs on_exception hooks and its teardown, as for any error
         self._failure_at = now
         error_text = f"{type(exc).__name__}: {_first_line(exc)}"
-        self._emit(ev.FAILURE_DETECTED, cycle=result.cycle_id, step=step, error=error_text, detector=detector,
-                   stalled=list(watchdog.triggered[2]) if watchdog is not None and watchdog.triggered else [])
+        if detector != "hang":  # the hang detector reported it already, when it fired
+            self._emit(ev.FAILURE_DETECTED, cycle=result.cycle_id, step=step, error=error_text, detector=detector,
+                       stalled=[])
         log.warning("ddp_ft: round %d failed at step %s (%s, detected by %s): %s", result.cycle_id, step, kind.value,
                     detector, error_text)
         # callbacks learn about the interruption as Lightning would tell them (GracefulTermination
@@ -765,7 +774,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             exception_type=type(exc).__name__,
             is_collective_error=looks_like_collective_error(chain) or transport_broken,
             is_stop=isinstance(exc, (SystemExit, KeyboardInterrupt)),
-            peer_error=peer_error, newer_round=bool(newer), hang_detected=hang)
+            peer_error=peer_error, newer_round=bool(newer), hang_detected=hang,
+            peer_gone=looks_like_peer_gone(chain) and not transport_broken)
 
     def _end_on_exception(self, kind: FailureKind, exc: BaseException, result) -> None:
         """Tell the others this job is over (spares leave, peers do not mistake it for a lost node)."""
@@ -1050,3 +1060,9 @@ def _restore_sigterm(previous) -> None:
         signal.signal(signal.SIGTERM, previous)
     except (ValueError, OSError, TypeError):
         pass
+
+
+# Importing this module loads lightning.pytorch.strategies; when that was the first import of
+# it, lightning_ft's import hook ran while this module was half-initialized and could not
+# register. Registering here covers every import order (it is idempotent).
+register_strategy()

@@ -16,8 +16,7 @@ event                          fields
 ``snapshot_sent``              cycle, step, to_rank, bytes, seconds
 ``snapshot_received``          cycle, step, from_rank, bytes, seconds
 ``restored``                   cycle, step (global step training resumes from)
-``step``                       cycle, step, seconds (only every ``progress_every`` steps)
-``failure_detected``           cycle, error, detector (``collective`` | ``hang`` | ``rendezvous``),
+``failure_detected``           cycle, step (training had reached), error, detector (``collective`` | ``hang`` | ``rendezvous``),
                                stalled (ranks blamed by the hang detector, if any)
 ``decision``                   cycle, kind (see :class:`~lightning_ft.strategy.decisions.FailureKind`),
                                action (``recover`` | ``raise`` | ``no_restart``), reason
@@ -49,7 +48,6 @@ SNAPSHOT_PLAN = "snapshot_plan"
 SNAPSHOT_SENT = "snapshot_sent"
 SNAPSHOT_RECEIVED = "snapshot_received"
 RESTORED = "restored"
-STEP = "step"
 FAILURE_DETECTED = "failure_detected"
 DECISION = "decision"
 ROUND_OPEN = "round_open"
@@ -62,7 +60,7 @@ STOPPED = "stopped"
 FINISHED = "finished"
 
 ALL_EVENTS = (JOIN, ROUND_COMPLETE, GROUP_FORMED, SNAPSHOT_PLAN, SNAPSHOT_SENT, SNAPSHOT_RECEIVED, RESTORED,
-              STEP, FAILURE_DETECTED, DECISION, ROUND_OPEN, FIRST_STEP_AFTER_RECOVERY, REPLICA_PUBLISHED,
+              FAILURE_DETECTED, DECISION, ROUND_OPEN, FIRST_STEP_AFTER_RECOVERY, REPLICA_PUBLISHED,
               REPLICA_RECEIVED, SPARE_EXIT, NO_RESTART, STOPPED, FINISHED)
 
 
