@@ -203,3 +203,72 @@ def test_sole_active_lost_the_spare_resumes_from_its_replica(processes, tmp_path
     assert restored >= 30 and restored % 10 == 0
     assert not cluster.events_of("snapshot_received")  # nobody could send it: the replica was used
     assert any("silent" in e["reason"] for e in cluster.events_of("round_open"))
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_the_new_worker_receives_the_snapshot(processes, tmp_path):
+    # torchrun --rdzv-backend=lightning_ft: torchrun's agents do the node rendezvous and restart
+    # workers; the strategy behaves like DDP and hands the in-memory snapshot to the worker of
+    # the spare node, which has none
+    import os
+
+    from ft_cluster import _read_jsonl
+
+    from proc_utils import free_port
+
+    port, out = free_port(), tmp_path / "out"
+    agents = {}
+    workers: set[int] = set()
+    conf = "last_call_timeout=0.3,previous_active_grace=3,heartbeat_interval=0.1"
+    try:
+        for index, name in enumerate("ABC"):
+            argv = [TORCHRUN, "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=lightning_ft",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", f"--rdzv-conf={conf}",
+                    "--max-restarts=3", "--monitor-interval=0.1", SCRIPT, "--out", str(out), "--max-steps", "60",
+                    *SLOW]
+            env = base_env(LIGHTNING_FT_SNAPSHOT_DIR=str(tmp_path / f"shm-{name}"),
+                           LIGHTNING_FT_EVENTS_DIR=str(tmp_path / "events"), LIGHTNING_FT_INFRA_RANK=str(index))
+            agents[name] = processes.start(name, argv, env=env)
+            if index == 0:
+                assert wait_for(lambda: "hosting the rendezvous store" in agents["A"].log(), 30)
+
+        def reached(step):
+            return any(r and r[-1]["step"] >= step for r in map(_read_jsonl, out.glob("steps-*.jsonl")))
+
+        assert wait_for(lambda: reached(25), 60), processes.dump_logs()
+        victim = next(n for n in ("B", "A") if _children(agents[n].pid))  # an active node (C may be the spare)
+        for agent in agents.values():
+            workers.update(_children(agent.pid))
+        victim_workers = _children(agents[victim].pid)
+        agents[victim].signal_group(signal.SIGKILL)
+        for pid in victim_workers:
+            os.kill(pid, signal.SIGKILL)
+        survivors = [n for n in "ABC" if n != victim]
+        codes = {n: agents[n].popen.wait(timeout=80) for n in survivors}
+        assert codes == {n: 0 for n in survivors}, processes.dump_logs()
+        events = [e for p in (tmp_path / "events").glob("*.jsonl") for e in _read_jsonl(p)]
+        received = [e for e in events if e["event"] == "snapshot_received"]
+        assert received and received[0]["step"] >= 20, events
+        finals = [json.loads(p.read_text()) for p in out.glob("result-*.json")]
+        assert sorted(r["step"] for r in finals if r["trained"]) == [60, 60]
+    finally:
+        for agent in agents.values():
+            workers.update(_children(agent.pid))
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

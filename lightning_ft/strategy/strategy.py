@@ -208,10 +208,18 @@ class _ElasticLauncher(_Launcher):
             who = f"{socket.gethostname()}:{os.getpid()}:{os.environ.get('LOCAL_RANK', '0')}"
             strategy._timeline = ev.Timeline(who, strategy._events_dir)
         strategy._attach_callbacks(trainer)
+        strategy.trained = True  # torchrun starts workers only on active nodes
         try:
-            return function(*args, **kwargs)
-        finally:
-            _destroy_group()
+            output = function(*args, **kwargs)
+        except BaseException as exc:
+            if looks_like_collective_error(_exception_chain(exc)):
+                # torchrun restarts this worker; Lightning's teardown must not wait on the broken group
+                log.warning("ddp_ft: collective failed (%s: %s); torchrun restarts the workers",
+                            type(exc).__name__, _first_line(exc))
+                strategy._break_group()
+            raise
+        _destroy_group()  # Lightning never destroys a gloo group (1 exit in ~15 aborts otherwise)
+        return output
 
     def kill(self, signum) -> None:
         pass
@@ -389,6 +397,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._replica_prefix: str | None = None
         self._domains_cache: tuple[int, list[str]] | None = None
         self._finished = False
+        self._checkpoint: Any = None
+        self._replicate_here = False
         _register_atexit_destroy()
         self.recoveries = 0
         #: True once this process trained in some round (False: it only ever was a hot spare)
@@ -437,8 +447,11 @@ class FaultTolerantDDPStrategy(DDPStrategy):
 
     def setup_distributed(self) -> None:
         if self._config.mode is LaunchMode.TORCHELASTIC:
+            before = open_sockets()
             super().setup_distributed()
-            self._after_group_formed(cycle=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+            master_port = int(os.environ.get("MASTER_PORT", "0") or 0) or None
+            self._transport = GroupTransport(before, open_sockets(), master_port)
+            self._after_group_formed(cycle=self._cycle())
             return
         result = self._round
         if result is None:
@@ -492,6 +505,27 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             log.info("ddp_ft: turning on EmergencyCheckpoint auto-resume to continue after the failure")
             checkpoint.auto_resume = True
 
+    def _break_group(self) -> None:
+        """Fail every pending collective of the current group, and retire the group.
+
+        The group object is kept alive (``_BROKEN_GROUPS``), not destroyed. Why: when the
+        last reference to a ``ProcessGroupGloo`` goes -- normally when Lightning's teardown
+        unwraps ``DistributedDataParallel`` and drops its reducer -- its destructor joins the
+        gloo worker threads while holding the GIL, and a worker thread still finishing a
+        failed all-reduce needs the GIL to free it: a deadlock (seen under torchrun, gdb:
+        ``~ProcessGroupGloo`` -> ``thread::join`` vs ``~AsyncAllreduceWork`` -> ``take_gil``).
+        Kept alive, it is destroyed at interpreter exit, long after its threads went idle.
+        """
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.abort()
+        try:
+            if dist.is_available() and dist.is_initialized():
+                _BROKEN_GROUPS.append(dist.distributed_c10d._get_default_group())
+        except (RuntimeError, ValueError):
+            pass
+        _destroy_group()
+
     def teardown(self) -> None:
         super().teardown()
 
@@ -505,6 +539,10 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if self._failure_at is not None or step > 0:
             self._emit(ev.RESTORED, cycle=self._cycle(), step=step)
         self._awaiting_first_step = self._failure_at is not None
+        self._checkpoint = _find_emergency_checkpoint(trainer)
+        # rank 0 publishes copies for hot spares; decided once per run, not per step
+        self._replicate_here = bool(self.replication_factor and self._checkpoint is not None
+                                    and self._config.mode is LaunchMode.RENDEZVOUS and self.global_rank == 0)
 
     def _on_batch_start(self) -> None:
         self._step_clock.started(time.monotonic())
@@ -519,10 +557,12 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                        seconds_since_failure=None if since is None else round(since, 4))
             log.info("ddp_ft: first step after recovery completed (step %d, %.3fs after the failure)",
                      trainer.global_step, since or 0.0)
-        if self.replication_factor and self._config.mode is LaunchMode.RENDEZVOUS and self.global_rank == 0:
-            self._maybe_publish_replica(trainer)
+        if self._replicate_here:
+            self._maybe_publish_replica()
 
     def _cycle(self) -> int | None:
+        if self._config.mode is LaunchMode.TORCHELASTIC:
+            return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)  # torchrun's worker-group restarts
         return None if self._round is None else self._round.cycle_id
 
     # ------------------------------------------------------------------ the launcher's loop
@@ -727,6 +767,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                        stalled=[])
         log.warning("ddp_ft: round %d failed at step %s (%s, detected by %s): %s", result.cycle_id, step, kind.value,
                     detector, error_text)
+        self._break_group()  # nothing may wait on the broken group from here on (see _break_group)
         # callbacks learn about the interruption as Lightning would tell them (GracefulTermination
         # decides here whether a peer's failure is part of a termination in progress)
         _call_on_exception(trainer, exc)
@@ -797,14 +838,17 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         log.info("ddp_ft: %s; not recovering (%s)", text, kind.value)
 
     def _teardown_after_failure(self, trainer) -> None:
-        # what Lightning's _call_and_handle_interrupt does after on_exception, minus re-raising
+        # what Lightning's _call_and_handle_interrupt does after on_exception, minus re-raising;
+        # bounded: a teardown stuck on the broken group would leave this process alive but useless
+        guard = _Deadline(self.init_timeout, "teardown after a failure")
         try:
             trainer._teardown()
         except Exception as exc:  # noqa: BLE001 - a broken group may make parts of teardown fail
             log.warning("ddp_ft: teardown after the failure raised %s: %s", type(exc).__name__, exc)
+        finally:
+            guard.cancel()
         trainer.state.stage = None
-        _destroy_group()
-        self._transport = None
+        self._break_group()
 
     def _close(self, reason: str) -> None:
         if self._session is not None:
@@ -888,9 +932,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ replication
 
-    def _maybe_publish_replica(self, trainer) -> None:
-        checkpoint = _find_emergency_checkpoint(trainer)
-        info = getattr(checkpoint, "last_snapshot", None) if checkpoint is not None else None
+    def _maybe_publish_replica(self) -> None:
+        info = getattr(self._checkpoint, "last_snapshot", None)
         if info is None or info.step == self._replica_published_step:
             return
         self._replica_published_step = info.step
@@ -967,7 +1010,30 @@ def register_strategy() -> None:
 # ---------------------------------------------------------------------------- helpers
 
 
+class _Deadline:
+    """Ends the process (exit 1) if ``cancel()`` is not called within ``seconds``."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self._done = threading.Event()
+        self._what = what
+        self._seconds = seconds
+        threading.Thread(target=self._run, name="lightning_ft-deadline", daemon=True).start()
+
+    def _run(self) -> None:
+        if not self._done.wait(self._seconds):
+            log.error("ddp_ft: %s did not finish within %.0fs; exiting (exit 1) so the others see this "
+                      "participant gone", self._what, self._seconds)
+            from lightning_ft.termination.exit import exit_now
+
+            exit_now(1)
+
+    def cancel(self) -> None:
+        self._done.set()
+
+
 _atexit_registered = False
+#: process groups broken by a failure, kept until interpreter exit (see _break_group)
+_BROKEN_GROUPS: list = []
 
 
 def _register_atexit_destroy() -> None:

@@ -92,7 +92,7 @@ class RoundWatchdog:
                  cycle: int, rank: int, world_size: int, clock: StepClock, hang_detection: bool,
                  hang_floor: float, hang_factor: float, dead_after: float,
                  on_trigger: Callable[[str, str, tuple[int, ...]], None], break_group: Callable[[], int],
-                 poll_interval: float = 0.1) -> None:
+                 poll_interval: float = 0.2) -> None:
         self.round_store = round_store
         self.rdzv_store = rdzv_store
         self.cycle_key = cycle_key

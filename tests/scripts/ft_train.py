@@ -48,6 +48,8 @@ def main() -> int:
     parser.add_argument("--hang-floor", type=float, default=2.0)
     parser.add_argument("--pg-timeout", type=float, default=60.0)
     parser.add_argument("--replication-factor", type=int, default=1)
+    parser.add_argument("--ft-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra FaultTolerantDDPStrategy argument (value parsed as JSON, else a string)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     import faulthandler
@@ -123,8 +125,16 @@ def main() -> int:
 
     pg_timeout = datetime.timedelta(seconds=args.pg_timeout)
     if args.strategy == "ddp_ft":
+        options = {}
+        for item in args.ft_option:
+            key, _, raw = item.partition("=")
+            try:
+                options[key] = json.loads(raw)
+            except json.JSONDecodeError:
+                options[key] = raw
         strategy = lightning_ft.FaultTolerantDDPStrategy(
-            hang_timeout_floor=args.hang_floor, timeout=pg_timeout, replication_factor=args.replication_factor)
+            hang_timeout_floor=args.hang_floor, timeout=pg_timeout, replication_factor=args.replication_factor,
+            **options)
     else:
         strategy = pl.strategies.DDPStrategy(timeout=pg_timeout)
 
