@@ -529,9 +529,13 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     def teardown(self) -> None:
         super().teardown()
 
-    # ------------------------------------------------------------------ progress (from the probe)
+    # ------------------------------------------------------------------ progress
+    # Strategy hooks, not a callback: Lightning dispatches every hook of a step to every
+    # callback (profiler context, state key), which costs more than these few lines.
 
-    def _on_train_start(self, trainer) -> None:
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self._trainer
         self._step_clock = StepClock()
         if self._watchdog is not None:
             self._watchdog.clock = self._step_clock
@@ -544,21 +548,27 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._replicate_here = bool(self.replication_factor and self._checkpoint is not None
                                     and self._config.mode is LaunchMode.RENDEZVOUS and self.global_rank == 0)
 
-    def _on_batch_start(self) -> None:
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
         self._step_clock.started(time.monotonic())
 
-    def _on_batch_end(self, trainer) -> None:
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # forward, backward (with its all-reduce) and the update are done: the step completed
         self._step_clock.finished(time.monotonic())
         self._progress_in_round = True
         if self._awaiting_first_step:
             self._awaiting_first_step = False
+            # Lightning counts the optimizer step as completed only after this returns
+            step = self._trainer.global_step + 1
             since = time.monotonic() - self._failure_at if self._failure_at is not None else None
-            self._emit(ev.FIRST_STEP_AFTER_RECOVERY, cycle=self._cycle(), step=trainer.global_step,
+            self._emit(ev.FIRST_STEP_AFTER_RECOVERY, cycle=self._cycle(), step=step,
                        seconds_since_failure=None if since is None else round(since, 4))
             log.info("ddp_ft: first step after recovery completed (step %d, %.3fs after the failure)",
-                     trainer.global_step, since or 0.0)
+                     step, since or 0.0)
         if self._replicate_here:
             self._maybe_publish_replica()
+        return output
 
     def _cycle(self) -> int | None:
         if self._config.mode is LaunchMode.TORCHELASTIC:
@@ -624,8 +634,6 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if self._callbacks_attached or trainer is None:
             return
         self._callbacks_attached = True
-        from lightning_ft.strategy.probe import FaultToleranceProbe
-
         if _find_emergency_checkpoint(trainer) is None:
             from lightning_ft.checkpoint.callback import EmergencyCheckpoint
 
@@ -634,7 +642,6 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                                                          run_id=self._config.run_id))
             log.info("ddp_ft: added EmergencyCheckpoint(every_n_steps=%s, every_n_seconds=%s) for recovery",
                      self._snapshot_every_n_steps, self._snapshot_every_n_seconds)
-        trainer.callbacks.append(FaultToleranceProbe(self))
 
     def _join_round(self, session: _Session):
         """Block until active in a round; ``None`` when this process should leave fit() cleanly."""
