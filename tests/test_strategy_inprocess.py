@@ -171,3 +171,45 @@ def test_more_than_one_device_per_process_is_refused(port):
     strategy = FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{port}", run_id="r", min_nodes=2, max_nodes=3)
     with pytest.raises(StrategyConfigError, match="devices=1"):
         pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+
+
+class ForwardModel(Model):
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        self.steps_seen.append(self.trainer.global_step)
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+
+class FailInsideDDPBeforeForward(pl.Callback):
+    """A peer dies while DDP syncs buffers, before the module's forward runs.
+
+    Lightning's forward redirection has then patched ``module.forward`` and never restored it.
+    """
+
+    def __init__(self, at_step):
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self.at_step:
+            return
+        self.at_step = None
+
+        def fail_once(module, args):
+            handle.remove()
+            raise RuntimeError(GLOO_ERROR)
+
+        handle = trainer.strategy.model.register_forward_pre_hook(fail_once)
+
+
+def test_recovery_after_a_failure_before_forward_restores_the_module_forward(tmp_path, port):
+    trainer = make_trainer(tmp_path, port)
+    trainer.callbacks.append(FailInsideDDPBeforeForward(at_step=15))
+    model = ForwardModel()
+    trainer.fit(model)
+    assert trainer.global_step == 30
+    assert trainer.strategy.recoveries == 1
+    # Lightning restores forward as an instance attribute (the bound method); never its patch
+    assert getattr(vars(model).get("forward"), "__name__", "forward") == "forward"

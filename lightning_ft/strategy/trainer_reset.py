@@ -12,6 +12,10 @@ been re-formed. What a failed run leaves behind, and why each piece is reset:
 * the checkpoint connector may hold a half-consumed ``_loaded_checkpoint``: a fresh one.
 * the model may still be wrapped in ``DistributedDataParallel`` bound to the broken group
   (the exception can come before Lightning's teardown unwrapped it): unwrapped here.
+* Lightning's forward redirection patches ``module.forward`` on the instance and restores it
+  only from inside the wrapper's forward. A peer failure inside DDP before that (its buffer
+  sync) leaves the patch behind, and the next ``self(x)`` would call ``training_step``:
+  the patch is removed here.
 
 Lightning's own exception-path teardown (strategy, loop, logger connector, signal handlers)
 is run by the caller before this, as ``_call_and_handle_interrupt`` would.
@@ -54,8 +58,18 @@ def reset_trainer_for_rerun(trainer) -> None:
     strategy = trainer.strategy
     if isinstance(strategy.model, DistributedDataParallel):
         strategy.model = strategy.lightning_module
+    _remove_leftover_forward_patch(strategy.lightning_module)
 
     trainer.state.fn = TrainerFn.FITTING
     trainer.state.status = TrainerStatus.RUNNING
     trainer.training = True
     trainer.should_stop = False
+
+
+def _remove_leftover_forward_patch(module) -> None:
+    patched = vars(module).get("forward") if module is not None else None
+    # only Lightning's own patch (a closure named ``wrapped_forward``); a user's instance
+    # attribute stays
+    if patched is not None and getattr(patched, "__name__", "") == "wrapped_forward":
+        del module.forward
+        log.info("ddp_ft: removed Lightning's forward redirection left on the module by the failure")
