@@ -42,6 +42,12 @@ def model_args(args) -> list[str]:
             "--quiet"]
 
 
+def plain_snapshots(args) -> list[str]:
+    if args.plain_snapshots:  # diagnosis: the same EmergencyCheckpoint on the plain side
+        return ["--snapshot-every", str(args.snapshot_every)]
+    return ["--no-snapshots"]
+
+
 def step_times(records: list[dict], warmup: int) -> list[float]:
     rank0 = sorted((r for r in records if r["rank"] == 0), key=lambda r: r["step"])
     return [b["t"] - a["t"] for a, b in zip(rank0, rank0[1:]) if a["step"] >= warmup and b["step"] == a["step"] + 1]
@@ -53,7 +59,7 @@ def run_plain(args, root: Path) -> list[float]:
     out = root / "out"
     try:
         proc = procs.start("plain", [TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, "--out", str(out),
-                                     "--strategy", "ddp", "--devices", "2", "--no-snapshots", *model_args(args)],
+                                     "--strategy", "ddp", "--devices", "2", *plain_snapshots(args), *model_args(args)],
                            env=base_env(LIGHTNING_FT_SNAPSHOT_DIR=str(root / "shm")))
         if proc.popen.wait(timeout=600) != 0:
             raise RuntimeError(f"plain ddp failed:\n{proc.log()[-5000:]}")
@@ -89,6 +95,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--snapshot-every", type=int, default=50)
     parser.add_argument("--with-spare", action="store_true", help="also measure ddp_ft with a hot spare")
+    parser.add_argument("--plain-snapshots", action="store_true",
+                        help="diagnosis: give the plain run the same EmergencyCheckpoint")
     parser.add_argument("--ft-option", action="append", default=[], metavar="KEY=VALUE",
                         help="FaultTolerantDDPStrategy argument for the ddp_ft runs (for experiments)")
     args = parser.parse_args()

@@ -267,6 +267,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             domains when possible (hot spares receive copies through the store while fewer
             than ``factor + 1`` participants/domains train). 0 disables.
         replica_max_bytes: snapshots larger than this are not replicated through the store.
+        watchdog_interval: how often the round watchdog publishes progress and checks for a
+            newer round or a hung step (seconds).
         hang_detection: treat a step that runs longer than
             ``max(hang_timeout_floor, hang_safety_factor * slowest recent step)`` as a hang
             of the rank that did not progress (the first step of a round is exempt).
@@ -303,6 +305,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         replication_factor: int = 1,
         replica_max_bytes: int = 256 * 2**20,
         hang_detection: bool = True,
+        watchdog_interval: float = 0.2,
         hang_timeout_floor: float = 60.0,
         hang_safety_factor: float = 10.0,
         heartbeat_interval: float = 0.1,
@@ -320,7 +323,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         config = resolve_launch_config(endpoint, run_id, min_nodes, max_nodes)
-        for name, value in (("hang_timeout_floor", hang_timeout_floor), ("hang_safety_factor", hang_safety_factor),
+        for name, value in (("watchdog_interval", watchdog_interval), ("hang_timeout_floor", hang_timeout_floor), ("hang_safety_factor", hang_safety_factor),
                             ("heartbeat_interval", heartbeat_interval), ("last_call_timeout", last_call_timeout),
                             ("previous_active_grace", previous_active_grace), ("join_timeout", join_timeout),
                             ("rejoin_timeout", rejoin_timeout), ("init_timeout", init_timeout),
@@ -368,6 +371,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self.replication_factor = replication_factor
         self.replica_max_bytes = replica_max_bytes
         self.hang_detection = hang_detection
+        self.watchdog_interval = float(watchdog_interval)
         self.hang_timeout_floor = float(hang_timeout_floor)
         self.hang_safety_factor = float(hang_safety_factor)
         self.rejoin_timeout = float(rejoin_timeout)
@@ -934,7 +938,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             heartbeat_key=keys.heartbeat, cycle=result.cycle_id, rank=result.rank, world_size=result.world_size,
             clock=self._step_clock, hang_detection=self.hang_detection, hang_floor=self.hang_timeout_floor,
             hang_factor=self.hang_safety_factor, dead_after=session.rendezvous.settings.dead_after,
-            on_trigger=on_trigger, break_group=transport.abort if transport is not None else (lambda: 0))
+            on_trigger=on_trigger, break_group=transport.abort if transport is not None else (lambda: 0),
+            poll_interval=self.watchdog_interval)
         self._watchdog.start()
 
     # ------------------------------------------------------------------ replication

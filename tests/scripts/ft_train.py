@@ -145,11 +145,21 @@ def main() -> int:
                          max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=bool(args.checkpoint_dir), num_sanity_val_steps=0,
                          callbacks=callbacks)
+    profile_to = os.environ.get("FT_TRAIN_PROFILE")  # diagnosis: cProfile fit() into this directory
+    profiler = None
+    if profile_to:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         trainer.fit(model, ckpt_path=ckpt_path)
     except SystemExit as exc:
         (out / f"exit-{pid}").write_text(str(exc.code))
         raise
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(str(Path(profile_to) / f"fit-{pid}.prof"))
     trained = getattr(trainer.strategy, "trained", True)
     result = {"rank": trainer.global_rank, "trained": trained, "step": trainer.global_step, "t": time.time(),
               "weights": [float(v) for p in model.parameters() for v in p.detach().flatten()]}
