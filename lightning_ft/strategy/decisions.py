@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 # ------------------------------------------------------------------ hang detection
 
@@ -323,9 +323,3 @@ def merge_setting(name: str, explicit: object, env_name: str, env_value: str | N
         raise ValueError(f"contradictory settings: {name}={explicit!r} but {env_name}={env_value!r}; "
                          f"set one of them")
     return explicit if explicit is not None else from_env
-
-
-def first_step_index(step_marks: Mapping[int, float], after: float) -> int | None:
-    """The lowest step whose completion time is after ``after`` (for timelines and benchmarks)."""
-    later = [step for step, t in step_marks.items() if t > after]
-    return min(later) if later else None

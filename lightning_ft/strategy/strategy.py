@@ -691,9 +691,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                 return None
             self._no_restart(f"rendezvous failed: {exc}", cause=exc)
         finally:
+            _restore_sigterm(previous_handler)  # first: a SIGTERM from here on is the caller's to handle
             if monitor is not None:
                 monitor.stop()
-            _restore_sigterm(previous_handler)
 
     def _rendezvous_ended(self, reason: str, timed_out: bool):
         rendezvous = self._session.rendezvous
