@@ -162,6 +162,20 @@ def test_sigterm_to_one_active_takes_the_graceful_termination_path(processes, tm
     assert cluster.events_of("stopped")
 
 
+@pytest.mark.timeout(60)
+def test_sigterm_to_a_waiting_spare_withdraws_it_and_training_goes_on(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.start(["A", "B", "C"], ["--max-steps", "80", *SLOW])
+    cluster.wait_for_step(10, 45)
+    spare = next(n for n in "ABC" if n not in cluster.active_names())
+    cluster.kill(spare, signal.SIGTERM)
+    assert cluster.wait([spare], 15) == {spare: 0}, cluster.logs()
+    actives = [n for n in "ABC" if n != spare]
+    assert cluster.wait(actives, 40) == {n: 0 for n in actives}, cluster.logs()
+    assert "SIGTERM while waiting" in cluster.procs[spare].log()
+    assert all(cluster.result(n)["step"] == 80 for n in actives)
+
+
 @pytest.mark.timeout(90)
 def test_sigstopped_active_is_detected_as_hung_and_replaced(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:3")
