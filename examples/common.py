@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 import os
 import sys
 import time
@@ -26,6 +27,17 @@ from typing import Any, Callable, Sequence
 
 STRATEGIES = ("auto", "ddp", "ddp_ft")
 FINAL_LINE_PREFIX = "FINAL"  # tests and the demo look for this word at the start of a line
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int):
+    """LambdaLR factor: linear warm-up, then cosine decay to zero at ``total_steps``."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
 
 
 # ---------------------------------------------------------------------- arguments

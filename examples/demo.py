@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lightning_ft fro
 from lightning_ft.events import EventLog, read_events  # noqa: E402
 from lightning_ft.events_report import format_report, summarize  # noqa: E402
 
+import common  # noqa: E402  (this directory is on sys.path when the demo runs as a script)
+
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 EXAMPLES = {"transformer": "finetune_transformer.py", "mlp": "finetune_mlp.py"}
@@ -47,36 +49,16 @@ class DemoFailed(Exception):
     """The run did not do what the demo promises; the message says what went wrong."""
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="demo.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--example", choices=sorted(EXAMPLES), default="transformer",
                         help="which fine-tuning example the participants run (default transformer)")
-    parser.add_argument("--max-steps", type=positive_int, default=200, help="training steps (default 200)")
-    parser.add_argument("--kill-at-step", type=positive_int, default=None,
+    parser.add_argument("--max-steps", type=common.positive_int, default=200, help="training steps (default 200)")
+    parser.add_argument("--kill-at-step", type=common.positive_int, default=None,
                         help="SIGKILL a training participant once this step is reached (default: 40%% of the run)")
     parser.add_argument("--kill-rank", type=int, choices=(0, 1), default=1,
                         help="rank of the participant to kill (default 1)")
-    parser.add_argument("--timeout", type=positive_float, default=150.0,
+    parser.add_argument("--timeout", type=common.positive_float, default=150.0,
                         help="hard deadline for the whole demo in seconds (default 150)")
     parser.add_argument("--keep", action="store_true", help="keep the run directory (logs, events) afterwards")
     args = parser.parse_args(argv)

@@ -23,7 +23,6 @@ as an uninterrupted run (compare the ``weights=`` digest of the FINAL line).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import common
@@ -149,16 +148,6 @@ def pretrain_encoder(args: argparse.Namespace):
     return encoder
 
 
-def warmup_cosine(total_steps: int, warmup_steps: int):
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
 def make_module(args: argparse.Namespace, encoder, train_set):
     import lightning.pytorch as pl
     import torch
@@ -190,7 +179,7 @@ def make_module(args: argparse.Namespace, encoder, train_set):
                 {"params": self.head.parameters(), "lr": args.lr},
             ], weight_decay=1e-2)
             schedule = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, warmup_cosine(args.max_steps, warmup_steps=max(1, args.max_steps // 10)))
+                optimizer, common.warmup_cosine(args.max_steps, warmup_steps=max(1, args.max_steps // 10)))
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
         def train_dataloader(self):
