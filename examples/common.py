@@ -40,6 +40,41 @@ def warmup_cosine(total_steps: int, warmup_steps: int):
     return factor
 
 
+def finetune_optimizers(pretrained, head, args) -> dict:
+    """AdamW with discriminative learning rates plus warm-up/cosine, for ``configure_optimizers``.
+
+    The pretrained part moves slowly (lr / 10), the new head fast (lr).
+    """
+    import torch
+
+    optimizer = torch.optim.AdamW([
+        {"params": pretrained.parameters(), "lr": args.lr / 10},
+        {"params": head.parameters(), "lr": args.lr},
+    ], weight_decay=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(args.max_steps, warmup_steps=max(1, args.max_steps // 10)))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def evaluate_classifier(model, inputs, labels, num_classes: int, chunk: int | None = None) -> dict[str, float]:
+    """Accuracy and macro F1 (torchmetrics) of ``model`` on a held-out set, ``chunk`` rows at a time."""
+    import torch
+    from torchmetrics import MetricCollection
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+
+    # sync_on_compute=False: only rank 0 evaluates, on the whole set; no collective with peers
+    metrics = MetricCollection({
+        "val_accuracy": MulticlassAccuracy(num_classes=num_classes, average="micro", sync_on_compute=False),
+        "val_macro_f1": MulticlassF1Score(num_classes=num_classes, average="macro", sync_on_compute=False),
+    })
+    chunk = chunk or len(inputs)
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(inputs), chunk):
+            metrics.update(model(inputs[start:start + chunk]), labels[start:start + chunk])
+    return {name: float(value) for name, value in metrics.compute().items()}
+
+
 # ---------------------------------------------------------------------- arguments
 
 def positive_int(text: str) -> int:

@@ -146,13 +146,7 @@ def make_module(args: argparse.Namespace, body, train_set):
 
         def configure_optimizers(self):
             # discriminative learning rates: the pretrained body moves slowly, the new head fast
-            optimizer = torch.optim.AdamW([
-                {"params": self.body.parameters(), "lr": args.lr / 10},
-                {"params": self.head.parameters(), "lr": args.lr},
-            ], weight_decay=1e-2)
-            schedule = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, common.warmup_cosine(args.max_steps, warmup_steps=max(1, args.max_steps // 10)))
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+            return common.finetune_optimizers(self.body, self.head, args)
 
         def train_dataloader(self):
             return common.stateful_loader(train_set, args.batch_size, args.seed, self.trainer)
@@ -162,20 +156,8 @@ def make_module(args: argparse.Namespace, body, train_set):
 
 def evaluate(model, dataset) -> dict[str, float]:
     """Accuracy and macro F1 on the held-out target rows (torchmetrics)."""
-    import torch
-    from torchmetrics import MetricCollection
-    from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
-
-    # sync_on_compute=False: only rank 0 evaluates, on the whole set; no collective with peers
-    metrics = MetricCollection({
-        "val_accuracy": MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro", sync_on_compute=False),
-        "val_macro_f1": MulticlassF1Score(num_classes=NUM_CLASSES, average="macro", sync_on_compute=False),
-    })
     x, y = dataset.tensors
-    model.eval()
-    with torch.no_grad():
-        metrics.update(model(x), y)
-    return {name: float(value) for name, value in metrics.compute().items()}
+    return common.evaluate_classifier(model, x, y, NUM_CLASSES)
 
 
 def main(argv: list[str] | None = None) -> int:

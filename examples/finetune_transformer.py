@@ -174,13 +174,7 @@ def make_module(args: argparse.Namespace, encoder, train_set):
             return loss
 
         def configure_optimizers(self):
-            optimizer = torch.optim.AdamW([
-                {"params": self.encoder.parameters(), "lr": args.lr / 10},  # pretrained: move it slowly
-                {"params": self.head.parameters(), "lr": args.lr},
-            ], weight_decay=1e-2)
-            schedule = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, common.warmup_cosine(args.max_steps, warmup_steps=max(1, args.max_steps // 10)))
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+            return common.finetune_optimizers(self.encoder, self.head, args)  # pretrained encoder moves slowly
 
         def train_dataloader(self):
             return common.stateful_loader(train_set, args.batch_size, args.seed, self.trainer)
@@ -190,21 +184,8 @@ def make_module(args: argparse.Namespace, encoder, train_set):
 
 def evaluate(model, dataset) -> dict[str, float]:
     """Accuracy and macro F1 on held-out labelled sequences (torchmetrics)."""
-    import torch
-    from torchmetrics import MetricCollection
-    from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
-
-    # sync_on_compute=False: only rank 0 evaluates, on the whole set; no collective with peers
-    metrics = MetricCollection({
-        "val_accuracy": MulticlassAccuracy(num_classes=NUM_SOURCES, average="micro", sync_on_compute=False),
-        "val_macro_f1": MulticlassF1Score(num_classes=NUM_SOURCES, average="macro", sync_on_compute=False),
-    })
     tokens, labels = dataset.tensors
-    model.eval()
-    with torch.no_grad():
-        for start in range(0, len(tokens), 512):
-            metrics.update(model(tokens[start:start + 512]), labels[start:start + 512])
-    return {name: float(value) for name, value in metrics.compute().items()}
+    return common.evaluate_classifier(model, tokens, labels, NUM_SOURCES, chunk=512)
 
 
 def main(argv: list[str] | None = None) -> int:
