@@ -18,6 +18,7 @@ with ``max_nodes`` so the total load on the store stays bounded.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -79,10 +80,6 @@ class RoundResult:
     @property
     def is_active(self) -> bool:
         return self.rank >= 0
-
-
-class _Closed(Exception):
-    """Internal: the rendezvous was closed for good while we waited."""
 
 
 class BarrierRendezvous:
@@ -478,9 +475,7 @@ class _Coordinator:
         self.previous_actives = self._read_previous_actives()
         self._heartbeats_seen: dict[str, tuple[int | None, float]] = {}
         self._dead: set[str] = set()
-        self._counts: tuple[int, int, int] | None = None
         self._unwritten_since: float | None = None
-        self._view: RoundView | None = None
         self._last_reason = ""
         log.info("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,
                  cycle, len(self.previous_actives))
@@ -541,28 +536,31 @@ class _Coordinator:
         lost = self.store.add(self.keys.lost_count, 0)
         return RoundView(self.cycle, arrivals, self.previous_actives, frozenset(self._dead), lost)
 
-    def _update_dead(self, view: RoundView) -> None:
+    def _update_dead(self, view: RoundView) -> bool:
+        """Mark silent previous actives dead; True when someone newly died."""
         arrived_ids = {a.participant_id for a in view.arrivals}
         missing = [p for p in self.previous_actives if p not in arrived_ids and p not in self._dead]
         if not missing:
-            return
+            return False
         hb_keys = [self.keys.heartbeat(p) for p in missing]
         values = {}
         for pid, key in zip(missing, hb_keys):
             values[pid] = self.store.add(key, 0) if self.store.check([key]) else None
-        for pid in newly_dead(values, self._heartbeats_seen, self.clock(), self.settings.dead_after):
+        dead = newly_dead(values, self._heartbeats_seen, self.clock(), self.settings.dead_after)
+        for pid in dead:
             self._dead.add(pid)
             self.rdzv._mark_lost(pid, f"heartbeat silent for {self.settings.dead_after:.2f}s "
                                       f"(previous active, missing from round {self.cycle})")
+        return bool(dead)
 
     def step(self) -> None:
         self.store.add(self.keys.coordinator_beat(self.cycle), 1)
         view = self.read_view()
         if view is None:
             return
-        self._update_dead(view)
-        view = RoundView(view.cycle_id, view.arrivals, view.previous_actives, frozenset(self._dead),
-                         self.store.add(self.keys.lost_count, 0))
+        if self._update_dead(view):  # deaths just counted as lost change what the view says
+            view = dataclasses.replace(view, dead_previous_actives=frozenset(self._dead),
+                                       lost_count=self.store.add(self.keys.lost_count, 0))
         now = self.clock()
         decision = decide_completion(view, self.settings, self.timer, now)
         if decision.reason != self._last_reason:

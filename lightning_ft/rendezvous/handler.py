@@ -32,10 +32,8 @@ log = logging.getLogger(__name__)
 BACKEND_NAME = "lightning_ft"
 DEFAULT_PORT = 29400
 
-# --rdzv-conf keys read by the handler itself (the rest are RendezvousSettings fields)
-_HANDLER_KEYS = ("is_host", "connect_timeout", "domain_id", "infra_rank", "local_id")
-# keys torchrun adds on its own
-_TORCHRUN_KEYS = ("timeout", "rank", "read_timeout", "last_call_timeout_torch")
+# keys torchrun adds on its own (the handler's own keys are listed in settings._HANDLER_KEYS)
+_TORCHRUN_KEYS = ("timeout", "rank", "read_timeout")
 
 
 def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
@@ -197,10 +195,6 @@ def _exit_zero_if_torch_mishandles_graceful_exit() -> None:
         raise SystemExit(0)
 
 
-def _pop(config: dict[str, Any], key: str, default: Any = None) -> Any:
-    return config.pop(key, default)
-
-
 def create_handler(params: RendezvousParameters) -> LightningFTRendezvousHandler:
     """Build the handler from torch's ``RendezvousParameters`` (``--rdzv-conf`` keys as config)."""
     ensure_log_output()
@@ -209,13 +203,13 @@ def create_handler(params: RendezvousParameters) -> LightningFTRendezvousHandler
         value = config.pop(key, None)
         if key == "timeout" and value is not None and "join_timeout" not in config:
             config["join_timeout"] = value
-    is_host = _parse_is_host(_pop(config, "is_host"))
-    connect_timeout = float(_pop(config, "connect_timeout", 60.0))
+    is_host = _parse_is_host(config.pop("is_host", None))
+    connect_timeout = float(config.pop("connect_timeout", 60.0))
     if not connect_timeout > 0:
         raise RendezvousConfigError(f"connect_timeout must be a positive number of seconds, got {connect_timeout}")
-    domain_id = _pop(config, "domain_id")
-    infra_rank = _pop(config, "infra_rank")
-    local_id = int(_pop(config, "local_id", 0))
+    domain_id = config.pop("domain_id", None)
+    infra_rank = config.pop("infra_rank", None)
+    local_id = int(config.pop("local_id", 0))
     settings = settings_from_config(params.run_id, params.min_nodes, params.max_nodes, config)
     host, port = parse_endpoint(params.endpoint)
     store, hosting = connect_store(host, port, is_host, connect_timeout)
