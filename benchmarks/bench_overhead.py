@@ -6,21 +6,26 @@ model, data and step count:
 * plain: ``torchrun --standalone --nproc-per-node=2 ... --strategy ddp``, no snapshots;
 * ddp_ft: a standalone ``lightning-ft store`` + 2 participants (``2:2``), round watchdog and
   hang detection on, ``EmergencyCheckpoint(every_n_steps=--snapshot-every)``;
-* ddp_ft + spare (``--with-spare``): the same plus a hot spare waiting on the same 2 cores.
+* ddp_ft + spare (``--with-spare``): the same plus a hot spare waiting on the same 2 cores;
+* plain again (``--control``): an A/A control, whose ratio to plain is the noise floor of
+  this run.
 
 Step time = wall time between consecutive completed steps on rank 0 after ``--warmup`` steps;
-the mean includes the snapshot steps. Runs alternate (plain then ddp_ft, then ddp_ft then
-plain, ...) and each ddp_ft run is compared with the plain run next to it, which cancels the
-slow drift of the load other users put on this shared 2-core machine and the order effect;
-the median of those per-pair ratios is the result (absolute times mean little here).
+the mean includes the snapshot steps. Each round runs every variant once, in a rotated order,
+and each ddp_ft run is compared with the plain run of its round, which cancels the slow drift
+of the load other users put on this shared 2-core machine and the order effect; the median of
+those per-round ratios is the result (absolute times mean little here). ``--count-steps``
+adds a deterministic figure: Python calls per steady-state step, counted by cProfile.
 
-    python benchmarks/bench_overhead.py [--repeats 5] [--steps 400]
+    python benchmarks/bench_overhead.py [--repeats 5] [--steps 400] [--control] [--pin-cpu] [--count-steps 300]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import shutil
 import statistics
 import sys
@@ -86,6 +91,31 @@ def run_ft(args, root: Path, spare: bool) -> list[float]:
         procs.kill_all()
 
 
+def python_calls_per_step(args, base: Path) -> dict[str, float]:
+    """Python function calls per training step (cProfile), plain vs ddp_ft: a deterministic count.
+
+    Each variant runs at two lengths; the difference of the totals divided by the difference
+    of the step counts is the steady-state count per step, free of setup and teardown.
+    """
+    import pstats
+
+    counts: dict[str, dict[int, float]] = {"plain": {}, "ddp_ft": {}}
+    lengths = (args.count_steps, 2 * args.count_steps)
+    for steps in lengths:
+        sized = argparse.Namespace(**{**vars(args), "steps": steps})
+        for name, run in (("plain", run_plain), ("ddp_ft", lambda a, r: run_ft(a, r, spare=False))):
+            profile_dir = base / f"profile-{name}-{steps}"
+            profile_dir.mkdir(parents=True)
+            os.environ["FT_TRAIN_PROFILE"] = str(profile_dir)
+            try:
+                run(sized, base / f"count-{name}-{steps}")
+            finally:
+                del os.environ["FT_TRAIN_PROFILE"]
+            totals = [sum(v[1] for v in pstats.Stats(str(f)).stats.values()) for f in profile_dir.glob("*.prof")]
+            counts[name][steps] = statistics.fmean(totals)  # mean over the 2 ranks
+    return {name: (c[lengths[1]] - c[lengths[0]]) / (lengths[1] - lengths[0]) for name, c in counts.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -95,43 +125,88 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--snapshot-every", type=int, default=50)
     parser.add_argument("--with-spare", action="store_true", help="also measure ddp_ft with a hot spare")
+    parser.add_argument("--control", action="store_true",
+                        help="also run plain ddp a second time per round (A/A noise floor)")
+    parser.add_argument("--pin-cpu", action="store_true",
+                        help="pin every thread of rank r to core r (both variants): less scheduler noise")
+    parser.add_argument("--count-steps", type=int, default=0, metavar="N",
+                        help="also count Python calls per step under cProfile (runs of N and 2N steps)")
     parser.add_argument("--plain-snapshots", action="store_true",
                         help="diagnosis: give the plain run the same EmergencyCheckpoint")
     parser.add_argument("--ft-option", action="append", default=[], metavar="KEY=VALUE",
                         help="FaultTolerantDDPStrategy argument for the ddp_ft runs (for experiments)")
     args = parser.parse_args()
+    if args.pin_cpu:
+        os.environ["FT_TRAIN_PIN_CPU"] = "1"  # read by ft_train.py in both variants
     variants = [("plain", lambda a, r: run_plain(a, r)), ("ddp_ft", lambda a, r: run_ft(a, r, spare=False))]
     if args.with_spare:
         variants.append(("ddp_ft+spare", lambda a, r: run_ft(a, r, spare=True)))
+    if args.control:
+        variants.append(("plain-control", lambda a, r: run_plain(a, r)))
     means: dict[str, list[float]] = {name: [] for name, _ in variants}
     medians: dict[str, list[float]] = {name: [] for name, _ in variants}
     base = Path(tempfile.mkdtemp(prefix="bench_overhead-"))
+    summary: dict[str, float] = {}
     try:
         for i in range(args.repeats):
-            # alternate the order too: on this machine the second of two back-to-back runs is
-            # ~2% faster on average (A/A test of plain against plain)
-            for name, run in (variants if i % 2 == 0 else variants[::-1]):
+            # rotate the order: on this machine the position of a run in a round matters by a
+            # few percent (A/A runs of plain against plain), so every variant takes every place
+            shift = i % len(variants)
+            for name, run in variants[shift:] + variants[:shift]:
                 times = run(args, base / f"{name}-{i}")
                 means[name].append(statistics.fmean(times))
                 medians[name].append(statistics.median(times))
                 print(f"run {i} {name:13s}: mean step {means[name][-1] * 1e3:.3f} ms, "
                       f"median {medians[name][-1] * 1e3:.3f} ms over {len(times)} steps", flush=True)
+        if args.count_steps:
+            calls = python_calls_per_step(args, base)
+            extra = calls["ddp_ft"] - calls["plain"]
+            summary.update(plain_calls_per_step=calls["plain"], ddp_ft_calls_per_step=calls["ddp_ft"])
+            print(f"\nPython calls per step (cProfile, steady state): plain {calls['plain']:.1f}, "
+                  f"ddp_ft {calls['ddp_ft']:.1f} ({extra:+.1f}, {extra / calls['plain'] * 100:+.2f}%)")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     plain = statistics.median(means["plain"])
-    summary = {"plain_mean_ms": plain * 1e3}
+    summary["plain_mean_ms"] = plain * 1e3
     for name, _ in variants[1:]:
         ours = statistics.median(means[name])
-        ratio = statistics.median(o / p for o, p in zip(means[name], means["plain"]))
+        ratios = sorted(o / p for o, p in zip(means[name], means["plain"]))
+        ratio = statistics.median(ratios)
+        pooled = statistics.fmean(means[name]) / statistics.fmean(means["plain"])
         median_ratio = statistics.median(o / p for o, p in zip(medians[name], medians["plain"]))
         summary[f"{name}_mean_ms"] = ours * 1e3
         summary[f"{name}_ratio"] = ratio
+        summary[f"{name}_pooled_ratio"] = pooled
         summary[f"{name}_median_step_ratio"] = median_ratio
+        goal = "noise floor" if name == "plain-control" else "goal <= +2%"
         print(f"\n{name}: mean step {ours * 1e3:.3f} ms vs plain ddp {plain * 1e3:.3f} ms (medians of runs); "
-              f"median per-pair ratio of mean step time {ratio:.4f} ({(ratio - 1) * 100:+.2f}%; goal <= +2%), "
+              f"median per-round ratio of mean step time {ratio:.4f} ({(ratio - 1) * 100:+.2f}%; {goal}), "
+              f"range {ratios[0]:.3f}..{ratios[-1]:.3f}; pooled (all runs) {pooled:.4f}; "
               f"of median step time {median_ratio:.4f}")
+    if args.control:
+        # both plain runs of a round are anchors: compare ddp_ft with their mean
+        anchors = [(p + c) / 2 for p, c in zip(means["plain"], means["plain-control"])]
+        pooled = statistics.fmean(means["ddp_ft"]) / statistics.fmean(anchors)
+        low, high = bootstrap_interval(means["ddp_ft"], anchors)
+        summary.update(ddp_ft_vs_both_plain=pooled, ddp_ft_vs_both_plain_ci90=[low, high])
+        print(f"\nddp_ft vs both plain runs of each round: pooled {pooled:.4f} ({(pooled - 1) * 100:+.2f}%), "
+              f"90% bootstrap interval {low:.4f}..{high:.4f}")
     print(json.dumps(summary))
     return 0
+
+
+def bootstrap_interval(ours: list[float], anchors: list[float], level: float = 0.90,
+                       samples: int = 5000) -> tuple[float, float]:
+    """Interval of sum(ours)/sum(anchors) when whole rounds are resampled (seeded: repeatable)."""
+    rng = random.Random(0)
+    n = len(ours)
+    ratios = []
+    for _ in range(samples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        ratios.append(sum(ours[i] for i in picks) / sum(anchors[i] for i in picks))
+    ratios.sort()
+    tail = int(samples * (1 - level) / 2)
+    return ratios[tail], ratios[samples - 1 - tail]
 
 
 if __name__ == "__main__":

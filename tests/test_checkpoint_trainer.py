@@ -253,3 +253,36 @@ def test_a_failing_periodic_snapshot_does_not_stop_training(root, monkeypatch, c
         trainer = fit(6, [EmergencyCheckpoint(every_n_steps=2, root=root, run_id="full")])
     assert trainer.global_step == 6
     assert any("periodic snapshot at step 2 failed" in r.message for r in caplog.records)
+
+
+def test_unused_per_batch_hooks_are_not_dispatched_but_subclass_overrides_are(root, monkeypatch):
+    # Lightning wraps every hook of every callback in a profiler context per step; ours set the
+    # per-batch hooks they do not implement to None so Lightning skips them (callable() check)
+    from lightning.pytorch.trainer import call
+
+    dispatched: list[str] = []
+    original = call._call_callback_hooks
+
+    def counting(trainer, hook_name, *args, **kwargs):
+        for callback in trainer.callbacks:
+            if isinstance(callback, EmergencyCheckpoint) and callable(getattr(callback, hook_name, None)):
+                dispatched.append(hook_name)
+        return original(trainer, hook_name, *args, **kwargs)
+
+    monkeypatch.setattr(call, "_call_callback_hooks", counting)
+
+    class Counting(EmergencyCheckpoint):
+        backward_calls = 0
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            super().on_before_backward(trainer, pl_module, loss)  # the base class's no-op still resolves
+            self.backward_calls += 1
+
+    plain, counted = EmergencyCheckpoint(every_n_steps=5, root=root, run_id="a"), Counting(root=root, run_id="b")
+    assert plain.on_before_backward is None and plain.on_train_epoch_end is None
+    trainer = fit(6, [plain, counted])
+    assert trainer.global_step == 6
+    assert counted.backward_calls == 6
+    assert dispatched.count("on_train_batch_end") == 12 and dispatched.count("on_before_backward") == 6
+    assert "on_before_zero_grad" not in dispatched and "on_train_epoch_start" not in dispatched
+    assert [i.step for i in SnapshotStore(root=root, run_id="a", rank=0).list()] == [5]

@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+from lightning_ft._callback_dispatch import skip_unused_batch_hooks
 from lightning_ft.checkpoint import snapshot_format as fmt
 from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due, steps_between_snapshots
 from lightning_ft.checkpoint.resume import agree_resume_step
@@ -83,6 +84,7 @@ class EmergencyCheckpoint(pl.Callback):
         self._last_snapshot: SnapshotInfo | None = None
         self._clock: tuple[float, int] | None = None  # (time, global_step) at the last step change
         self._seconds_per_step: float | None = None
+        skip_unused_batch_hooks(self)
 
     # ------------------------------------------------------------------ public API
     @property

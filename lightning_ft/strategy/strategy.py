@@ -1095,11 +1095,14 @@ def _call_on_exception(trainer, exc: BaseException) -> None:
 
 
 def _termination_in_progress(trainer) -> bool:
+    # a termination decided the exit (possibly already torn down its callback), or one is running
     exit_module = sys.modules.get("lightning_ft.termination.exit")
-    plan = getattr(exit_module, "_exit_plan", None)
-    if isinstance(plan, dict) and plan.get("force_code") is not None:
+    if exit_module is not None and exit_module.planned_exit_code() is not None:
         return True
-    return any(type(cb).__name__ == "GracefulTermination" and getattr(cb, "_termination", None) is not None
+    callback_module = sys.modules.get("lightning_ft.termination.callback")
+    if callback_module is None:  # never imported: no GracefulTermination exists
+        return False
+    return any(isinstance(cb, callback_module.GracefulTermination) and cb.termination_in_progress
                for cb in trainer.callbacks)
 
 

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import lightning.pytorch as pl
 
+from lightning_ft._callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.events import NullEventLog, event_log_from_env
 from lightning_ft.health import HealthReport, NodeHealthCheck, ProbeResult
@@ -176,6 +177,7 @@ class GracefulTermination(pl.Callback):
         self._store_error_logged = False
         self._rank = 0
         self._world_size = 1
+        skip_unused_batch_hooks(self)
 
     @property
     def health_check(self) -> NodeHealthCheck:

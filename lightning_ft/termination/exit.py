@@ -152,6 +152,12 @@ def plan_exit(*, destroy_process_group: bool = True, force_code: int | None = No
         _exit_plan["force_code"] = int(force_code)
 
 
+def planned_exit_code() -> int | None:
+    """The exit code ``plan_exit`` forced for interpreter exit, or None."""
+    code = _exit_plan["force_code"]
+    return None if code is None else int(code)  # type: ignore[arg-type]
+
+
 def destroy_process_group_if_initialized() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is None:

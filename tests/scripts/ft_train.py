@@ -101,13 +101,18 @@ def main() -> int:
 
     class Recorder(pl.Callback):
         def on_train_start(self, trainer, pl_module):
+            if os.environ.get("FT_TRAIN_PIN_CPU"):  # diagnosis: every thread of rank r on core r
+                core = {trainer.global_rank % os.cpu_count()}
+                for tid in os.listdir("/proc/self/task"):
+                    os.sched_setaffinity(int(tid), core)
             with open(out / f"start-{pid}.jsonl", "a") as f:
                 f.write(json.dumps({"t": time.time(), "step": trainer.global_step, "rank": trainer.global_rank}) + "\n")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             with open(out / f"steps-{pid}.jsonl", "a") as f:
                 f.write(json.dumps({"t": time.time(), "step": trainer.global_step, "rank": trainer.global_rank,
-                                    "loss": pl_module.last_loss}) + "\n")
+                                    "loss": pl_module.last_loss, "cpu": time.thread_time(),
+                                    "pcpu": time.process_time()}) + "\n")
 
     callbacks: list[pl.Callback] = [Recorder()]
     if args.graceful:
