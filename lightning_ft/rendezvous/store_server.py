@@ -51,7 +51,9 @@ def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
             log.info("run %s closed for good (%s); waiting for acknowledgements", run_id, reason)
             wait_for_acknowledgements(store, keys, grace_timeout)
             return 0
-        time.sleep(0.1)  # short slices: SIGTERM/SIGINT are handled between them
+        # short slices (SIGTERM/SIGINT are handled between them), not shorter: each check is a
+        # request to the store, and the store host may share its cores with training
+        time.sleep(0.5)
     log.info("store server stopping on request")
     return 0
 

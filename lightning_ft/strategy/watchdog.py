@@ -92,7 +92,7 @@ class RoundWatchdog:
                  cycle: int, rank: int, world_size: int, clock: StepClock, hang_detection: bool,
                  hang_floor: float, hang_factor: float, dead_after: float,
                  on_trigger: Callable[[str, str, tuple[int, ...]], None], break_group: Callable[[], int],
-                 poll_interval: float = 0.2) -> None:
+                 poll_interval: float = 0.2, progress_interval: float = 1.0) -> None:
         self.round_store = round_store
         self.rdzv_store = rdzv_store
         self.cycle_key = cycle_key
@@ -108,6 +108,11 @@ class RoundWatchdog:
         self.on_trigger = on_trigger
         self.break_group = break_group
         self.poll_interval = poll_interval
+        # Peers read a rank's progress only once their own step is overdue (>= hang_floor), so
+        # publishing it every poll is wasted store traffic, which competes with training for
+        # the CPU when the store shares the machine; fresh within progress_interval suffices.
+        self.progress_interval = min(progress_interval, hang_floor / 4)
+        self._published_at = float("-inf")
         self.triggered: tuple[str, str, tuple[int, ...]] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -136,9 +141,10 @@ class RoundWatchdog:
 
     def _poll(self) -> bool:
         completed = self.clock.completed
-        if completed != self._published:
+        now = time.monotonic()
+        if completed != self._published and now - self._published_at >= self.progress_interval:
             self.round_store.set(progress_key(self.rank), str(completed))
-            self._published = completed
+            self._published, self._published_at = completed, now
         current = int(self.rdzv_store.compare_set(self.cycle_key, "", "0"))
         if current > self.cycle:
             return self._trigger("rendezvous", f"round {current} opened while this rank trains in round "

@@ -150,6 +150,8 @@ def main() -> int:
                          max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=bool(args.checkpoint_dir), num_sanity_val_steps=0,
                          callbacks=callbacks)
+    if os.environ.get("FT_TRAIN_SWITCH_INTERVAL"):  # diagnosis: GIL hand-off cost of background threads
+        sys.setswitchinterval(float(os.environ["FT_TRAIN_SWITCH_INTERVAL"]))
     profile_to = os.environ.get("FT_TRAIN_PROFILE")  # diagnosis: cProfile fit() into this directory
     profiler = None
     if profile_to:
