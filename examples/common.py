@@ -258,12 +258,6 @@ def build_trainer(args: argparse.Namespace, run_id: str, extra_callbacks: Sequen
 
     from lightning_ft import EmergencyCheckpoint, GracefulTermination
 
-    if args.strategy == "ddp_ft":
-        # Normally registered by `import lightning_ft`; but check_args imported lightning_ft.strategy
-        # before Lightning, and the lazy registration misses that order. Registering is idempotent.
-        from lightning_ft.strategy import register_strategy
-
-        register_strategy()
     callbacks = [
         EmergencyCheckpoint(every_n_steps=args.snapshot_every, root=args.snapshot_dir, run_id=run_id),
         GracefulTermination(),

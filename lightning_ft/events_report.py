@@ -13,7 +13,8 @@ What the summary counts (event names are those the ``ddp_ft`` strategy emits):
 * per failure: the step training had reached, the step restored from (``restored``),
   steps redone (the difference), and the lost time: first detection to the first
   ``first_step_after_recovery`` (the event's own ``seconds_since_failure`` when the
-  wall clocks of different hosts make the difference meaningless);
+  wall clocks of different hosts make the difference meaningless), plus, for a hang, how
+  long the step had been stuck when it was detected (``stuck_seconds``);
 * spares used: participants that were standby in one round and active in a later one;
 * final status: ``no_restart``, else ``finished``, else ``stopped`` (the SIGTERM path:
   ``stopped``/``termination_decision``/``unhealthy_exit``), else ``incomplete`` (still
@@ -61,7 +62,7 @@ class FailureSummary:
     failure_step: int | None  # step training had reached when the failure was detected
     restored_step: int | None
     steps_redone: int | None
-    lost_seconds: float | None  # detection -> first completed step after recovery
+    lost_seconds: float | None  # detection (for a hang: when the step got stuck) -> first step after recovery
     recovered: bool
 
 
@@ -184,6 +185,10 @@ def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[Timelin
         if lost <= 0:  # wall clocks of different hosts disagree: trust the event's own measure
             lost = next((float(v) for k in _LOST_SECONDS_FIELDS if (v := _number(first_step.fields.get(k))) is not None),
                         None)
+        # a hang is detected only after the step was stuck for the hang timeout: that time is lost too
+        stuck = [v for e in incident if (v := _number(e.fields.get("stuck_seconds"))) is not None]
+        if lost is not None and stuck:
+            lost += max(stuck)
     errors = [str(e.fields["error"]) for e in incident if e.fields.get("error")]
     return FailureSummary(
         cycle=_int(incident[0].fields.get("cycle")),

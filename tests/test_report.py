@@ -211,3 +211,17 @@ def test_sigterm_path_is_reported_as_stopped():
     assert summary.status == "stopped" and summary.final_step == 31
     assert summary.status_detail == "stopped on purpose (SIGTERM path) after step 31, exit code 81"
     assert summary.failures == ()
+
+
+def test_a_hang_counts_the_time_the_step_was_stuck_as_lost():
+    events = [
+        ev(0.0, "node0", "round_complete", cycle=0, rank=0, world=2, standby=False),
+        ev(0.0, "node1", "round_complete", cycle=0, rank=1, world=2, standby=False),
+        ev(70.0, "node0", "failure_detected", cycle=0, step=42, detector="hang", stalled=[1],
+           error="step 43 ran 60.0s, longer than the hang timeout", stuck_seconds=60.0),
+        ev(70.5, "node0", "restored", step=40),
+        ev(71.0, "node0", "first_step_after_recovery", step=41, seconds_since_failure=1.0),
+    ]
+    failure = summarize(events).failures[0]
+    assert failure.failure_step == 42 and failure.steps_redone == 2
+    assert failure.lost_seconds == pytest.approx(61.0)

@@ -138,6 +138,27 @@ def test_second_fit_on_a_finished_run_is_refused(tmp_path, port):
         trainer.fit(Model())
 
 
+@pytest.mark.parametrize("stage", ["test", "validate"])
+def test_evaluation_entry_points_are_refused_before_joining_the_rendezvous(tmp_path, port, stage):
+    trainer = make_trainer(tmp_path, port, max_steps=5)
+    with pytest.raises(ValueError, match=rf"trainer.{stage}\(\) is not supported; ddp_ft runs fit\(\) only"):
+        getattr(trainer, stage)(Model())
+    assert trainer.strategy._session is None  # nothing joined, so a later fit() still works
+    trainer.fit(Model())
+    assert trainer.global_step == 5
+
+
+def test_a_graceful_termination_is_added_unless_present_or_turned_off(tmp_path, port):
+    from lightning_ft import GracefulTermination
+
+    trainer = make_trainer(tmp_path, port, max_steps=2)
+    trainer.fit(Model())
+    assert sum(isinstance(cb, GracefulTermination) for cb in trainer.callbacks) == 1
+    trainer = make_trainer(tmp_path, port, max_steps=2, graceful_termination=False)
+    trainer.strategy._attach_callbacks(trainer)
+    assert not any(isinstance(cb, GracefulTermination) for cb in trainer.callbacks)
+
+
 def test_by_name_the_settings_come_from_the_environment(monkeypatch, port):
     import lightning_ft  # noqa: F401  (registers "ddp_ft")
 
@@ -157,6 +178,7 @@ def test_by_name_the_settings_come_from_the_environment(monkeypatch, port):
     (dict(max_recoveries=-1), "max_recoveries"),
     (dict(segment=3), "segment"),  # min_nodes=2 is not a multiple of segment 3
     (dict(timeout=30), "timeout"),
+    (dict(graceful_termination="yes"), "graceful_termination"),
 ])
 def test_bad_strategy_arguments_are_named(kwargs, needle, port):
     from lightning_ft.strategy import StrategyConfigError

@@ -8,6 +8,7 @@ and snapshot root, so a hot spare really lacks the snapshot and must receive it.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -40,10 +41,17 @@ def test_no_failure_matches_plain_ddp_and_the_spare_exits_zero(processes, tmp_pa
                                         "--strategy", "ddp", "--devices", "2", "--max-steps", "40"],
                                 env=base_env(LIGHTNING_FT_SNAPSHOT_DIR=str(tmp_path / "ref-shm"),
                                              LIGHTNING_FT_RUN_ID="reference"))
-    codes = cluster.wait(["A", "B", "C"], 75)
-    assert codes == {"A": 0, "B": 0, "C": 0}, cluster.logs()
-    assert wait_for(lambda: reference.popen.poll() is not None, 60), reference.log()
-    assert reference.popen.returncode == 0, reference.log()
+    try:
+        codes = cluster.wait(["A", "B", "C"], 75)
+        assert codes == {"A": 0, "B": 0, "C": 0}, cluster.logs()
+        assert wait_for(lambda: reference.popen.poll() is not None, 60), reference.log()
+        assert reference.popen.returncode == 0, reference.log()
+    finally:  # torchrun's workers lead sessions of their own: the fixture would not reach them
+        for pid in _children(reference.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     results = {name: cluster.result(name) for name in "ABC"}
     trained = [r for r in results.values() if r["trained"]]
@@ -143,9 +151,11 @@ def test_bug_in_training_step_fails_the_job_without_using_the_spare(processes, t
 
 
 @pytest.mark.timeout(60)
-def test_sigterm_to_one_active_takes_the_graceful_termination_path(processes, tmp_path):
+@pytest.mark.parametrize("callback", ["added by the strategy", "given by the user"])
+def test_sigterm_to_one_active_takes_the_graceful_termination_path(processes, tmp_path, callback):
     cluster = Cluster(processes, tmp_path, "2:3")
-    cluster.start(["A", "B", "C"], ["--max-steps", "400", "--graceful", *SLOW])
+    graceful = ["--graceful"] if callback == "given by the user" else []
+    cluster.start(["A", "B", "C"], ["--max-steps", "400", *graceful, *SLOW])
     cluster.wait_for_step(20, 45)
     actives = cluster.active_names()
     spare = next(n for n in "ABC" if n not in actives)

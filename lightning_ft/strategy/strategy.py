@@ -263,6 +263,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         events_dir: run directory of the event log (default ``$LIGHTNING_FT_EVENTS_DIR``).
         snapshot_every_n_steps, snapshot_every_n_seconds: schedule of the
             ``EmergencyCheckpoint`` the strategy adds when the Trainer has none.
+        graceful_termination: add a ``GracefulTermination`` (default probes) when the Trainer
+            has none, so SIGTERM takes the SIGTERM path (stop step, snapshot, exit 81)
+            instead of Lightning's handling, which exits 0 without saving.
         replication_factor: copies of each snapshot wanted on other participants, on other
             domains when possible (hot spares receive copies through the store while fewer
             than ``factor + 1`` participants/domains train). 0 disables.
@@ -302,6 +305,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         events_dir: str | os.PathLike | None = None,
         snapshot_every_n_steps: int | None = None,
         snapshot_every_n_seconds: float | None = 30.0,
+        graceful_termination: bool = True,
         replication_factor: int = 1,
         replica_max_bytes: int = 256 * 2**20,
         hang_detection: bool = True,
@@ -368,6 +372,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._events_dir = None if events_dir is None else os.fspath(events_dir)
         self._snapshot_every_n_steps = snapshot_every_n_steps
         self._snapshot_every_n_seconds = snapshot_every_n_seconds
+        if not isinstance(graceful_termination, bool):
+            raise StrategyConfigError(f"ddp_ft: graceful_termination must be a bool, got {graceful_termination!r}")
+        self._graceful_termination = graceful_termination
         self.replication_factor = replication_factor
         self.replica_max_bytes = replica_max_bytes
         self.hang_detection = hang_detection
@@ -398,6 +405,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._replica_pending: Any = None
         self._replica_lock = threading.Lock()
         self._replica_published_step: int | None = None
+        self._replica_store: Any = None
         self._replica_prefix: str | None = None
         self._domains_cache: tuple[int, list[str]] | None = None
         self._finished = False
@@ -582,6 +590,12 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ the launcher's loop
 
     def _launch(self, function: Callable, args: tuple, kwargs: dict, trainer) -> Any:
+        stage = getattr(getattr(trainer, "state", None), "fn", None)
+        if stage is not None and stage.value != "fit":
+            raise StrategyConfigError(
+                f"ddp_ft: trainer.{stage.value}() is not supported; ddp_ft runs fit() only (its process group "
+                "and rendezvous end with fit). Evaluate with another Trainer, e.g. Trainer(devices=1) on the "
+                "fitted model or a checkpoint, or strategy='ddp' under torchrun")
         if self._finished:
             raise StrategyConfigError(
                 f"ddp_ft: run {self.run_id!r} already ended in this process; a FaultTolerantDDPStrategy "
@@ -646,6 +660,11 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                                                          run_id=self._config.run_id))
             log.info("ddp_ft: added EmergencyCheckpoint(every_n_steps=%s, every_n_seconds=%s) for recovery",
                      self._snapshot_every_n_steps, self._snapshot_every_n_seconds)
+        if self._graceful_termination and not any(hasattr(cb, "termination_in_progress") for cb in trainer.callbacks):
+            from lightning_ft.termination.callback import GracefulTermination
+
+            trainer.callbacks.append(GracefulTermination())
+            log.info("ddp_ft: added GracefulTermination() for the SIGTERM path")
 
     def _join_round(self, session: _Session):
         """Block until active in a round; ``None`` when this process should leave fit() cleanly."""
@@ -926,8 +945,13 @@ class FaultTolerantDDPStrategy(DDPStrategy):
 
         def on_trigger(detector: str, reason: str, stalled: tuple[int, ...]) -> None:
             if detector == "hang":
-                self._emit(ev.FAILURE_DETECTED, cycle=result.cycle_id, step=self._step_clock.completed,
-                           error=reason, detector="hang", stalled=list(stalled))
+                # the trainer's step, not the clock's (it restarts with every round); and how long
+                # the step had been stuck, which the report counts as lost time
+                trainer, began = self._trainer, self._step_clock.in_flight_since
+                self._emit(ev.FAILURE_DETECTED, cycle=result.cycle_id,
+                           step=trainer.global_step if trainer is not None else None, error=reason,
+                           detector="hang", stalled=list(stalled),
+                           stuck_seconds=None if began is None else round(time.monotonic() - began, 3))
             opened = int(clone.compare_set(keys.cycle, str(result.cycle_id), str(result.cycle_id + 1)))
             if detector == "hang" and opened == result.cycle_id + 1:
                 self._emit(ev.ROUND_OPEN, cycle=result.cycle_id + 1, after=result.cycle_id, reason=reason)
@@ -958,7 +982,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             return
         with self._replica_lock:
             self._replica_pending = (info, domains, self._round)
-            if self._replica_thread is None or not self._replica_thread.is_alive():
+            if self._replica_thread is None:  # the publisher clears it under this lock when it leaves
                 self._replica_thread = threading.Thread(target=self._publish_replicas, daemon=True,
                                                         name="lightning_ft-replica")
                 self._replica_thread.start()
@@ -977,12 +1001,21 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         return domains
 
     def _publish_replicas(self) -> None:
-        store = self._session.store.clone()
+        if self._replica_store is None:  # one connection for all publications: new ones can be slow
+            try:
+                self._replica_store = self._session.store.clone()
+            except (RuntimeError, OSError) as exc:
+                log.warning("ddp_ft: cannot connect to publish a replica: %s", exc)
+                with self._replica_lock:
+                    self._replica_thread = None
+                return
+        store = self._replica_store
         while True:
             with self._replica_lock:
                 pending, self._replica_pending = self._replica_pending, None
-            if pending is None:
-                return
+                if pending is None:
+                    self._replica_thread = None
+                    return
             info, domains, result = pending
             try:
                 blob = _read_snapshot_file(info.path)
@@ -996,8 +1029,12 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                 except (RuntimeError, OSError):
                     pass
             self._replica_prefix = prefix
-            store.set(f"{prefix}/{REPLICA_BLOB_KEY}", blob)
-            store.set(f"{prefix}/{REPLICA_META_KEY}", f"{info.step}{_SEP}{','.join(domains)}")
+            try:
+                store.set(f"{prefix}/{REPLICA_BLOB_KEY}", blob)
+                store.set(f"{prefix}/{REPLICA_META_KEY}", f"{info.step}{_SEP}{','.join(domains)}")
+            except (RuntimeError, OSError) as exc:  # the store went away: the main thread will see it too
+                log.warning("ddp_ft: replica of step %d not published: %s", info.step, exc)
+                continue
             self._emit(ev.REPLICA_PUBLISHED, cycle=result.cycle_id, step=info.step, bytes=len(blob))
 
     # ------------------------------------------------------------------ misc
