@@ -139,6 +139,26 @@ def test_failure_with_no_spare_left_ends_with_no_restart(processes, tmp_path):
     assert "min_nodes" in event["reason"]
 
 
+@pytest.mark.timeout(90)
+def test_second_failure_after_the_only_spare_was_used_ends_with_no_restart(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.start(["A", "B", "C"], ["--max-steps", "400", *SLOW])
+    cluster.wait_for_step(15, 45)
+    first = cluster.active_names()[0]
+    cluster.kill(first)
+    assert wait_for(lambda: len(cluster.events_of("first_step_after_recovery")) >= 1, 30), cluster.logs()
+    survivors = [n for n in "ABC" if n != first]
+    reached = max(r["step"] for name in survivors for r in cluster.steps()[name])
+    cluster.wait_for_step(reached + 5, 30, among=survivors)
+    second, last = survivors
+    cluster.kill(second)
+    codes = cluster.wait([last], 40)
+    assert codes == {last: 83}, cluster.logs()
+    assert "no hot spare left" in cluster.procs[last].log()
+    [event] = cluster.events_of("no_restart")
+    assert "min_nodes" in event["reason"]
+
+
 @pytest.mark.timeout(60)
 def test_bug_in_training_step_fails_the_job_without_using_the_spare(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:3")
