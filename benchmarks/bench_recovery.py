@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 
 from ft_cluster import SCRIPT, Cluster, _read_jsonl, base_env, free_port  # noqa: E402
-from proc_utils import ProcessSet  # noqa: E402
+from proc_utils import ProcessSet, child_pids, kill_pids  # noqa: E402
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
@@ -90,7 +90,7 @@ def run_baseline(args, root: Path) -> dict:
             steps = {int(p.name.split("-")[1].split(".")[0]): _read_jsonl(p) for p in out.glob("steps-*.jsonl")}
             ready = [pid for pid, recs in steps.items() if recs and recs[-1]["step"] >= args.kill_at]
             for agent in procs.procs:
-                workers.update(_children(agent.pid))
+                workers.update(child_pids(agent.pid))
             if ready:
                 break
             if time.monotonic() > deadline:
@@ -103,7 +103,7 @@ def run_baseline(args, root: Path) -> dict:
         deadline = time.monotonic() + args.baseline_timeout
         while time.monotonic() < deadline and any(p.popen.poll() is None for p in procs.procs):
             for agent in procs.procs:
-                workers.update(_children(agent.pid))
+                workers.update(child_pids(agent.pid))
             time.sleep(0.2)
         codes = {p.name: p.popen.poll() for p in procs.procs}
         workers.update(_worker_pids(out))
@@ -126,11 +126,7 @@ def run_baseline(args, root: Path) -> dict:
     finally:
         procs.kill_all()
         # torchrun starts its workers in sessions of their own: kill them by pid as well
-        for pid in workers | _worker_pids(out):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_pids(workers | _worker_pids(out))
 
 
 def _worker_pids(out: Path) -> set[int]:
@@ -141,20 +137,6 @@ def _worker_pids(out: Path) -> set[int]:
         except ValueError:
             continue
     return pids
-
-
-def _children(pid: int) -> set[int]:
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.add(int(entry.name))
-    return found
 
 
 def main() -> int:

@@ -114,6 +114,31 @@ class ProcessSet:
                 pass
 
 
+def child_pids(pid: int) -> set[int]:
+    """Direct children of ``pid`` (torchrun starts its workers in sessions of their own, out of
+    reach of a session kill)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(entry.name))
+    return found
+
+
+def kill_pids(pids) -> None:
+    """SIGKILL each pid; those already gone are skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def session_alive(pgid: int) -> bool:
     """True while any process of the session/process group still exists."""
     try:

@@ -8,14 +8,13 @@ and snapshot root, so a hot spare really lacks the snapshot and must receive it.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-from proc_utils import REPO_ROOT, wait_for
+from proc_utils import REPO_ROOT, child_pids, kill_pids, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
 from ft_cluster import SCRIPT, Cluster, base_env  # noqa: E402
@@ -47,11 +46,7 @@ def test_no_failure_matches_plain_ddp_and_the_spare_exits_zero(processes, tmp_pa
         assert wait_for(lambda: reference.popen.poll() is not None, 60), reference.log()
         assert reference.popen.returncode == 0, reference.log()
     finally:  # torchrun's workers lead sessions of their own: the fixture would not reach them
-        for pid in _children(reference.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_pids(child_pids(reference.pid))
 
     results = {name: cluster.result(name) for name in "ABC"}
     trained = [r for r in results.values() if r["trained"]]
@@ -249,26 +244,11 @@ def test_sole_active_lost_the_spare_resumes_from_its_replica(processes, tmp_path
     assert any("silent" in e["reason"] for e in cluster.events_of("round_open"))
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.timeout(120)
 def test_under_torchrun_the_new_worker_receives_the_snapshot(processes, tmp_path):
     # torchrun --rdzv-backend=lightning_ft: torchrun's agents do the node rendezvous and restart
     # workers; the strategy behaves like DDP and hands the in-memory snapshot to the worker of
     # the spare node, which has none
-    import os
-
     from ft_cluster import _read_jsonl
 
     from proc_utils import free_port
@@ -293,13 +273,12 @@ def test_under_torchrun_the_new_worker_receives_the_snapshot(processes, tmp_path
             return any(r and r[-1]["step"] >= step for r in map(_read_jsonl, out.glob("steps-*.jsonl")))
 
         assert wait_for(lambda: reached(25), 60), processes.dump_logs()
-        victim = next(n for n in ("B", "A") if _children(agents[n].pid))  # an active node (C may be the spare)
+        victim = next(n for n in ("B", "A") if child_pids(agents[n].pid))  # an active node (C may be the spare)
         for agent in agents.values():
-            workers.update(_children(agent.pid))
-        victim_workers = _children(agents[victim].pid)
+            workers.update(child_pids(agent.pid))
+        victim_workers = child_pids(agents[victim].pid)
         agents[victim].signal_group(signal.SIGKILL)
-        for pid in victim_workers:
-            os.kill(pid, signal.SIGKILL)
+        kill_pids(victim_workers)
         survivors = [n for n in "ABC" if n != victim]
         codes = {n: agents[n].popen.wait(timeout=80) for n in survivors}
         assert codes == {n: 0 for n in survivors}, processes.dump_logs()
@@ -310,9 +289,5 @@ def test_under_torchrun_the_new_worker_receives_the_snapshot(processes, tmp_path
         assert sorted(r["step"] for r in finals if r["trained"]) == [60, 60]
     finally:
         for agent in agents.values():
-            workers.update(_children(agent.pid))
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            workers.update(child_pids(agent.pid))
+        kill_pids(workers)

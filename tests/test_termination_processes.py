@@ -18,7 +18,7 @@ import pytest
 from lightning_ft.checkpoint import SnapshotStore
 from lightning_ft.exit_codes import ExitCode
 from lightning_ft.termination.exit_records import read_exit_records
-from proc_utils import REPO_ROOT, wait_for
+from proc_utils import REPO_ROOT, kill_pids, wait_for
 
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "graceful_train.py")
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -33,11 +33,7 @@ def worker_pids():
     """Worker pids read from the ready markers; torchrun starts workers in their own sessions."""
     pids: list[int] = []
     yield pids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_pids(pids)
 
 
 class Run:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from proc_utils import REPO_ROOT, child_env, free_port, session_alive, wait_for
+from proc_utils import REPO_ROOT, child_env, free_port, kill_pids, session_alive, wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
@@ -60,11 +60,7 @@ def worker_pids(out, node):
 def kill_node(proc, out):
     """SIGKILL a whole node: torch starts workers in sessions of their own, so kill those too."""
     proc.signal_group(signal.SIGKILL)
-    for pid in worker_pids(out, proc.name):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_pids(worker_pids(out, proc.name))
 
 
 def assert_all_gone(procs):
