@@ -660,7 +660,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                                                          run_id=self._config.run_id))
             log.info("ddp_ft: added EmergencyCheckpoint(every_n_steps=%s, every_n_seconds=%s) for recovery",
                      self._snapshot_every_n_steps, self._snapshot_every_n_seconds)
-        if self._graceful_termination and not any(hasattr(cb, "termination_in_progress") for cb in trainer.callbacks):
+        if self._graceful_termination and not _graceful_terminations(trainer):
             from lightning_ft.termination.callback import GracefulTermination
 
             trainer.callbacks.append(GracefulTermination())
@@ -1136,11 +1136,12 @@ def _termination_in_progress(trainer) -> bool:
     exit_module = sys.modules.get("lightning_ft.termination.exit")
     if exit_module is not None and exit_module.planned_exit_code() is not None:
         return True
-    callback_module = sys.modules.get("lightning_ft.termination.callback")
-    if callback_module is None:  # never imported: no GracefulTermination exists
-        return False
-    return any(isinstance(cb, callback_module.GracefulTermination) and cb.termination_in_progress
-               for cb in trainer.callbacks)
+    return any(cb.termination_in_progress for cb in _graceful_terminations(trainer))
+
+
+def _graceful_terminations(trainer) -> list[Any]:
+    # by what they offer, as _find_emergency_checkpoint: no import of the termination package here
+    return [cb for cb in trainer.callbacks if hasattr(cb, "termination_in_progress")]
 
 
 def _exception_chain(exc: BaseException) -> list[tuple[str, str]]:
