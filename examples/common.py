@@ -161,7 +161,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, enviro
                      "one device)")
     if args.strategy == "ddp_ft":
         # the strategy would raise the same error from inside the Trainer; say it before any work
-        from lightning_ft.strategy.config import StrategyConfigError, resolve_launch_config
+        from lightning_ft.strategy.settings import StrategyConfigError, resolve_launch_config
 
         try:
             resolve_launch_config(None, None, None, None, env=environ)

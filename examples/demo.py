@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lightning_ft from this checkout, installed or not
 from lightning_ft.events import EventLog, read_events  # noqa: E402
-from lightning_ft.events_report import format_report, summarize  # noqa: E402
+from lightning_ft.events.report import format_report, summarize  # noqa: E402
 
 import common  # noqa: E402  (this directory is on sys.path when the demo runs as a script)
 

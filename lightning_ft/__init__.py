@@ -9,10 +9,8 @@ the torchrun agent, which loads our rendezvous backend, free of the Lightning im
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-from lightning_ft._lightning_hook import register_when_lightning_loads
+from lightning_ft._lazy import lazy_getattr
+from lightning_ft._lightning.registration import register_when_lightning_loads
 from lightning_ft.exit_codes import ExitCode
 
 __version__ = "0.1.0"
@@ -26,14 +24,7 @@ _LAZY_NAMES = {
 
 __all__ = ["ExitCode", "__version__", *_LAZY_NAMES]
 
-
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY_NAMES.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'lightning_ft' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("lightning_ft", _LAZY_NAMES, globals())
 
 
 register_when_lightning_loads()

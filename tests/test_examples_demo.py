@@ -70,7 +70,7 @@ def test_demo_survives_a_sigkilled_participant_and_cleans_up(tmp_path):
                      output, re.M), output
     assert re.search(r"SIGKILL node-[abc] \(rank 1, pid \d+\)", output), output
     assert "Timeline (seconds since the first event):" in output
-    assert re.search(r"node-[abc]\s+first_step_after_recovery\s+cycle=1", output), output
+    assert re.search(r"node-[abc]\s+first_step_after_recovery\s+round=1", output), output
     assert re.search(r"spares used   node-[abc]$", output, re.M), output
     assert "final status  FINISHED: finished at step 200" in output
     assert "OK: the run lost node-" in output

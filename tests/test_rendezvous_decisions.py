@@ -14,7 +14,8 @@ from lightning_ft.rendezvous.decisions import (
     is_extra_participant,
     newly_dead,
 )
-from lightning_ft.rendezvous.participant import ParticipantInfo, Slot, decode_slot, encode_slot
+from lightning_ft.rendezvous.participant import ParticipantInfo
+from lightning_ft.schema.run import Slot, decode_slot, encode_slot
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousSettings, settings_from_config
 
 
@@ -27,14 +28,14 @@ def arrival(slot, n, **kw):
     return Arrival(slot, i.participant_id, i.infra_rank, i.domain_id)
 
 
-def slot(cycle, n, withdrawn=False):
-    return decode_slot(encode_slot(cycle, info(n), withdrawn))
+def slot(round_id, n, withdrawn=False):
+    return decode_slot(encode_slot(round_id, info(n), withdrawn))
 
 
 def settings(**kw):
     base = dict(run_id="job", min_nodes=2, max_nodes=3, last_call_timeout=1.0, previous_active_grace=5.0)
     base.update(kw)
-    return RendezvousSettings(**base)
+    return RendezvousSettings.of(**base)
 
 
 def test_slot_round_trip_and_garbage():
@@ -152,7 +153,7 @@ def test_bad_settings_name_the_setting(kwargs, needle):
 def test_settings_from_rdzv_conf():
     parsed = settings_from_config("j", 2, 3, {"last_call_timeout": "0.25", "segment": "1",
                                               "health_check": "true"})
-    assert parsed.last_call_timeout == 0.25 and parsed.health_check is True
+    assert parsed.timeouts.last_call_timeout == 0.25 and parsed.health_check is True
     with pytest.raises(RendezvousConfigError, match="unknown rendezvous option 'last_cal_timeout'"):
         settings_from_config("j", 2, 3, {"last_cal_timeout": "1"})
     with pytest.raises(RendezvousConfigError, match="join_timeout must be a float"):

@@ -39,7 +39,7 @@ def test_registry_builds_our_handler_and_a_round_completes(port):
         assert handler.get_backend() == "lightning_ft"
         assert handler.get_run_id() == "h"
         assert handler.rendezvous.is_store_host
-        assert handler.rendezvous.settings.store_grace_timeout == 0.5
+        assert handler.rendezvous.settings.timeouts.store_grace_timeout == 0.5
         info = handler.next_rendezvous()
         assert (info.rank, info.world_size) == (0, 1)
         assert info.bootstrap_store_info.master_port > 0
@@ -52,7 +52,7 @@ def test_registry_builds_our_handler_and_a_round_completes(port):
 def test_torchrun_timeout_becomes_join_timeout(port):
     handler = get_rendezvous_handler(params(port, timeout=42))
     try:
-        assert handler.rendezvous.settings.join_timeout == 42
+        assert handler.rendezvous.settings.timeouts.join_timeout == 42
     finally:
         handler.rendezvous.stop_heartbeat()
 
@@ -142,7 +142,7 @@ def test_store_server_rejects_bad_arguments():
 
 def test_unhealthy_node_is_counted_and_excluded(port, tmp_path, monkeypatch):
     from lightning_ft.rendezvous import UnhealthyNodeError
-    from lightning_ft.rendezvous.keys import StoreKeys
+    from lightning_ft.schema.run import RunKeys
 
     marker = tmp_path / "node-problem"
     marker.write_text("ECC errors on gpu 3")
@@ -152,8 +152,8 @@ def test_unhealthy_node_is_counted_and_excluded(port, tmp_path, monkeypatch):
         with pytest.raises(UnhealthyNodeError, match="failed its health check"):
             handler.next_rendezvous()
         store = handler.rendezvous.store
-        assert store.add(StoreKeys("sick").unhealthy_count, 0) == 1
-        assert store.add(StoreKeys("sick").lost_count, 0) == 1
+        assert store.add(RunKeys("sick").unhealthy_count, 0) == 1
+        assert store.add(RunKeys("sick").lost_count, 0) == 1
         handler.shutdown()
         assert not handler.is_closed()  # an excluded node does not end the job
     finally:

@@ -21,8 +21,7 @@ from lightning_ft.rendezvous import (
     ParticipantInfo,
     RendezvousSettings,
 )
-from lightning_ft.rendezvous.keys import StoreKeys
-from lightning_ft.rendezvous.participant import encode_slot
+from lightning_ft.schema.run import RunKeys, encode_slot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +38,7 @@ def make(server, n, run_id="job", infra=-1, domain="none", store=None, **kw) -> 
     info = ParticipantInfo(addr=f"node{n}", pid=10_000 + n, local_id=0, infra_rank=infra, domain_id=domain)
     # one client per participant; its heartbeat thread shares it (TCPStore clients are
     # thread-safe), because torch's TCPStore server stalls ~5 s on every ~25th new connection
-    return BarrierRendezvous(store or client(server), RendezvousSettings(**base), info)
+    return BarrierRendezvous(store or client(server), RendezvousSettings.of(**base), info)
 
 
 def clients(server, n):
@@ -72,7 +71,7 @@ def test_64_participants_split_into_actives_and_standby(tcp_store):
     assert sorted(active) == [(rank, rank) for rank in range(48)]
     assert sorted(standby) == list(range(48, 64))
     assert {r.world_size for r in results} == {48}
-    assert len({r.cycle_id for r in results}) == 1
+    assert len({r.round for r in results}) == 1
 
 
 def test_round_completes_at_min_nodes_after_last_call(tcp_store):
@@ -84,11 +83,11 @@ def test_round_completes_at_min_nodes_after_last_call(tcp_store):
     assert sorted(r.rank for r in results) == [0, 1]
 
 
-def test_stale_slots_from_an_earlier_cycle_are_ignored(tcp_store):
-    keys = StoreKeys("job")
+def test_stale_slots_from_an_earlier_round_are_ignored(tcp_store):
+    keys = RunKeys("job")
     # A participant of round 0 that took a slot and died before writing it leaves whatever
-    # the slot held before: here a slot of a much older run state (cycle 7 > current is
-    # impossible, so use a stale cycle of -1) for slot index 2.
+    # the slot held before: here a slot of a much older run state (round 7 > current is
+    # impossible, so use a stale round of -1) for slot index 2.
     ghost = ParticipantInfo(addr="ghost", pid=1, local_id=0)
     tcp_store.set(keys.slot(2), encode_slot(-1, ghost))
     rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3, unwritten_slot_timeout=0.3) for i in range(2)]
@@ -101,7 +100,7 @@ def test_stale_slots_from_an_earlier_cycle_are_ignored(tcp_store):
     assert sorted(r.rank for r in results) == [0, 1]
 
 
-def test_rounds_reuse_slots_and_ignore_previous_cycle(tcp_store):
+def test_rounds_reuse_slots_and_ignore_previous_round(tcp_store):
     rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(3)]
     try:
         first = join_all(rdzvs)
@@ -110,7 +109,7 @@ def test_rounds_reuse_slots_and_ignore_previous_cycle(tcp_store):
         second = join_all(actives)
     finally:
         stop(rdzvs)
-    assert {r.cycle_id for r in second} == {1}
+    assert {r.round for r in second} == {1}
     assert sorted(r.rank for r in second) == [0, 1]
     # previous actives keep their ranks
     assert [r.rank for r in first if r.is_active] == [r.rank for r in second]
@@ -145,12 +144,12 @@ def test_exit_barrier_key_releases_standby(tcp_store):
     try:
         results = join_all(rdzvs)
         spare = next(rd for rd, r in zip(rdzvs, results) if not r.is_active)
-        cycle = results[0].cycle_id
+        round_id = results[0].round
         # what torch's agent writes after its exit barrier, through the round's store
         round_store = dist.PrefixStore(results[0].store_prefix, tcp_store)
         round_store.set("torchelastic/agent/terminal_state/last_member", "x")
         with pytest.raises(RendezvousGracefulExitError, match="finished"):
-            spare.wait_while_standby(cycle)
+            spare.wait_while_standby(round_id)
     finally:
         stop(rdzvs)
 
@@ -182,7 +181,7 @@ def test_previous_active_keeps_place_over_faster_spare(tcp_store):
             time.sleep(delay)
             results[i] = rdzvs[i].join_round()
 
-        rdzvs[1].open_next_round(first[1].cycle_id, "test failure")
+        rdzvs[1].open_next_round(first[1].round, "test failure")
         threads = [threading.Thread(target=run, args=(2, 0.0)), threading.Thread(target=run, args=(1, 0.0)),
                    threading.Thread(target=run, args=(0, 1.0))]  # slow survivor, alive (heartbeat)
         for t in threads:
@@ -200,9 +199,9 @@ def test_withdrawal_frees_the_place(tcp_store):
     try:
         with pytest.raises(RendezvousTimeoutError, match="did not complete within join_timeout"):
             rdzvs[0].join_round()  # alone: times out and withdraws its slot
-        keys = StoreKeys("job")
+        keys = RunKeys("job")
         assert tcp_store.add(keys.withdrawn(0), 0) == 1
-        rdzvs[0].settings = rdzvs[0].settings.replace(join_timeout=20.0)
+        rdzvs[0].settings = rdzvs[0].settings.with_timeouts(join_timeout=20.0)
         rdzvs[0]._excluded = False
         results = join_all(rdzvs)  # the withdrawn slot does not count; the round completes
     finally:
@@ -215,10 +214,10 @@ def test_unhealthy_nodes_close_the_rendezvous_when_min_cannot_be_met(tcp_store):
     try:
         rdzvs[1].report_unhealthy("gpu 0 lost")
         rdzvs[2].report_unhealthy("disk full")
-        assert tcp_store.add(StoreKeys("job").unhealthy_count, 0) == 2
+        assert tcp_store.add(RunKeys("job").unhealthy_count, 0) == 2
         with pytest.raises(RendezvousClosedError, match="fewer than min_nodes=2"):
             rdzvs[0].join_round()
-        assert "2 lost for good" in rdzvs[0].closed_reason()
+        assert "2 lost for good" in str(rdzvs[0].closed_reason())
     finally:
         stop(rdzvs)
 
@@ -236,7 +235,7 @@ def test_extra_participant_gets_clear_error_and_job_goes_on(tcp_store):
 
 
 def test_coordinator_takeover_when_first_arrival_dies(tcp_store):
-    keys = StoreKeys("job")
+    keys = RunKeys("job")
     # the first arrival took slot 0, wrote it, claimed coordination, then died
     dead = ParticipantInfo(addr="dead", pid=2, local_id=0)
     tcp_store.add(keys.arrived(0), 1)
@@ -249,7 +248,7 @@ def test_coordinator_takeover_when_first_arrival_dies(tcp_store):
     finally:
         stop(rdzvs)
     # the dead one arrived first, so it gets a place too; what matters: the round completed
-    assert len(results) == 2 and all(r.cycle_id == 0 for r in results)
+    assert len(results) == 2 and all(r.round == 0 for r in results)
 
 
 def test_shutdown_closes_first_then_host_waits_for_acknowledgements(tcp_store):
@@ -263,7 +262,7 @@ def test_shutdown_closes_first_then_host_waits_for_acknowledgements(tcp_store):
 
         def spare_waits():
             try:
-                spare.wait_while_standby(results[0].cycle_id)
+                spare.wait_while_standby(results[0].round)
             except RendezvousGracefulExitError:
                 spare_done.set()
 
@@ -281,7 +280,7 @@ def test_shutdown_closes_first_then_host_waits_for_acknowledgements(tcp_store):
     finally:
         stop(rdzvs)
     assert elapsed < 10.0  # ended on acknowledgements, not on the grace timeout
-    assert rdzvs[0].closed_reason() == "training finished"
+    assert str(rdzvs[0].closed_reason()) == "job finished: training finished"
 
 
 def test_shutdown_grace_is_bounded(tcp_store):
@@ -302,7 +301,7 @@ def test_num_nodes_waiting_ignores_spares(tcp_store):
         results = join_all(rdzvs)
         active = next(rd for rd, r in zip(rdzvs, results) if r.is_active)
         assert active.num_nodes_waiting() == 0
-        active.open_next_round(results[0].cycle_id, "test")
+        active.open_next_round(results[0].round, "test")
         assert active.num_nodes_waiting() >= 1
     finally:
         stop(rdzvs)

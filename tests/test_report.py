@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lightning_ft.events_report import format_report, main, summarize, summary_as_dict
+from lightning_ft.events.report import format_report, main, summarize, summary_as_dict
 
 T0 = 1_700_000_000.0
 PIDS = {"node0": 100, "node1": 101, "node2": 102}
@@ -22,15 +22,15 @@ def recovered_run() -> list[dict]:
     """2 actives + 1 spare; node1 dies at step 42, the spare steps in, resume from the step-40 snapshot."""
     return [
         ev(0.0, "node0", "join"), ev(0.1, "node1", "join"), ev(0.2, "node2", "join"),
-        ev(1.0, "node0", "round_complete", cycle=0, rank=0, world=2, standby=False),
-        ev(1.0, "node1", "round_complete", cycle=0, rank=1, world=2, standby=False),
-        ev(1.0, "node2", "round_complete", cycle=0, rank=None, world=2, standby=True),
-        ev(5.0, "node0", "failure_detected", cycle=0, error="Connection closed by peer", detector="collective",
+        ev(1.0, "node0", "round_complete", round=0, rank=0, world=2, standby=False),
+        ev(1.0, "node1", "round_complete", round=0, rank=1, world=2, standby=False),
+        ev(1.0, "node2", "round_complete", round=0, rank=None, world=2, standby=True),
+        ev(5.0, "node0", "failure_detected", round=0, error="Connection closed by peer", detector="collective",
            step=42),
-        ev(5.1, "node2", "failure_detected", cycle=0, error="heartbeat lost", detector="watch", step=41),
-        ev(5.2, "node0", "round_open", cycle=1),
-        ev(5.5, "node0", "round_complete", cycle=1, rank=0, world=2, standby=False),
-        ev(5.5, "node2", "round_complete", cycle=1, rank=1, world=2, standby=False),
+        ev(5.1, "node2", "failure_detected", round=0, error="heartbeat lost", detector="watch", step=41),
+        ev(5.2, "node0", "round_open", round=1),
+        ev(5.5, "node0", "round_complete", round=1, rank=0, world=2, standby=False),
+        ev(5.5, "node2", "round_complete", round=1, rank=1, world=2, standby=False),
         ev(5.6, "node0", "snapshot_sent", step=40, to="node2"),
         ev(5.7, "node2", "snapshot_received", step=40),
         ev(5.8, "node0", "restored", step=40),
@@ -50,7 +50,7 @@ def test_recovered_run_summary():
     assert summary.spares_used == ("node2",)
     assert len(summary.failures) == 1  # two detectors, one incident
     failure = summary.failures[0]
-    assert failure.cycle == 0 and failure.detected_by == ("node0", "node2")
+    assert failure.round == 0 and failure.detected_by == ("node0", "node2")
     assert failure.failure_step == 42 and failure.restored_step == 40 and failure.steps_redone == 2
     assert failure.lost_seconds == pytest.approx(1.5)
     assert failure.recovered
@@ -94,16 +94,16 @@ def test_no_restart_and_unrecovered_failure():
     assert "not recovered" in format_report(summary)
 
 
-def test_two_failures_in_different_cycles_are_separate():
+def test_two_failures_in_different_rounds_are_separate():
     events = recovered_run()[:-2] + [
-        ev(7.0, "node2", "failure_detected", cycle=1, error="peer gone", step=50),
-        ev(7.5, "node2", "round_complete", cycle=2, rank=0, world=1, standby=False),
+        ev(7.0, "node2", "failure_detected", round=1, error="peer gone", step=50),
+        ev(7.5, "node2", "round_complete", round=2, rank=0, world=1, standby=False),
         ev(7.6, "node2", "restored", step=48),
         ev(8.6, "node2", "first_step_after_recovery", step=49),
         ev(9.5, "node2", "finished", step=100),
     ]
     summary = summarize(events)
-    assert [f.cycle for f in summary.failures] == [0, 1]
+    assert [f.round for f in summary.failures] == [0, 1]
     second = summary.failures[1]
     assert (second.failure_step, second.restored_step, second.steps_redone) == (50, 48, 2)
     assert second.lost_seconds == pytest.approx(1.6)
@@ -112,7 +112,7 @@ def test_two_failures_in_different_cycles_are_separate():
 
 
 def test_incomplete_run_and_spare_exit():
-    events = [ev(0, "node0", "join"), ev(1, "node2", "round_complete", cycle=0, standby=True),
+    events = [ev(0, "node0", "join"), ev(1, "node2", "round_complete", round=0, standby=True),
               ev(2, "node2", "spare_exit", reason="run finished")]
     summary = summarize(events)
     assert summary.status == "incomplete" and summary.spares_exited == ("node2",) and summary.spares_used == ()
@@ -205,7 +205,7 @@ def test_sigterm_path_is_reported_as_stopped():
         ev(4.1, "node0", "stop_agreed", step=30, stop_step=31, proposer=0, reason="SIGTERM"),
         ev(4.3, "node0", "termination_decision", step=31, action="save-then-exit", exit_code=81),
         ev(4.3, "node1", "termination_decision", step=31, action="save-then-exit", exit_code=81),
-        ev(4.4, "node0", "stopped", cycle=0, reason="termination in progress"),
+        ev(4.4, "node0", "stopped", round=0, reason="termination in progress"),
     ]
     summary = summarize(events)
     assert summary.status == "stopped" and summary.final_step == 31
@@ -215,9 +215,9 @@ def test_sigterm_path_is_reported_as_stopped():
 
 def test_a_hang_counts_the_time_the_step_was_stuck_as_lost():
     events = [
-        ev(0.0, "node0", "round_complete", cycle=0, rank=0, world=2, standby=False),
-        ev(0.0, "node1", "round_complete", cycle=0, rank=1, world=2, standby=False),
-        ev(70.0, "node0", "failure_detected", cycle=0, step=42, detector="hang", stalled=[1],
+        ev(0.0, "node0", "round_complete", round=0, rank=0, world=2, standby=False),
+        ev(0.0, "node1", "round_complete", round=0, rank=1, world=2, standby=False),
+        ev(70.0, "node0", "failure_detected", round=0, step=42, detector="hang", stalled=[1],
            error="step 43 ran 60.0s, longer than the hang timeout", stuck_seconds=60.0),
         ev(70.5, "node0", "restored", step=40),
         ev(71.0, "node0", "first_step_after_recovery", step=41, seconds_since_failure=1.0),

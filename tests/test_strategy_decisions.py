@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ft.strategy.config import LaunchMode, StrategyConfigError, resolve_launch_config
+from lightning_ft.checkpoint.policy import TransferPlan, plan_snapshot_transfer, replica_needed, should_pull_replica
+from lightning_ft.schema.run import CloseKind
 from lightning_ft.strategy.decisions import (
     EndAction,
     FailureFacts,
     FailureKind,
     PeerState,
     RecoveryAction,
-    TransferPlan,
     classify_failure,
     decide_on_rendezvous_end,
     decide_recovery,
@@ -21,10 +21,8 @@ from lightning_ft.strategy.decisions import (
     looks_like_collective_error,
     looks_like_peer_gone,
     parse_nnodes,
-    plan_snapshot_transfer,
-    replica_needed,
-    should_pull_replica,
 )
+from lightning_ft.strategy.settings import LaunchMode, StrategyConfigError, resolve_launch_config
 
 # ------------------------------------------------------------------ hang timeout
 
@@ -190,14 +188,14 @@ def test_peer_error_is_no_restart_and_local_error_raises():
 
 
 def test_spare_always_leaves_cleanly():
-    assert decide_on_rendezvous_end(False, "job finished: ...", False) is EndAction.RETURN
-    assert decide_on_rendezvous_end(False, "only 1 of max_nodes=3 ...", False) is EndAction.RETURN
+    assert decide_on_rendezvous_end(False, CloseKind.FINISHED, False) is EndAction.RETURN
+    assert decide_on_rendezvous_end(False, CloseKind.TOO_FEW_NODES, False) is EndAction.RETURN
 
 
 def test_former_active_returns_only_when_the_job_finished():
-    assert decide_on_rendezvous_end(True, "job finished: round 2 completed fit()", False) is EndAction.RETURN
-    assert decide_on_rendezvous_end(True, "only 1 of max_nodes=3 nodes ...", False) is EndAction.NO_RESTART
-    assert decide_on_rendezvous_end(True, "job failed: rank 1 raised ValueError", False) is EndAction.NO_RESTART
+    assert decide_on_rendezvous_end(True, CloseKind.FINISHED, False) is EndAction.RETURN
+    assert decide_on_rendezvous_end(True, CloseKind.TOO_FEW_NODES, False) is EndAction.NO_RESTART
+    assert decide_on_rendezvous_end(True, CloseKind.FAILED, False) is EndAction.NO_RESTART
 
 
 def test_join_timeout_is_no_restart():

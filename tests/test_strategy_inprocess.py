@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_ft import EmergencyCheckpoint, ExitCode, FaultTolerantDDPStrategy  # noqa: E402
 from lightning_ft.strategy import NoRestartError  # noqa: E402
-from lightning_ft.strategy.strategy import _FaultTolerantLauncher  # noqa: E402
+from lightning_ft.strategy.launcher import FaultTolerantLauncher, add_default_callbacks  # noqa: E402
 
 GLOO_ERROR = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
 
@@ -89,7 +89,7 @@ def _quiet():
 
 def test_collective_failure_recovers_in_place_from_the_snapshot(tmp_path, port):
     trainer = make_trainer(tmp_path, port)
-    assert isinstance(trainer.strategy.launcher, _FaultTolerantLauncher)
+    assert isinstance(trainer.strategy.launcher, FaultTolerantLauncher)
     model = Model(fail_at=[15])
     first_loop = trainer.fit_loop
     trainer.fit(model)
@@ -127,8 +127,8 @@ def test_a_bug_in_training_step_is_re_raised_not_recovered(tmp_path, port):
     with pytest.raises(ValueError, match="bug"):
         trainer.fit(Model(fail_at=[5], error=ValueError, message="bug in training_step"))
     assert trainer.strategy.recoveries == 0
-    rendezvous = trainer.strategy._session.rendezvous
-    assert rendezvous.closed_reason().startswith("job failed: rank 0 raised ValueError: bug in training_step")
+    rendezvous = trainer.strategy.session.rendezvous
+    assert str(rendezvous.closed_reason()).startswith("job failed: rank 0 raised ValueError: bug in training_step")
 
 
 def test_second_fit_on_a_finished_run_is_refused(tmp_path, port):
@@ -143,7 +143,7 @@ def test_evaluation_entry_points_are_refused_before_joining_the_rendezvous(tmp_p
     trainer = make_trainer(tmp_path, port, max_steps=5)
     with pytest.raises(ValueError, match=rf"trainer.{stage}\(\) is not supported; ddp_ft runs fit\(\) only"):
         getattr(trainer, stage)(Model())
-    assert trainer.strategy._session is None  # nothing joined, so a later fit() still works
+    assert trainer.strategy.session is None  # nothing joined, so a later fit() still works
     trainer.fit(Model())
     assert trainer.global_step == 5
 
@@ -155,7 +155,7 @@ def test_a_graceful_termination_is_added_unless_present_or_turned_off(tmp_path, 
     trainer.fit(Model())
     assert sum(isinstance(cb, GracefulTermination) for cb in trainer.callbacks) == 1
     trainer = make_trainer(tmp_path, port, max_steps=2, graceful_termination=False)
-    trainer.strategy._attach_callbacks(trainer)
+    add_default_callbacks(trainer, trainer.strategy.settings)
     assert not any(isinstance(cb, GracefulTermination) for cb in trainer.callbacks)
 
 
@@ -168,7 +168,7 @@ def test_by_name_the_settings_come_from_the_environment(monkeypatch, port):
     trainer = pl.Trainer(strategy="ddp_ft", accelerator="cpu", devices=1, logger=False)
     strategy = trainer.strategy
     assert isinstance(strategy, FaultTolerantDDPStrategy)
-    assert (strategy.run_id, strategy._config.min_nodes, strategy._config.max_nodes) == ("byname", 2, 3)
+    assert (strategy.run_id, strategy.settings.launch.min_nodes, strategy.settings.launch.max_nodes) == ("byname", 2, 3)
     assert strategy.cluster_environment.creates_processes_externally
 
 

@@ -118,7 +118,7 @@ def test_two_failures_with_two_spares(processes, tmp_path):
     for name in survivors:
         assert cluster.result(name)["step"] == 110 and cluster.result(name)["trained"]
     assert len(cluster.events_of("snapshot_received")) == 2
-    assert {e["cycle"] for e in cluster.events_of("finished")} == {2}
+    assert {e["round"] for e in cluster.events_of("finished")} == {2}
 
 
 @pytest.mark.timeout(60)

@@ -6,9 +6,7 @@ agents); ``MemoryCheckpointIO`` and ``EmergencyCheckpoint`` load it on first use
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from lightning_ft._lazy import lazy_getattr
 from lightning_ft.checkpoint.snapshot_format import SnapshotError
 from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore
 
@@ -19,11 +17,4 @@ _LAZY = {
 
 __all__ = ["SnapshotStore", "SnapshotInfo", "SnapshotError", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_ft.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("lightning_ft.checkpoint", _LAZY, globals())

@@ -10,7 +10,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from lightning_ft._callback_dispatch import skip_unused_batch_hooks
+from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
+from lightning_ft._validation import require_bool, require_number
 from lightning_ft.checkpoint import snapshot_format as fmt
 from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due, steps_between_snapshots
 from lightning_ft.checkpoint.resume import agree_resume_step
@@ -19,13 +20,6 @@ from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore, ensure_wr
 log = logging.getLogger(__name__)
 
 _EMA = 0.3  # weight of the newest step-time sample
-
-
-def _positive(name: str, value: Any, kind: type) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-        raise ValueError(f"{name} must be a positive {kind.__name__} or None, got {value!r}")
 
 
 class EmergencyCheckpoint(pl.Callback):
@@ -59,16 +53,13 @@ class EmergencyCheckpoint(pl.Callback):
     def __init__(self, every_n_steps: int | None = None, every_n_seconds: float | None = None,
                  keep_last: int = 2, root: str | None = None, run_id: str | None = None,
                  auto_resume: bool = True, preallocate: bool = True) -> None:
-        _positive("every_n_steps", every_n_steps, int)
-        if every_n_seconds is not None and isinstance(every_n_seconds, int) and not isinstance(every_n_seconds, bool):
+        require_number("every_n_steps", every_n_steps, integer=True, allow_none=True)
+        require_number("every_n_seconds", every_n_seconds, allow_none=True)
+        if every_n_seconds is not None:
             every_n_seconds = float(every_n_seconds)
-        _positive("every_n_seconds", every_n_seconds, float)
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
-        if not isinstance(auto_resume, bool):
-            raise ValueError(f"auto_resume must be a bool, got {auto_resume!r}")
-        if not isinstance(preallocate, bool):
-            raise ValueError(f"preallocate must be a bool, got {preallocate!r}")
+        require_number("keep_last", keep_last, integer=True, minimum=1, inclusive=True)
+        require_bool("auto_resume", auto_resume)
+        require_bool("preallocate", preallocate)
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.keep_last = keep_last
@@ -113,7 +104,7 @@ class EmergencyCheckpoint(pl.Callback):
         self._check_spare = True
         self._last_saved_step = step
         self._last_snapshot = info
-        log.info("rank %d: %s snapshot at step %d committed in %.3f s (%.1f MiB)",
+        log.debug("rank %d: %s snapshot at step %d committed in %.3f s (%.1f MiB)",
                  store.rank, reason, step, seconds, info.nbytes / 2**20)
         return info
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
+from lightning_ft._validation import require_number
 from lightning_ft.checkpoint.policy import parse_mem_url, pick_disk_checkpoint
 from lightning_ft.checkpoint.resume import agree_resume_step
 from lightning_ft.checkpoint.store import SnapshotStore, current_rank, ensure_writable_root, resolve_root, resolve_run_id
@@ -40,8 +41,7 @@ class MemoryCheckpointIO(CheckpointIO):
                  run_id: str | None = None, keep_last: int = 2, replicated: bool = True,
                  fallback_dir: str | os.PathLike | None = None) -> None:
         super().__init__()
-        if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
-            raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+        require_number("keep_last", keep_last, integer=True, minimum=1, inclusive=True)
         if checkpoint_io is not None and not isinstance(checkpoint_io, CheckpointIO):
             raise ValueError(f"checkpoint_io must be a CheckpointIO, got {type(checkpoint_io).__name__}")
         self.checkpoint_io = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()

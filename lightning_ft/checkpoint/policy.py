@@ -124,3 +124,65 @@ def spare_needed(committed: int, keep_last: int) -> bool:
     preallocated spare file keeps the emergency save off the slow page-allocation path.
     """
     return committed < max(keep_last, 2)
+
+
+# ---------------------------------------------------------------------- moving snapshots between ranks
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Send the snapshot of ``step`` from ``source`` to every rank in ``receivers``."""
+
+    step: int
+    source: int
+    receivers: tuple[int, ...]
+
+
+def plan_snapshot_transfer(steps_per_rank: Sequence[Iterable[int]]) -> TransferPlan | None:
+    """After a round forms: which snapshot to resume from and who must receive it.
+
+    The newest step any rank holds wins (a survivor's newest state, not the newest state
+    every rank happens to hold): ranks of one DDP job hold identical state per step, so a
+    copy from any holder is as good as one's own. The lowest holder rank sends. ``None``
+    when no rank holds a snapshot (fresh start).
+    """
+    held = [set(steps) for steps in steps_per_rank]
+    every = set().union(*held) if held else set()
+    if not every:
+        return None
+    newest = max(every)
+    holders = [rank for rank, steps in enumerate(held) if newest in steps]
+    receivers = tuple(rank for rank, steps in enumerate(held) if newest not in steps)
+    return TransferPlan(newest, holders[0], receivers)
+
+
+
+
+def replica_needed(active_domains: Sequence[str], factor: int) -> bool:
+    """Does the newest snapshot need copies beyond the actives' own?
+
+    Every DDP rank snapshots the same state, so each active already holds a copy.
+    Extra copies (to hot spares) are needed while fewer than ``factor + 1`` participants,
+    or fewer than ``factor + 1`` distinct failure domains, hold one: then losing one
+    node (domain) could lose the newest state. ``factor`` = copies on *other*
+    participants wanted for each snapshot.
+    """
+    if factor <= 0:
+        return False
+    return len(active_domains) < factor + 1 or len(set(active_domains)) < factor + 1
+
+
+def should_pull_replica(my_domain: str, active_domains: Sequence[str], factor: int,
+                        spare_index: int) -> bool:
+    """Should this hot spare keep a copy of the published snapshot?
+
+    A spare in a domain no active covers adds a failure domain and always pulls. Others
+    pull only while the copy count is short, the first ``missing`` spares (by their index
+    among spares, so spares need not talk to each other; a few extra copies are harmless).
+    """
+    if not replica_needed(active_domains, factor):
+        return False
+    if my_domain not in set(active_domains):
+        return True
+    missing = factor + 1 - len(active_domains)
+    return spare_index < missing

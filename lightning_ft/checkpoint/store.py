@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_ft._validation import require_number
 from lightning_ft.checkpoint import snapshot_format as fmt
 from lightning_ft.checkpoint.policy import plan_write, spare_needed
 from lightning_ft.checkpoint.snapshot_format import SnapshotError
@@ -185,11 +186,9 @@ class SnapshotStore:
 
     def __init__(self, root: str | os.PathLike | None = None, run_id: str | None = None,
                  rank: int | None = None, keep_last: int = 2) -> None:
-        if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
-            raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+        require_number("keep_last", keep_last, integer=True, minimum=1, inclusive=True)
         rank = current_rank() if rank is None else rank
-        if not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+        require_number("rank", rank, integer=True, inclusive=True)
         self.root = resolve_root(root)
         ensure_writable_root(self.root)
         self.run_id = resolve_run_id(run_id)
@@ -396,7 +395,7 @@ class SnapshotStore:
                 self._delete_path(existing[old].path)
         seconds = time.perf_counter() - start
         size = enc.file_size
-        log.info("saved snapshot step=%d rank=%d run=%s%s: %s in %.3f s (%.2f GB/s, %s file) -> %s",
+        log.debug("saved snapshot step=%d rank=%d run=%s%s: %s in %.3f s (%.2f GB/s, %s file) -> %s",
                  step, self.rank, self.run_id, f" ({reason})" if reason else "", _fmt_size(size), seconds,
                  size / max(seconds, 1e-9) / 1e9, source, final)
         return SnapshotInfo(step, self.rank, self.run_id, final, size, time.time())
@@ -452,7 +451,8 @@ class SnapshotStore:
         self._maps[key] = mm
         self._spare = path
         seconds = time.perf_counter() - start
-        log.info("preallocated a %s spare snapshot file for rank %d in %.3f s", _fmt_size(nbytes), self.rank, seconds)
+        log.debug("preallocated a %s spare snapshot file for rank %d in %.3f s", _fmt_size(nbytes), self.rank,
+                  seconds)
         return seconds
 
     def discard_spare(self) -> None:
@@ -497,7 +497,7 @@ class SnapshotStore:
     def delete(self, info: SnapshotInfo) -> None:
         """Remove one snapshot file."""
         self._delete_path(info.path)
-        log.info("removed snapshot step=%d rank=%d: %s", info.step, info.rank, info.path)
+        log.debug("removed snapshot step=%d rank=%d: %s", info.step, info.rank, info.path)
 
     def discard_newer_than(self, step: int) -> list[int]:
         """Remove this rank's snapshots newer than ``step`` (an abandoned timeline after a

@@ -13,18 +13,29 @@ from lightning_ft.rendezvous.barrier import (
     UnhealthyNodeError,
 )
 from lightning_ft.rendezvous.participant import ParticipantInfo, detect_infra_rank, local_participant
-from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousSettings, settings_from_config
+from lightning_ft.rendezvous.settings import (
+    RendezvousConfigError,
+    RendezvousSettings,
+    RendezvousTimeouts,
+    settings_from_config,
+)
+from lightning_ft.rendezvous.store import DEFAULT_PORT, Endpoint, connect_store, parse_endpoint
 
 __all__ = [
+    "DEFAULT_PORT",
     "BarrierRendezvous",
+    "Endpoint",
     "ExtraParticipantError",
     "ParticipantExcludedError",
     "ParticipantInfo",
     "RendezvousConfigError",
     "RendezvousSettings",
+    "RendezvousTimeouts",
     "RoundResult",
     "UnhealthyNodeError",
+    "connect_store",
     "detect_infra_rank",
     "local_participant",
+    "parse_endpoint",
     "settings_from_config",
 ]

@@ -1,16 +1,18 @@
 """Barrier rendezvous over a ``torch.distributed.Store``: the part that talks to the store.
 
-Protocol (one run, keys in :mod:`lightning_ft.rendezvous.keys`):
+Protocol (one run, keys and values in :mod:`lightning_ft.schema.run`):
 
-* ``cycle`` holds the current round. A participant takes a slot of round N with an atomic
+* ``round`` holds the current round. A participant takes a slot of round N with an atomic
   ``add`` on ``r{N}/arrived``, writes its :class:`Slot` (carrying N) and bumps ``r{N}/written``.
 * The first arrival coordinates the round (others take over if its beat stops). It re-reads
   all slots with one ``multi_get`` when the counters say every slot is written, re-checks
   the counters, and asks :func:`decide_completion`. To complete it wins ``r{N}/closed`` with
   ``compare_set``, writes every slot's rank, then sets ``r{N}/ready``.
-* Actives of a closed round open round N+1 after a failure (``compare_set`` on ``cycle``).
+* Actives of a closed round open round N+1 after a failure (``compare_set`` on ``round``).
   Standby and late participants wait for that, for ``closed_for_good``, or for torch's
   exit-barrier key of round N (the actives finished).
+* The first round a participant joins must complete within ``join_timeout``; a round after
+  it trained in one (a failure) within ``rejoin_timeout``.
 
 Waits poll in short slices (signals are handled between them) at an interval that scales
 with ``max_nodes`` so the total load on the store stays bounded.
@@ -43,13 +45,23 @@ from lightning_ft.rendezvous.decisions import (
     is_extra_participant,
     newly_dead,
 )
-from lightning_ft.rendezvous.keys import StoreKeys
-from lightning_ft.rendezvous.participant import ParticipantInfo, Slot, decode_slot, encode_slot
+from lightning_ft.rendezvous.participant import ParticipantInfo
 from lightning_ft.rendezvous.settings import RendezvousSettings
+from lightning_ft.schema.run import (
+    CloseKind,
+    CloseReason,
+    RunKeys,
+    Slot,
+    decode_last_actives,
+    decode_slot,
+    decode_slot_rank,
+    encode_last_actives,
+    encode_ready,
+    encode_slot,
+    encode_slot_rank,
+)
 
 log = logging.getLogger(__name__)
-
-_SEP = "\x1f"
 
 
 class ParticipantExcludedError(RendezvousError):
@@ -68,7 +80,7 @@ class UnhealthyNodeError(ParticipantExcludedError):
 class RoundResult:
     """Where this participant stands after a round completed."""
 
-    cycle_id: int
+    round: int
     #: rank among the actives, ``-1`` for standby
     rank: int
     #: number of actives in the round
@@ -98,13 +110,13 @@ class BarrierRendezvous:
         self.settings = settings
         self.participant = participant
         self.is_store_host = is_store_host
-        self.keys = StoreKeys(settings.run_id)
+        self.keys = RunKeys(settings.run_id)
         self._clock = clock
         self._sleep = sleep
         self._heartbeat_store_factory = heartbeat_store_factory
         self._heartbeat_thread: threading.Thread | None = None
         self._heartbeat_stop = threading.Event()
-        self._last_active_cycle: int | None = None
+        self._last_active_round: int | None = None
         self._last_result: RoundResult | None = None
         self._excluded = False
         self._acked = False
@@ -130,51 +142,51 @@ class BarrierRendezvous:
             result = self.join_round()
             if result.is_active:
                 return result
-            self.wait_while_standby(result.cycle_id)
+            self.wait_while_standby(result.round)
 
     def join_round(self) -> RoundResult:
         """Take part in the current (or, after being active, the next) round once."""
         self._start_heartbeat()
         while True:
             self._raise_if_closed_for_good()
-            cycle = self._current_cycle()
+            round_id = self._current_round()
             last = self._last_result
-            if last is not None and not last.is_active and cycle <= last.cycle_id:
-                self.wait_while_standby(last.cycle_id)  # still standby: wait for a newer round
+            if last is not None and not last.is_active and round_id <= last.round:
+                self.wait_while_standby(last.round)  # still standby: wait for a newer round
                 continue
-            if self._last_active_cycle is not None and cycle <= self._last_active_cycle:
-                cycle = self.open_next_round(self._last_active_cycle, "a participant re-joined")
-            result = self._join(cycle)
+            if self._last_active_round is not None and round_id <= self._last_active_round:
+                round_id = self.open_next_round(self._last_active_round, "a participant re-joined")
+            result = self._join(round_id)
             if result is not None:
                 self._last_result = result
                 if result.is_active:
-                    self._last_active_cycle = result.cycle_id
+                    self._last_active_round = result.round
                 return result
 
-    def wait_while_standby(self, cycle_id: int) -> None:
-        """Wait while round ``cycle_id`` trains without us; return when a newer round opens."""
-        log.info("standby in round %d: waiting for a failure to open the next round", cycle_id)
-        exit_barrier = self.keys.exit_barrier(cycle_id)
+    def wait_while_standby(self, round_id: int) -> None:
+        """Wait while round ``round_id`` trains without us; return when a newer round opens."""
+        log.info("standby in round %d: waiting for a failure to open the next round", round_id)
+        exit_barrier = self.keys.exit_barrier(round_id)
         poll = self.settings.poll_interval
         while True:
             reason = self._closed_reason()
             if reason is not None:
                 self._graceful_exit(f"rendezvous closed for good while standby: {reason}")
             if self.store.check([exit_barrier]):
-                self._graceful_exit(f"the active nodes of round {cycle_id} finished")
-            if self._current_cycle() > cycle_id:
+                self._graceful_exit(f"the active nodes of round {round_id} finished")
+            if self._current_round() > round_id:
                 return
             self._sleep(poll)
 
-    def open_next_round(self, failed_cycle: int, reason: str) -> int:
-        """Open round ``failed_cycle + 1`` (idempotent; concurrent callers agree). Returns it."""
-        current = int(self.store.compare_set(self.keys.cycle, str(failed_cycle), str(failed_cycle + 1)))
-        if current == failed_cycle + 1:
-            log.info("round %d opened after round %d: %s", current, failed_cycle, reason)
-        return max(current, failed_cycle + 1)
+    def open_next_round(self, failed_round: int, reason: str) -> int:
+        """Open round ``failed_round + 1`` (idempotent; concurrent callers agree). Returns it."""
+        current = int(self.store.compare_set(self.keys.round, str(failed_round), str(failed_round + 1)))
+        if current == failed_round + 1:
+            log.info("round %d opened after round %d: %s", current, failed_round, reason)
+        return max(current, failed_round + 1)
 
-    def current_cycle(self) -> int:
-        return self._current_cycle()
+    def current_round(self) -> int:
+        return self._current_round()
 
     def num_nodes_waiting(self) -> int:
         """Participants in a round newer than the one this (active) participant trains in.
@@ -182,27 +194,29 @@ class BarrierRendezvous:
         Spares waiting for a closed round are not counted, so they never make the actives
         restart.
         """
-        if self._last_active_cycle is None:
+        if self._last_active_round is None:
             return 0
-        cycle = self._current_cycle()
-        if cycle <= self._last_active_cycle:
+        round_id = self._current_round()
+        if round_id <= self._last_active_round:
             return 0
-        arrived = self.store.add(self.keys.arrived(cycle), 0)
-        withdrawn = self.store.add(self.keys.withdrawn(cycle), 0)
+        arrived = self.store.add(self.keys.arrived(round_id), 0)
+        withdrawn = self.store.add(self.keys.withdrawn(round_id), 0)
         return max(1, arrived - withdrawn)
 
     def is_closed(self) -> bool:
         return self._closed_reason() is not None
 
-    def closed_reason(self) -> str | None:
+    def closed_reason(self) -> CloseReason | None:
         return self._closed_reason()
 
-    def close_for_good(self, reason: str) -> str:
+    def close_for_good(self, reason: CloseReason) -> CloseReason:
         """Permanently close the rendezvous (first reason wins); returns the reason in force."""
-        current = self.store.compare_set(self.keys.closed_for_good, "", reason).decode()
-        if current == reason:
+        encoded = reason.encode()
+        current = self.store.compare_set(self.keys.closed_for_good, "", encoded)
+        if current.decode(errors="replace") == encoded:
             log.info("rendezvous %s closed for good: %s", self.settings.run_id, reason)
-        return current
+            return reason
+        return CloseReason.decode(current)
 
     def report_unhealthy(self, reasons: str) -> None:
         """Count this node as unhealthy and lost; it will not be placed again."""
@@ -213,14 +227,14 @@ class BarrierRendezvous:
     def withdraw(self, reason: str) -> None:
         """Leave the job for good: free our slot in an open round and count us as lost."""
         result = self._last_result
-        if result is not None and not self.store.check([self.keys.ready(result.cycle_id)]):
-            self._withdraw_slot(result.cycle_id, result.slot_index)
+        if result is not None and not self.store.check([self.keys.ready(result.round)]):
+            self._withdraw_slot(result.round, result.slot_index)
         self._mark_lost(self.participant_id, f"withdrew: {reason}")
         self._excluded = True
 
-    def finished_round(self, cycle_id: int) -> bool:
-        """True when the actives of ``cycle_id`` passed torch's elastic exit barrier."""
-        return self.store.check([self.keys.exit_barrier(cycle_id)])
+    def finished_round(self, round_id: int) -> bool:
+        """True when the actives of ``round_id`` passed torch's elastic exit barrier."""
+        return self.store.check([self.keys.exit_barrier(round_id)])
 
     def shutdown(self, job_finished: bool, reason: str = "training finished") -> bool:
         """Leave the rendezvous at process end.
@@ -233,7 +247,7 @@ class BarrierRendezvous:
         self._heartbeat_stop.set()
         try:
             if job_finished and not self._excluded:
-                self.close_for_good(reason)
+                self.close_for_good(CloseReason(CloseKind.FINISHED, reason))
             self._acknowledge()
             if self.is_store_host:
                 self._wait_for_acknowledgements()
@@ -245,128 +259,129 @@ class BarrierRendezvous:
 
     # ----------------------------------------------------------------- joining
 
-    def _join(self, cycle: int) -> RoundResult | None:
+    def _join(self, round_id: int) -> RoundResult | None:
         keys, store = self.keys, self.store
-        index = store.add(keys.arrived(cycle), 1) - 1
-        withdrawn = store.add(keys.withdrawn(cycle), 0)
+        index = store.add(keys.arrived(round_id), 1) - 1
+        withdrawn = store.add(keys.withdrawn(round_id), 0)
         if is_extra_participant(index, withdrawn, self.settings.max_nodes):
-            self._write_slot(cycle, index, withdrawn=True)
-            store.add(keys.withdrawn(cycle), 1)
+            self._write_slot(round_id, index, withdrawn=True)
+            store.add(keys.withdrawn(round_id), 1)
             self._excluded = True
             raise ExtraParticipantError(
                 f"participant {self.participant_id} is extra: more than max_nodes="
-                f"{self.settings.max_nodes} participants arrived in round {cycle} of run "
+                f"{self.settings.max_nodes} participants arrived in round {round_id} of run "
                 f"{self.settings.run_id!r}; check --nnodes=MIN:MAX and how many nodes were "
                 "launched. The job goes on without this node.")
-        self._write_slot(cycle, index, withdrawn=False)
-        log.debug("%s took slot %d of round %d", self.participant_id, index, cycle)
+        self._write_slot(round_id, index, withdrawn=False)
+        log.debug("%s took slot %d of round %d", self.participant_id, index, round_id)
         if index == 0:
-            store.compare_set(keys.coordinator(cycle), "", self.participant_id)
+            store.compare_set(keys.coordinator(round_id), "", self.participant_id)
         try:
-            return self._await_round(cycle, index)
+            return self._await_round(round_id, index)
         except (RendezvousGracefulExitError, ParticipantExcludedError):
             raise
         except BaseException:
             # signal, timeout or closed: free the slot so the round does not wait for us
             try:
-                if not store.check([keys.ready(cycle)]):
-                    self._withdraw_slot(cycle, index)
+                if not store.check([keys.ready(round_id)]):
+                    self._withdraw_slot(round_id, index)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
             raise
 
-    def _write_slot(self, cycle: int, index: int, withdrawn: bool) -> None:
-        self.store.set(self.keys.slot(index), encode_slot(cycle, self.participant, withdrawn))
-        self.store.add(self.keys.written(cycle), 1)
+    def _write_slot(self, round_id: int, index: int, withdrawn: bool) -> None:
+        self.store.set(self.keys.slot(index), encode_slot(round_id, self.participant, withdrawn))
+        self.store.add(self.keys.written(round_id), 1)
 
-    def _withdraw_slot(self, cycle: int, index: int) -> None:
-        self.store.set(self.keys.slot(index), encode_slot(cycle, self.participant, withdrawn=True))
-        self.store.add(self.keys.withdrawn(cycle), 1)
-        log.info("%s withdrew from round %d", self.participant_id, cycle)
+    def _withdraw_slot(self, round_id: int, index: int) -> None:
+        self.store.set(self.keys.slot(index), encode_slot(round_id, self.participant, withdrawn=True))
+        self.store.add(self.keys.withdrawn(round_id), 1)
+        log.info("%s withdrew from round %d", self.participant_id, round_id)
 
-    def _await_round(self, cycle: int, index: int) -> RoundResult | None:
+    def _await_round(self, round_id: int, index: int) -> RoundResult | None:
         keys, store, settings = self.keys, self.store, self.settings
-        deadline = self._clock() + settings.join_timeout
-        coordinator = _Coordinator(self, cycle) if index == 0 else None
+        join_timeout = settings.timeouts.join_timeout_for(was_active=self._last_active_round is not None)
+        deadline = self._clock() + join_timeout
+        coordinator = _Coordinator(self, round_id) if index == 0 else None
         watch = _CoordinatorWatch(self._clock())
         poll = settings.poll_interval
         while True:
-            if store.check([keys.ready(cycle)]):
-                return self._read_result(cycle, index)
+            if store.check([keys.ready(round_id)]):
+                return self._read_result(round_id, index)
             reason = self._closed_reason()
             if reason is not None:
                 raise RendezvousClosedError(
-                    f"rendezvous {settings.run_id!r} was closed for good before round {cycle} "
+                    f"rendezvous {settings.run_id!r} was closed for good before round {round_id} "
                     f"completed: {reason}")
-            if self._current_cycle() > cycle:
+            if self._current_round() > round_id:
                 # a newer round opened before this one completed: leave this one, join that
-                self._withdraw_slot(cycle, index)
+                self._withdraw_slot(round_id, index)
                 return None
-            if coordinator is None and self._should_take_over(cycle, watch):
-                coordinator = _Coordinator(self, cycle)
+            if coordinator is None and self._should_take_over(round_id, watch):
+                coordinator = _Coordinator(self, round_id)
             if coordinator is not None:
                 if not coordinator.still_mine():
                     coordinator = None
                 else:
                     coordinator.step()
-                    if store.check([keys.ready(cycle)]):
+                    if store.check([keys.ready(round_id)]):
                         continue
             if self._clock() > deadline:
-                arrived = store.add(keys.arrived(cycle), 0) - store.add(keys.withdrawn(cycle), 0)
+                arrived = store.add(keys.arrived(round_id), 0) - store.add(keys.withdrawn(round_id), 0)
                 raise RendezvousTimeoutError(
-                    f"round {cycle} of run {settings.run_id!r} did not complete within "
-                    f"join_timeout={settings.join_timeout}s: {arrived} participant(s) arrived, "
+                    f"round {round_id} of run {settings.run_id!r} did not complete within "
+                    f"{'rejoin' if join_timeout != settings.timeouts.join_timeout else 'join'}_timeout="
+                    f"{join_timeout:g}s: {arrived} participant(s) arrived, "
                     f"min_nodes={settings.min_nodes}")
             self._sleep(poll)
 
-    def _should_take_over(self, cycle: int, watch: "_CoordinatorWatch") -> bool:
+    def _should_take_over(self, round_id: int, watch: "_CoordinatorWatch") -> bool:
         # The coordinator bumps a beat each poll. If it stops for ``dead_after`` (it died),
         # one waiter wins a compare_set and coordinates instead.
         now = self._clock()
         if now < watch.next_check:
             return False
-        watch.next_check = now + self.settings.heartbeat_interval
-        beat = self.store.add(self.keys.coordinator_beat(cycle), 0)
+        watch.next_check = now + self.settings.timeouts.heartbeat_interval
+        beat = self.store.add(self.keys.coordinator_beat(round_id), 0)
         if beat != watch.beat:
             watch.beat, watch.since = beat, now
             return False
         if now - watch.since < self.settings.dead_after:
             return False
-        holder = self._get_or_empty(self.keys.coordinator(cycle))
-        won = self.store.compare_set(self.keys.coordinator(cycle), holder, self.participant_id)
+        holder = self._get_or_empty(self.keys.coordinator(round_id))
+        won = self.store.compare_set(self.keys.coordinator(round_id), holder, self.participant_id)
         if won.decode() == self.participant_id:
             log.info("%s took over coordinating round %d from %r (silent for %.1fs)",
-                     self.participant_id, cycle, holder, now - watch.since)
+                     self.participant_id, round_id, holder, now - watch.since)
             return True
         watch.since = now
         return False
 
-    def _read_result(self, cycle: int, index: int) -> RoundResult:
-        raw = self.store.get(self.keys.slot_rank(index)).decode() \
-            if self.store.check([self.keys.slot_rank(index)]) else ""
-        parts = raw.split(",")
-        store_prefix = self.keys.round_store_prefix(cycle)
-        if len(parts) == 3 and int(parts[0]) == cycle:
-            rank, world_size = int(parts[1]), int(parts[2])
+    def _read_result(self, round_id: int, index: int) -> RoundResult:
+        key = self.keys.slot_rank(index)
+        answer = decode_slot_rank(self.store.get(key)) if self.store.check([key]) else None
+        store_prefix = self.keys.round_store_prefix(round_id)
+        if answer is not None and answer.round == round_id:
+            rank, world_size = answer.rank, answer.world_size
         else:  # our slot was not part of the decision: we arrived after the round closed
             world_size = self.settings.min_nodes
             rank = -1
-            log.info("%s arrived after round %d closed; waiting as standby", self.participant_id, cycle)
-        result = RoundResult(cycle, rank, world_size, index, store_prefix)
-        log.info("round %d complete: %s is %s", cycle, self.participant_id,
+            log.info("%s arrived after round %d closed; waiting as standby", self.participant_id, round_id)
+        result = RoundResult(round_id, rank, world_size, index, store_prefix)
+        log.info("round %d complete: %s is %s", round_id, self.participant_id,
                  f"active rank {rank} of {world_size}" if rank >= 0 else "standby")
         return result
 
     # ----------------------------------------------------------------- helpers
 
-    def _current_cycle(self) -> int:
+    def _current_round(self) -> int:
         # compare_set with expected "" creates the key at 0 on first use, else returns it
-        return int(self.store.compare_set(self.keys.cycle, "", "0"))
+        return int(self.store.compare_set(self.keys.round, "", "0"))
 
-    def _closed_reason(self) -> str | None:
+    def _closed_reason(self) -> CloseReason | None:
         if not self.store.check([self.keys.closed_for_good]):
             return None
-        return self.store.get(self.keys.closed_for_good).decode()
+        return CloseReason.decode(self.store.get(self.keys.closed_for_good))
 
     def _raise_if_closed_for_good(self) -> None:
         reason = self._closed_reason()
@@ -392,13 +407,13 @@ class BarrierRendezvous:
     def _acknowledge(self) -> None:
         if self._acked or self._excluded:
             return
-        marker = f"{self.keys.prefix}/ack/{self.participant_id}"
+        marker = self.keys.ack(self.participant_id)
         if self.store.compare_set(marker, "", "1").decode() == "1":
             self.store.add(self.keys.shutdown_acks, 1)
         self._acked = True
 
     def _wait_for_acknowledgements(self) -> None:
-        wait_for_acknowledgements(self.store, self.keys, self.settings.store_grace_timeout,
+        wait_for_acknowledgements(self.store, self.keys, self.settings.timeouts.store_grace_timeout,
                                   self._clock, self._sleep)
 
     def _start_heartbeat(self) -> None:
@@ -406,7 +421,7 @@ class BarrierRendezvous:
             return
         store = self._heartbeat_store_factory() if self._heartbeat_store_factory else self.store
         key = self.keys.heartbeat(self.participant_id)
-        interval = self.settings.heartbeat_interval
+        interval = self.settings.timeouts.heartbeat_interval
         stop = self._heartbeat_stop
 
         def beat() -> None:
@@ -426,13 +441,13 @@ class BarrierRendezvous:
         self._heartbeat_stop.set()
 
 
-def expected_acknowledgements(store, keys: StoreKeys) -> int:
+def expected_acknowledgements(store, keys: RunKeys) -> int:
     """Participants of the newest round (arrived, not withdrawn): who should acknowledge shutdown."""
-    cycle = int(store.compare_set(keys.cycle, "", "0"))
-    return store.add(keys.arrived(cycle), 0) - store.add(keys.withdrawn(cycle), 0)
+    round_id = int(store.compare_set(keys.round, "", "0"))
+    return store.add(keys.arrived(round_id), 0) - store.add(keys.withdrawn(round_id), 0)
 
 
-def wait_for_acknowledgements(store, keys: StoreKeys, timeout: float,
+def wait_for_acknowledgements(store, keys: RunKeys, timeout: float,
                               clock: Callable[[], float] = time.monotonic,
                               sleep: Callable[[float], None] = time.sleep) -> bool:
     """Wait until every participant acknowledged shutdown, at most ``timeout`` seconds.
@@ -464,12 +479,12 @@ class _CoordinatorWatch:
 class _Coordinator:
     """Decides one round: reads the slots, asks the pure decision, writes the result."""
 
-    def __init__(self, rendezvous: BarrierRendezvous, cycle: int) -> None:
+    def __init__(self, rendezvous: BarrierRendezvous, round_id: int) -> None:
         self.rdzv = rendezvous
         self.store = rendezvous.store
         self.keys = rendezvous.keys
         self.settings = rendezvous.settings
-        self.cycle = cycle
+        self.round_id = round_id
         self.clock = rendezvous._clock
         self.timer = RoundTimer(opened_at=self.clock())
         self.previous_actives = self._read_previous_actives()
@@ -478,22 +493,22 @@ class _Coordinator:
         self._unwritten_since: float | None = None
         self._last_reason = ""
         log.info("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,
-                 cycle, len(self.previous_actives))
+                 round_id, len(self.previous_actives))
 
     def still_mine(self) -> bool:
-        holder = self.store.get(self.keys.coordinator(self.cycle)).decode() \
-            if self.store.check([self.keys.coordinator(self.cycle)]) else ""
+        holder = self.store.get(self.keys.coordinator(self.round_id)).decode() \
+            if self.store.check([self.keys.coordinator(self.round_id)]) else ""
         return holder in ("", self.rdzv.participant_id)
 
     def _read_previous_actives(self) -> tuple[str, ...]:
         key = self.keys.last_actives
         if not self.store.check([key]):
             return ()
-        cycle, *ids = self.store.get(key).decode().split(_SEP)
-        return tuple(ids) if int(cycle) < self.cycle else ()
+        last = decode_last_actives(self.store.get(key))
+        return last[1] if last is not None and last[0] < self.round_id else ()
 
     def _read_counts(self) -> tuple[int, int, int]:
-        store, keys, c = self.store, self.keys, self.cycle
+        store, keys, c = self.store, self.keys, self.round_id
         return (store.add(keys.arrived(c), 0), store.add(keys.written(c), 0), store.add(keys.withdrawn(c), 0))
 
     def _read_slots(self, arrived: int, all_written: bool) -> list[Slot | None]:
@@ -525,16 +540,16 @@ class _Coordinator:
         if written < arrived:
             if self._unwritten_since is None:
                 self._unwritten_since = now
-            if now - self._unwritten_since < self.settings.unwritten_slot_timeout:
+            if now - self._unwritten_since < self.settings.timeouts.unwritten_slot_timeout:
                 return None
         else:
             self._unwritten_since = None
         slots = self._read_slots(arrived, all_written=written >= arrived)
         if self._read_counts()[0::2] != (arrived, withdrawn):
             return None  # someone arrived or withdrew while we read: read again
-        arrivals = arrivals_of_round(self.cycle, slots)
+        arrivals = arrivals_of_round(self.round_id, slots)
         lost = self.store.add(self.keys.lost_count, 0)
-        return RoundView(self.cycle, arrivals, self.previous_actives, frozenset(self._dead), lost)
+        return RoundView(self.round_id, arrivals, self.previous_actives, frozenset(self._dead), lost)
 
     def _update_dead(self, view: RoundView) -> bool:
         """Mark silent previous actives dead; True when someone newly died."""
@@ -550,11 +565,11 @@ class _Coordinator:
         for pid in dead:
             self._dead.add(pid)
             self.rdzv._mark_lost(pid, f"heartbeat silent for {self.settings.dead_after:.2f}s "
-                                      f"(previous active, missing from round {self.cycle})")
+                                      f"(previous active, missing from round {self.round_id})")
         return bool(dead)
 
     def step(self) -> None:
-        self.store.add(self.keys.coordinator_beat(self.cycle), 1)
+        self.store.add(self.keys.coordinator_beat(self.round_id), 1)
         view = self.read_view()
         if view is None:
             return
@@ -564,16 +579,16 @@ class _Coordinator:
         now = self.clock()
         decision = decide_completion(view, self.settings, self.timer, now)
         if decision.reason != self._last_reason:
-            log.info("round %d: %s -> %s", self.cycle, decision.reason, decision.action.value)
+            log.info("round %d: %s -> %s", self.round_id, decision.reason, decision.action.value)
             self._last_reason = decision.reason
         if decision.action is Action.COMPLETE:
             self._complete(view.arrivals)
         elif decision.action is Action.CLOSE_FOR_GOOD:
-            self.rdzv.close_for_good(decision.reason)
+            self.rdzv.close_for_good(CloseReason(CloseKind.TOO_FEW_NODES, decision.reason))
 
     def _complete(self, arrivals: tuple[Arrival, ...]) -> None:
         token = f"{self.rdzv.participant_id}"
-        if self.store.compare_set(self.keys.closed(self.cycle), "", token).decode() != token:
+        if self.store.compare_set(self.keys.closed(self.round_id), "", token).decode() != token:
             return  # another coordinator already decided this round
         assignment = assign_ranks(arrivals, self.previous_actives, self.settings.min_nodes,
                                   self.settings.segment)
@@ -581,15 +596,15 @@ class _Coordinator:
         rank_keys, rank_values = [], []
         for rank, arrival in enumerate(assignment.active):
             rank_keys.append(self.keys.slot_rank(arrival.slot_index))
-            rank_values.append(f"{self.cycle},{rank},{world}")
+            rank_values.append(encode_slot_rank(self.round_id, rank, world))
         for arrival in assignment.standby:
             rank_keys.append(self.keys.slot_rank(arrival.slot_index))
-            rank_values.append(f"{self.cycle},-1,{world}")
+            rank_values.append(encode_slot_rank(self.round_id, -1, world))
         self.store.multi_set(rank_keys, rank_values)
         self.store.set(self.keys.last_actives,
-                       _SEP.join([str(self.cycle), *(a.participant_id for a in assignment.active)]))
+                       encode_last_actives(self.round_id, [a.participant_id for a in assignment.active]))
         # ready last: a reader that sees it finds every rank key above already written
-        self.store.set(self.keys.ready(self.cycle),
-                       f"{world},{len(assignment.standby)},{self.clock() - self.timer.opened_at:.4f}")
-        log.info("round %d closed: %d active, %d standby (decided in %.3fs)", self.cycle, world,
+        self.store.set(self.keys.ready(self.round_id),
+                       encode_ready(world, len(assignment.standby), self.clock() - self.timer.opened_at))
+        log.info("round %d closed: %d active, %d standby (decided in %.3fs)", self.round_id, world,
                  len(assignment.standby), self.clock() - self.timer.opened_at)

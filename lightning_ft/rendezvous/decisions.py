@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
-from lightning_ft.rendezvous.participant import Slot
 from lightning_ft.rendezvous.settings import RendezvousSettings
+from lightning_ft.schema.run import Slot
 
 
 class Arrival(NamedTuple):
@@ -29,7 +29,7 @@ class Arrival(NamedTuple):
 class RoundView:
     """What the coordinator read from the store for one round."""
 
-    cycle_id: int
+    round: int
     arrivals: tuple[Arrival, ...]
     #: participant ids of the previous round's actives, in their old rank order
     previous_actives: tuple[str, ...] = ()
@@ -39,8 +39,8 @@ class RoundView:
     lost_count: int = 0
 
 
-def arrivals_of_round(cycle_id: int, slots: Sequence[Slot | None]) -> tuple[Arrival, ...]:
-    """Arrivals of ``cycle_id`` from the slot values read at indexes 0..n-1.
+def arrivals_of_round(round_id: int, slots: Sequence[Slot | None]) -> tuple[Arrival, ...]:
+    """Arrivals of round ``round_id`` from the slot values read at indexes 0..n-1.
 
     Slots written in other rounds (stale: slot keys are never cleared), unreadable slots
     and withdrawn participants are left out. A participant that appears twice (it took a
@@ -48,7 +48,7 @@ def arrivals_of_round(cycle_id: int, slots: Sequence[Slot | None]) -> tuple[Arri
     """
     by_id: dict[str, Arrival] = {}
     for index, slot in enumerate(slots):
-        if slot is None or slot.cycle_id != cycle_id or slot.withdrawn:
+        if slot is None or slot.round != round_id or slot.withdrawn:
             continue
         pid = slot.participant_id
         if pid in by_id:
@@ -157,18 +157,18 @@ def decide_completion(view: RoundView, settings: RendezvousSettings, timer: Roun
                 Action.CLOSE_FOR_GOOD,
                 f"only {max(capacity, 0)} of max_nodes={settings.max_nodes} nodes can still take "
                 f"part ({view.lost_count} lost for good: unhealthy, dead or withdrawn), fewer than "
-                f"min_nodes={settings.min_nodes}; {arrived} arrived in round {view.cycle_id}")
+                f"min_nodes={settings.min_nodes}; {arrived} arrived in round {view.round}")
         need = (f"{settings.min_nodes} in whole segments of {settings.segment}"
                 if settings.segment > 1 else str(settings.min_nodes))
         return Decision(Action.WAIT, f"{arrived} arrived, need {need}")
 
     if timer.min_reached_at is None:
         timer.min_reached_at = now
-    last_call_end = timer.min_reached_at + settings.last_call_timeout
+    last_call_end = timer.min_reached_at + settings.timeouts.last_call_timeout
     arrived_ids = {a.participant_id for a in view.arrivals}
     missing = [pid for pid in view.previous_actives
                if pid not in arrived_ids and pid not in view.dead_previous_actives]
-    grace_end = timer.opened_at + settings.previous_active_grace
+    grace_end = timer.opened_at + settings.timeouts.previous_active_grace
     if missing and now < grace_end:
         return Decision(Action.WAIT,
                         f"keeping places for {len(missing)} survivor(s) of the previous round",

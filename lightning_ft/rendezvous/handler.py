@@ -6,15 +6,13 @@ Registered under the entry-point group ``torchrun.handlers``; torch also finds i
 
 from __future__ import annotations
 
-import datetime
 import logging
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
-    RendezvousConnectionError,
     RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
@@ -23,77 +21,19 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from lightning_ft._logging import ensure_log_output
+from lightning_ft._validation import check_number, parse_bool, require
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, UnhealthyNodeError
 from lightning_ft.rendezvous.participant import local_participant
 from lightning_ft.rendezvous.settings import RendezvousConfigError, settings_from_config
+from lightning_ft.rendezvous.store import DEFAULT_PORT, connect_store, parse_endpoint
+from lightning_ft.schema.run import CloseKind, CloseReason
 
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "lightning_ft"
-DEFAULT_PORT = 29400
 
-# keys torchrun adds on its own (the handler's own keys are listed in settings._HANDLER_KEYS)
+# keys torchrun adds on its own (the handler's own keys are settings.HANDLER_KEYS)
 _TORCHRUN_KEYS = ("timeout", "rank", "read_timeout")
-
-
-def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
-    """Split ``host[:port]``; a clear error names ``--rdzv-endpoint`` when it is malformed."""
-    if not endpoint or not endpoint.strip():
-        raise RendezvousConfigError("rendezvous endpoint is empty; pass --rdzv-endpoint=HOST:PORT")
-    host, sep, port_text = endpoint.strip().rpartition(":")
-    if not sep:
-        host, port_text = endpoint.strip(), str(default_port)
-    host = host.strip("[]")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r}: port {port_text!r} is not a number "
-                                    "(--rdzv-endpoint=HOST:PORT)") from None
-    if not 0 < port < 65536 or not host:
-        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r} needs a host and a port in "
-                                    "1..65535 (--rdzv-endpoint=HOST:PORT)")
-    return host, port
-
-
-def _parse_is_host(raw: Any) -> bool | None:
-    if raw is None or raw == "":
-        return None
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes"):
-        return True
-    if text in ("0", "false", "no"):
-        return False
-    raise RendezvousConfigError(f"is_host must be true or false, got {raw!r}")
-
-
-def connect_store(host: str, port: int, is_host: bool | None, connect_timeout: float,
-                  op_timeout: float = 300.0) -> tuple[dist.Store, bool]:
-    """Host the TCPStore at the endpoint, or connect to whoever hosts it.
-
-    ``is_host=None`` (the default) hosts when the port can be bound here and connects
-    otherwise, like torch's c10d backend: the first agent to bind the endpoint hosts.
-    Returns the store and whether this process hosts it.
-    """
-    timeout = datetime.timedelta(seconds=op_timeout)
-    if is_host is not False:
-        try:
-            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
-                                  multi_tenant=True)
-            log.info("hosting the rendezvous store at %s:%d", host, port)
-            return store, True
-        except (RuntimeError, OSError) as exc:
-            if is_host:
-                raise RendezvousConnectionError(
-                    f"is_host=true but the rendezvous store cannot listen on {host}:{port}: {exc}") from exc
-            log.debug("not hosting the store at %s:%d (%s); connecting as a client", host, port, exc)
-    try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=connect_timeout))
-    except (RuntimeError, OSError) as exc:
-        raise RendezvousConnectionError(
-            f"cannot reach the rendezvous store at {host}:{port} within connect_timeout={connect_timeout}s "
-            f"(--rdzv-endpoint); is the store host running? ({exc})") from exc
-    store.set_timeout(timeout)
-    return store, False
 
 
 class LightningFTRendezvousHandler(RendezvousHandler):
@@ -147,7 +87,7 @@ class LightningFTRendezvousHandler(RendezvousHandler):
         return self._rdzv.is_closed()
 
     def set_closed(self) -> None:
-        self._rdzv.close_for_good("closed by set_closed()")
+        self._rdzv.close_for_good(CloseReason(CloseKind.CLOSED, "closed by set_closed()"))
 
     def num_nodes_waiting(self) -> int:
         return self._rdzv.num_nodes_waiting()
@@ -171,7 +111,7 @@ class LightningFTRendezvousHandler(RendezvousHandler):
             return done
         result = self._rdzv.last_result
         try:
-            finished = result is not None and result.is_active and self._rdzv.finished_round(result.cycle_id)
+            finished = result is not None and result.is_active and self._rdzv.finished_round(result.round)
             if result is not None and result.is_active and not finished and not self._rdzv.is_closed():
                 self._rdzv.withdraw("its workers failed and it gave up (restarts exhausted or error)")
                 if self._rdzv.is_store_host:
@@ -203,24 +143,28 @@ def create_handler(params: RendezvousParameters) -> LightningFTRendezvousHandler
         value = config.pop(key, None)
         if key == "timeout" and value is not None and "join_timeout" not in config:
             config["join_timeout"] = value
-    is_host = _parse_is_host(config.pop("is_host", None))
-    connect_timeout = float(config.pop("connect_timeout", 60.0))
-    if not connect_timeout > 0:
-        raise RendezvousConfigError(f"connect_timeout must be a positive number of seconds, got {connect_timeout}")
+    raw_is_host = config.pop("is_host", None)
+    is_host = None if raw_is_host in (None, "") else parse_bool("is_host", raw_is_host, error=RendezvousConfigError)
+    try:
+        connect_timeout = float(config.pop("connect_timeout", 60.0))
+    except (TypeError, ValueError):
+        raise RendezvousConfigError("connect_timeout must be a float") from None
+    require(check_number(connect_timeout), "connect_timeout", "a positive number of seconds", connect_timeout,
+            error=RendezvousConfigError)
     domain_id = config.pop("domain_id", None)
     infra_rank = config.pop("infra_rank", None)
     local_id = int(config.pop("local_id", 0))
     settings = settings_from_config(params.run_id, params.min_nodes, params.max_nodes, config)
-    host, port = parse_endpoint(params.endpoint)
-    store, hosting = connect_store(host, port, is_host, connect_timeout)
+    endpoint = parse_endpoint(params.endpoint)
+    store, hosting = connect_store(endpoint, is_host, connect_timeout)
     participant = local_participant(local_id=local_id, domain_id=domain_id,
                                     infra_rank=None if infra_rank is None else int(infra_rank),
                                     addr=params.local_addr)
     rendezvous = BarrierRendezvous(store, settings, participant, is_store_host=hosting,
                                    heartbeat_store_factory=store.clone)
     health_check = _node_health_check() if settings.health_check else None
-    log.info("lightning_ft rendezvous: run %s, nodes %d:%d, endpoint %s:%d, %s, participant %s",
-             settings.run_id, settings.min_nodes, settings.max_nodes, host, port,
+    log.info("lightning_ft rendezvous: run %s, nodes %d:%d, endpoint %s, %s, participant %s",
+             settings.run_id, settings.min_nodes, settings.max_nodes, endpoint,
              "store host" if hosting else "store client", participant.participant_id)
     return LightningFTRendezvousHandler(rendezvous, params.local_addr, health_check)
 
@@ -244,6 +188,7 @@ def torchrun_handler_creator() -> Callable[[RendezvousParameters], RendezvousHan
 
 __all__ = [
     "BACKEND_NAME",
+    "DEFAULT_PORT",
     "LightningFTRendezvousHandler",
     "RendezvousClosedError",
     "RendezvousGracefulExitError",

@@ -1,14 +1,13 @@
-"""Who a participant is, and how its slot is written to the store."""
+"""Who a participant is: identity, failure domain and the scheduler's node index."""
 
 from __future__ import annotations
 
 import os
 import socket
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple
+from typing import Mapping
 
-_FIELD_SEP = "\x1f"  # unit separator: never appears in host names or domain ids
-_SLOT_VERSION = "1"
+from lightning_ft.schema.run import SEP
 
 
 @dataclass(frozen=True)
@@ -30,40 +29,9 @@ class ParticipantInfo:
     def __post_init__(self) -> None:
         for name in ("addr", "domain_id"):
             value = getattr(self, name)
-            if not value or _FIELD_SEP in value:
+            if not value or SEP in value:
                 raise ValueError(f"participant {name} must be a non-empty string without control "
                                  f"characters, got {value!r}")
-
-
-class Slot(NamedTuple):
-    """What a slot key holds: the round it was written in, the participant, its status.
-
-    A NamedTuple, not a dataclass: the coordinator decodes every slot of a round on each
-    re-read, and for 10,000 slots object construction cost more than the ``multi_get``.
-    """
-
-    cycle_id: int
-    withdrawn: bool
-    infra_rank: int
-    domain_id: str
-    participant_id: str
-
-
-def encode_slot(cycle_id: int, info: ParticipantInfo, withdrawn: bool = False) -> bytes:
-    # flat separator format; round first, so stale slots can be told apart before decoding
-    return _FIELD_SEP.join((str(cycle_id), _SLOT_VERSION, "1" if withdrawn else "0", str(info.infra_rank),
-                            info.domain_id, info.participant_id)).encode()
-
-
-def decode_slot(raw: bytes) -> Slot | None:
-    """Decode a slot value; ``None`` for anything that is not a well-formed slot."""
-    try:
-        cycle, version, withdrawn, infra, domain, participant_id = raw.decode().split(_FIELD_SEP)
-        if version != _SLOT_VERSION:
-            return None
-        return Slot(int(cycle), withdrawn == "1", int(infra), domain, participant_id)
-    except (ValueError, UnicodeDecodeError):
-        return None
 
 
 # Environment variables that carry the scheduler's node index, first match wins.

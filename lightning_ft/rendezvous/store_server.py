@@ -15,7 +15,11 @@ import signal
 import sys
 import time
 
+import torch.distributed as dist
+
 from lightning_ft._logging import ensure_log_output
+from lightning_ft.rendezvous.barrier import wait_for_acknowledgements
+from lightning_ft.schema.run import CloseReason, RunKeys
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +36,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
           stop_requested=lambda: False) -> int:
-    import torch.distributed as dist
-
-    from lightning_ft.rendezvous.barrier import wait_for_acknowledgements
-    from lightning_ft.rendezvous.keys import StoreKeys
-
     try:
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
                               timeout=datetime.timedelta(seconds=60))
@@ -44,10 +43,10 @@ def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         return 2
     print(f"lightning-ft store listening on {host}:{store.port}", flush=True)
-    keys = StoreKeys(run_id) if run_id else None
+    keys = RunKeys(run_id) if run_id else None
     while not stop_requested():
         if keys is not None and store.check([keys.closed_for_good]):
-            reason = store.get(keys.closed_for_good).decode()
+            reason = CloseReason.decode(store.get(keys.closed_for_good))
             log.info("run %s closed for good (%s); waiting for acknowledgements", run_id, reason)
             wait_for_acknowledgements(store, keys, grace_timeout)
             return 0

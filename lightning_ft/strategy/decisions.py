@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from lightning_ft.schema.run import CloseKind
+
 # ------------------------------------------------------------------ hang detection
 
 
@@ -73,69 +75,6 @@ def find_stalled_ranks(own_rank: int, own_completed: int, peers: Iterable[PeerSt
     if own_completed < most:
         return StallVerdict((), f"this rank (completed {own_completed}) is behind its peers ({most})")
     return StallVerdict((), "every peer is alive and at the same step")
-
-
-# ------------------------------------------------------------------ snapshot transfer
-
-
-@dataclass(frozen=True)
-class TransferPlan:
-    """Send the snapshot of ``step`` from ``source`` to every rank in ``receivers``."""
-
-    step: int
-    source: int
-    receivers: tuple[int, ...]
-
-
-def plan_snapshot_transfer(steps_per_rank: Sequence[Iterable[int]]) -> TransferPlan | None:
-    """After a round forms: which snapshot to resume from and who must receive it.
-
-    The newest step any rank holds wins (a survivor's newest state, not the newest state
-    every rank happens to hold): ranks of one DDP job hold identical state per step, so a
-    copy from any holder is as good as one's own. The lowest holder rank sends. ``None``
-    when no rank holds a snapshot (fresh start).
-    """
-    held = [set(steps) for steps in steps_per_rank]
-    every = set().union(*held) if held else set()
-    if not every:
-        return None
-    newest = max(every)
-    holders = [rank for rank, steps in enumerate(held) if newest in steps]
-    receivers = tuple(rank for rank, steps in enumerate(held) if newest not in steps)
-    return TransferPlan(newest, holders[0], receivers)
-
-
-# ------------------------------------------------------------------ replication
-
-
-def replica_needed(active_domains: Sequence[str], factor: int) -> bool:
-    """Does the newest snapshot need copies beyond the actives' own?
-
-    Every DDP rank snapshots the same state, so each active already holds a copy.
-    Extra copies (to hot spares) are needed while fewer than ``factor + 1`` participants,
-    or fewer than ``factor + 1`` distinct failure domains, hold one: then losing one
-    node (domain) could lose the newest state. ``factor`` = copies on *other*
-    participants wanted for each snapshot.
-    """
-    if factor <= 0:
-        return False
-    return len(active_domains) < factor + 1 or len(set(active_domains)) < factor + 1
-
-
-def should_pull_replica(my_domain: str, active_domains: Sequence[str], factor: int,
-                        spare_index: int) -> bool:
-    """Should this hot spare keep a copy of the published snapshot?
-
-    A spare in a domain no active covers adds a failure domain and always pulls. Others
-    pull only while the copy count is short, the first ``missing`` spares (by their index
-    among spares, so spares need not talk to each other; a few extra copies are harmless).
-    """
-    if not replica_needed(active_domains, factor):
-        return False
-    if my_domain not in set(active_domains):
-        return True
-    missing = factor + 1 - len(active_domains)
-    return spare_index < missing
 
 
 # ------------------------------------------------------------------ failures
@@ -264,10 +203,6 @@ def decide_recovery(kind: FailureKind, failures_without_progress: int,
 
 # ------------------------------------------------------------------ the end of the rendezvous
 
-JOB_FINISHED_REASON = "job finished"
-JOB_STOPPED_REASON = "job stopped"
-JOB_FAILED_REASON = "job failed"
-
 
 class EndAction(enum.Enum):
     #: return from fit() normally: a spare that was not needed, or a finished job
@@ -276,7 +211,7 @@ class EndAction(enum.Enum):
     NO_RESTART = "no_restart"
 
 
-def decide_on_rendezvous_end(was_active: bool, closed_reason: str | None, timed_out: bool) -> EndAction:
+def decide_on_rendezvous_end(was_active: bool, closed: CloseKind | None, timed_out: bool) -> EndAction:
     """The rendezvous ended for this participant (closed for good, or a join timed out).
 
     A participant that never trained (hot spare) returns from ``fit()`` whatever the
@@ -289,7 +224,7 @@ def decide_on_rendezvous_end(was_active: bool, closed_reason: str | None, timed_
         return EndAction.NO_RESTART
     if not was_active:
         return EndAction.RETURN
-    if closed_reason is not None and closed_reason.startswith(JOB_FINISHED_REASON):
+    if closed is CloseKind.FINISHED:
         return EndAction.RETURN
     return EndAction.NO_RESTART
 

@@ -31,13 +31,20 @@ import time
 from typing import Any, Sequence
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 
-from lightning_ft._callback_dispatch import skip_unused_batch_hooks
+from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
+from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._logging import ensure_log_output
-from lightning_ft.events import NullEventLog, event_log_from_env
+from lightning_ft._validation import check_number, require
+from lightning_ft.checkpoint.callback import EmergencyCheckpoint
+from lightning_ft.events import NullEventLog, open_event_log
+from lightning_ft.events import names as ev
 from lightning_ft.health import HealthReport, NodeHealthCheck, ProbeResult
 from lightning_ft.health.check import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
 from lightning_ft.health.probes import _env_float, default_probes
+from lightning_ft.process import ExitWatchdog, exit_now, install_exit_hook, plan_exit, run_with_timeout
+from lightning_ft.schema.termination import namespace_prefix
 from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
 from lightning_ft.termination.decision import (
     Action,
@@ -47,14 +54,8 @@ from lightning_ft.termination.decision import (
     not_saved_exit_code,
     resolve_grace_seconds,
 )
+from lightning_ft.termination.exit import TerminationExit
 from lightning_ft.termination.exit_records import ENV_EXIT_RECORD_DIR, write_exit_record
-from lightning_ft.termination.exit import (
-    ExitWatchdog,
-    TerminationExit,
-    exit_now,
-    plan_exit,
-    run_with_timeout,
-)
 from lightning_ft.termination.signals import SignalListener
 
 log = logging.getLogger(__name__)
@@ -128,8 +129,8 @@ class GracefulTermination(pl.Callback):
     ) -> None:
         if health_timeout_seconds is None:
             health_timeout_seconds = _env_float(dict(os.environ), ENV_TIMEOUT, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S
-        _require(_is_number(health_timeout_seconds) and health_timeout_seconds > 0,
-                 "health_timeout_seconds", "a number > 0", health_timeout_seconds)
+        _require(check_number(health_timeout_seconds), "health_timeout_seconds", "a number > 0",
+                 health_timeout_seconds)
         if probes is not None and (isinstance(probes, (str, bytes)) or not hasattr(probes, "__iter__")):
             raise ValueError(f"GracefulTermination: `probes` must be a sequence of probes or None, got {probes!r}")
         try:
@@ -138,20 +139,19 @@ class GracefulTermination(pl.Callback):
                 timeout_s=float(health_timeout_seconds), overrun_is_unhealthy=overrun_is_unhealthy)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"GracefulTermination: bad `probes`: {exc}") from None
-        _require(grace_seconds is None or (_is_number(grace_seconds) and grace_seconds > 0),
-                 "grace_seconds", "None or a number > 0", grace_seconds)
+        _require(check_number(grace_seconds, allow_none=True), "grace_seconds", "None or a number > 0",
+                 grace_seconds)
         self.grace_seconds, self.grace_source = resolve_grace_seconds(grace_seconds)
-        _require(isinstance(margin_steps, int) and not isinstance(margin_steps, bool) and margin_steps >= 1,
-                 "margin_steps", "an int >= 1", margin_steps)
+        _require(check_number(margin_steps, integer=True, minimum=1, inclusive=True), "margin_steps", "an int >= 1",
+                 margin_steps)
         _require(store is None or all(callable(getattr(store, m, None)) for m in _STORE_METHODS),
                  "store", f"None or a torch.distributed.Store (with {', '.join(_STORE_METHODS)})", store)
         self.signals = _validate_signals(signals)
-        _require(_is_number(save_safety_factor) and save_safety_factor >= 1,
-                 "save_safety_factor", "a number >= 1", save_safety_factor)
-        _require(_is_number(exit_reserve_seconds) and exit_reserve_seconds >= 0,
-                 "exit_reserve_seconds", "a number >= 0", exit_reserve_seconds)
-        _require(_is_number(exit_timeout_seconds) and exit_timeout_seconds > 0,
-                 "exit_timeout_seconds", "a number > 0", exit_timeout_seconds)
+        _require(check_number(save_safety_factor, minimum=1, inclusive=True), "save_safety_factor",
+                 "a number >= 1", save_safety_factor)
+        _require(check_number(exit_reserve_seconds, inclusive=True), "exit_reserve_seconds", "a number >= 0",
+                 exit_reserve_seconds)
+        _require(check_number(exit_timeout_seconds), "exit_timeout_seconds", "a number > 0", exit_timeout_seconds)
         _require(exit_reserve_seconds < self.grace_seconds, "exit_reserve_seconds",
                  f"smaller than the grace period ({self.grace_seconds:g} s from {self.grace_source})",
                  exit_reserve_seconds)
@@ -163,6 +163,7 @@ class GracefulTermination(pl.Callback):
         self._events: Any = NullEventLog()
         ensure_log_output()
         self.exit_record_dir = exit_record_dir or os.environ.get(ENV_EXIT_RECORD_DIR) or None
+        install_exit_hook()
 
         self._lock = threading.Lock()
         self._unhealthy_exit_lock = threading.Lock()
@@ -215,11 +216,9 @@ class GracefulTermination(pl.Callback):
         original = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", {}) or {}
         self._restore_handlers = {s: original.get(s) for s in self.signals}
         self._fit_active = True
-        try:  # the run's structured event log, when LIGHTNING_FT_EVENTS_DIR is set
-            self._events = event_log_from_env(f"rank{self._rank}")
-        except OSError as exc:
-            log.warning("rank %d: no event log: %s", self._rank, exc)
-            self._events = NullEventLog()
+        # the run's event log: the strategy's when it keeps one (ddp_ft: its events_dir, which may
+        # come from an argument), else the one LIGHTNING_FT_EVENTS_DIR names
+        self._events = getattr(trainer.strategy, "event_log", None) or open_event_log(f"rank{self._rank}")
         self._listener = SignalListener(self.signals, self._on_signal)
         if self._listener.install():
             log.info("rank %d: handling %s (grace %.0f s from %s, health check %.1f s, %d probes)",
@@ -231,8 +230,6 @@ class GracefulTermination(pl.Callback):
     def _make_coordinator(self, trainer: pl.Trainer) -> StoreStopCoordinator | LocalStopCoordinator:
         if self._world_size <= 1:
             return LocalStopCoordinator()
-        import torch.distributed as dist
-
         store = self._store_override
         if store is None:
             if not (dist.is_available() and dist.is_initialized()):
@@ -245,8 +242,8 @@ class GracefulTermination(pl.Callback):
         # agent keeps one TCPStore across worker restarts and membership changes, so a
         # stop key left by an earlier group would stop the restarted one at once.
         namespace = trainer.strategy.broadcast(secrets.token_hex(8) if self._rank == 0 else None, src=0)
-        prefix = f"lightning_ft/termination/{namespace}/"
-        return StoreStopCoordinator(dist.PrefixStore(prefix, store), self._rank, self._world_size)
+        return StoreStopCoordinator(dist.PrefixStore(namespace_prefix(namespace), store), self._rank,
+                                    self._world_size)
 
     def _finish(self, trainer: pl.Trainer | None = None, exiting: bool = False) -> None:
         """Stop watching and put the pre-fit handlers back; nothing of ours stays installed.
@@ -277,14 +274,8 @@ class GracefulTermination(pl.Callback):
         step = self._trainer.global_step if self._trainer is not None else -1
         log.warning("rank %d: %s received during step %d; starting the health check, stopping at an agreed step",
                     self._rank, name, step + 1)
-        self._emit("termination_signal", signal=name, step=step)
+        self._events.emit(ev.TERMINATION_SIGNAL, signal=name, step=step)
         self._begin(signum, seen_at, f"{name} received")
-
-    def _emit(self, event: str, **fields: Any) -> None:
-        try:
-            self._events.emit(event, **fields)
-        except Exception as exc:  # the event log is a record, never a reason to fail
-            log.debug("event %s not written: %s", event, exc)
 
     def _begin(self, signum: int, started_at: float, cause: str) -> _Termination:
         with self._lock:
@@ -302,7 +293,7 @@ class GracefulTermination(pl.Callback):
         report = self._health_check.run(deadline=termination.started_at + self._health_check.timeout_s)
         termination.report = report
         termination.report_ready.set()
-        self._emit("health_report", healthy=report.healthy, reasons=report.reasons,
+        self._events.emit(ev.HEALTH_REPORT, healthy=report.healthy, reasons=report.reasons,
                    duration_s=round(report.duration_s, 6))
         after_ms = (time.monotonic() - termination.started_at) * 1000
         if report.healthy:
@@ -331,7 +322,7 @@ class GracefulTermination(pl.Callback):
             seconds = time.monotonic() - termination.started_at
 
             def _record() -> None:
-                self._emit("unhealthy_exit", exit_code=decision.exit_code, reasons=list(decision.reasons),
+                self._events.emit(ev.UNHEALTHY_EXIT, exit_code=decision.exit_code, reasons=list(decision.reasons),
                            step=step, seconds_since_signal=round(seconds, 6))
                 self._write_exit_record(decision.exit_code, decision, step)
 
@@ -376,7 +367,7 @@ class GracefulTermination(pl.Callback):
                     log.warning("rank %d: at step %d; peer asked to stop after step %d (%s)",
                                 self._rank, step, stop.step, stop.reason)
                 termination.stop = stop
-                self._emit("stop_agreed", step=step, stop_step=stop.step, proposer=stop.rank, reason=stop.reason)
+                self._events.emit(ev.STOP_AGREED, step=step, stop_step=stop.step, proposer=stop.rank, reason=stop.reason)
             peer_unhealthy = self._coordinator.any_peer_unhealthy()
         except Exception as exc:  # a broken store shows up as a collective error soon; do not add one
             if not self._store_error_logged:
@@ -435,7 +426,7 @@ class GracefulTermination(pl.Callback):
         report = self._await_report(termination)
         if not report.healthy:
             self._exit_unhealthy(termination, report)
-        checkpoint = _find_emergency_checkpoint(trainer)
+        checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
         estimate = None
         if checkpoint is not None:
             try:
@@ -467,7 +458,7 @@ class GracefulTermination(pl.Callback):
         else:
             log.warning("rank %d: exiting with %d without a snapshot", self._rank, code)
         termination.exit_code_if_killed = code
-        self._emit("termination_decision", step=step, action=decision.action.value, exit_code=code,
+        self._events.emit(ev.TERMINATION_DECISION, step=step, action=decision.action.value, exit_code=code,
                    reasons=list(decision.reasons),
                    seconds_since_signal=round(time.monotonic() - termination.started_at, 6))
         self._write_exit_record(code, decision, step)
@@ -532,14 +523,6 @@ class GracefulTermination(pl.Callback):
         self._finish()
 
 
-def _find_emergency_checkpoint(trainer: pl.Trainer) -> Any | None:
-    for callback in trainer.callbacks:
-        if callable(getattr(callback, "save_now", None)) and callable(getattr(callback, "estimated_save_seconds",
-                                                                              None)):
-            return callback
-    return None
-
-
 def _disarm_lightning_child_observer(rank: int) -> None:
     # Under Lightning's popen `ddp` launcher, rank 0 runs a thread that SIGKILLs rank 0
     # and all children as soon as any child exits non-zero -- which every rank now does
@@ -562,12 +545,7 @@ def _validate_signals(signals: Sequence[int]) -> tuple[signal.Signals, ...]:
 
 
 def _require(ok: bool, name: str, expected: str, value: Any) -> None:
-    if not ok:
-        raise ValueError(f"GracefulTermination: `{name}` must be {expected}, got {value!r}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    require(ok, f"`{name}`", expected, value, prefix="GracefulTermination: ")
 
 
 __all__ = ["GracefulTermination", "TerminationExit"]

@@ -8,37 +8,21 @@ unhealthy publishes that first, so its peers know why their next collective fail
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass
 from typing import Any
+
+from lightning_ft.schema.termination import (
+    STOP_KEY,
+    UNHEALTHY_COUNT_KEY,
+    StopRequest,
+    decode_unhealthy,
+    encode_unhealthy,
+    unhealthy_key,
+)
 
 log = logging.getLogger(__name__)
 
-STOP_KEY = "stop"
-UNHEALTHY_COUNT_KEY = "unhealthy_count"
-
-
-def _unhealthy_key(rank: int) -> str:
-    return f"unhealthy/{rank}"
-
-
-@dataclass(frozen=True)
-class StopRequest:
-    """The agreed stop: every rank stops after optimizer step ``step``."""
-
-    step: int
-    rank: int  # who proposed it
-    signum: int
-    reason: str
-
-    def encode(self) -> str:
-        return json.dumps({"step": self.step, "rank": self.rank, "signum": self.signum, "reason": self.reason})
-
-    @classmethod
-    def decode(cls, raw: bytes | str) -> "StopRequest":
-        data = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-        return cls(int(data["step"]), int(data["rank"]), int(data["signum"]), str(data["reason"]))
+__all__ = ["LocalStopCoordinator", "StopRequest", "StoreStopCoordinator"]
 
 
 class StoreStopCoordinator:
@@ -78,7 +62,7 @@ class StoreStopCoordinator:
         reached the store when this returns, even if the process exits right after.
         """
         agreed = self.propose(step, signum, f"rank {self.rank} unhealthy")
-        self.store.set(_unhealthy_key(self.rank), json.dumps({"step": step, "reasons": list(reasons)}))
+        self.store.set(unhealthy_key(self.rank), encode_unhealthy(step, reasons))
         self.store.add(UNHEALTHY_COUNT_KEY, 1)
         return agreed
 
@@ -91,8 +75,8 @@ class StoreStopCoordinator:
             return {}
         peers: dict[int, list[str]] = {}
         for rank in range(self.world_size):
-            if rank != self.rank and self.store.check([_unhealthy_key(rank)]):
-                peers[rank] = list(json.loads(self.store.get(_unhealthy_key(rank)).decode())["reasons"])
+            if rank != self.rank and self.store.check([unhealthy_key(rank)]):
+                peers[rank] = decode_unhealthy(self.store.get(unhealthy_key(rank)))
         return peers
 
 

@@ -7,9 +7,9 @@ arguments, missing directory or no events.
 
 What the summary counts (event names are those the ``ddp_ft`` strategy emits):
 
-* rounds: distinct ``cycle`` values of ``round_complete``;
-* failures: ``failure_detected`` events, one incident per cycle (every survivor reports
-  the same failure; they share the cycle that failed);
+* rounds: distinct ``round`` values of ``round_complete``;
+* failures: ``failure_detected`` events, one incident per round (every survivor reports
+  the same failure; they share the round that failed);
 * per failure: the step training had reached, the step restored from (``restored``),
   steps redone (the difference), and the lost time: first detection to the first
   ``first_step_after_recovery`` (the event's own ``seconds_since_failure`` when the
@@ -31,14 +31,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from lightning_ft.events import names as ev
+from lightning_ft.events.log import read_events
+
 # fields every event has; the rest are the event's own "key fields"
 _ENVELOPE = ("t", "mono", "pid", "who", "event")
 _MAX_VALUE_CHARS = 90  # long error texts would make the timeline unreadable
 _STEP_FIELDS = ("step", "global_step")
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp|c):\d+\]\s*")
 _LOST_SECONDS_FIELDS = ("seconds_since_failure", "seconds", "lost_seconds")
-# a participant whose log ends with one of these left on its own terms
-_EXIT_EVENTS = ("finished", "spare_exit", "no_restart", "stopped", "termination_decision", "unhealthy_exit")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class TimelineEntry:
 
 @dataclass(frozen=True)
 class FailureSummary:
-    cycle: int | None
+    round: int | None
     detected_at: float  # seconds since the start of the run
     detected_by: tuple[str, ...]
     error: str
@@ -123,7 +124,7 @@ def display_names(events: Iterable[dict[str, Any]]) -> dict[str, str]:
     for e in events:
         who = str(e.get("who", "?"))
         ids.append(who)
-        if e.get("event") == "join" and isinstance(e.get("domain"), str) and e["domain"]:
+        if e.get("event") == ev.JOIN and isinstance(e.get("domain"), str) and e["domain"]:
             domain_of.setdefault(who, set()).add(e["domain"])
     ids = list(dict.fromkeys(ids))
     names = {who: next(iter(domain_of[who])) if len(domain_of.get(who, ())) == 1 else who for who in ids}
@@ -147,19 +148,19 @@ def build_timeline(events: Iterable[Any]) -> tuple[TimelineEntry, ...]:
 
 
 def _group_failures(timeline: Sequence[TimelineEntry]) -> list[list[TimelineEntry]]:
-    """``failure_detected`` entries grouped into incidents: same cycle, or (no cycle) no new round in between."""
+    """``failure_detected`` entries grouped into incidents: same round, or (no round) no new round in between."""
     incidents: list[list[TimelineEntry]] = []
     open_incident: list[TimelineEntry] | None = None
     for entry in timeline:
-        if entry.event == "round_complete" and open_incident is not None:
-            cycle = _int(entry.fields.get("cycle"))
-            opened = _int(open_incident[0].fields.get("cycle"))
-            if cycle is None or opened is None or cycle > opened:
+        if entry.event == ev.ROUND_COMPLETE and open_incident is not None:
+            round_ = _int(entry.fields.get("round"))
+            opened = _int(open_incident[0].fields.get("round"))
+            if round_ is None or opened is None or round_ > opened:
                 open_incident = None
-        elif entry.event == "failure_detected":
-            cycle = _int(entry.fields.get("cycle"))
-            opened = _int(open_incident[0].fields.get("cycle")) if open_incident is not None else None
-            if open_incident is not None and (cycle is None or opened is None or cycle == opened):
+        elif entry.event == ev.FAILURE_DETECTED:
+            round_ = _int(entry.fields.get("round"))
+            opened = _int(open_incident[0].fields.get("round")) if open_incident is not None else None
+            if open_incident is not None and (round_ is None or opened is None or round_ == opened):
                 open_incident.append(entry)
             else:
                 open_incident = [entry]
@@ -176,9 +177,9 @@ def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[Timelin
     detected_at = incident[0].seconds
     steps = [s for s in (_step_of(e.fields) for e in incident) if s is not None]
     failure_step = max(steps) if steps else None
-    restored = _first_after(timeline, "restored", detected_at, until)
+    restored = _first_after(timeline, ev.RESTORED, detected_at, until)
     restored_step = _step_of(restored.fields) if restored else None
-    first_step = _first_after(timeline, "first_step_after_recovery", detected_at, until)
+    first_step = _first_after(timeline, ev.FIRST_STEP_AFTER_RECOVERY, detected_at, until)
     lost = None
     if first_step is not None:
         lost = first_step.seconds - detected_at
@@ -191,7 +192,7 @@ def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[Timelin
             lost += max(stuck)
     errors = [str(e.fields["error"]) for e in incident if e.fields.get("error")]
     return FailureSummary(
-        cycle=_int(incident[0].fields.get("cycle")),
+        round=_int(incident[0].fields.get("round")),
         detected_at=detected_at,
         detected_by=tuple(dict.fromkeys(e.who for e in incident)),
         error=errors[0] if errors else "",
@@ -205,7 +206,7 @@ def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[Timelin
 
 def _participants(timeline: Sequence[TimelineEntry]) -> tuple[ParticipantSummary, ...]:
     """Who joined the rendezvous (everyone who logged, when no one logged a ``join``: a partial log)."""
-    joined = {e.who for e in timeline if e.event == "join"}
+    joined = {e.who for e in timeline if e.event == ev.JOIN}
     order: dict[str, list[TimelineEntry]] = {}
     for entry in timeline:
         if entry.who in joined or not joined:
@@ -213,7 +214,7 @@ def _participants(timeline: Sequence[TimelineEntry]) -> tuple[ParticipantSummary
     result = []
     for who, entries in order.items():
         roles = tuple("standby" if e.fields.get("standby") else "active"
-                      for e in entries if e.event == "round_complete")
+                      for e in entries if e.event == ev.ROUND_COMPLETE)
         pids = tuple(dict.fromkeys(e.pid for e in entries if e.pid is not None))
         result.append(ParticipantSummary(who=who, participant_id=entries[0].participant_id, pids=pids, roles=roles, last_event=entries[-1].event,
                                          last_seen=entries[-1].seconds))
@@ -221,8 +222,8 @@ def _participants(timeline: Sequence[TimelineEntry]) -> tuple[ParticipantSummary
 
 
 def _final_status(timeline: Sequence[TimelineEntry]) -> tuple[str, str, int | None]:
-    no_restart = [e for e in timeline if e.event == "no_restart"]
-    finished = [e for e in timeline if e.event == "finished"]
+    no_restart = [e for e in timeline if e.event == ev.NO_RESTART]
+    finished = [e for e in timeline if e.event == ev.FINISHED]
     steps = [s for s in (_step_of(e.fields) for e in finished) if s is not None]
     final_step = max(steps) if steps else None
     if no_restart:
@@ -234,8 +235,8 @@ def _final_status(timeline: Sequence[TimelineEntry]) -> tuple[str, str, int | No
         who = ", ".join(dict.fromkeys(e.who for e in finished))
         at = f" at step {final_step}" if final_step is not None else ""
         return "finished", f"finished{at} ({who})", final_step
-    decisions = [e for e in timeline if e.event in ("termination_decision", "unhealthy_exit")]
-    stops = [e for e in timeline if e.event == "stopped"]
+    decisions = [e for e in timeline if e.event in (ev.TERMINATION_DECISION, ev.UNHEALTHY_EXIT)]
+    stops = [e for e in timeline if e.event == ev.STOPPED]
     if decisions or stops:
         codes = sorted({str(e.fields["exit_code"]) for e in decisions if "exit_code" in e.fields})
         steps = [s for s in (_step_of(e.fields) for e in decisions) if s is not None]
@@ -260,14 +261,14 @@ def summarize(events: Iterable[Any]) -> RunSummary:
     participants = _participants(timeline)
     spares_used = tuple(p.who for p in participants
                         if "standby" in p.roles and "active" in p.roles[p.roles.index("standby"):])
-    spares_exited = tuple(dict.fromkeys(e.who for e in timeline if e.event == "spare_exit"))
-    cycles = {c for c in (_int(e.fields.get("cycle")) for e in timeline if e.event == "round_complete")
-              if c is not None}
+    spares_exited = tuple(dict.fromkeys(e.who for e in timeline if e.event == ev.SPARE_EXIT))
+    rounds = {r for r in (_int(e.fields.get("round")) for e in timeline if e.event == ev.ROUND_COMPLETE)
+              if r is not None}
     status, detail, final_step = _final_status(timeline)
     return RunSummary(
         duration=timeline[-1].seconds if timeline else 0.0,
         participants=participants,
-        rounds=len(cycles),
+        rounds=len(rounds),
         failures=tuple(failures),
         spares_used=spares_used,
         spares_exited=spares_exited,
@@ -316,13 +317,13 @@ def format_summary(summary: RunSummary) -> list[str]:
              f"  participants  {len(summary.participants)}"]
     for p in summary.participants:
         roles = " -> ".join(_compress(p.roles)) or "no round completed"
-        end = "" if p.last_event in _EXIT_EVENTS else " (no exit event: killed, or still running)"
+        end = "" if p.last_event in ev.EXIT_EVENTS else " (no exit event: killed, or still running)"
         lines.append(f"    {p.who:<14} {roles}; last: {p.last_event} at +{p.last_seen:.2f}s{end}")
     lines.append(f"  rounds        {summary.rounds}")
     lines.append(f"  failures      {len(summary.failures)}")
     for n, f in enumerate(summary.failures, 1):
-        cycle = f" in cycle {f.cycle}" if f.cycle is not None else ""
-        lines.append(f"    #{n}{cycle} at +{f.detected_at:.2f}s, detected by {', '.join(f.detected_by)}"
+        in_round = f" in round {f.round}" if f.round is not None else ""
+        lines.append(f"    #{n}{in_round} at +{f.detected_at:.2f}s, detected by {', '.join(f.detected_by)}"
                      + (f": {_short(f.error)}" if f.error else ""))
         if f.recovered:
             lines.append(f"       lost time {_fmt_seconds(f.lost_seconds)}; failure step {_fmt_opt(f.failure_step)}, "
@@ -375,8 +376,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lightning_ft.events import read_events
-
     args = _parser().parse_args(argv)
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():

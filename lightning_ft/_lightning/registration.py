@@ -1,4 +1,9 @@
-"""Register the ``ddp_ft`` strategy with Lightning without importing Lightning early."""
+"""Register the ``ddp_ft`` strategy with Lightning without importing Lightning early.
+
+``import lightning_ft`` installs an import watcher; as soon as ``lightning.pytorch`` has
+loaded (before or after this package), ``ddp_ft`` is registered and the known-harmless
+Lightning/torch warnings are filtered (:mod:`lightning_ft._lightning.compat`).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,16 @@ import sys
 
 log = logging.getLogger(__name__)
 
-_TRIGGER_MODULE = "lightning.pytorch.strategies"
+# The whole package, not ``lightning.pytorch.strategies``: that one loads while
+# ``lightning.pytorch`` is still half-initialized (no ``pl.Callback`` yet), and the strategy
+# module imports our callbacks. The registry is read only when a Trainer is built, later.
+_TRIGGER_MODULE = "lightning.pytorch"
 
 
 def _register_strategy() -> None:
+    from lightning_ft._lightning.compat import silence_known_warnings
+
+    silence_known_warnings()
     try:
         module = importlib.import_module("lightning_ft.strategy")
     except ModuleNotFoundError as exc:  # strategy not built yet, or Lightning missing
@@ -36,7 +47,7 @@ class _LoaderThatRegistersAfterwards(importlib.abc.Loader):
 
 
 class _LightningImportWatcher(importlib.abc.MetaPathFinder):
-    """Waits for ``lightning.pytorch.strategies`` to load, then registers ``ddp_ft``."""
+    """Waits for ``lightning.pytorch`` to load, then registers ``ddp_ft``."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname != _TRIGGER_MODULE:

@@ -1,20 +1,28 @@
-"""I/O over the process group: breaking a hung gloo group, and moving snapshots between ranks."""
+"""The process group of one round: creating it, breaking it when a peer hangs, retiring it.
+
+Lightning never destroys a gloo group and cannot swap one under a live DDP model, so the
+strategy owns the group's whole life here: :func:`init_round_group` builds it from the
+round's store prefix (no ``MASTER_PORT``), :class:`GroupTransport` can end a collective that
+waits on a frozen peer, and :func:`retire_group` takes a broken group out of service without
+the destructor deadlock described there. Destroying at interpreter exit is
+:func:`lightning_ft.process.destroy_process_group`.
+"""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
-import time
-from typing import Callable
 
-import torch
 import torch.distributed as dist
 
-from lightning_ft.checkpoint.store import SnapshotStore
-from lightning_ft.strategy.decisions import TransferPlan, plan_snapshot_transfer
+from lightning_ft.process import destroy_process_group
 
 log = logging.getLogger(__name__)
+
+#: process groups broken by a failure, kept until interpreter exit (see retire_group)
+_BROKEN_GROUPS: list = []
 
 _FD_DIR = "/proc/self/fd"
 
@@ -105,57 +113,40 @@ def _port(address) -> int | None:
     return address[1] if isinstance(address, tuple) and len(address) >= 2 else None
 
 
-def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int,
-                       emit: Callable[..., None]) -> TransferPlan | None:
-    """Make the newest snapshot any rank holds available on every rank (collective).
+def init_round_group(backend: str, rank: int, world_size: int, store, init_timeout: float,
+                     pg_timeout: datetime.timedelta | None, store_port: int | None) -> GroupTransport:
+    """Create the default group of a round over ``store`` (a prefix of the rendezvous store).
 
-    All ranks agree on the newest step (one ``all_gather_object``); the lowest rank that
-    holds it sends the verified file bytes point-to-point to each rank that lacks it (a hot
-    spare that just joined, a survivor whose copy was lost). Receivers commit the bytes as
-    their own snapshot, so the ordinary resume path finds it.
+    ``init_timeout`` bounds the creation (a peer that never arrives); the group's own
+    timeout is then set to ``pg_timeout`` (as ``DDPStrategy(timeout=...)``).
     """
-    local = store.readable_steps(include_peers=True)
-    gathered: list[list[int] | None] = [None] * world_size
-    dist.all_gather_object(gathered, local)
-    plan = plan_snapshot_transfer([steps or [] for steps in gathered])
-    emit("snapshot_plan", step=plan.step if plan else None, source=plan.source if plan else None,
-         receivers=list(plan.receivers) if plan else [])
-    if plan is None or not plan.receivers:
-        return plan
-    if rank == plan.source:
-        start = time.perf_counter()
-        blob = b""
-        info = store.find(plan.step, include_peers=True)
-        if info is not None:
-            try:
-                blob = store.read_bytes(info)
-            except Exception as exc:  # noqa: BLE001 - told to the receivers as size -1
-                log.error("rank %d: cannot read snapshot step %d for transfer: %s", rank, plan.step, exc)
-                blob = b""
-        for receiver in plan.receivers:
-            size = torch.tensor([len(blob) if blob else -1], dtype=torch.int64)
-            dist.send(size, dst=receiver)
-            if blob:
-                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=receiver)
-                emit("snapshot_sent", step=plan.step, to_rank=receiver, bytes=len(blob),
-                     seconds=round(time.perf_counter() - start, 4))
-        if not blob:
-            raise RuntimeError(f"ddp_ft: snapshot of step {plan.step} vanished on rank {rank} before it could "
-                               "be sent to the ranks that lack it")
-        log.info("rank %d: sent snapshot step %d (%d bytes) to rank(s) %s in %.3fs", rank, plan.step, len(blob),
-                 list(plan.receivers), time.perf_counter() - start)
-    elif rank in plan.receivers:
-        start = time.perf_counter()
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src=plan.source)
-        nbytes = int(size.item())
-        if nbytes < 0:
-            raise RuntimeError(f"ddp_ft: rank {plan.source} could not send the snapshot of step {plan.step}")
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        dist.recv(buffer, src=plan.source)
-        store.write_bytes(memoryview(buffer.numpy()))
-        seconds = time.perf_counter() - start
-        emit("snapshot_received", step=plan.step, from_rank=plan.source, bytes=nbytes, seconds=round(seconds, 4))
-        log.info("rank %d: received snapshot step %d (%d bytes) from rank %d in %.3fs", rank, plan.step, nbytes,
-                 plan.source, seconds)
-    return plan
+    destroy_process_group()  # a stale group from an earlier round or fit()
+    before = open_sockets()
+    timeout = datetime.timedelta(seconds=init_timeout)
+    if pg_timeout is not None:
+        timeout = min(timeout, pg_timeout)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, store=store, timeout=timeout)
+    if pg_timeout is not None and pg_timeout != timeout:
+        dist.distributed_c10d._set_pg_timeout(pg_timeout)
+    return GroupTransport(before, open_sockets(), store_port)
+
+
+def retire_group(transport: GroupTransport | None) -> None:
+    """Fail every pending collective of the current group, and retire the group.
+
+    The group object is kept alive (``_BROKEN_GROUPS``), not destroyed. Why: when the
+    last reference to a ``ProcessGroupGloo`` goes -- normally when Lightning's teardown
+    unwraps ``DistributedDataParallel`` and drops its reducer -- its destructor joins the
+    gloo worker threads while holding the GIL, and a worker thread still finishing a
+    failed all-reduce needs the GIL to free it: a deadlock (seen under torchrun, gdb:
+    ``~ProcessGroupGloo`` -> ``thread::join`` vs ``~AsyncAllreduceWork`` -> ``take_gil``).
+    Kept alive, it is destroyed at interpreter exit, long after its threads went idle.
+    """
+    if transport is not None:
+        transport.abort()
+    try:
+        if dist.is_available() and dist.is_initialized():
+            _BROKEN_GROUPS.append(dist.distributed_c10d._get_default_group())
+    except (RuntimeError, ValueError):
+        pass
+    destroy_process_group()

@@ -3,16 +3,22 @@
 Each line: ``{"t": wall-clock seconds, "mono": monotonic seconds, "pid": ..., "who": participant,
 "event": name, ...fields}``. Writers append and flush every line, so a process killed with
 SIGKILL loses nothing it logged before. ``lightning-ft report RUN_DIR`` merges the files.
+
+The log is a record, never a reason to fail: :func:`open_event_log` and :meth:`EventLog.emit`
+log a warning and carry on when the directory cannot be written.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
 
 EVENTS_DIR_ENV = "LIGHTNING_FT_EVENTS_DIR"
 
@@ -27,29 +33,50 @@ class EventLog:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in who)
         self.path = self.run_dir / f"events-{safe}-{os.getpid()}.jsonl"
         self._lock = threading.Lock()
+        self._warned = False
+
+    @property
+    def enabled(self) -> bool:
+        return True
 
     def emit(self, event: str, **fields: Any) -> None:
         record = {"t": time.time(), "mono": time.monotonic(), "pid": os.getpid(), "who": self.who,
                   "event": event, **fields}
         line = json.dumps(record, default=str) + "\n"
-        with self._lock, open(self.path, "a", encoding="utf-8") as out:
-            out.write(line)
-            out.flush()
+        try:
+            with self._lock, open(self.path, "a", encoding="utf-8") as out:
+                out.write(line)
+                out.flush()
+        except OSError as exc:
+            if not self._warned:
+                self._warned = True
+                log.warning("event log %s not written (%s); events from here on may be missing", self.path, exc)
 
 
 class NullEventLog:
     """Stands in when no run directory is configured."""
 
     who = ""
+    path = None
+    enabled = False
 
     def emit(self, event: str, **fields: Any) -> None:
         pass
 
 
-def event_log_from_env(who: str, run_dir: str | os.PathLike | None = None) -> EventLog | NullEventLog:
-    """An :class:`EventLog` in ``run_dir`` (else ``$LIGHTNING_FT_EVENTS_DIR``), or a null log."""
+def open_event_log(who: str, run_dir: str | os.PathLike | None = None) -> EventLog | NullEventLog:
+    """An :class:`EventLog` in ``run_dir`` (else ``$LIGHTNING_FT_EVENTS_DIR``), or a null log.
+
+    Never raises: an unusable directory is logged and gives a null log.
+    """
     run_dir = run_dir or os.environ.get(EVENTS_DIR_ENV)
-    return EventLog(run_dir, who) if run_dir else NullEventLog()
+    if not run_dir:
+        return NullEventLog()
+    try:
+        return EventLog(run_dir, who)
+    except OSError as exc:
+        log.warning("no event log in %s: %s", run_dir, exc)
+        return NullEventLog()
 
 
 def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

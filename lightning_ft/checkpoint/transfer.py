@@ -1,0 +1,78 @@
+"""Moving snapshots between the ranks of a newly formed group (a collective on the default group).
+
+After a round forms, every rank must hold the snapshot it will resume from -- a hot spare
+that just joined has none, a survivor may have lost its copy. :func:`exchange_snapshots`
+plans with :func:`~lightning_ft.checkpoint.policy.plan_snapshot_transfer` and sends the
+verified file bytes point to point.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from lightning_ft.checkpoint.policy import TransferPlan, plan_snapshot_transfer
+from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.events import names as ev
+
+log = logging.getLogger(__name__)
+
+
+def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int,
+                       emit: Callable[..., None]) -> TransferPlan | None:
+    """Make the newest snapshot any rank holds available on every rank (collective).
+
+    All ranks agree on the newest step (one ``all_gather_object``); the lowest rank that
+    holds it sends the verified file bytes point-to-point to each rank that lacks it (a hot
+    spare that just joined, a survivor whose copy was lost). Receivers commit the bytes as
+    their own snapshot, so the ordinary resume path finds it.
+    """
+    local = store.readable_steps(include_peers=True)
+    gathered: list[list[int] | None] = [None] * world_size
+    dist.all_gather_object(gathered, local)
+    plan = plan_snapshot_transfer([steps or [] for steps in gathered])
+    emit(ev.SNAPSHOT_PLAN, step=plan.step if plan else None, source=plan.source if plan else None,
+         receivers=list(plan.receivers) if plan else [])
+    if plan is None or not plan.receivers:
+        return plan
+    if rank == plan.source:
+        start = time.perf_counter()
+        blob = b""
+        info = store.find(plan.step, include_peers=True)
+        if info is not None:
+            try:
+                blob = store.read_bytes(info)
+            except Exception as exc:  # noqa: BLE001 - told to the receivers as size -1
+                log.error("rank %d: cannot read snapshot step %d for transfer: %s", rank, plan.step, exc)
+                blob = b""
+        for receiver in plan.receivers:
+            size = torch.tensor([len(blob) if blob else -1], dtype=torch.int64)
+            dist.send(size, dst=receiver)
+            if blob:
+                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=receiver)
+                emit(ev.SNAPSHOT_SENT, step=plan.step, to_rank=receiver, bytes=len(blob),
+                     seconds=round(time.perf_counter() - start, 4))
+        if not blob:
+            raise RuntimeError(f"ddp_ft: snapshot of step {plan.step} vanished on rank {rank} before it could "
+                               "be sent to the ranks that lack it")
+        log.info("rank %d: sent snapshot step %d (%d bytes) to rank(s) %s in %.3fs", rank, plan.step, len(blob),
+                 list(plan.receivers), time.perf_counter() - start)
+    elif rank in plan.receivers:
+        start = time.perf_counter()
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src=plan.source)
+        nbytes = int(size.item())
+        if nbytes < 0:
+            raise RuntimeError(f"ddp_ft: rank {plan.source} could not send the snapshot of step {plan.step}")
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        dist.recv(buffer, src=plan.source)
+        store.write_bytes(memoryview(buffer.numpy()))
+        seconds = time.perf_counter() - start
+        emit(ev.SNAPSHOT_RECEIVED, step=plan.step, from_rank=plan.source, bytes=nbytes, seconds=round(seconds, 4))
+        log.info("rank %d: received snapshot step %d (%d bytes) from rank %d in %.3fs", rank, plan.step, nbytes,
+                 plan.source, seconds)
+    return plan

@@ -1,0 +1,85 @@
+"""Every event a lightning_ft process writes to its run's event log, by name.
+
+One JSON line per event (see :mod:`lightning_ft.events.log`); every line carries ``t`` (wall
+clock), ``mono``, ``pid``, ``who`` (participant id, or ``rank<R>`` for the SIGTERM path
+outside ``ddp_ft``) and ``event``; the fields below are added per event. ``round`` is the
+rendezvous round (under torchrun: its worker-group restart count), ``rank``/``world`` the
+rank and world size in it.
+
+The ``ddp_ft`` strategy (recovery):
+
+=============================  ==================================================================
+event                          fields
+=============================  ==================================================================
+``join``                       participant, domain, endpoint, run_id, min_nodes, max_nodes, store_host
+``round_complete``             round, rank, world, standby (bool: hot spare in this round)
+``group_formed``               round, rank, world, seconds (init_process_group)
+``snapshot_plan``              round, step (newest held by any rank, or null), source, receivers
+``snapshot_sent``              round, step, to_rank, bytes, seconds
+``snapshot_received``          round, step, from_rank, bytes, seconds
+``restored``                   round, step (global step training resumes from)
+``failure_detected``           round, step (training had reached), error, detector (``collective`` | ``hang`` |
+                               ``rendezvous``), stalled (ranks blamed by the hang detector), stuck_seconds
+``decision``                   round, kind (:class:`~lightning_ft.strategy.decisions.FailureKind`),
+                               action (``recover`` | ``raise`` | ``no_restart``), reason
+``round_open``                 round (the new round), after (the failed round), reason
+``first_step_after_recovery``  round, step, seconds_since_failure
+``replica_published``          round, step, bytes (a snapshot put in the store for hot spares)
+``replica_received``           step, bytes (a hot spare kept a copy)
+``spare_exit``                 reason (a hot spare leaves ``fit()``; exit 0)
+``no_restart``                 round, reason (the job cannot go on; exit 83)
+``stopped``                    round, reason (SIGTERM path or another deliberate stop)
+``finished``                   round, rank, step, seconds (fit completed and the exit barrier passed)
+=============================  ==================================================================
+
+The SIGTERM path (``GracefulTermination``):
+
+=============================  ==================================================================
+``termination_signal``         signal, step
+``health_report``              healthy, reasons, duration_s
+``stop_agreed``                step, stop_step, proposer, reason
+``termination_decision``       step, action, exit_code, reasons, seconds_since_signal
+``unhealthy_exit``             exit_code, reasons, step, seconds_since_signal
+=============================  ==================================================================
+
+Lost time of a recovery = ``first_step_after_recovery.t - failure_detected.t`` (re-forming)
+plus the steps trained after the snapshot that was restored (``failure`` step minus
+``restored.step``, times the step time).
+"""
+
+from __future__ import annotations
+
+# the ddp_ft strategy
+JOIN = "join"
+ROUND_COMPLETE = "round_complete"
+GROUP_FORMED = "group_formed"
+SNAPSHOT_PLAN = "snapshot_plan"
+SNAPSHOT_SENT = "snapshot_sent"
+SNAPSHOT_RECEIVED = "snapshot_received"
+RESTORED = "restored"
+FAILURE_DETECTED = "failure_detected"
+DECISION = "decision"
+ROUND_OPEN = "round_open"
+FIRST_STEP_AFTER_RECOVERY = "first_step_after_recovery"
+REPLICA_PUBLISHED = "replica_published"
+REPLICA_RECEIVED = "replica_received"
+SPARE_EXIT = "spare_exit"
+NO_RESTART = "no_restart"
+STOPPED = "stopped"
+FINISHED = "finished"
+
+# the SIGTERM path
+TERMINATION_SIGNAL = "termination_signal"
+HEALTH_REPORT = "health_report"
+STOP_AGREED = "stop_agreed"
+TERMINATION_DECISION = "termination_decision"
+UNHEALTHY_EXIT = "unhealthy_exit"
+
+STRATEGY_EVENTS = (JOIN, ROUND_COMPLETE, GROUP_FORMED, SNAPSHOT_PLAN, SNAPSHOT_SENT, SNAPSHOT_RECEIVED, RESTORED,
+                   FAILURE_DETECTED, DECISION, ROUND_OPEN, FIRST_STEP_AFTER_RECOVERY, REPLICA_PUBLISHED,
+                   REPLICA_RECEIVED, SPARE_EXIT, NO_RESTART, STOPPED, FINISHED)
+TERMINATION_EVENTS = (TERMINATION_SIGNAL, HEALTH_REPORT, STOP_AGREED, TERMINATION_DECISION, UNHEALTHY_EXIT)
+ALL_EVENTS = STRATEGY_EVENTS + TERMINATION_EVENTS
+
+#: a participant whose log ends with one of these left on its own terms
+EXIT_EVENTS = (FINISHED, SPARE_EXIT, NO_RESTART, STOPPED, TERMINATION_DECISION, UNHEALTHY_EXIT)

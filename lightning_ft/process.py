@@ -1,0 +1,197 @@
+"""Process lifetime: bounded waits, forced exits, and what happens at interpreter exit.
+
+Neutral ground for every component (no Lightning import, no torch import at module load):
+
+* :class:`ExitWatchdog` -- the one deadline thread: force ``os._exit(code)`` if the process
+  is still alive at a deadline (a teardown stuck on a broken group, a barrier in another
+  callback, a user thread).
+* :func:`exit_now` -- flush what can be flushed and leave at once.
+* :func:`run_with_timeout` -- run a store call or record write under a bound.
+* :func:`destroy_process_group` -- the one place that destroys the default group.
+* :func:`install_exit_hook` / :func:`plan_exit` -- at interpreter exit, destroy the default
+  group (Lightning never does for gloo, whose threads alive at exit abort about 1 run in
+  15) and, where a termination decided it, force the exit code.
+
+Importing this module has no side effect; components that need the exit hook call
+:func:`install_exit_hook` when they are constructed (see there for why then).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Callable, NoReturn
+
+log = logging.getLogger(__name__)
+
+
+def flush_output(timeout_s: float = 0.2) -> None:
+    """Flush stdio and logging handlers, giving up after ``timeout_s`` (a stalled pipe must not block an exit)."""
+
+    def _flush() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                           if isinstance(lg, logging.Logger)]
+        for logger in loggers:
+            for handler in logger.handlers:
+                try:
+                    handler.flush()
+                except Exception:
+                    pass
+
+    thread = threading.Thread(target=_flush, name="lightning-ft-flush", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush what can be flushed and leave immediately (no atexit, no finalizers).
+
+    ``os._exit`` also skips C++ static destructors, so gloo's abort-at-exit (which needs
+    interpreter finalization) cannot happen on this path and the process group need not
+    be destroyed first.
+    """
+    flush_output()
+    os._exit(int(code))
+
+
+def run_with_timeout(fn: Callable[[], object], timeout_s: float, what: str) -> bool:
+    """Run ``fn`` in a daemon thread; True if it finished (without raising) in time."""
+    outcome: list[bool] = []
+
+    def _target() -> None:
+        try:
+            fn()
+            outcome.append(True)
+        except Exception as exc:
+            log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
+            outcome.append(False)
+
+    thread = threading.Thread(target=_target, name="lightning-ft-bounded", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("%s did not finish within %.2f s; going on without it", what, timeout_s)
+        return False
+    return bool(outcome and outcome[0])
+
+
+class ExitWatchdog:
+    """Forces ``os._exit(code_fn())`` if the process is still alive at the deadline.
+
+    The deadline can only move earlier; :meth:`disarm` cancels it for good. Daemon threads
+    keep running through ``atexit`` and while the interpreter waits for non-daemon
+    threads, which are the places a "finished" process can still hang.
+    """
+
+    def __init__(self, code_fn: Callable[[], int], what: str) -> None:
+        self._code_fn = code_fn
+        self._what = what
+        self._deadline: float | None = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._disarmed = False
+
+    @classmethod
+    def within(cls, seconds: float, code: int, what: str) -> "ExitWatchdog":
+        """A watchdog armed to exit with ``code`` unless disarmed within ``seconds``."""
+        watchdog = cls(lambda: code, what)
+        watchdog.arm(time.monotonic() + seconds)
+        return watchdog
+
+    def arm(self, deadline: float) -> None:
+        with self._cond:
+            if self._disarmed:
+                return
+            if self._deadline is None or deadline < self._deadline:
+                self._deadline = deadline
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lightning-ft-exit-watchdog", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._disarmed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._disarmed:
+                remaining = self._deadline - time.monotonic()  # type: ignore[operator]
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            if self._disarmed:
+                return
+        code = self._code_fn()
+        log.error("%s: still not done at its deadline; forcing exit %d now", self._what, code)
+        exit_now(code)
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group if there is one; never raises."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+            log.debug("destroyed the default process group")
+    except Exception as exc:  # noqa: BLE001 - a broken group may refuse; exiting matters more
+        log.debug("destroying the process group failed: %s: %s", type(exc).__name__, exc)
+
+
+# --- at interpreter exit ----------------------------------------------------------------
+_exit_plan: dict[str, object] = {"destroy_process_group": False, "force_code": None}
+_hook_installed = False
+
+
+def install_exit_hook() -> None:
+    """Register the interpreter-exit handler (idempotent).
+
+    Called when a strategy or termination callback is constructed, i.e. before the training
+    run registers its own handlers (loggers that start during fit). ``atexit`` runs
+    handlers last-in first-out, so ours runs after theirs -- which matters when it forces
+    the exit code with ``os._exit``, skipping whatever would run after it.
+    """
+    global _hook_installed
+    if not _hook_installed:
+        atexit.register(_at_exit)
+        _hook_installed = True
+
+
+def plan_exit(*, destroy_process_group: bool = True, force_code: int | None = None) -> None:
+    """At interpreter exit: destroy the default process group; optionally force the exit code.
+
+    ``force_code`` is for exits that Lightning reports as an ordinary exception (a peer
+    vanished during a termination): the traceback is printed as usual, then the process
+    exits with the decided code instead of 1.
+    """
+    install_exit_hook()
+    if destroy_process_group:
+        _exit_plan["destroy_process_group"] = True
+    if force_code is not None:
+        _exit_plan["force_code"] = int(force_code)
+
+
+def planned_exit_code() -> int | None:
+    """The exit code :func:`plan_exit` forced for interpreter exit, or None."""
+    code = _exit_plan["force_code"]
+    return None if code is None else int(code)  # type: ignore[arg-type]
+
+
+def _at_exit() -> None:
+    if _exit_plan["destroy_process_group"]:
+        destroy_process_group()
+    code = _exit_plan["force_code"]
+    if code is not None:
+        exit_now(int(code))  # type: ignore[arg-type]

@@ -1,0 +1,78 @@
+"""Where the rendezvous store is: the endpoint (parsed once) and hosting or reaching the TCPStore."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+from lightning_ft.rendezvous.settings import RendezvousConfigError
+
+log = logging.getLogger(__name__)
+
+#: as torchrun's c10d backend
+DEFAULT_PORT = 29400
+#: bound on one store request once connected (a request, not a wait: waits poll in slices)
+STORE_OP_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> Endpoint:
+    """Split ``host[:port]``; a clear error names ``--rdzv-endpoint`` when it is malformed."""
+    if not endpoint or not endpoint.strip():
+        raise RendezvousConfigError("rendezvous endpoint is empty; pass --rdzv-endpoint=HOST:PORT")
+    host, sep, port_text = endpoint.strip().rpartition(":")
+    if not sep:
+        host, port_text = endpoint.strip(), str(default_port)
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r}: port {port_text!r} is not a number "
+                                    "(--rdzv-endpoint=HOST:PORT)") from None
+    if not 0 < port < 65536 or not host:
+        raise RendezvousConfigError(f"rendezvous endpoint {endpoint!r} needs a host and a port in "
+                                    "1..65535 (--rdzv-endpoint=HOST:PORT)")
+    return Endpoint(host, port)
+
+
+def connect_store(endpoint: Endpoint, is_host: bool | None, connect_timeout: float,
+                  op_timeout: float = STORE_OP_TIMEOUT) -> tuple[dist.Store, bool]:
+    """Host the TCPStore at the endpoint, or connect to whoever hosts it.
+
+    ``is_host=None`` (the default) hosts when the port can be bound here and connects
+    otherwise, like torch's c10d backend: the first agent to bind the endpoint hosts.
+    Returns the store and whether this process hosts it.
+    """
+    host, port = endpoint.host, endpoint.port
+    timeout = datetime.timedelta(seconds=op_timeout)
+    if is_host is not False:
+        try:
+            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                                  multi_tenant=True)
+            log.info("hosting the rendezvous store at %s", endpoint)
+            return store, True
+        except (RuntimeError, OSError) as exc:
+            if is_host:
+                raise RendezvousConnectionError(
+                    f"is_host=true but the rendezvous store cannot listen on {endpoint}: {exc}") from exc
+            log.debug("not hosting the store at %s (%s); connecting as a client", endpoint, exc)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=connect_timeout))
+    except (RuntimeError, OSError) as exc:
+        raise RendezvousConnectionError(
+            f"cannot reach the rendezvous store at {endpoint} within connect_timeout={connect_timeout}s "
+            f"(--rdzv-endpoint); is the store host running? ({exc})") from exc
+    store.set_timeout(timeout)
+    return store, False

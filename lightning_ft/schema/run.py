@@ -1,0 +1,227 @@
+"""Run scope: the rendezvous keys of one run, under ``lightning_ft/<run_id>/``, and their values.
+
+Round-scoped keys carry the round number (``r{N}/...``). Slot keys are shared by all rounds
+and never cleared; the round inside each slot value tells readers which round wrote it.
+Every value a reader decodes has its encoder here, next to it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple, Protocol
+
+# torch's elastic agent writes this key under the store a rendezvous returns once every
+# agent of the group passed its exit barrier. Derived from torch so that a rename fails
+# loudly at import instead of silently leaving standby nodes waiting forever.
+try:
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN
+except ImportError as exc:  # pragma: no cover - depends on the torch version
+    raise ImportError(
+        "lightning_ft needs torch's elastic exit-barrier key names "
+        "(_TERMINAL_STATE_SYNC_ID, _LAST_MEMBER_CHECKIN); this torch version renamed them") from exc
+
+EXIT_BARRIER_PREFIX = _TERMINAL_STATE_SYNC_ID
+EXIT_BARRIER_KEY = _TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN
+
+#: the unit separator between the fields of a value: never in host names, ids or domains
+SEP = "\x1f"
+
+
+class RunKeys:
+    """Key layout under ``lightning_ft/<run_id>/``."""
+
+    def __init__(self, run_id: str) -> None:
+        self.prefix = f"lightning_ft/{run_id}"
+        p = self.prefix
+        #: the current round (an integer counter; ``compare_set`` moves it on)
+        self.round = f"{p}/round"
+        self.closed_for_good = f"{p}/closed_for_good"
+        self.lost_count = f"{p}/lost_count"
+        self.unhealthy_count = f"{p}/unhealthy_count"
+        self.last_actives = f"{p}/last_actives"
+        self.shutdown_acks = f"{p}/shutdown_acks"
+
+    def round_key(self, round_id: int, name: str) -> str:
+        return f"{self.prefix}/r{round_id}/{name}"
+
+    def arrived(self, round_id: int) -> str:
+        return self.round_key(round_id, "arrived")
+
+    def written(self, round_id: int) -> str:
+        return self.round_key(round_id, "written")
+
+    def withdrawn(self, round_id: int) -> str:
+        return self.round_key(round_id, "withdrawn")
+
+    def closed(self, round_id: int) -> str:
+        return self.round_key(round_id, "closed")
+
+    def ready(self, round_id: int) -> str:
+        return self.round_key(round_id, "ready")
+
+    def coordinator(self, round_id: int) -> str:
+        return self.round_key(round_id, "coordinator")
+
+    def coordinator_beat(self, round_id: int) -> str:
+        return self.round_key(round_id, "coordinator_beat")
+
+    def round_store_prefix(self, round_id: int) -> str:
+        """Prefix of the store handed to the training job of this round (see :mod:`.round`)."""
+        return self.round_key(round_id, "job")
+
+    def exit_barrier(self, round_id: int) -> str:
+        return f"{self.round_store_prefix(round_id)}/{EXIT_BARRIER_KEY}"
+
+    def slot(self, index: int) -> str:
+        return f"{self.prefix}/slot/{index}"
+
+    def slot_rank(self, index: int) -> str:
+        return f"{self.prefix}/slot/{index}/rank"
+
+    def heartbeat(self, participant_id: str) -> str:
+        return f"{self.prefix}/heartbeat/{participant_id}"
+
+    def lost_marker(self, participant_id: str) -> str:
+        return f"{self.prefix}/lost/{participant_id}"
+
+    def ack(self, participant_id: str) -> str:
+        return f"{self.prefix}/ack/{participant_id}"
+
+    def slot_keys(self, count: int) -> list[str]:
+        return list(_slot_keys(self.prefix, count))
+
+
+@lru_cache(maxsize=8)
+def _slot_keys(prefix: str, count: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}/slot/{i}" for i in range(count))
+
+
+# ---------------------------------------------------------------------------- slots
+
+_SLOT_VERSION = "1"
+
+
+class SlotWriter(Protocol):
+    participant_id: str
+    infra_rank: int
+    domain_id: str
+
+
+class Slot(NamedTuple):
+    """What a slot key holds: the round it was written in, the participant, its status.
+
+    A NamedTuple, not a dataclass: the coordinator decodes every slot of a round on each
+    re-read, and for 10,000 slots object construction cost more than the ``multi_get``.
+    """
+
+    round: int
+    withdrawn: bool
+    infra_rank: int
+    domain_id: str
+    participant_id: str
+
+
+def encode_slot(round_id: int, info: SlotWriter, withdrawn: bool = False) -> bytes:
+    # flat separator format; round first, so stale slots can be told apart before decoding
+    return SEP.join((str(round_id), _SLOT_VERSION, "1" if withdrawn else "0", str(info.infra_rank),
+                     info.domain_id, info.participant_id)).encode()
+
+
+def decode_slot(raw: bytes) -> Slot | None:
+    """Decode a slot value; ``None`` for anything that is not a well-formed slot."""
+    try:
+        round_text, version, withdrawn, infra, domain, participant_id = raw.decode().split(SEP)
+        if version != _SLOT_VERSION:
+            return None
+        return Slot(int(round_text), withdrawn == "1", int(infra), domain, participant_id)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+class SlotRank(NamedTuple):
+    """The coordinator's answer for one slot: rank ``-1`` is standby."""
+
+    round: int
+    rank: int
+    world_size: int
+
+
+def encode_slot_rank(round_id: int, rank: int, world_size: int) -> str:
+    return f"{round_id},{rank},{world_size}"
+
+
+def decode_slot_rank(raw: bytes) -> SlotRank | None:
+    try:
+        round_text, rank, world = raw.decode().split(",")
+        return SlotRank(int(round_text), int(rank), int(world))
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def encode_last_actives(round_id: int, participant_ids: list[str] | tuple[str, ...]) -> str:
+    return SEP.join([str(round_id), *participant_ids])
+
+
+def decode_last_actives(raw: bytes) -> tuple[int, tuple[str, ...]] | None:
+    """(round, participant ids in rank order) of the newest completed round, or None."""
+    try:
+        round_text, *ids = raw.decode().split(SEP)
+        return int(round_text), tuple(ids)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def encode_ready(world_size: int, standby: int, seconds: float) -> str:
+    """The ``ready`` marker of a round; only its presence is acted on, the value is for humans."""
+    return f"{world_size},{standby},{seconds:.4f}"
+
+
+# ---------------------------------------------------------------------------- closing
+
+class CloseKind(enum.Enum):
+    """Why a run's rendezvous was closed for good."""
+
+    #: the actives completed ``fit()`` (or torchrun's agents passed the exit barrier)
+    FINISHED = "finished"
+    #: a deliberate stop: the SIGTERM path, a KeyboardInterrupt, SystemExit
+    STOPPED = "stopped"
+    #: a participant failed with its own error, or gave up (NO_RESTART)
+    FAILED = "failed"
+    #: fewer than ``min_nodes`` participants can still take part
+    TOO_FEW_NODES = "too_few_nodes"
+    #: closed from outside (torch's ``set_closed()``), or a value not written by this schema
+    CLOSED = "closed"
+
+    @property
+    def label(self) -> str:
+        return _LABELS[self]
+
+
+_LABELS = {CloseKind.FINISHED: "job finished", CloseKind.STOPPED: "job stopped", CloseKind.FAILED: "job failed",
+           CloseKind.TOO_FEW_NODES: "too few nodes", CloseKind.CLOSED: "closed"}
+
+
+@dataclass(frozen=True)
+class CloseReason:
+    """The value of ``closed_for_good``: a kind to act on and a text for people."""
+
+    kind: CloseKind
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.kind.label}: {self.text}"
+
+    def encode(self) -> str:
+        return f"{self.kind.value}{SEP}{self.text}"
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "CloseReason":
+        text = raw.decode(errors="replace")
+        kind_text, sep, rest = text.partition(SEP)
+        try:
+            return cls(CloseKind(kind_text), rest) if sep else cls(CloseKind.CLOSED, text)
+        except ValueError:
+            return cls(CloseKind.CLOSED, text)

@@ -1,0 +1,49 @@
+"""Termination scope: the SIGTERM path's stop step and unhealthy notices.
+
+Keys live under ``lightning_ft/termination/<namespace>/`` on the process group's store; the
+namespace is fresh for every ``fit()`` (chosen by rank 0), because stores outlive worker
+groups (torchrun keeps one across restarts) and an old stop key must never stop a new run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+STOP_KEY = "stop"
+UNHEALTHY_COUNT_KEY = "unhealthy_count"
+
+
+def namespace_prefix(namespace: str) -> str:
+    return f"lightning_ft/termination/{namespace}/"
+
+
+def unhealthy_key(rank: int) -> str:
+    return f"unhealthy/{rank}"
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """The agreed stop: every rank stops after optimizer step ``step``."""
+
+    step: int
+    rank: int  # who proposed it
+    signum: int
+    reason: str
+
+    def encode(self) -> str:
+        return json.dumps({"step": self.step, "rank": self.rank, "signum": self.signum, "reason": self.reason})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "StopRequest":
+        data = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        return cls(int(data["step"]), int(data["rank"]), int(data["signum"]), str(data["reason"]))
+
+
+def encode_unhealthy(step: int, reasons: list[str]) -> str:
+    return json.dumps({"step": step, "reasons": list(reasons)})
+
+
+def decode_unhealthy(raw: bytes) -> list[str]:
+    """The reasons a rank gave when it left as unhealthy."""
+    return [str(r) for r in json.loads(raw.decode())["reasons"]]

@@ -1,0 +1,311 @@
+"""How one ``ddp_ft`` process runs ``fit()``: the launchers Lightning calls instead of its own.
+
+:class:`FaultTolerantLauncher` (rendezvous mode) -- the loop around Lightning's ``_fit_impl``:
+
+1. join the barrier rendezvous; a hot spare blocks there until a failure needs it, and
+   returns from ``fit()`` (exit 0) when the job finishes or the rendezvous is closed for good;
+2. an active participant runs ``_fit_impl``: the strategy's ``setup_distributed`` builds the
+   round's group, shares the newest snapshot and starts the watchdog, and
+   ``EmergencyCheckpoint``'s auto-resume restores the snapshot;
+3. a failure goes to :class:`~lightning_ft.strategy.recovery.FailureHandler`, which either
+   prepares the next round (back to 1, inside the same ``fit()`` call) or ends the process;
+4. success: the actives pass torch's elastic exit barrier for the round, close the
+   rendezvous for good (spares leave), acknowledge, and destroy the group.
+
+:class:`ElasticLauncher` -- under torchrun: run ``fit`` once (torchrun restarts workers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.states import TrainerStatus
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.utils import store as store_util
+
+from lightning_ft._lightning.callbacks import first_callback_of_type
+from lightning_ft.checkpoint.callback import EmergencyCheckpoint
+from lightning_ft.checkpoint.replication import ReplicaPuller
+from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.events import names as ev
+from lightning_ft.process import destroy_process_group
+from lightning_ft.rendezvous.barrier import ParticipantExcludedError, RoundResult
+from lightning_ft.schema.run import CloseKind
+from lightning_ft.strategy.decisions import EndAction, decide_on_rendezvous_end, looks_like_collective_error
+from lightning_ft.strategy.recovery import FailureHandler, exception_chain, first_line, give_up
+from lightning_ft.strategy.session import RoundRuntime, Session
+from lightning_ft.strategy.settings import StrategyConfigError, StrategySettings
+from lightning_ft.strategy.spare_monitor import SpareMonitor
+from lightning_ft.termination.callback import GracefulTermination
+
+if TYPE_CHECKING:
+    from lightning_ft.strategy.strategy import FaultTolerantDDPStrategy
+
+log = logging.getLogger(__name__)
+
+
+class _SpareTerminated(BaseException):
+    """SIGTERM arrived while this process waited in the rendezvous."""
+
+
+def add_default_callbacks(trainer: Any, settings: StrategySettings) -> None:
+    """Recovery needs snapshots and the SIGTERM path: add what the Trainer does not have."""
+    if first_callback_of_type(trainer, EmergencyCheckpoint) is None:
+        trainer.callbacks.append(EmergencyCheckpoint(every_n_steps=settings.snapshot_every_n_steps,
+                                                     every_n_seconds=settings.snapshot_every_n_seconds,
+                                                     run_id=settings.run_id))
+        log.info("ddp_ft: added EmergencyCheckpoint(every_n_steps=%s, every_n_seconds=%s) for recovery",
+                 settings.snapshot_every_n_steps, settings.snapshot_every_n_seconds)
+    if settings.graceful_termination and first_callback_of_type(trainer, GracefulTermination) is None:
+        trainer.callbacks.append(GracefulTermination())
+        log.info("ddp_ft: added GracefulTermination() for the SIGTERM path")
+
+
+def _refuse_other_stages(trainer: Any) -> None:
+    stage = getattr(getattr(trainer, "state", None), "fn", None)
+    if stage is not None and stage.value != "fit":
+        raise StrategyConfigError(
+            f"ddp_ft: trainer.{stage.value}() is not supported; ddp_ft runs fit() only (its process group "
+            "and rendezvous end with fit). Evaluate with another Trainer, e.g. Trainer(devices=1) on the "
+            "fitted model or a checkpoint, or strategy='ddp' under torchrun")
+
+
+class FaultTolerantLauncher(_Launcher):
+    """Runs ``fit`` in this process inside the rendezvous/recovery loop (see the module docstring)."""
+
+    def __init__(self, strategy: "FaultTolerantDDPStrategy") -> None:
+        self._strategy = strategy
+        self._finished = False
+        self._callbacks_added = False
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def kill(self, signum) -> None:
+        pass  # no child processes
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        strategy = self._strategy
+        _refuse_other_stages(trainer)
+        if self._finished:
+            raise StrategyConfigError(
+                f"ddp_ft: run {strategy.run_id!r} already ended in this process; a FaultTolerantDDPStrategy "
+                "runs one fit() per run_id (use a new run_id, and a new Trainer, for another fit)")
+        strategy.trainer = trainer
+        session = self._open_session()
+        if not self._callbacks_added and trainer is not None:
+            self._callbacks_added = True
+            add_default_callbacks(trainer, strategy.settings)
+        failures = FailureHandler(strategy, session)
+        failures_without_progress = 0
+        failure_at: float | None = None
+        while True:
+            result = self._join_round(session)
+            if result is None:
+                self._finished = True
+                return None  # a spare that was not needed (or the job ended): leave fit() cleanly
+            strategy.round = RoundRuntime(result, result.round, failure_at)
+            strategy.trained = True
+            try:
+                output = function(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - every exception is classified by the handler
+                failures_without_progress = 1 if strategy.round.progressed else failures_without_progress + 1
+                failure_at = failures.handle(exc, trainer, failures_without_progress)
+                continue  # recovered: re-form the group and run fit again
+            self._finished = True
+            self._finish_success(session, result)
+            return output
+
+    def _open_session(self) -> Session:
+        strategy = self._strategy
+        try:
+            return strategy.open_session()
+        except RendezvousError as exc:
+            give_up(strategy, f"cannot reach the rendezvous store: {exc}", cause=exc)
+
+    # ------------------------------------------------------------------ joining a round
+
+    def _join_round(self, session: Session) -> RoundResult | None:
+        """Block until active in a round; ``None`` when this process should leave fit() cleanly."""
+        rendezvous = session.rendezvous
+        was_active = self._strategy.trained
+        previous_handler = _install_sigterm_raiser()
+        monitor = self._start_spare_monitor(session)
+        try:
+            while True:
+                result = rendezvous.join_round()
+                session.events.emit(ev.ROUND_COMPLETE, round=result.round, rank=result.rank,
+                                    world=result.world_size, standby=not result.is_active)
+                if result.is_active:
+                    return result
+                rendezvous.wait_while_standby(result.round)
+        except (RendezvousGracefulExitError, RendezvousClosedError) as exc:
+            return self._rendezvous_ended(session, str(exc), timed_out=False)
+        except RendezvousTimeoutError as exc:
+            return self._rendezvous_ended(session, str(exc), timed_out=True)
+        except _SpareTerminated:
+            rendezvous.withdraw("SIGTERM while waiting in the rendezvous")
+            rendezvous.shutdown(job_finished=False)
+            session.events.emit(ev.SPARE_EXIT, reason="SIGTERM while waiting in the rendezvous")
+            if was_active:
+                raise SystemExit(128 + signal.SIGTERM) from None
+            log.info("ddp_ft: SIGTERM while waiting as a hot spare; leaving fit()")
+            self._leave_as_spare()
+            return None
+        except (RuntimeError, OSError) as exc:  # the store itself (DistStoreError is a RuntimeError)
+            give_up(self._strategy, f"lost the rendezvous store at {self._strategy.settings.launch.endpoint}: "
+                                    f"{type(exc).__name__}: {exc}", cause=exc)
+        except RendezvousError as exc:  # extra participant, unhealthy
+            if isinstance(exc, ParticipantExcludedError) and not was_active:
+                log.error("ddp_ft: %s", exc)
+                session.events.emit(ev.SPARE_EXIT, reason=str(exc))
+                self._leave_as_spare()
+                return None
+            give_up(self._strategy, f"rendezvous failed: {exc}", cause=exc)
+        finally:
+            _restore_sigterm(previous_handler)  # first: a SIGTERM from here on is the caller's to handle
+            if monitor is not None:
+                monitor.stop()
+
+    def _rendezvous_ended(self, session: Session, reason: str, timed_out: bool) -> None:
+        rendezvous = session.rendezvous
+        closed = None
+        if not timed_out:
+            try:
+                closed = rendezvous.closed_reason()
+            except (RuntimeError, OSError):
+                closed = None
+        was_active = self._strategy.trained
+        action = decide_on_rendezvous_end(was_active, closed.kind if closed else None, timed_out)
+        text = str(closed) if closed is not None else reason
+        if action is EndAction.RETURN:
+            rendezvous.shutdown(job_finished=False)
+            session.events.emit(ev.SPARE_EXIT, reason=text)
+            log.info("ddp_ft: leaving fit() (%s): %s", "job over" if was_active else "hot spare not needed", text)
+            self._leave_as_spare()
+            return None
+        if closed is not None and closed.kind is CloseKind.TOO_FEW_NODES:
+            message = f"no hot spare left to replace the lost participant(s): {closed}"
+        else:
+            message = f"the job cannot go on: {text}"
+        give_up(self._strategy, message)
+
+    def _leave_as_spare(self) -> None:
+        strategy = self._strategy
+        strategy.leave_as_spare()
+        trainer = strategy.trainer
+        if trainer is not None:
+            trainer.state.status = TrainerStatus.FINISHED
+            trainer.state.stage = None
+        destroy_process_group()
+
+    def _start_spare_monitor(self, session: Session) -> SpareMonitor:
+        strategy = self._strategy
+        settings = strategy.settings
+        checkpoint = first_callback_of_type(strategy.trainer, EmergencyCheckpoint)
+
+        def open_snapshot_store() -> SnapshotStore | None:
+            if checkpoint is None:
+                return None
+            return SnapshotStore(checkpoint.root, checkpoint.run_id, 0, checkpoint.keep_last)
+
+        replicas = ReplicaPuller(settings.domain_id, settings.replication_factor, open_snapshot_store,
+                                 session.events.emit)
+        monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys,
+                               dead_after=session.rendezvous.settings.dead_after, open_round=session.open_round,
+                               replicas=replicas)
+        monitor.start()
+        return monitor
+
+    # ------------------------------------------------------------------ success
+
+    def _finish_success(self, session: Session, result: RoundResult) -> None:
+        strategy = self._strategy
+        strategy.stop_round_threads()
+        start = time.monotonic()
+        timeout = strategy.settings.timeouts.exit_barrier_timeout
+        try:
+            # torch's elastic exit barrier, same keys and semantics as the agent's: spares
+            # watching keys.exit_barrier(round) see that this round's actives finished
+            store_util.barrier(session.round_store(result), result.world_size, key_prefix=_TERMINAL_STATE_SYNC_ID,
+                               barrier_timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - our work is done; a peer lost at the very end is no reason to fail
+            log.warning("ddp_ft: exit barrier of round %d did not complete within %.0fs (%s); finishing anyway",
+                        result.round, timeout, exc)
+        step = strategy.trainer.global_step if strategy.trainer is not None else None
+        session.events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=step,
+                            seconds=round(time.monotonic() - start, 4))
+        session.rendezvous.shutdown(job_finished=True, reason=f"round {result.round} completed fit()")
+        destroy_process_group()
+        log.info("ddp_ft: fit() finished in round %d as rank %d at step %s", result.round, result.rank, step)
+
+
+class ElasticLauncher(_Launcher):
+    """Under torchrun: run ``fit`` once; destroy the group at the end (Lightning never does for gloo)."""
+
+    def __init__(self, strategy: "FaultTolerantDDPStrategy") -> None:
+        self._strategy = strategy
+        self._callbacks_added = False
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def kill(self, signum) -> None:
+        pass
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        strategy = self._strategy
+        strategy.trainer = trainer
+        # torchrun's worker-group restarts play the part of rounds
+        strategy.round = RoundRuntime(None, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+        if not self._callbacks_added and trainer is not None:
+            self._callbacks_added = True
+            add_default_callbacks(trainer, strategy.settings)
+        strategy.trained = True  # torchrun starts workers only on active nodes
+        try:
+            output = function(*args, **kwargs)
+        except BaseException as exc:
+            if looks_like_collective_error(exception_chain(exc)):
+                # torchrun restarts this worker; Lightning's teardown must not wait on the broken group
+                log.warning("ddp_ft: collective failed (%s: %s); torchrun restarts the workers",
+                            type(exc).__name__, first_line(exc))
+                strategy.round.retire_group()
+            raise
+        destroy_process_group()
+        return output
+
+
+def _install_sigterm_raiser():
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def raise_in_main(signum, frame):
+        raise _SpareTerminated()
+
+    try:
+        return signal.signal(signal.SIGTERM, raise_in_main)
+    except (ValueError, OSError):
+        return None
+
+
+def _restore_sigterm(previous) -> None:
+    if previous is None:
+        return
+    try:
+        signal.signal(signal.SIGTERM, previous)
+    except (ValueError, OSError, TypeError):
+        pass

@@ -1,0 +1,152 @@
+"""What one ``ddp_ft`` process keeps while it takes part in a run: the session and its rounds.
+
+* :class:`Session` -- per process, across rounds: the rendezvous store, this participant's
+  side of the barrier rendezvous, the run's keys and the event log.
+* :class:`RoundRuntime` -- per round this process trains in: the rendezvous result, the
+  process group's transport, the watchdog and the step clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from lightning_ft.events import EventLog, NullEventLog
+from lightning_ft.events import names as ev
+from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
+from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
+from lightning_ft.rendezvous.store import connect_store
+from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
+from lightning_ft.strategy.process_group import GroupTransport, retire_group
+from lightning_ft.strategy.settings import HangSettings, StrategySettings
+from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """Per-process rendezvous state (kept across rounds)."""
+
+    store: Any
+    rendezvous: BarrierRendezvous
+    participant: ParticipantInfo
+    keys: RunKeys
+    hosting_store: bool
+    events: EventLog | NullEventLog
+
+    @classmethod
+    def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> "Session":
+        """Reach (or host) the store and build this participant. Raises ``RendezvousError``
+        when the store cannot be reached; ``events_for(participant_id)`` opens the event log."""
+        launch = settings.launch
+        store, hosting = connect_store(launch.endpoint, settings.is_store_host, settings.timeouts.connect_timeout)
+        participant = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
+        rendezvous = BarrierRendezvous(store, settings.rendezvous(), participant, is_store_host=hosting,
+                                       heartbeat_store_factory=store.clone)
+        session = cls(store, rendezvous, participant, RunKeys(launch.run_id), hosting,
+                      events_for(participant.participant_id))
+        session.events.emit(ev.JOIN, participant=participant.participant_id, domain=settings.domain_id,
+                            endpoint=str(launch.endpoint), run_id=launch.run_id, min_nodes=launch.min_nodes,
+                            max_nodes=launch.max_nodes, store_host=hosting)
+        log.info("ddp_ft: participant %s (domain %s) joins run %s at %s (nodes %d:%d)%s",
+                 participant.participant_id, settings.domain_id, launch.run_id, launch.endpoint, launch.min_nodes,
+                 launch.max_nodes, "; hosting the store" if hosting else "")
+        return session
+
+    def round_store(self, result: RoundResult, store: Any = None) -> dist.PrefixStore:
+        """The job's store of a round (on ``store``, default the session's connection)."""
+        return dist.PrefixStore(result.store_prefix, self.store if store is None else store)
+
+    def open_round(self, failed_round: int, reason: str) -> int:
+        """Open the round after ``failed_round`` (idempotent across participants); returns it."""
+        new = self.rendezvous.open_next_round(failed_round, reason)
+        self.events.emit(ev.ROUND_OPEN, round=new, after=failed_round, reason=reason)
+        return new
+
+    def close(self, kind: CloseKind, text: str) -> None:
+        """Close the rendezvous for good; a store that is gone is logged, not raised."""
+        try:
+            self.rendezvous.close_for_good(CloseReason(kind, text))
+        except (RuntimeError, OSError) as exc:
+            log.warning("ddp_ft: could not close the rendezvous: %s", exc)
+
+
+@dataclass
+class RoundRuntime:
+    """One round this process trains in.
+
+    ``failure_at`` is the ``time.monotonic()`` of the failure that led to this round (None
+    for the first); the first completed step after it is reported as the recovery's end.
+    """
+
+    result: RoundResult | None
+    round_id: int | None
+    failure_at: float | None = None
+    clock: StepClock = field(default_factory=StepClock)
+    transport: GroupTransport | None = None
+    watchdog: RoundWatchdog | None = None
+    #: a training step completed in this round
+    progressed: bool = False
+    awaiting_first_step: bool = False
+
+    def __post_init__(self) -> None:
+        self.awaiting_first_step = self.failure_at is not None
+
+    def step_started(self) -> None:
+        self.clock.started(time.monotonic())
+
+    def step_finished(self) -> float | None:
+        """Record a completed optimizer step; returns seconds since the failure when it is the
+        first step after a recovery, else None."""
+        now = time.monotonic()
+        self.clock.finished(now)
+        self.progressed = True
+        if not self.awaiting_first_step:
+            return None
+        self.awaiting_first_step = False
+        return now - self.failure_at if self.failure_at is not None else None
+
+    def start_watchdog(self, session: Session, hang: HangSettings, global_step: Callable[[], int | None]) -> None:
+        """Watch this round from a thread with its own store connection (see :class:`RoundWatchdog`)."""
+        result, events, keys = self.result, session.events, session.keys
+        clone = session.store.clone()
+
+        def on_trigger(detector: str, reason: str, stalled: tuple[int, ...]) -> None:
+            if detector == "hang":
+                # the trainer's step, not the clock's (it restarts with every round); and how long
+                # the step had been stuck, which the report counts as lost time
+                began = self.clock.in_flight_since
+                events.emit(ev.FAILURE_DETECTED, round=result.round, step=global_step(), error=reason,
+                            detector="hang", stalled=list(stalled),
+                            stuck_seconds=None if began is None else round(time.monotonic() - began, 3))
+            opened = int(clone.compare_set(keys.round, str(result.round), str(result.round + 1)))
+            if detector == "hang" and opened == result.round + 1:
+                events.emit(ev.ROUND_OPEN, round=result.round + 1, after=result.round, reason=reason)
+
+        transport = self.transport
+        self.watchdog = RoundWatchdog(
+            round_store=session.round_store(result, clone), rdzv_store=clone, round_key=keys.round,
+            heartbeat_key=keys.heartbeat, round_id=result.round, rank=result.rank, world_size=result.world_size,
+            clock=self.clock, hang_detection=hang.enabled, hang_floor=hang.floor, hang_factor=hang.safety_factor,
+            dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,
+            break_group=transport.abort if transport is not None else (lambda: 0),
+            poll_interval=hang.watchdog_interval)
+        self.watchdog.start()
+
+    def stop_watchdog(self) -> RoundWatchdog | None:
+        """Stop the watchdog (if any) and return it, so its verdict can be read."""
+        watchdog, self.watchdog = self.watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
+        return watchdog
+
+    def retire_group(self) -> None:
+        """Break the round's group (pending collectives fail) and retire it; see
+        :func:`~lightning_ft.strategy.process_group.retire_group`."""
+        transport, self.transport = self.transport, None
+        retire_group(transport)

@@ -1,0 +1,97 @@
+"""The hot spare's monitor: a background thread while a spare waits in the rendezvous.
+
+It keeps a copy of the newest snapshot when the actives publish one for replication
+(:class:`~lightning_ft.checkpoint.replication.ReplicaPuller`), and opens the next round when
+every active of the current round is silent -- survivors detect the loss of some of them
+themselves, but nobody would open the next round if all of them were gone. It uses a store
+connection of its own (``TCPStore.clone()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from lightning_ft.checkpoint.replication import ReplicaPuller
+from lightning_ft.schema.round import decode_member, member_key
+from lightning_ft.schema.run import RunKeys
+
+log = logging.getLogger(__name__)
+
+
+class SpareMonitor:
+    """Runs on a hot spare while it waits (see the module docstring).
+
+    ``open_round(failed_round, reason)`` opens the next round; ``replicas`` (optional)
+    keeps copies of published snapshots.
+    """
+
+    def __init__(self, *, rdzv_store, keys: RunKeys, dead_after: float, open_round: Callable[[int, str], None],
+                 replicas: ReplicaPuller | None = None, poll_interval: float = 0.25) -> None:
+        self.store = rdzv_store
+        self.keys = keys
+        self.dead_after = dead_after
+        self.open_round = open_round
+        self.replicas = replicas
+        self.poll_interval = poll_interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._watched_round = -1
+        self._members: dict[int, str] = {}
+        self._beats: dict[str, tuple[int, float]] = {}
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="lightning_ft-spare-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_interval):
+            try:
+                self._poll()
+            except Exception as exc:  # noqa: BLE001 - best effort: the main thread owns the real errors
+                log.debug("spare monitor: %s", exc)
+
+    def _poll(self) -> None:
+        round_id = int(self.store.compare_set(self.keys.round, "", "0"))
+        if not self.store.check([self.keys.ready(round_id)]):
+            return  # the round is still forming: nothing trains yet
+        prefix = self.keys.round_store_prefix(round_id)
+        if self.replicas is not None:
+            self.replicas.poll(self.store, prefix)
+        self._watch_actives(round_id, prefix)
+
+    def _watch_actives(self, round_id: int, prefix: str) -> None:
+        if round_id != self._watched_round:
+            self._watched_round = round_id
+            self._members.clear()
+            self._beats.clear()
+        now = time.monotonic()
+        rank = len(self._members)
+        while self.store.check([f"{prefix}/{member_key(rank)}"]):
+            self._members[rank] = decode_member(self.store.get(f"{prefix}/{member_key(rank)}")).participant_id
+            rank += 1
+        if not self._members or self.store.check([self.keys.exit_barrier(round_id)]):
+            return
+        # Only when *every* active is silent (see the module docstring).
+        silent = []
+        for participant in self._members.values():
+            beat = self.store.add(self.keys.heartbeat(participant), 0)
+            seen = self._beats.get(participant)
+            if seen is None or seen[0] != beat:
+                self._beats[participant] = (beat, now)
+            elif now - seen[1] >= self.dead_after:
+                silent.append(participant)
+        if len(silent) == len(self._members):
+            self.open_round(round_id, f"every active of round {round_id} is silent ({', '.join(silent)})")
+            self._beats.clear()
