@@ -188,6 +188,27 @@ def test_sigterm_to_one_active_takes_the_graceful_termination_path(processes, tm
 
 
 @pytest.mark.timeout(60)
+def test_sigterm_events_go_to_the_events_dir_given_to_the_strategy(processes, tmp_path):
+    # events_dir as an argument, LIGHTNING_FT_EVENTS_DIR unset: the SIGTERM path's events must
+    # land in the same run directory (and the same per-process file) as the strategy's
+    events_dir = tmp_path / "given-events"
+    cluster = Cluster(processes, tmp_path, "1:1")
+    cluster.out.mkdir(parents=True, exist_ok=True)
+    cluster.start_store()
+    cluster.start_participant("A", ["--max-steps", "400", *SLOW, "--ft-option", f"events_dir={events_dir}"],
+                              LIGHTNING_FT_EVENTS_DIR="")
+    cluster.wait_for_step(5, 45)
+    cluster.kill("A", signal.SIGTERM)
+    assert cluster.wait(["A"], 40) == {"A": 81}, cluster.logs()
+    files = list(events_dir.glob("events-*.jsonl"))
+    assert len(files) == 1, files
+    names = [json.loads(line)["event"] for line in files[0].read_text().splitlines()]
+    for name in ("join", "round_complete", "termination_signal", "health_report", "termination_decision"):
+        assert name in names, names
+    assert not cluster.events.exists() or not list(cluster.events.glob("*.jsonl"))
+
+
+@pytest.mark.timeout(60)
 def test_sigterm_to_a_waiting_spare_withdraws_it_and_training_goes_on(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:3")
     cluster.start(["A", "B", "C"], ["--max-steps", "80", *SLOW])

@@ -12,6 +12,8 @@ import importlib.util
 import logging
 import sys
 
+from lightning_ft._lightning.compat import silence_known_warnings
+
 log = logging.getLogger(__name__)
 
 # The whole package, not ``lightning.pytorch.strategies``: that one loads while
@@ -21,8 +23,6 @@ _TRIGGER_MODULE = "lightning.pytorch"
 
 
 def _register_strategy() -> None:
-    from lightning_ft._lightning.compat import silence_known_warnings
-
     silence_known_warnings()
     try:
         module = importlib.import_module("lightning_ft.strategy")

@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import logging
 
+from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
+from lightning.pytorch.loops.fit_loop import _FitLoop
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from torch.nn.parallel import DistributedDataParallel
+
 log = logging.getLogger(__name__)
 
 
 def reset_trainer_for_rerun(trainer) -> None:
-    from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
-    from lightning.pytorch.loops.fit_loop import _FitLoop
-    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-    from torch.nn.parallel import DistributedDataParallel
-
     old_fit = trainer.fit_loop
     old_epoch = old_fit.epoch_loop
     if type(old_fit) is _FitLoop and type(old_epoch) is _TrainingEpochLoop \

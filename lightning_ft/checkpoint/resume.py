@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch.distributed as dist
+
 from lightning_ft.checkpoint.policy import choose_resume_step
 from lightning_ft.checkpoint.store import SnapshotStore
 
@@ -17,8 +19,6 @@ def gather_from_ranks(obj: Any) -> list[Any]:
     Only call this where every rank calls it at the same point (resume paths); never from
     a signal handler or a per-rank emergency path.
     """
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()

@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from lightning_ft._validation import require_number
 from lightning_ft.checkpoint import snapshot_format as fmt
 from lightning_ft.checkpoint.policy import plan_write, spare_needed
@@ -74,8 +76,6 @@ def resolve_run_id(run_id: str | None = None, environ: Mapping[str, str] | None 
 
 def current_rank(environ: Mapping[str, str] | None = None) -> int:
     """Global rank: the initialized process group's, else $RANK, else 0."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     env = os.environ if environ is None else environ

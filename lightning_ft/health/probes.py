@@ -16,6 +16,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -194,7 +195,7 @@ class AcceleratorProbe:
     def check(self, deadline: float) -> ProbeResult:
         start = time.monotonic()
         try:
-            import torch
+            import torch  # here, not at the top: the other probes and `lightning-ft health` need no torch
 
             if not torch.cuda.is_available():
                 if self.require_cuda:
@@ -360,8 +361,6 @@ def default_probes(
 
 
 def _tempdir() -> str:
-    import tempfile
-
     return tempfile.gettempdir()
 
 

@@ -8,6 +8,7 @@ settings must not be given. Every error names the setting.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import enum
 import os
@@ -59,32 +60,23 @@ class LaunchConfig:
         return None if self.endpoint is None else self.endpoint.port
 
 
+#: the rendezvous timing of a ddp_ft job (its defaults differ from torchrun's: a training
+#: process, not an agent, waits, and a failure should be replaced promptly)
+DEFAULT_RENDEZVOUS_TIMEOUTS = RendezvousTimeouts(join_timeout=600.0, rejoin_timeout=120.0, last_call_timeout=0.3,
+                                                 previous_active_grace=3.0, heartbeat_interval=0.1)
+
+
 @dataclass(frozen=True)
 class StrategyTimeouts:
-    """Every bounded wait of the strategy, in seconds."""
+    """Every bounded wait of the strategy, in seconds: the rendezvous's, and three of its own."""
 
-    #: the first round must complete within this
-    join_timeout: float = 600.0
-    #: rounds after a failure must complete within this
-    rejoin_timeout: float = 120.0
+    rendezvous: RendezvousTimeouts = DEFAULT_RENDEZVOUS_TIMEOUTS
     #: bound on building the process group of a round (and on the teardown after a failure)
     init_timeout: float = 60.0
     #: bound on waiting for the other actives at the end
     exit_barrier_timeout: float = 60.0
     #: bound on reaching the rendezvous store
     connect_timeout: float = 60.0
-    #: rendezvous heartbeat; a participant silent for 4 beats is dead
-    heartbeat_interval: float = 0.1
-    #: after ``min_nodes`` arrived, wait this long for more
-    last_call_timeout: float = 0.3
-    #: survivors of the previous round keep their places this long
-    previous_active_grace: float = 3.0
-
-    def rendezvous(self) -> RendezvousTimeouts:
-        return RendezvousTimeouts(join_timeout=self.join_timeout, rejoin_timeout=self.rejoin_timeout,
-                                  last_call_timeout=self.last_call_timeout,
-                                  previous_active_grace=self.previous_active_grace,
-                                  heartbeat_interval=self.heartbeat_interval)
 
 
 @dataclass(frozen=True)
@@ -133,13 +125,12 @@ class StrategySettings:
         launch = self.launch
         try:
             return RendezvousSettings(run_id=launch.run_id, min_nodes=launch.min_nodes, max_nodes=launch.max_nodes,
-                                      segment=self.segment, timeouts=self.timeouts.rendezvous())
+                                      segment=self.segment, timeouts=self.timeouts.rendezvous)
         except RendezvousConfigError as exc:
             raise StrategyConfigError(f"{_PREFIX}{exc}") from None
 
 
-_DURATIONS = ("join_timeout", "rejoin_timeout", "init_timeout", "exit_barrier_timeout", "connect_timeout",
-              "heartbeat_interval", "last_call_timeout", "previous_active_grace")
+_OWN_DURATIONS = ("init_timeout", "exit_barrier_timeout", "connect_timeout")
 
 
 def resolve_settings(*, endpoint: str | None, run_id: str | None, min_nodes: int | None, max_nodes: int | None,
@@ -179,10 +170,19 @@ def resolve_settings(*, endpoint: str | None, run_id: str | None, min_nodes: int
         max_recoveries=max_recoveries, pg_timeout=timeout,
         hang=HangSettings(hang_detection, float(hang_timeout_floor), float(hang_safety_factor),
                           float(watchdog_interval)),
-        timeouts=StrategyTimeouts(**{name: float(value) for name, value in durations.items()}))
+        timeouts=_timeouts(durations))
     if launch.mode is LaunchMode.RENDEZVOUS:
         settings.rendezvous()  # segment vs min_nodes and the like, named now rather than at fit()
     return settings
+
+
+def _timeouts(durations: Mapping[str, float]) -> StrategyTimeouts:
+    own = {name: float(value) for name, value in durations.items() if name in _OWN_DURATIONS}
+    rendezvous = {name: float(value) for name, value in durations.items() if name not in _OWN_DURATIONS}
+    try:
+        return StrategyTimeouts(dataclasses.replace(DEFAULT_RENDEZVOUS_TIMEOUTS, **rendezvous), **own)
+    except RendezvousConfigError as exc:
+        raise StrategyConfigError(f"{_PREFIX}{exc}") from None
 
 
 def _number(name: str, value: Any, **rule: Any) -> None:

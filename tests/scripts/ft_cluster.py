@@ -74,11 +74,11 @@ class Cluster:
         return proc
 
     def start_participant(self, name: str, args: list[str], **env: str) -> Any:
-        environment = base_env(
-            LIGHTNING_FT_ENDPOINT=f"127.0.0.1:{self.port}", LIGHTNING_FT_RUN_ID=self.run_id,
-            LIGHTNING_FT_NNODES=self.nnodes, LIGHTNING_FT_DOMAIN_ID=f"host-{name}",
-            LIGHTNING_FT_SNAPSHOT_DIR=str(self.root / f"shm-{name}"), LIGHTNING_FT_EVENTS_DIR=str(self.events),
-            **env)
+        environment = base_env(**{
+            "LIGHTNING_FT_ENDPOINT": f"127.0.0.1:{self.port}", "LIGHTNING_FT_RUN_ID": self.run_id,
+            "LIGHTNING_FT_NNODES": self.nnodes, "LIGHTNING_FT_DOMAIN_ID": f"host-{name}",
+            "LIGHTNING_FT_SNAPSHOT_DIR": str(self.root / f"shm-{name}"), "LIGHTNING_FT_EVENTS_DIR": str(self.events),
+            **env})
         proc = self.launcher.start(name, [sys.executable, SCRIPT, "--out", str(self.out), *args], env=environment)
         self.procs[name] = proc
         return proc
