@@ -3,35 +3,45 @@
 ``import lightning_ft`` installs an import watcher; as soon as ``lightning.pytorch`` has
 loaded (before or after this package), ``ddp_ft`` is registered and the known-harmless
 Lightning/torch warnings are filtered (:mod:`lightning_ft._lightning.compat`).
+
+What is registered is a factory, :func:`create_ddp_ft`, not the class: importing the
+strategy module at that moment would import our callbacks, which may be the very modules
+whose ``import lightning.pytorch`` triggered the watcher (a circular import). The factory
+imports the strategy when Lightning first builds one, by which time every import is done.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
-import logging
 import sys
+from typing import Any
 
 from lightning_ft._lightning.compat import silence_known_warnings
 
-log = logging.getLogger(__name__)
+STRATEGY_NAME = "ddp_ft"
+STRATEGY_DESCRIPTION = "DDP over a barrier rendezvous with hot spares and in-process recovery."
 
 # The whole package, not ``lightning.pytorch.strategies``: that one loads while
-# ``lightning.pytorch`` is still half-initialized (no ``pl.Callback`` yet), and the strategy
-# module imports our callbacks. The registry is read only when a Trainer is built, later.
+# ``lightning.pytorch`` is still half-initialized. The registry is read only when a Trainer
+# is built, later.
 _TRIGGER_MODULE = "lightning.pytorch"
+
+
+def create_ddp_ft(**kwargs: Any) -> Any:
+    """What ``StrategyRegistry.get("ddp_ft")`` calls: a ``FaultTolerantDDPStrategy`` from its settings."""
+    from lightning_ft.strategy.strategy import FaultTolerantDDPStrategy  # on first use (module docstring)
+
+    return FaultTolerantDDPStrategy(**kwargs)
 
 
 def _register_strategy() -> None:
     silence_known_warnings()
-    try:
-        module = importlib.import_module("lightning_ft.strategy")
-    except ModuleNotFoundError as exc:  # strategy not built yet, or Lightning missing
-        log.debug("ddp_ft strategy not registered: %s", exc)
-        return
-    register = getattr(module, "register_strategy", None)
-    if register is not None:
-        register()
+    # loaded by now: this runs once lightning.pytorch has finished importing
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if STRATEGY_NAME not in StrategyRegistry:
+        StrategyRegistry.register(STRATEGY_NAME, create_ddp_ft, description=STRATEGY_DESCRIPTION)
 
 
 class _LoaderThatRegistersAfterwards(importlib.abc.Loader):

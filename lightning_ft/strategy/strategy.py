@@ -37,6 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
+from lightning_ft._lightning.registration import STRATEGY_DESCRIPTION, STRATEGY_NAME
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.checkpoint.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.replication import ReplicaPublisher
@@ -54,7 +55,6 @@ from lightning_ft.strategy.settings import LaunchMode, StrategyConfigError, Stra
 
 log = logging.getLogger(__name__)
 
-STRATEGY_NAME = "ddp_ft"
 
 
 class FaultTolerantDDPStrategy(DDPStrategy):
@@ -355,15 +355,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(STRATEGY_NAME, cls, description=cls.__doc__.splitlines()[0])
+            strategy_registry.register(STRATEGY_NAME, cls, description=STRATEGY_DESCRIPTION)
 
 
 def register_strategy() -> None:
     """Make ``Trainer(strategy="ddp_ft")`` resolve to :class:`FaultTolerantDDPStrategy` (idempotent)."""
     FaultTolerantDDPStrategy.register_strategies(StrategyRegistry)
-
-
-# Importing this module loads lightning.pytorch; when that was the first import of it,
-# lightning_ft's import hook ran while this module was half-initialized and could not
-# register. Registering here covers every import order (it is idempotent).
-register_strategy()

@@ -34,49 +34,25 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
-from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._logging import ensure_log_output
 from lightning_ft._validation import check_number, require
-from lightning_ft.checkpoint.callback import EmergencyCheckpoint
 from lightning_ft.events import NullEventLog, open_event_log
 from lightning_ft.events import names as ev
-from lightning_ft.health import HealthReport, NodeHealthCheck, ProbeResult
+from lightning_ft.health import NodeHealthCheck
 from lightning_ft.health.check import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
 from lightning_ft.health.probes import _env_float, default_probes
-from lightning_ft.process import ExitWatchdog, exit_now, install_exit_hook, plan_exit, run_with_timeout
+from lightning_ft.process import install_exit_hook, plan_exit, run_with_timeout
 from lightning_ft.schema.termination import namespace_prefix
-from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
-from lightning_ft.termination.decision import (
-    Action,
-    Decision,
-    budget_left,
-    decide_on_termination,
-    not_saved_exit_code,
-    resolve_grace_seconds,
-)
+from lightning_ft.termination.coordination import LocalStopCoordinator, StoreStopCoordinator
+from lightning_ft.termination.decision import resolve_grace_seconds
+from lightning_ft.termination.execution import Termination, TerminationExecutor
 from lightning_ft.termination.exit import TerminationExit
-from lightning_ft.termination.exit_records import ENV_EXIT_RECORD_DIR, write_exit_record
+from lightning_ft.termination.exit_records import ENV_EXIT_RECORD_DIR
 from lightning_ft.termination.signals import SignalListener
 
 log = logging.getLogger(__name__)
 
 _STORE_METHODS = ("compare_set", "check", "get", "set", "add")
-_ANNOUNCE_TIMEOUT_S = 0.5  # publishing "unhealthy" must never delay the exit by more
-
-
-class _Termination:
-    """One termination in progress on this rank."""
-
-    def __init__(self, signum: int, started_at: float, cause: str) -> None:
-        self.signum = signum
-        self.started_at = started_at  # time.monotonic() when this rank first knew
-        self.cause = cause
-        self.stop: StopRequest | None = None
-        self.report: HealthReport | None = None
-        self.report_ready = threading.Event()
-        # what a forced exit (watchdog) should report right now: nothing saved yet
-        self.exit_code_if_killed = not_saved_exit_code(signum)
-        self.watchdog = ExitWatchdog(lambda: self.exit_code_if_killed, "lightning_ft termination")
 
 
 class GracefulTermination(pl.Callback):
@@ -166,12 +142,11 @@ class GracefulTermination(pl.Callback):
         install_exit_hook()
 
         self._lock = threading.Lock()
-        self._unhealthy_exit_lock = threading.Lock()
         self._listener: SignalListener | None = None
-        self._termination: _Termination | None = None
+        self._termination: Termination | None = None
+        self._executor: TerminationExecutor | None = None
         self._trainer: pl.Trainer | None = None
         self._coordinator: StoreStopCoordinator | LocalStopCoordinator = LocalStopCoordinator()
-        self._background_coordinator: StoreStopCoordinator | LocalStopCoordinator = self._coordinator
         self._restore_handlers: dict[int, Any] = {}
         self._fit_active = False
         self._last_boundary_step = -1
@@ -209,7 +184,6 @@ class GracefulTermination(pl.Callback):
         self._termination = None
         self._store_error_logged = False
         self._coordinator = self._make_coordinator(trainer)
-        self._background_coordinator = self._coordinator.clone()
         self._last_boundary_step = trainer.global_step
         # Lightning's teardown restores the handlers it found before fit; restore to
         # those as well, never to Lightning's own (collective-calling) handler.
@@ -219,6 +193,11 @@ class GracefulTermination(pl.Callback):
         # the run's event log: the strategy's when it keeps one (ddp_ft: its events_dir, which may
         # come from an argument), else the one LIGHTNING_FT_EVENTS_DIR names
         self._events = getattr(trainer.strategy, "event_log", None) or open_event_log(f"rank{self._rank}")
+        self._executor = TerminationExecutor(
+            health_check=self._health_check, grace_seconds=self.grace_seconds,
+            exit_reserve_seconds=self.exit_reserve_seconds, save_safety_factor=self.save_safety_factor,
+            exit_record_dir=self.exit_record_dir, events=self._events, rank=self._rank, world_size=self._world_size,
+            announcer=self._coordinator.clone(), current_step=self._current_step, fit_active=lambda: self._fit_active)
         self._listener = SignalListener(self.signals, self._on_signal)
         if self._listener.install():
             log.info("rank %d: handling %s (grace %.0f s from %s, health check %.1f s, %d probes)",
@@ -271,71 +250,24 @@ class GracefulTermination(pl.Callback):
 
     def _on_signal(self, signum: int, seen_at: float) -> None:  # watcher thread
         name = signal.Signals(signum).name
-        step = self._trainer.global_step if self._trainer is not None else -1
+        step = self._current_step()
         log.warning("rank %d: %s received during step %d; starting the health check, stopping at an agreed step",
                     self._rank, name, step + 1)
         self._events.emit(ev.TERMINATION_SIGNAL, signal=name, step=step)
         self._begin(signum, seen_at, f"{name} received")
 
-    def _begin(self, signum: int, started_at: float, cause: str) -> _Termination:
+    def _current_step(self) -> int:
+        return self._trainer.global_step if self._trainer is not None else -1
+
+    def _begin(self, signum: int, started_at: float, cause: str) -> Termination:
         with self._lock:
             if self._termination is not None:
                 return self._termination
-            termination = _Termination(signum, started_at, cause)
+            termination = Termination(signum, started_at, cause)
             self._termination = termination
-        termination.watchdog.arm(started_at + max(0.0, self.grace_seconds - self.exit_reserve_seconds / 2))
         _disarm_lightning_child_observer(self._rank)
-        threading.Thread(target=self._run_health_check, args=(termination,),
-                         name="lightning-ft-health", daemon=True).start()
+        self._executor.start(termination)
         return termination
-
-    def _run_health_check(self, termination: _Termination) -> None:  # health thread
-        report = self._health_check.run(deadline=termination.started_at + self._health_check.timeout_s)
-        termination.report = report
-        termination.report_ready.set()
-        self._events.emit(ev.HEALTH_REPORT, healthy=report.healthy, reasons=report.reasons,
-                   duration_s=round(report.duration_s, 6))
-        after_ms = (time.monotonic() - termination.started_at) * 1000
-        if report.healthy:
-            log.warning("rank %d: health check: %s; ready %.0f ms after the signal", self._rank,
-                        report.summary(), after_ms)
-        elif self._fit_active:
-            self._exit_unhealthy(termination, report)
-        else:
-            log.warning("rank %d: health check: %s (training already over; not exiting)", self._rank,
-                        report.summary())
-
-    def _exit_unhealthy(self, termination: _Termination, report: HealthReport) -> None:
-        """Publish "unhealthy, exiting" and leave at once, without saving. Never returns."""
-        with self._unhealthy_exit_lock:  # a second caller blocks here until the process is gone
-            decision = decide_on_termination(
-                healthy=False, health_reasons=report.reasons, has_emergency_checkpoint=False,
-                budget_left_s=0.0, estimated_save_s=None, signum=termination.signum)
-            step = self._trainer.global_step if self._trainer is not None else -1
-            log.error("rank %d: %s; health check took %.0f ms, exiting %.0f ms after the signal at step %d",
-                      self._rank, decision.describe(), report.duration_s * 1000,
-                      (time.monotonic() - termination.started_at) * 1000, step)
-            if self._world_size > 1:
-                coordinator = self._background_coordinator
-                run_with_timeout(lambda: coordinator.announce_unhealthy(step, termination.signum, report.reasons),
-                                 _ANNOUNCE_TIMEOUT_S, f"rank {self._rank}: announcing the unhealthy exit")
-            seconds = time.monotonic() - termination.started_at
-
-            def _record() -> None:
-                self._events.emit(ev.UNHEALTHY_EXIT, exit_code=decision.exit_code, reasons=list(decision.reasons),
-                           step=step, seconds_since_signal=round(seconds, 6))
-                self._write_exit_record(decision.exit_code, decision, step)
-
-            run_with_timeout(_record, _ANNOUNCE_TIMEOUT_S, f"rank {self._rank}: recording the unhealthy exit")
-            exit_now(decision.exit_code)
-
-    def _write_exit_record(self, code: int, decision: Decision, step: int) -> None:
-        if not self.exit_record_dir:
-            return
-        try:
-            write_exit_record(self.exit_record_dir, self._rank, code, decision.action.value, decision.reasons, step)
-        except OSError as exc:
-            log.warning("rank %d: cannot write the exit record to %s: %s", self._rank, self.exit_record_dir, exc)
 
     # ---- the step boundary ----------------------------------------------------------
 
@@ -400,11 +332,11 @@ class GracefulTermination(pl.Callback):
         # A single process has nobody to wait for and stops at its first boundary.
         return self.margin_steps if self._world_size > 1 else 0
 
-    def _stop_here(self, trainer: pl.Trainer, termination: _Termination, step: int, peer_unhealthy: bool) -> None:
+    def _stop_here(self, trainer: pl.Trainer, termination: Termination, step: int, peer_unhealthy: bool) -> None:
         peers = self._unhealthy_peers() if peer_unhealthy else {}
         where = (f"stopping at step {step}: peer(s) exited unhealthy {peers}" if peer_unhealthy
                  else f"reached the agreed stop step {step}")
-        code, decision = self._decide_and_execute(trainer, termination, step, where)
+        code, decision = self._executor.decide_and_execute(trainer, termination, step, where)
         self._finish(trainer, exiting=True)
         plan_exit(destroy_process_group=True)
         termination.watchdog.arm(time.monotonic() + self.exit_timeout_seconds)
@@ -418,61 +350,6 @@ class GracefulTermination(pl.Callback):
 
         run_with_timeout(_ask, 1.0, f"rank {self._rank}: reading unhealthy peers")
         return found
-
-    # ---- the decision -------------------------------------------------------------------
-
-    def _decide_and_execute(self, trainer: pl.Trainer, termination: _Termination, step: int,
-                            where: str) -> tuple[int, Decision]:
-        report = self._await_report(termination)
-        if not report.healthy:
-            self._exit_unhealthy(termination, report)
-        checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
-        estimate = None
-        if checkpoint is not None:
-            try:
-                estimate = checkpoint.estimated_save_seconds()
-            except Exception:
-                log.exception("rank %d: EmergencyCheckpoint.estimated_save_seconds() failed", self._rank)
-        left = budget_left(grace_s=self.grace_seconds, signal_time=termination.started_at,
-                           now=time.monotonic(), exit_reserve_s=self.exit_reserve_seconds)
-        decision = decide_on_termination(
-            healthy=True, has_emergency_checkpoint=checkpoint is not None, budget_left_s=left,
-            estimated_save_s=estimate, signum=termination.signum, save_safety_factor=self.save_safety_factor)
-        elapsed_ms = (time.monotonic() - termination.started_at) * 1000
-        log.warning("rank %d: %s, %.0f ms after %s; health: %s; decision: %s", self._rank, where, elapsed_ms,
-                    termination.cause, report.summary(), decision.describe())
-        code = decision.exit_code
-        if decision.action is Action.SAVE_THEN_EXIT:
-            started = time.monotonic()
-            try:
-                info = checkpoint.save_now(trainer, reason=f"{termination.cause}; stop after step {step}")
-            except Exception as exc:
-                code = not_saved_exit_code(termination.signum)
-                decision = Decision(Action.EXIT_WITHOUT_SAVE, code,
-                                    (*decision.reasons, f"snapshot failed: {type(exc).__name__}: {exc}"))
-                log.exception("rank %d: emergency snapshot failed; exiting with %d (state NOT saved)",
-                              self._rank, code)
-            else:
-                log.warning("rank %d: emergency snapshot of step %d committed in %.2f s (%s); exiting with %d",
-                            self._rank, step, time.monotonic() - started, info, code)
-        else:
-            log.warning("rank %d: exiting with %d without a snapshot", self._rank, code)
-        termination.exit_code_if_killed = code
-        self._events.emit(ev.TERMINATION_DECISION, step=step, action=decision.action.value, exit_code=code,
-                   reasons=list(decision.reasons),
-                   seconds_since_signal=round(time.monotonic() - termination.started_at, 6))
-        self._write_exit_record(code, decision, step)
-        return code, decision
-
-    def _await_report(self, termination: _Termination) -> HealthReport:
-        # NodeHealthCheck returns by its deadline; the slack only covers thread start-up.
-        remaining = termination.started_at + self._health_check.timeout_s + 0.5 - time.monotonic()
-        if termination.report_ready.wait(max(0.0, remaining)) and termination.report is not None:
-            return termination.report
-        healthy = not self._health_check.overrun_is_unhealthy
-        result = ProbeResult("health-check", healthy, "no report by the deadline", self._health_check.timeout_s,
-                             overran=True)
-        return HealthReport(healthy, (result,), self._health_check.timeout_s)
 
     # ---- the exception path and the end of fit -----------------------------------------
 
@@ -505,7 +382,7 @@ class GracefulTermination(pl.Callback):
         step = trainer.global_step
         where = (f"{type(exception).__name__} during the termination (unhealthy peers: {peers or 'none'}); "
                  f"saving from the last completed step {step}")
-        code, _ = self._decide_and_execute(trainer, termination, step, where)
+        code, _ = self._executor.decide_and_execute(trainer, termination, step, where)
         self._finish(trainer, exiting=True)
         # Lightning re-raises the original exception (exit status 1); make the status ours.
         plan_exit(destroy_process_group=True, force_code=code)
