@@ -24,11 +24,9 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lightning_ft from this checkout, installed or not
@@ -36,6 +34,7 @@ from lightning_ft.events import EventLog, read_events  # noqa: E402
 from lightning_ft.events.report import format_report, summarize  # noqa: E402
 
 import common  # noqa: E402  (this directory is on sys.path when the demo runs as a script)
+from procs import Proc, ProcessSet  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -70,53 +69,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------- processes
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-
-class Processes:
-    """Starts each process in its own session and kills every one of them (by pid) at the end."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, Proc] = {}
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
-        log_path = self.log_dir / f"{name}.log"
-        with open(log_path, "wb") as log_file:
-            popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, cwd=REPO_ROOT, start_new_session=True)
-        proc = Proc(name, popen, log_path)
-        self.procs[name] = proc
-        return proc
-
-    def kill_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.popen.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # its session: it and anything it started
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs.values():
-            try:
-                proc.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -171,7 +123,7 @@ class Demo:
         self.run_dir = run_dir
         self.shm_dir = shm_dir
         self.events_dir = run_dir / "events"
-        self.processes = Processes(run_dir)
+        self.processes = ProcessSet(run_dir, cwd=REPO_ROOT)
         self.started = time.monotonic()
         self.deadline = self.started + args.timeout
 

@@ -8,10 +8,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "examples"))
+import procs  # noqa: E402  (the demo's process helper; the demo must not import from tests)
+from procs import Proc  # noqa: E402,F401
 
 
 def free_port() -> int:
@@ -33,56 +35,15 @@ def child_env(**overrides: str) -> dict[str, str]:
     return env
 
 
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log_path: Path
+class ProcessSet(procs.ProcessSet):
+    """The demo's process set plus what tests need: python(), wait_all() and dump_logs()."""
 
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def signal_group(self, sig: int) -> None:
-        """Signal the process and everything it started (it leads its own session)."""
-        try:
-            os.killpg(self.popen.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def signal(self, sig: int) -> None:
-        try:
-            os.kill(self.popen.pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-@dataclass
-class ProcessSet:
-    """Starts processes in their own sessions and kills each whole session at the end."""
-
-    log_dir: Path
-    procs: list[Proc] = field(default_factory=list)
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(log_dir, cwd=REPO_ROOT)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
               cwd: str | Path | None = None) -> Proc:
-        log_path = self.log_dir / f"{name}.log"
-        log_file = open(log_path, "wb")
-        popen = subprocess.Popen(
-            argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env if env is not None else child_env(), cwd=cwd or REPO_ROOT,
-            start_new_session=True,
-        )
-        log_file.close()
-        proc = Proc(name, popen, log_path)
-        self.procs.append(proc)
-        return proc
+        return super().start(name, argv, env=env if env is not None else child_env(), cwd=cwd)
 
     def python(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
         return self.start(name, [sys.executable, *args], env=env)
@@ -91,27 +52,17 @@ class ProcessSet:
         """Wait for every process until the deadline; returns name -> exit code (None = still running)."""
         deadline = time.monotonic() + timeout
         codes: dict[str, int | None] = {}
-        for proc in self.procs:
+        for name, proc in self.procs.items():
             remaining = max(0.0, deadline - time.monotonic())
             try:
-                codes[proc.name] = proc.popen.wait(timeout=remaining)
+                codes[name] = proc.popen.wait(timeout=remaining)
             except subprocess.TimeoutExpired:
-                codes[proc.name] = None
+                codes[name] = None
         return codes
 
     def dump_logs(self) -> str:
         return "\n".join(f"===== {p.name} (pid {p.pid}, rc {p.popen.poll()}) =====\n{p.log()[-6000:]}"
-                         for p in self.procs)
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            proc.signal_group(signal.SIGKILL)
-            proc.signal(signal.SIGKILL)
-        for proc in self.procs:
-            try:
-                proc.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+                         for p in self.procs.values())
 
 
 def child_pids(pid: int) -> set[int]:

@@ -15,12 +15,9 @@ live in tmpfs, not in the process), not a reboot.
 
 from __future__ import annotations
 
-import errno
 import logging
-import mmap
 import os
 import re
-import stat
 import tempfile
 import time
 import uuid
@@ -32,6 +29,16 @@ import torch.distributed as dist
 
 from lightning_ft._validation import require_number
 from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.files import (
+    ReadMap,
+    WritableMaps,
+    close_map,
+    delete_file,
+    listdir,
+    pid_alive,
+    prefault_for_write,
+    reserve,
+)
 from lightning_ft.checkpoint.policy import plan_write, spare_needed
 from lightning_ft.checkpoint.snapshot_format import SnapshotError
 
@@ -44,8 +51,6 @@ DEFAULT_RUN_ID = "default"
 _COMMITTED = re.compile(r"^step-(\d+)\.snap$")
 _TEMP = re.compile(r"^\.tmp-(step-\d+|spare)-(\d+)(?:-[0-9a-f]+)?\.snap$")
 _RANK_DIR = re.compile(r"^rank(\d+)$")
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux value; Python < 3.13 lacks the name
 
 
 def default_root() -> str:
@@ -97,65 +102,6 @@ def ensure_writable_root(root: str) -> None:
         raise ValueError(f"root={root!r} is not a writable directory: {exc}") from exc
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _listdir(directory: str) -> list[str]:
-    # Unreadable peer directories must not crash one rank while the others wait in a collective.
-    try:
-        return os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        log.warning("cannot list %s: %s", directory, exc)
-        return []
-
-
-def _reserve(fd: int, size: int) -> None:
-    """Give the file ``size`` bytes of allocated space (never shrinks it).
-
-    On tmpfs a write through a mapping into a hole that cannot get a page raises SIGBUS and
-    kills the process, so space is allocated up front, where a full /dev/shm is a clean
-    ENOSPC instead. Measured on tmpfs: fallocate + copy costs the same as faulting the pages
-    in during the copy.
-    """
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        if os.fstat(fd).st_size < size:
-            os.ftruncate(fd, size)
-
-
-def _prefault_for_write(mm: mmap.mmap) -> None:
-    """Allocate every page of a shared file mapping and make it writable in our page tables.
-
-    MAP_POPULATE is not enough for fresh tmpfs pages: it maps them read-only, and the first
-    write to each page then takes a fault (measured: a 1 GiB copy 0.16 s instead of 0.08 s).
-    MADV_POPULATE_WRITE (Linux 5.14+) pre-faults for writing in one call; older kernels get
-    one written byte per page, which is slower but has the same effect.
-    """
-    try:
-        mm.madvise(_MADV_POPULATE_WRITE)
-    except (OSError, ValueError):
-        fmt.frombuffer_u8(mm, 0, len(mm))[:: mmap.PAGESIZE].fill_(0)
-
-
-def _close_map(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:
-        pass  # a tensor view still exports it; it is freed with the last reference
-
-
 def _fmt_size(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
@@ -196,9 +142,7 @@ class SnapshotStore:
         self.keep_last = keep_last
         self.run_dir = os.path.join(self.root, self.run_id)
         self.rank_dir = self._rank_dir(rank)
-        # Writable maps of files we committed, by (dev, inode). Reusing the map of a file we
-        # recycle skips re-faulting ~250k pages per GiB (see plan_write).
-        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+        self._maps = WritableMaps()
         self._spare: str | None = None  # our preallocated file, if any
         self._saving = False
         self.remove_stale_temp_files()
@@ -212,14 +156,14 @@ class SnapshotStore:
 
     def ranks(self) -> list[int]:
         """Ranks that have a directory in this run."""
-        names = _listdir(self.run_dir)
+        names = listdir(self.run_dir)
         return sorted(int(m.group(1)) for m in map(_RANK_DIR.match, names) if m)
 
     def list(self, rank: int | None = None) -> list[SnapshotInfo]:
         """Committed snapshots of ``rank`` (default: this store's), newest step first. Not verified."""
         rank = self.rank if rank is None else rank
         directory = self._rank_dir(rank)
-        names = _listdir(directory)
+        names = listdir(directory)
         infos = []
         for name in names:
             m = _COMMITTED.match(name)
@@ -237,7 +181,7 @@ class SnapshotStore:
     def verify(self, info: SnapshotInfo) -> str | None:
         """None if the snapshot is intact, else the reason it must not be loaded."""
         try:
-            with _ReadMap(info.path) as (mm, size):
+            with ReadMap(info.path) as (mm, size):
                 fmt.verify(mm, size)
         except (SnapshotError, OSError, ValueError) as exc:
             return str(exc)
@@ -294,7 +238,7 @@ class SnapshotStore:
             if info is None:
                 raise FileNotFoundError(f"no intact snapshot in {self.rank_dir}")
         start = time.perf_counter()
-        with _ReadMap(info.path) as (mm, size):
+        with ReadMap(info.path) as (mm, size):
             header = fmt.verify(mm, size)
             state = fmt.decode(mm, header)
             # The writer may recycle a committed file for a newer snapshot (another process, or a
@@ -329,7 +273,7 @@ class SnapshotStore:
         start = time.perf_counter()
         enc = fmt.encode(state)
         self._make_dirs()
-        self._drop_stale_maps()
+        self._maps.drop_stale(self.rank_dir)
         existing = {info.step: info for info in self.list()}
         plan = plan_write(existing, step, self.keep_last)
         tmp = self._temp_path(step)
@@ -346,36 +290,28 @@ class SnapshotStore:
             source = "new"
         recycled = source != "new"
         fd = os.open(tmp, os.O_RDWR) if recycled else os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        key = None
         mm = None
         try:
-            st = os.fstat(fd)
-            key = (st.st_dev, st.st_ino)
+            current = os.fstat(fd).st_size
             # Never shrink a recycled file: a reader that still maps it (a peer rank, a
             # transfer) would get SIGBUS past the new end. Slack after file_size is ignored.
-            size = max(st.st_size, enc.file_size)
-            if st.st_size < size or not recycled:
-                _reserve(fd, size)
-            mm = self._maps.pop(key, None)
-            if mm is not None and len(mm) != size:
-                _close_map(mm)
-                mm = None
-            if mm is None:
-                # Populating pays off only for pages that already exist (a recycled file);
-                # for a fresh file it would zero every page up front and then fault anyway.
-                flags = mmap.MAP_SHARED | (_MAP_POPULATE if recycled else 0)
-                mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            size = max(current, enc.file_size)
+            if current < size or not recycled:
+                reserve(fd, size)
+            # Populating pays off only for pages that already exist (a recycled file);
+            # for a fresh file it would zero every page up front and then fault anyway.
+            key, mm = self._maps.map(fd, size, populate=recycled)
             data = fmt.frombuffer_u8(mm, enc.data_off, enc.data_len)
             fmt.copy_tensors(enc, data)
             sums = fmt.block_sums(data)
             del data
             head = fmt.finish(enc, step, time.time(), sums)
             mm[: len(head)] = head
-            self._forget_map(final)
+            self._maps.forget(final)
             os.replace(tmp, final)
         except BaseException:
             if mm is not None:
-                _close_map(mm)
+                close_map(mm)
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
@@ -383,7 +319,7 @@ class SnapshotStore:
             raise
         finally:
             os.close(fd)
-        self._maps[key] = mm
+        self._maps.keep(key, mm)
         committed = len((set(existing) - {plan.recycle}) | {step})
         for old in plan.delete_after_commit:
             committed -= 1
@@ -428,17 +364,10 @@ class SnapshotStore:
         path = self._spare if self._spare is not None and os.path.exists(self._spare) else self._spare_path()
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            st = os.fstat(fd)
-            key = (st.st_dev, st.st_ino)
-            nbytes = max(nbytes, st.st_size)  # never shrink (see _save)
-            _reserve(fd, nbytes)
-            mm = self._maps.pop(key, None)
-            if mm is not None and len(mm) != nbytes:
-                _close_map(mm)
-                mm = None
-            if mm is None:
-                mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            _prefault_for_write(mm)
+            nbytes = max(nbytes, os.fstat(fd).st_size)  # never shrink (see _save)
+            reserve(fd, nbytes)
+            key, mm = self._maps.map(fd, nbytes, populate=False)
+            prefault_for_write(mm)
         except BaseException:
             os.close(fd)
             self._spare = None
@@ -448,7 +377,7 @@ class SnapshotStore:
                 pass
             raise
         os.close(fd)
-        self._maps[key] = mm
+        self._maps.keep(key, mm)
         self._spare = path
         seconds = time.perf_counter() - start
         log.debug("preallocated a %s spare snapshot file for rank %d in %.3f s", _fmt_size(nbytes), self.rank,
@@ -465,34 +394,8 @@ class SnapshotStore:
         return os.path.join(self.rank_dir, f".tmp-step-{step:012d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.snap")
 
     # ------------------------------------------------------------------ removal
-    def _drop_stale_maps(self) -> None:
-        # Another store instance or process may have replaced or pruned files we still map;
-        # a map would keep such an unlinked tmpfs file's memory alive.
-        if not self._maps:
-            return
-        try:
-            live = {entry.inode() for entry in os.scandir(self.rank_dir)}
-        except OSError:
-            live = set()
-        for key in [k for k in self._maps if k[1] not in live]:
-            _close_map(self._maps.pop(key))
-
-    def _forget_map(self, path: str) -> None:
-        # A map keeps an unlinked tmpfs file's pages alive, so drop it before the file goes.
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return
-        mm = self._maps.pop((st.st_dev, st.st_ino), None)
-        if mm is not None:
-            _close_map(mm)
-
     def _delete_path(self, path: str) -> None:
-        self._forget_map(path)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        delete_file(self._maps, path)
 
     def delete(self, info: SnapshotInfo) -> None:
         """Remove one snapshot file."""
@@ -520,7 +423,7 @@ class SnapshotStore:
             return removed
         for name in names:
             m = _TEMP.match(name)
-            if not m or int(m.group(2)) == os.getpid() or _pid_alive(int(m.group(2))):
+            if not m or int(m.group(2)) == os.getpid() or pid_alive(int(m.group(2))):
                 continue
             path = os.path.join(self.rank_dir, name)
             try:
@@ -554,7 +457,7 @@ class SnapshotStore:
             with open(tmp, "xb") as f:
                 f.write(blob)
             os.chmod(tmp, 0o600)
-            self._forget_map(final)
+            self._maps.forget(final)
             os.replace(tmp, final)
         except BaseException:
             try:
@@ -572,43 +475,10 @@ class SnapshotStore:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Release cached memory maps (files stay)."""
-        for mm in self._maps.values():
-            _close_map(mm)
-        self._maps.clear()
+        self._maps.close()
 
     def __enter__(self) -> SnapshotStore:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class _ReadMap:
-    """Read-only, pre-faulted map of a snapshot file owned by this user."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd = -1
-        self.mm: mmap.mmap | None = None
-
-    def __enter__(self) -> tuple[mmap.mmap, int]:
-        self.fd = os.open(self.path, os.O_RDONLY)
-        try:
-            st = os.fstat(self.fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SnapshotError("not a regular file")
-            if st.st_uid != os.getuid():
-                # metadata is unpickled; never from a file another user could have planted
-                raise SnapshotError(f"owned by uid {st.st_uid}, not by this user ({os.getuid()})")
-            if st.st_size < fmt.HEADER_SIZE:
-                raise SnapshotError(f"file too short ({st.st_size} bytes; torn/truncated)")
-            self.mm = mmap.mmap(self.fd, st.st_size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        return self.mm, st.st_size
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.mm is not None:
-            _close_map(self.mm)
-        os.close(self.fd)

@@ -492,7 +492,7 @@ class _Coordinator:
         self._dead: set[str] = set()
         self._unwritten_since: float | None = None
         self._last_reason = ""
-        log.info("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,
+        log.debug("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,
                  round_id, len(self.previous_actives))
 
     def still_mine(self) -> bool:
@@ -579,7 +579,7 @@ class _Coordinator:
         now = self.clock()
         decision = decide_completion(view, self.settings, self.timer, now)
         if decision.reason != self._last_reason:
-            log.info("round %d: %s -> %s", self.round_id, decision.reason, decision.action.value)
+            log.debug("round %d: %s -> %s", self.round_id, decision.reason, decision.action.value)
             self._last_reason = decision.reason
         if decision.action is Action.COMPLETE:
             self._complete(view.arrivals)
@@ -606,5 +606,5 @@ class _Coordinator:
         # ready last: a reader that sees it finds every rank key above already written
         self.store.set(self.keys.ready(self.round_id),
                        encode_ready(world, len(assignment.standby), self.clock() - self.timer.opened_at))
-        log.info("round %d closed: %d active, %d standby (decided in %.3fs)", self.round_id, world,
+        log.debug("round %d closed: %d active, %d standby (decided in %.3fs)", self.round_id, world,
                  len(assignment.standby), self.clock() - self.timer.opened_at)

@@ -1,0 +1,72 @@
+"""Processes the demo (and the test suite) starts: each in a session of its own, its output in a
+log file, and every one of them killed by pid at the end -- also on Ctrl-C or a timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the process and everything it started (it leads its own session)."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.kill(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class ProcessSet:
+    """Starts processes in their own sessions (``start``) and kills each whole session (``kill_all``)."""
+
+    def __init__(self, log_dir: Path, cwd: str | Path | None = None) -> None:
+        self.log_dir = Path(log_dir)
+        self.cwd = cwd
+        #: name -> process, in start order
+        self.procs: dict[str, Proc] = {}
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              cwd: str | Path | None = None) -> Proc:
+        if name in self.procs:  # a second one would be lost to kill_all
+            raise ValueError(f"a process named {name!r} was started already")
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "wb") as log_file:
+            popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, cwd=cwd or self.cwd, start_new_session=True)
+        proc = Proc(name, popen, log_path)
+        self.procs[name] = proc
+        return proc
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            proc.signal_group(signal.SIGKILL)
+            proc.signal(signal.SIGKILL)
+        for proc in self.procs.values():
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
