@@ -62,25 +62,8 @@ class GroupTransport:
     def __init__(self, before: dict[int, str], after: dict[int, str], store_port: int | None) -> None:
         self._sockets: dict[int, str] = {}
         for fd, ident in after.items():
-            if before.get(fd) == ident:
-                continue
-            try:
-                probe = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue
-            try:
-                if probe.type != socket.SOCK_STREAM:
-                    continue
-                try:
-                    peer = probe.getpeername()
-                except OSError:
-                    continue  # a listener
-                local = probe.getsockname()
-                if store_port is not None and store_port in (_port(peer), _port(local)):
-                    continue
+            if before.get(fd) != ident and _with_socket(fd, lambda sock: _is_group_connection(sock, store_port)):
                 self._sockets[fd] = ident
-            finally:
-                probe.close()
         self.aborted = False
 
     @property
@@ -93,20 +76,39 @@ class GroupTransport:
         current = open_sockets()
         count = 0
         for fd, ident in self._sockets.items():
-            if current.get(fd) != ident:
-                continue
-            try:
-                probe = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue
-            try:
-                probe.shutdown(socket.SHUT_RDWR)
+            if current.get(fd) == ident and _with_socket(fd, _shut_down):
                 count += 1
-            except OSError:
-                pass
-            finally:
-                probe.close()
         return count
+
+
+def _with_socket(fd: int, action) -> bool:
+    """``action(sock)`` on a private duplicate of ``fd``; False when ``fd`` is no socket any more."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        return bool(action(sock))
+    finally:
+        sock.close()
+
+
+def _is_group_connection(sock: socket.socket, store_port: int | None) -> bool:
+    if sock.type != socket.SOCK_STREAM:
+        return False
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return False  # a listener
+    return store_port is None or store_port not in (_port(peer), _port(sock.getsockname()))
+
+
+def _shut_down(sock: socket.socket) -> bool:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
 
 
 def _port(address) -> int | None:
