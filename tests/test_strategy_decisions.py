@@ -27,8 +27,8 @@ from lightning_ft.strategy.settings import LaunchMode, StrategyConfigError, reso
 # ------------------------------------------------------------------ hang timeout
 
 
-def test_first_step_of_a_round_is_exempt():
-    assert hang_timeout([], floor=5.0, safety_factor=10.0) is None
+def test_before_the_first_sample_the_floor_is_the_timeout():
+    assert hang_timeout([], floor=5.0, safety_factor=10.0) == 5.0
 
 
 def test_hang_timeout_scales_the_slowest_recent_step_with_a_floor():
@@ -263,3 +263,30 @@ def test_under_torchrun_the_agent_owns_the_rendezvous():
         resolve_launch_config(None, None, 2, 3, env)
     with pytest.raises(StrategyConfigError, match="rdzv-id"):
         resolve_launch_config(None, "other", None, None, env)
+
+
+def test_every_rank_waiting_in_a_collective_and_still_is_a_deadlock():
+    peers = [PeerState(1, 150, 0.0, waiting="reduce from model_checkpoint.py:750", still_seconds=3.0)]
+    verdict = find_stalled_ranks(0, 150, peers, dead_after=0.4, own_waiting="broadcast from loop.py:265",
+                                 confirm_seconds=1.0)
+    assert verdict.deadlock and verdict.stalled == ()
+    assert "rank 0: broadcast from loop.py:265" in verdict.reason and "rank 1: reduce" in verdict.reason
+
+
+@pytest.mark.parametrize("own_waiting, peer_waiting, still", [
+    (None, "reduce", 3.0),            # this rank is busy outside a collective (a long save)
+    ("barrier", None, 3.0),           # a peer is busy outside a collective
+    ("barrier", "reduce", 0.5),       # the peer's position moved recently
+])
+def test_no_deadlock_while_some_rank_works_or_moves(own_waiting, peer_waiting, still):
+    peers = [PeerState(1, 150, 0.0, waiting=peer_waiting, still_seconds=still)]
+    verdict = find_stalled_ranks(0, 150, peers, dead_after=0.4, own_waiting=own_waiting, confirm_seconds=1.0)
+    assert not verdict.deadlock and verdict.stalled == ()
+
+
+def test_a_detected_deadlock_is_recovered_like_a_broken_group_until_it_repeats():
+    facts = FailureFacts("RuntimeError", is_collective_error=True, deadlock_detected=True)
+    assert classify_failure(facts) is FailureKind.DEADLOCK
+    assert decide_recovery(FailureKind.DEADLOCK, 1, 2, 0, None).action is RecoveryAction.RECOVER
+    again = decide_recovery(FailureKind.DEADLOCK, 3, 2, 1, None)
+    assert again.action is RecoveryAction.NO_RESTART and "deadlock" in again.reason

@@ -26,23 +26,47 @@ from lightning_ft.strategy.launcher import FaultTolerantLauncher, add_default_ca
 GLOO_ERROR = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
 
 
+class Tracker:
+    """What a test observes about a model, kept outside it: after a recovery the model's own
+    attributes are reset to what they were when fit() started, as in a relaunched process, and a
+    failure injected from outside (a peer dying) does not come back with them."""
+
+    def __init__(self, fail_at=()):
+        self.fail_at = set(fail_at)
+        self.steps_seen: list[int] = []
+        self.setup_calls = 0
+
+
+TRACKERS: dict[int, Tracker] = {}
+
+
 class Model(pl.LightningModule):
     def __init__(self, fail_at=(), error=RuntimeError, message=GLOO_ERROR):
         super().__init__()
         self.net = nn.Linear(4, 1)
-        self.fail_at = set(fail_at)
+        TRACKERS[id(self)] = Tracker(fail_at)
         self.error, self.message = error, message
-        self.steps_seen: list[int] = []
-        self.setup_calls = 0
+
+    @property
+    def tracker(self) -> Tracker:
+        return TRACKERS[id(self)]
+
+    @property
+    def steps_seen(self) -> list[int]:
+        return self.tracker.steps_seen
+
+    @property
+    def setup_calls(self) -> int:
+        return self.tracker.setup_calls
 
     def setup(self, stage):
-        self.setup_calls += 1
+        self.tracker.setup_calls += 1
 
     def training_step(self, batch, batch_idx):
         step = self.trainer.global_step
         self.steps_seen.append(step)
-        if step in self.fail_at:
-            self.fail_at.discard(step)
+        if step in self.tracker.fail_at:
+            self.tracker.fail_at.discard(step)
             raise self.error(self.message)
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
@@ -212,12 +236,13 @@ class FailInsideDDPBeforeForward(pl.Callback):
     """
 
     def __init__(self, at_step):
-        self.at_step = at_step
+        TRACKERS[id(self)] = Tracker(fail_at=[at_step])  # outside the callback (see Tracker)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step != self.at_step:
+        fail_at = TRACKERS[id(self)].fail_at
+        if trainer.global_step not in fail_at:
             return
-        self.at_step = None
+        fail_at.discard(trainer.global_step)
 
         def fail_once(module, args):
             handle.remove()

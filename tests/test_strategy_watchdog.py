@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from lightning_ft.schema.round import encode_member, member_key, progress_key
+from lightning_ft.schema.round import decode_progress, encode_member, member_key, progress_key
 from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +32,7 @@ def watchdog(store, rank: int, clock: StepClock, triggered: list, hang_floor: fl
 
 def published(store, rank: int) -> int | None:
     key = f"round/{progress_key(rank)}"
-    return int(store.get(key)) if store.check([key]) else None
+    return decode_progress(store.get(key)).completed if store.check([key]) else None
 
 
 def test_progress_is_published_at_most_once_per_progress_interval(store):

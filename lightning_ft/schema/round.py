@@ -43,15 +43,25 @@ def decode_member(raw: bytes) -> Member:
     return Member(participant_id, domain)
 
 
-def encode_progress(completed: int) -> str:
-    return str(int(completed))
+class Progress(NamedTuple):
+    """What a rank's watchdog publishes: steps completed in the round, units of activity, and
+    where it waits in a collective (only published once its own progress is overdue)."""
+
+    completed: int
+    activity: int = 0
+    waiting: str | None = None
 
 
-def decode_progress(raw: bytes) -> int:
+def encode_progress(completed: int, activity: int = 0, waiting: str | None = None) -> str:
+    return SEP.join((str(int(completed)), str(int(activity)), waiting or ""))
+
+
+def decode_progress(raw: bytes) -> Progress:
     try:
-        return int(raw)
+        completed, activity, waiting = raw.decode(errors="replace").split(SEP)
+        return Progress(int(completed), int(activity), waiting or None)
     except ValueError:
-        return 0
+        return Progress(0)
 
 
 # ---------------------------------------------------------------------------- replicas

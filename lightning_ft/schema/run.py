@@ -8,6 +8,7 @@ Every value a reader decodes has its encoder here, next to it.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple, Protocol
@@ -43,6 +44,8 @@ class RunKeys:
         self.unhealthy_count = f"{p}/unhealthy_count"
         self.last_actives = f"{p}/last_actives"
         self.shutdown_acks = f"{p}/shutdown_acks"
+        #: the log versions of the run's loggers, decided once by rank 0 of the first round
+        self.log_versions = f"{p}/log_versions"
 
     def round_key(self, round_id: int, name: str) -> str:
         return f"{self.prefix}/r{round_id}/{name}"
@@ -177,6 +180,18 @@ def decode_last_actives(raw: bytes) -> tuple[int, tuple[str, ...]] | None:
 def encode_ready(world_size: int, standby: int, seconds: float) -> str:
     """The ``ready`` marker of a round; only its presence is acted on, the value is for humans."""
     return f"{world_size},{standby},{seconds:.4f}"
+
+
+def encode_log_versions(versions: list[int | str | None]) -> str:
+    return json.dumps(list(versions))
+
+
+def decode_log_versions(raw: bytes) -> list[int | str | None]:
+    try:
+        versions = json.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError):
+        return []
+    return [v for v in versions if v is None or isinstance(v, (int, str))] if isinstance(versions, list) else []
 
 
 # ---------------------------------------------------------------------------- closing

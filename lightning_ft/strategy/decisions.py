@@ -16,17 +16,17 @@ from lightning_ft.schema.run import CloseKind
 # ------------------------------------------------------------------ hang detection
 
 
-def hang_timeout(step_seconds: Sequence[float], floor: float, safety_factor: float) -> float | None:
-    """Seconds a training step may take before it counts as hung; ``None`` = not monitored.
+def hang_timeout(step_seconds: Sequence[float], floor: float, safety_factor: float) -> float:
+    """Seconds a rank may go without progress before it counts as stuck.
 
     ``step_seconds`` are the durations of the steps completed so far in this round. The
-    first step of a round (no sample yet) is exempt: it includes DDP's parameter broadcast,
-    data-loader start-up and lazy initialisation. The slowest recent step, not the mean,
-    is scaled, so a workload with an occasional slow step (a snapshot, a logging step) does
-    not trip the detector; ``floor`` keeps very fast steps from giving a hair trigger.
+    slowest recent step, not the mean, is scaled, so a workload with an occasional slow step
+    (a snapshot, a logging step) does not trip the detector; ``floor`` keeps very fast steps
+    from giving a hair trigger, and is the whole timeout before the first sample (the first
+    step of a round, setup): a frozen peer or a deadlock is caught there too.
     """
     if not step_seconds:
-        return None
+        return floor
     return max(floor, safety_factor * max(step_seconds))
 
 
@@ -39,27 +39,36 @@ class PeerState:
     completed: int
     #: seconds since the peer's rendezvous heartbeat last moved (as observed here)
     silent_seconds: float
+    #: where the peer waits inside a collective (as it published it), None when it is not in one
+    waiting: str | None = None
+    #: seconds the peer's published position (steps, activity, where it waits) has not changed
+    still_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
 class StallVerdict:
-    """Which ranks a hung step is blamed on (empty: nobody can be blamed yet)."""
+    """Which ranks a stall is blamed on (empty: nobody can be blamed yet); ``deadlock``: every
+    rank waits in a collective and none moves -- they wait for each other."""
 
     stalled: tuple[int, ...]
     reason: str
+    deadlock: bool = False
 
 
-def find_stalled_ranks(own_rank: int, own_completed: int, peers: Iterable[PeerState],
-                       dead_after: float) -> StallVerdict:
-    """Blame an overdue step on the ranks that did not progress.
+def find_stalled_ranks(own_rank: int, own_completed: int, peers: Iterable[PeerState], dead_after: float,
+                       own_waiting: str | None = None, confirm_seconds: float = 0.0) -> StallVerdict:
+    """Blame this rank's overdue progress on the ranks that stopped it.
 
     1. Peers whose heartbeat is silent for ``dead_after`` are frozen (SIGSTOP, a hung
        host, a network partition): they are blamed first.
     2. Otherwise, under DDP every rank enters each gradient all-reduce, so alive ranks are
        at most one step apart; a rank that completed fewer steps than the others stopped
        after the last all-reduce (stuck in ``optimizer.step``, a callback, I/O).
-    3. All alive and level: nobody can be told apart (a slow collective, a stuck rank
-       inside its forward pass) -- no verdict; the process-group timeout still bounds it.
+    3. All alive and level, and every rank -- this one too -- waits inside a collective
+       with nothing moving for ``confirm_seconds``: a deadlock (ranks entered different
+       collectives). Nobody is to blame; the round fails.
+    4. Otherwise nobody can be told apart (a rank busy outside any collective: a long save,
+       slow I/O) -- no verdict; the process-group timeout still bounds it.
     """
     peers = [p for p in peers if p.rank != own_rank]
     frozen = tuple(sorted(p.rank for p in peers if p.silent_seconds >= dead_after))
@@ -74,6 +83,12 @@ def find_stalled_ranks(own_rank: int, own_completed: int, peers: Iterable[PeerSt
                                     f"({ {r: counts[r] for r in behind} } < {most})")
     if own_completed < most:
         return StallVerdict((), f"this rank (completed {own_completed}) is behind its peers ({most})")
+    if own_waiting is not None and all(p.waiting is not None and p.still_seconds >= confirm_seconds
+                                       for p in peers):
+        where = "; ".join(f"rank {r}: {w}" for r, w in sorted([(own_rank, own_waiting),
+                                                                 *((p.rank, p.waiting) for p in peers)]))
+        return StallVerdict((), f"deadlock: every rank waits in a collective at step {own_completed} and none "
+                                f"moves ({where})", deadlock=True)
     return StallVerdict((), "every peer is alive and at the same step")
 
 
@@ -85,6 +100,9 @@ class FailureKind(enum.Enum):
     PEER_LOST = "peer_lost"
     #: the collective failed and nobody is known lost (network blip, timeout): re-form as is
     GROUP_BROKEN = "group_broken"
+    #: every rank waited in a different collective (the watchdog broke the group): re-form
+    #: from the snapshot, the path a relaunch takes; a deadlock that comes back is a bug
+    DEADLOCK = "deadlock"
     #: a peer failed with an error of its own (a bug in training code): not recoverable
     PEER_ERROR = "peer_error"
     #: this process raised something that is not a collective failure: a bug, re-raise
@@ -106,6 +124,8 @@ class FailureFacts:
     newer_round: bool = False
     #: this process's watchdog blamed a hung peer
     hang_detected: bool = False
+    #: this process's watchdog found every rank waiting in a collective, none moving
+    deadlock_detected: bool = False
     #: members of the round whose heartbeat is already silent
     dead_members: tuple[str, ...] = ()
     #: the transport says the peer's end is gone (connection closed/reset by the peer)
@@ -121,10 +141,12 @@ def classify_failure(facts: FailureFacts) -> FailureKind:
     """
     if facts.is_stop:
         return FailureKind.STOP
-    if not facts.is_collective_error and not facts.hang_detected:
+    if not facts.is_collective_error and not facts.hang_detected and not facts.deadlock_detected:
         return FailureKind.LOCAL_ERROR
     if facts.peer_error is not None:
         return FailureKind.PEER_ERROR
+    if facts.deadlock_detected:
+        return FailureKind.DEADLOCK
     if facts.newer_round or facts.hang_detected or facts.dead_members or facts.peer_gone:
         return FailureKind.PEER_LOST
     return FailureKind.GROUP_BROKEN
@@ -182,8 +204,9 @@ def decide_recovery(kind: FailureKind, failures_without_progress: int,
     """What to do about a classified failure.
 
     ``failures_without_progress`` counts failed rounds in a row that completed no training
-    step, including this one: a failure that recurs before any progress (a collective
-    that fails deterministically, a spare that cannot start) must not loop forever.
+    step beyond the step where the previous failure struck, including this one: a failure
+    that recurs before any progress (a collective that fails deterministically, a spare that
+    cannot start, a deadlock) must not loop forever.
     """
     if kind is FailureKind.STOP or kind is FailureKind.LOCAL_ERROR:
         return RecoveryDecision(RecoveryAction.RAISE, f"{kind.value}: not a peer failure; re-raising")
@@ -193,8 +216,9 @@ def decide_recovery(kind: FailureKind, failures_without_progress: int,
     if failures_without_progress > max_failures_without_progress:
         return RecoveryDecision(
             RecoveryAction.NO_RESTART,
-            f"{failures_without_progress} failures in a row without a completed training step "
-            f"(max_failures_without_progress={max_failures_without_progress})")
+            f"{failures_without_progress} failures in a row without a completed training step beyond the "
+            f"previous failure (max_failures_without_progress={max_failures_without_progress}); the last one: "
+            f"{kind.value}")
     if max_recoveries is not None and recoveries >= max_recoveries:
         return RecoveryDecision(RecoveryAction.NO_RESTART,
                                 f"already recovered {recoveries} time(s) (max_recoveries={max_recoveries})")

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+import lightning.pytorch as pl
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerStatus
 from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
@@ -36,6 +37,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.utils import store as store_util
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
+from lightning_ft._lightning.pristine import PristineState
 from lightning_ft.checkpoint.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.replication import ReplicaPuller
 from lightning_ft.checkpoint.store import SnapshotStore
@@ -109,9 +111,14 @@ class FaultTolerantLauncher(_Launcher):
         if not self._callbacks_added and trainer is not None:
             self._callbacks_added = True
             add_default_callbacks(trainer, strategy.settings)
-        failures = FailureHandler(strategy, session)
+        module = next((a for a in args if isinstance(a, pl.LightningModule)), None)
+        datamodule = next((a for a in args if isinstance(a, pl.LightningDataModule)), None)
+        # what a relaunched process would start fit() with; a recovery returns to it
+        pristine = PristineState.capture(trainer, module, datamodule, keep=(EmergencyCheckpoint, GracefulTermination))
+        failures = FailureHandler(strategy, session, pristine, module)
         failures_without_progress = 0
         failure_at: float | None = None
+        failed_at_step: int | None = None
         while True:
             result = self._join_round(session)
             if result is None:
@@ -122,7 +129,12 @@ class FaultTolerantLauncher(_Launcher):
             try:
                 output = function(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - every exception is classified by the handler
-                failures_without_progress = 1 if strategy.round.progressed else failures_without_progress + 1
+                # progress = a step completed beyond where the previous failure struck: a failure
+                # that recurs at the same point after every restore must not loop forever
+                step = trainer.global_step if trainer is not None else 0
+                advanced = strategy.round.progressed and (failed_at_step is None or step > failed_at_step)
+                failures_without_progress = 1 if advanced else failures_without_progress + 1
+                failed_at_step = step if failed_at_step is None else max(step, failed_at_step)
                 failure_at = failures.handle(exc, trainer, failures_without_progress)
                 continue  # recovered: re-form the group and run fit again
             self._finished = True

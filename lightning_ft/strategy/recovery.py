@@ -20,6 +20,8 @@ import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from lightning_ft._lightning.callbacks import callbacks_of_type
+from lightning_ft._lightning.loggers import finalize_failed
+from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer_reset import reset_trainer_for_rerun
 from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import ExitCode
@@ -99,9 +101,12 @@ def give_up(strategy: "FaultTolerantDDPStrategy", message: str, cause: BaseExcep
 class FailureHandler:
     """Handles the failures of one process's rounds (see the module docstring)."""
 
-    def __init__(self, strategy: "FaultTolerantDDPStrategy", session: Session) -> None:
+    def __init__(self, strategy: "FaultTolerantDDPStrategy", session: Session, pristine: PristineState,
+                 module: Any) -> None:
         self._strategy = strategy
         self._session = session
+        self._pristine = pristine
+        self._module = module
 
     def handle(self, exc: BaseException, trainer: Any, failures_without_progress: int) -> float:
         """Prepare the next round and return the failure's ``time.monotonic()``, or raise what ends fit()."""
@@ -118,15 +123,16 @@ class FailureHandler:
             self._end_on_exception(kind, exc, runtime)
             raise exc  # Lightning runs on_exception hooks and its teardown, as for any error
         error_text = f"{type(exc).__name__}: {first_line(exc)}"
-        if detector != "hang":  # the hang detector reported it already, when it fired
+        if detector not in ("hang", "deadlock"):  # the watchdog reported it already, when it fired
             session.events.emit(ev.FAILURE_DETECTED, round=result.round, step=step, error=error_text,
                                 detector=detector, stalled=[])
         log.warning("ddp_ft: round %d failed at step %s (%s, detected by %s): %s", result.round, step, kind.value,
                     detector, error_text)
         runtime.retire_group()  # nothing may wait on the broken group from here on (see retire_group)
-        # callbacks learn about the interruption as Lightning would tell them (GracefulTermination
-        # decides here whether a peer's failure is part of a termination in progress)
+        # callbacks and loggers learn about the interruption as Lightning would tell them
+        # (GracefulTermination decides here whether a peer's failure is part of a termination)
         _call_on_exception(trainer, exc)
+        finalize_failed(trainer)
         if _termination_in_progress(trainer):
             session.close(CloseKind.STOPPED, "a termination is in progress (SIGTERM path)")
             session.events.emit(ev.STOPPED, round=result.round, reason="termination in progress during a peer failure")
@@ -144,13 +150,16 @@ class FailureHandler:
             peer = f" ({facts.peer_error})" if facts.peer_error else ""
             give_up(strategy, f"{decision.reason}{peer}", cause=exc, close=True)
         reset_trainer_for_rerun(trainer)
+        # every participant of the next round -- survivor or spare -- starts from what a fresh
+        # process would have: pristine callbacks, loggers, datamodule and module state
+        self._pristine.restore(trainer, self._module)
         strategy.recoveries += 1
         session.open_round(result.round, f"{kind.value} in round {result.round}: {error_text}")
         return now
 
     def _facts(self, exc: BaseException, runtime: RoundRuntime, watchdog: RoundWatchdog | None) -> FailureFacts:
         chain = exception_chain(exc)
-        hang = watchdog is not None and watchdog.triggered is not None and watchdog.triggered[0] == "hang"
+        detector = watchdog.triggered[0] if watchdog is not None and watchdog.triggered is not None else None
         transport_broken = runtime.transport is not None and runtime.transport.aborted
         peer_error = newer = None
         result, session = runtime.result, self._session
@@ -170,7 +179,8 @@ class FailureHandler:
             exception_type=type(exc).__name__,
             is_collective_error=looks_like_collective_error(chain) or transport_broken,
             is_stop=isinstance(exc, (SystemExit, KeyboardInterrupt)),
-            peer_error=peer_error, newer_round=bool(newer), hang_detected=hang,
+            peer_error=peer_error, newer_round=bool(newer), hang_detected=detector == "hang",
+            deadlock_detected=detector == "deadlock",
             peer_gone=looks_like_peer_gone(chain) and not transport_broken)
 
     def _end_on_exception(self, kind: FailureKind, exc: BaseException, runtime: RoundRuntime) -> None:

@@ -117,7 +117,7 @@ class RoundRuntime:
         clone = session.store.clone()
 
         def on_trigger(detector: str, reason: str, stalled: tuple[int, ...]) -> None:
-            if detector == "hang":
+            if detector in ("hang", "deadlock"):
                 # the trainer's step, not the clock's (it restarts with every round); and how long
                 # the step had been stuck, which the report counts as lost time
                 began = self.clock.in_flight_since
@@ -125,10 +125,11 @@ class RoundRuntime:
                             detector="hang", stalled=list(stalled),
                             stuck_seconds=None if began is None else round(time.monotonic() - began, 3))
             opened = int(clone.compare_set(keys.round, str(result.round), str(result.round + 1)))
-            if detector == "hang" and opened == result.round + 1:
+            if detector in ("hang", "deadlock") and opened == result.round + 1:
                 events.emit(ev.ROUND_OPEN, round=result.round + 1, after=result.round, reason=reason)
 
         transport = self.transport
+        self.clock.touch()  # building the group was progress; the watchdog measures from here
         self.watchdog = RoundWatchdog(
             round_store=session.round_store(result, clone), rdzv_store=clone, round_key=keys.round,
             heartbeat_key=keys.heartbeat, round_id=result.round, rank=result.rank, world_size=result.world_size,

@@ -33,10 +33,18 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.trainer.setup import _log_device_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
+from lightning_ft._lightning.loggers import (
+    continue_history,
+    mark_saved_configs,
+    pin_versions,
+    resolve_versions,
+    versioned_loggers,
+)
 from lightning_ft._lightning.registration import STRATEGY_DESCRIPTION, STRATEGY_NAME
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.checkpoint.callback import EmergencyCheckpoint
@@ -46,7 +54,9 @@ from lightning_ft.checkpoint.transfer import exchange_snapshots
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
 from lightning_ft.process import plan_exit
+from lightning_ft.rendezvous.participant import detect_infra_rank
 from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
+from lightning_ft.schema.run import decode_log_versions, encode_log_versions
 from lightning_ft.strategy.environment import NO_RANK, ElasticEnvironment, RoundEnvironment
 from lightning_ft.strategy.launcher import ElasticLauncher, FaultTolerantLauncher
 from lightning_ft.strategy.process_group import GroupTransport, init_round_group, open_sockets
@@ -174,6 +184,15 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._events: EventLog | NullEventLog | None = None
         self._replicas: ReplicaPublisher | None = None
         self._checkpoint: EmergencyCheckpoint | None = None
+        self._printed_device_info = False
+        if settings.mode is LaunchMode.RENDEZVOUS:
+            # Before the rendezvous nobody knows who is rank 0, yet Lightning's rank-zero output
+            # (the "GPU available" lines in Trainer.__init__, tips) would print on every process,
+            # spares included. Only the scheduler's node 0 prints then; rank 0 of the first round
+            # prints the device lines if that was not it.
+            early_rank = 0 if _scheduler_node_index(settings) == 0 else NO_RANK
+            rank_zero_only.rank = utils_rank_zero_only.rank = early_rank
+            self._printed_device_info = early_rank == 0
         plan_exit(destroy_process_group=True)  # Lightning never destroys a gloo group
         ensure_log_output()
 
@@ -271,7 +290,11 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                  result.rank, result.world_size, seconds, self._process_group_backend)
         session.round_store(result).set(member_key(result.rank),
                                         encode_member(session.participant.participant_id, self.settings.domain_id))
-        self._share_snapshots()
+        if result.rank == 0 and not self._printed_device_info:
+            _log_device_info(self.trainer)  # held back until rank 0 was known (see __init__)
+        self._printed_device_info = True
+        resume_step = self._share_snapshots()
+        self._keep_log_history(session, runtime, resume_step)
         runtime.start_watchdog(session, self.settings.hang, self._global_step)
 
     @property
@@ -282,18 +305,35 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     def _global_step(self) -> int | None:
         return self.trainer.global_step if self.trainer is not None else None
 
-    def _share_snapshots(self) -> None:
-        """After the group formed: make the newest snapshot any rank holds available on every rank."""
+    def _share_snapshots(self) -> int | None:
+        """After the group formed: make the newest snapshot any rank holds available on every rank;
+        returns its step (where training resumes), None without one."""
         checkpoint = first_callback_of_type(self.trainer, EmergencyCheckpoint)
         if checkpoint is None:
-            return
+            return None
         round_id = self.round.round_id if self.round is not None else None
         with SnapshotStore(checkpoint.root, checkpoint.run_id, self.global_rank, checkpoint.keep_last) as store:
-            exchange_snapshots(store, self.global_rank, self.world_size,
-                               lambda event, **f: self.event_log.emit(event, round=round_id, **f))
+            plan = exchange_snapshots(store, self.global_rank, self.world_size,
+                                      lambda event, **f: self.event_log.emit(event, round=round_id, **f))
         if self.round is not None and self.round.failure_at is not None and not checkpoint.auto_resume:
             log.info("ddp_ft: turning on EmergencyCheckpoint auto-resume to continue after the failure")
             checkpoint.auto_resume = True
+        return plan.step if plan is not None else None
+
+    def _keep_log_history(self, session: Session, runtime: RoundRuntime, resume_step: int | None) -> None:
+        """One log version per run on every participant; after a recovery, continue its history."""
+        loggers = versioned_loggers(self.trainer)
+        if loggers:
+            key, store = session.keys.log_versions, session.store
+            if self.global_rank == 0 and not store.check([key]):
+                store.compare_set(key, "", encode_log_versions(resolve_versions(loggers)))
+            store.wait([key], datetime.timedelta(seconds=self.settings.timeouts.init_timeout))
+            pin_versions(loggers, decode_log_versions(store.get(key)))
+        if runtime.failure_at is None:
+            return
+        if resume_step is not None:
+            continue_history(self.trainer, resume_step, is_global_zero=self.global_rank == 0)
+        mark_saved_configs(self.trainer, self)
 
     def leave_as_spare(self) -> None:
         """After fit() returns on a process that is not (or no longer) training: never act as rank 0."""
@@ -313,12 +353,22 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if runtime is not None and (runtime.failure_at is not None or step > 0):
             self.event_log.emit(ev.RESTORED, round=runtime.round_id, step=step)
         self._checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
+        if self._checkpoint is not None and self.settings.mode is LaunchMode.RENDEZVOUS:
+            self._snapshot_round_start(step)
         # rank 0 publishes copies for hot spares; decided once per round, not per step
         self._replicas = None
         if (self.settings.replication_factor and self._checkpoint is not None and self.global_rank == 0
                 and self.settings.mode is LaunchMode.RENDEZVOUS and self.session is not None):
             self._replicas = ReplicaPublisher(self.session.store.clone, self.settings.replication_factor,
                                               self.settings.replica_max_bytes, self.event_log.emit)
+
+    def _snapshot_round_start(self, step: int) -> None:
+        # A round must always have a snapshot to fall back to: without one, a failure before the
+        # first periodic snapshot would restart optimizer and step from scratch on top of weights
+        # DDP broadcast from a survivor's trained model. With it, "from the start" is a restore too.
+        store = self._checkpoint.store
+        if store is None or not any(info.step == step for info in store.list()):
+            self._checkpoint.save_now(self.trainer, reason=f"start of round {self.round.round_id}")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
@@ -345,6 +395,40 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                                  result.world_size)
         return output
 
+    # Collectives and validation batches are progress too (see strategy/watchdog.py): a rank
+    # that keeps entering and leaving them is not stuck, one that stays inside is waiting.
+
+    def _progress(self) -> None:
+        if self.round is not None:
+            self.round.clock.touch()
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._progress()
+        super().barrier(*args, **kwargs)
+        self._progress()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._progress()
+        result = super().broadcast(obj, src)
+        self._progress()
+        return result
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        self._progress()
+        result = super().reduce(tensor, group=group, reduce_op=reduce_op)
+        self._progress()
+        return result
+
+    def all_gather(self, tensor: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        self._progress()
+        result = super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        self._progress()
+        return result
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._progress()
+        return super().validation_step(*args, **kwargs)
+
     def stop_round_threads(self) -> None:
         """Stop the watchdog and wait (bounded) for a replica publication in flight."""
         if self.round is not None:
@@ -356,6 +440,15 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         if STRATEGY_NAME not in strategy_registry:
             strategy_registry.register(STRATEGY_NAME, cls, description=STRATEGY_DESCRIPTION)
+
+
+def _scheduler_node_index(settings: StrategySettings) -> int:
+    if settings.infra_rank is not None:
+        return settings.infra_rank
+    try:
+        return detect_infra_rank()
+    except ValueError:  # a malformed variable is reported when the participant joins
+        return -1
 
 
 def register_strategy() -> None:

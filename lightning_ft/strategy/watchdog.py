@@ -1,17 +1,26 @@
 """The round watchdog: a background thread on every active rank while its round trains.
 
 :class:`RoundWatchdog` publishes the rank's progress in the round store, notices a newer
-round (a peer saw a failure first), and detects a hung step; on either it breaks the process
-group so the blocked collective returns and the recovery path runs. It uses a store
-connection of its own (``TCPStore.clone()``), never the training thread's.
+round (a peer saw a failure first), and detects a stall: a frozen peer (its heartbeat is
+silent), a peer that fell behind, or a deadlock (every rank waits in a collective and none
+moves -- they entered different ones). On any of these it breaks the process group so the
+blocked collective returns and the recovery path runs. It uses a store connection of its own
+(``TCPStore.clone()``), never the training thread's.
+
+What counts as progress (:class:`StepClock`): training steps, validation batches and every
+collective the strategy runs (``barrier``, ``broadcast``, ``reduce``, ``all_gather``), so a
+stall in setup, validation or a checkpoint save is seen, not only one inside a step.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from collections import deque
+from types import FrameType
 from typing import Callable
 
 from lightning_ft.schema.round import decode_member, decode_progress, encode_progress, member_key, progress_key
@@ -21,20 +30,32 @@ log = logging.getLogger(__name__)
 
 
 class StepClock:
-    """Training-step timing of this rank, written by the main thread, read by the watchdog."""
+    """Progress of this rank, written by the training thread, read by the watchdog.
+
+    ``completed``: optimizer steps done in this round; ``activity``: every unit of progress
+    (steps, validation batches, collectives), with the time of the last one.
+    """
 
     def __init__(self, window: int = 20) -> None:
         self.completed = 0
+        self.activity = 0
+        self.last_activity = time.monotonic()
         self.in_flight_since: float | None = None
         self._durations: deque[float] = deque(maxlen=window)
         self._lock = threading.Lock()
 
+    def touch(self, now: float | None = None) -> None:
+        self.activity += 1
+        self.last_activity = time.monotonic() if now is None else now
+
     def started(self, now: float) -> None:
         self.in_flight_since = now
+        self.touch(now)
 
     def finished(self, now: float) -> float | None:
         began, self.in_flight_since = self.in_flight_since, None
         self.completed += 1
+        self.touch(now)
         if began is None:
             return None
         seconds = now - began
@@ -48,13 +69,52 @@ class StepClock:
             return list(self._durations)
 
 
+# where a thread waits inside a collective: torch.distributed's Python functions, DDP's buffer
+# sync, and backward (DDP's gradient all-reduce completes inside it)
+_COLLECTIVE_PATHS = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}nn{os.sep}parallel{os.sep}distributed.py")
+_BACKWARD = (f"torch{os.sep}autograd{os.sep}", "_engine_run_backward")
+# frames skipped when naming the caller: torch and the strategy layers between it and the user
+_PLUMBING = (f"{os.sep}torch{os.sep}", f"lightning{os.sep}pytorch{os.sep}strategies{os.sep}",
+             f"lightning{os.sep}fabric{os.sep}", f"lightning_ft{os.sep}strategy{os.sep}")
+
+
+def waiting_in_collective(frame: FrameType | None) -> str | None:
+    """Where the thread whose innermost frame is ``frame`` waits in a collective, or None.
+
+    The label names the collective and the first caller outside torch and the strategy
+    layers, e.g. ``"broadcast from lightning/pytorch/cli.py:276 (setup)"``.
+    """
+    if frame is None:
+        return None
+    code = frame.f_code
+    in_collective = any(p in code.co_filename for p in _COLLECTIVE_PATHS)
+    in_backward = _BACKWARD[0] in code.co_filename and code.co_name == _BACKWARD[1]
+    if not (in_collective or in_backward):
+        return None
+    caller = frame
+    while caller is not None and any(p in caller.f_code.co_filename for p in _PLUMBING):
+        caller = caller.f_back
+    where = "" if caller is None else \
+        f" from {_short_path(caller.f_code.co_filename)}:{caller.f_lineno} ({caller.f_code.co_name})"
+    return f"{'backward (gradient all-reduce)' if in_backward else code.co_name}{where}"
+
+
+def _short_path(path: str) -> str:
+    for marker in (f"site-packages{os.sep}", f"lightning_ft{os.sep}"):
+        if marker in path:
+            return path.split(marker, 1)[1] if marker != f"lightning_ft{os.sep}" else "lightning_ft/" + \
+                path.split(marker, 1)[1]
+    return os.path.basename(path)
+
+
 class RoundWatchdog:
     """Watches one round on one active rank (see the module docstring).
 
     ``round_store``: a store scoped to the round (``PrefixStore(round prefix, clone)``);
     ``rdzv_store`` + ``round_key``/``heartbeat_key``: the rendezvous keys on the same clone.
     ``on_trigger(detector, reason, stalled)`` runs in the watchdog thread before the group is
-    broken; ``break_group()`` makes the main thread's collective fail.
+    broken; ``break_group()`` makes the training thread's collective fail. Build it on the
+    training thread: that is the thread whose stack tells where this rank waits.
     """
 
     def __init__(self, *, round_store, rdzv_store, round_key: str, heartbeat_key: Callable[[str], str],
@@ -77,18 +137,22 @@ class RoundWatchdog:
         self.on_trigger = on_trigger
         self.break_group = break_group
         self.poll_interval = poll_interval
-        # Peers read a rank's progress only once their own step is overdue (>= hang_floor), so
-        # publishing it every poll is wasted store traffic, which competes with training for
+        # Peers read a rank's progress only once their own progress is overdue (>= hang_floor),
+        # so publishing it every poll is wasted store traffic, which competes with training for
         # the CPU when the store shares the machine; fresh within progress_interval suffices.
         self.progress_interval = min(progress_interval, hang_floor / 4)
-        self._published_at = float("-inf")
+        # a deadlock is declared only after every peer's published position stood still this long
+        self.confirm_seconds = 2 * self.progress_interval + poll_interval
         self.triggered: tuple[str, str, tuple[int, ...]] | None = None
+        self._training_thread = threading.get_ident()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._published = -1
+        self._published: tuple[int, int, str | None] | None = None
+        self._published_at = float("-inf")
         self._members: dict[int, str] = {}
         self._heartbeats: dict[int, tuple[int, float]] = {}
-        self._warned_step = -1
+        self._positions: dict[int, tuple[bytes, float]] = {}
+        self._warned_at = -1
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lightning_ft-round-watchdog", daemon=True)
@@ -109,39 +173,45 @@ class RoundWatchdog:
                 return
 
     def _poll(self) -> bool:
-        completed = self.clock.completed
+        clock = self.clock
         now = time.monotonic()
-        if completed != self._published and now - self._published_at >= self.progress_interval:
-            self.round_store.set(progress_key(self.rank), encode_progress(completed))
-            self._published, self._published_at = completed, now
+        timeout = hang_timeout(clock.durations(), self.hang_floor, self.hang_factor)
+        idle = now - clock.last_activity
+        overdue = self.hang_detection and idle >= timeout
+        waiting = waiting_in_collective(sys._current_frames().get(self._training_thread)) if overdue else None
+        self._publish((clock.completed, clock.activity, waiting), now, urgent=overdue)
         current = int(self.rdzv_store.compare_set(self.round_key, "", "0"))
         if current > self.round_id:
             return self._trigger("rendezvous", f"round {current} opened while this rank trains in round "
                                                f"{self.round_id} (a peer saw a failure)", ())
-        if not self.hang_detection:
-            return False
-        began = self.clock.in_flight_since
-        timeout = hang_timeout(self.clock.durations(), self.hang_floor, self.hang_factor)
-        if began is None or timeout is None:
+        if not overdue:
             self._heartbeats.clear()
+            self._positions.clear()
             return False
-        overdue = time.monotonic() - began
-        if overdue < timeout:
-            self._heartbeats.clear()
-            return False
-        verdict = find_stalled_ranks(self.rank, completed, self._peer_states(), self.dead_after)
-        if verdict.stalled:
-            return self._trigger("hang", f"step {completed + 1} ran {overdue:.1f}s, longer than the hang timeout "
-                                         f"{timeout:.1f}s: {verdict.reason}", verdict.stalled)
-        if self._warned_step != completed and overdue >= timeout + self.dead_after:
-            self._warned_step = completed
-            log.warning("rank %d: step %d has run %.1fs (hang timeout %.1fs) but nobody can be blamed (%s); "
-                        "waiting (the process-group timeout bounds the wait)", self.rank, completed + 1, overdue,
-                        timeout, verdict.reason)
+        completed = clock.completed
+        verdict = find_stalled_ranks(self.rank, completed, self._peer_states(now), self.dead_after,
+                                     own_waiting=waiting, confirm_seconds=self.confirm_seconds)
+        what = f"step {completed + 1}" if clock.in_flight_since is not None else f"after step {completed}"
+        if verdict.stalled or verdict.deadlock:
+            return self._trigger("deadlock" if verdict.deadlock else "hang",
+                                 f"no progress for {idle:.1f}s ({what}), longer than the hang timeout "
+                                 f"{timeout:.1f}s: {verdict.reason}", verdict.stalled)
+        if self._warned_at != clock.activity and idle >= timeout + self.dead_after:
+            self._warned_at = clock.activity
+            log.warning("rank %d: no progress for %.1fs (%s; hang timeout %.1fs) but nobody can be blamed (%s); "
+                        "waiting (the process-group timeout bounds the wait)", self.rank, idle, what, timeout,
+                        verdict.reason)
         return False
 
-    def _peer_states(self) -> list[PeerState]:
-        now = time.monotonic()
+    def _publish(self, position: tuple[int, int, str | None], now: float, urgent: bool) -> None:
+        if position == self._published:
+            return
+        if not urgent and now - self._published_at < self.progress_interval:
+            return
+        self.round_store.set(progress_key(self.rank), encode_progress(*position))
+        self._published, self._published_at = position, now
+
+    def _peer_states(self, now: float) -> list[PeerState]:
         states = []
         for rank in range(self.world_size):
             if rank == self.rank:
@@ -158,8 +228,12 @@ class RoundWatchdog:
                 else:
                     silent = now - seen[1]
             key = progress_key(rank)
-            completed = decode_progress(self.round_store.get(key)) if self.round_store.check([key]) else 0
-            states.append(PeerState(rank, completed, silent))
+            raw = self.round_store.get(key) if self.round_store.check([key]) else b""
+            position = self._positions.get(rank)
+            if position is None or position[0] != raw:
+                self._positions[rank] = position = (raw, now)
+            progress = decode_progress(raw)
+            states.append(PeerState(rank, progress.completed, silent, progress.waiting, now - position[1]))
         return states
 
     def _trigger(self, detector: str, reason: str, stalled: tuple[int, ...]) -> bool:

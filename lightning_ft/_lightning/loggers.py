@@ -1,0 +1,121 @@
+"""Keeping a run's log history across recoveries: one log version per run, continued, never restarted.
+
+Left alone, Lightning's loggers lose history at a recovery: a participant that becomes rank 0
+makes a new ``CSVLogger`` writer on the same version, which deletes ``metrics.csv``; a spare
+may even resolve a different version (it lists the log directory at another moment). So:
+
+* the version of every ``CSVLogger``/``TensorBoardLogger`` is decided once per run, by rank 0
+  of the first round, and pinned on every participant of every round (:func:`pin_versions`);
+* after a recovery that resumes at step ``S``, the new rank 0 drops the rows the resumed run
+  will log again (``step >= S``) from ``metrics.csv`` and appends to it
+  (:func:`continue_history`); TensorBoard's writer gets ``purge_step=S``, so the reader hides
+  the older events of those steps. Rows before ``S`` -- validation results included -- stay.
+* LightningCLI's ``SaveConfigCallback`` wrote the config into that same log directory in the
+  first round; after a recovery it counts as saved (:func:`mark_saved_configs`), as it would in
+  the process that saved it -- else it would refuse to overwrite its own file.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from typing import Any, Sequence
+
+from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+log = logging.getLogger(__name__)
+
+Version = int | str | None
+
+
+def versioned_loggers(trainer: Any) -> list[Logger]:
+    """The Trainer's loggers whose log directory has a version Lightning resolves by listing files."""
+    return [logger for logger in trainer.loggers if isinstance(logger, (CSVLogger, TensorBoardLogger))]
+
+
+def resolve_versions(loggers: Sequence[Logger]) -> list[Version]:
+    """Each logger's version, resolving it now (call on one process only: it lists the directory)."""
+    return [logger.version for logger in loggers]
+
+
+def pin_versions(loggers: Sequence[Logger], versions: Sequence[Version]) -> None:
+    if len(loggers) != len(versions):
+        log.warning("ddp_ft: %d logger(s) but %d agreed version(s); versions left as they are", len(loggers),
+                    len(versions))
+        return
+    for logger, version in zip(loggers, versions):
+        logger._version = version  # what the version property returns from now on, on every rank
+
+
+class _ContinuingExperimentWriter(ExperimentWriter):
+    """Lightning's CSV writer that appends to the run's ``metrics.csv`` instead of deleting it."""
+
+    def __init__(self, log_dir: str, header: list[str]) -> None:
+        super().__init__(log_dir)
+        self.metrics_keys = list(header)
+
+    def _check_log_dir_exists(self) -> None:
+        pass  # the directory holds this run's own history: keep it
+
+
+def truncate_metrics(path: str, resume_step: int) -> list[str]:
+    """Drop the rows of ``path`` whose ``step`` is ``>= resume_step``; returns the header.
+
+    Written to a temporary file and moved over the original, so a crash leaves either file.
+    """
+    with open(path, newline="") as source:
+        reader = csv.DictReader(source)
+        header = list(reader.fieldnames or [])
+        kept = [row for row in reader if not _logged_at_or_after(row, resume_step)]
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", newline="") as target:
+        writer = csv.DictWriter(target, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(kept)
+    os.replace(tmp, path)
+    return header
+
+
+def _logged_at_or_after(row: dict[str, str], step: int) -> bool:
+    try:
+        return int(float(row.get("step") or "")) >= step
+    except ValueError:
+        return False  # a row without a step (hparams-only) is kept
+
+
+def continue_history(trainer: Any, resume_step: int, is_global_zero: bool) -> None:
+    """After a recovery that resumes at ``resume_step``: keep the logs of the steps before it."""
+    for logger in versioned_loggers(trainer):
+        if isinstance(logger, TensorBoardLogger):
+            logger._kwargs["purge_step"] = resume_step  # used when the new rank 0 opens its writer
+        elif is_global_zero and logger._experiment is None:
+            path = os.path.join(logger.log_dir, ExperimentWriter.NAME_METRICS_FILE)
+            header = truncate_metrics(path, resume_step) if os.path.isfile(path) else []
+            logger._experiment = _ContinuingExperimentWriter(logger.log_dir, header)
+            log.info("ddp_ft: continuing %s from step %d (rows of later steps dropped; they are logged again)",
+                     path, resume_step)
+
+
+def finalize_failed(trainer: Any) -> None:
+    """What Lightning's interrupt handling does with loggers after a failure: flush and close."""
+    for logger in trainer.loggers:
+        try:
+            logger.finalize("failed")
+        except Exception as exc:  # noqa: BLE001 - a logger must not stop the recovery
+            log.warning("ddp_ft: %s.finalize raised %s: %s", type(logger).__name__, type(exc).__name__, exc)
+
+
+def mark_saved_configs(trainer: Any, strategy: Any) -> None:
+    """Every ``SaveConfigCallback`` whose config file is already in the log dir counts as saved.
+
+    Collective (the log dir and rank 0's answer are broadcast): call on every rank alike.
+    """
+    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SaveConfigCallback)
+                 and cb.save_to_log_dir and not cb.overwrite]
+    for callback in callbacks:
+        path = os.path.join(trainer.log_dir or "", callback.config_filename)
+        exists = bool(strategy.broadcast(os.path.isfile(path) if strategy.global_rank == 0 else False))
+        callback.already_saved = exists
