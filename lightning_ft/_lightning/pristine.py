@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -55,11 +54,11 @@ class PristineState:
                 keep: tuple[type, ...]) -> "PristineState":
         """Copy the callbacks (except instances of ``keep``), loggers, datamodule and module."""
         state = cls()
-        memo = _shared_memo(trainer, module)
         targets: list[Any] = [cb for cb in trainer.callbacks if not isinstance(cb, keep)]
         targets += list(trainer.loggers)
         if datamodule is not None:
             targets.append(datamodule)
+        memo = _shared_memo(trainer, module, targets)
         for target in targets:
             state._save(target, dict(vars(target)), memo)
         if module is not None:
@@ -84,7 +83,7 @@ class PristineState:
 
     def restore(self, trainer: pl.Trainer, module: pl.LightningModule | None) -> None:
         """Put every copied object back into its pristine state (the copies stay pristine)."""
-        memo = _shared_memo(trainer, module)
+        memo = _shared_memo(trainer, module, [saved.target for saved in self.objects])
         for saved in self.objects:
             fresh = copy.deepcopy(saved.state, dict(memo))
             target_dict = vars(saved.target)
@@ -98,17 +97,16 @@ class PristineState:
             parameter.grad = None  # a fresh process has none; the snapshot restores the values
 
 
-def _shared_memo(trainer: pl.Trainer, module: pl.LightningModule | None) -> dict[int, Any]:
-    """What the copies share with the live objects instead of copying: the Trainer, the module
-    tree and every tensor of it (their values come from the snapshot)."""
-    memo: dict[int, Any] = {id(trainer): trainer}
+def _shared_memo(trainer: pl.Trainer, module: pl.LightningModule | None, targets: list[Any]) -> dict[int, Any]:
+    """What the copies share with the live objects instead of copying: the Trainer and its
+    strategy, every object copied on its own (a callback that refers to another refers to the
+    live one), the module tree and every tensor of it (their values come from the snapshot)."""
+    memo: dict[int, Any] = {id(trainer): trainer, id(trainer.strategy): trainer.strategy}
+    for target in (*trainer.callbacks, *trainer.loggers, *targets):
+        memo[id(target)] = target
     if module is not None:
         for submodule in module.modules():
             memo[id(submodule)] = submodule
         for tensor in (*module.parameters(), *module.buffers()):
             memo[id(tensor)] = tensor
     return memo
-
-
-def is_tensor_free(value: Any) -> bool:  # pragma: no cover - helper for debugging
-    return not isinstance(value, torch.Tensor)

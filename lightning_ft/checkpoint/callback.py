@@ -75,6 +75,8 @@ class EmergencyCheckpoint(pl.Callback):
         self._last_snapshot: SnapshotInfo | None = None
         self._clock: tuple[float, int] | None = None  # (time, global_step) at the last step change
         self._seconds_per_step: float | None = None
+        #: (step, wall-clock time it was taken) of the snapshot the last fit() resumed from
+        self.resumed_from: tuple[int, float] | None = None
         skip_unused_batch_hooks(self)
 
     # ------------------------------------------------------------------ public API
@@ -124,6 +126,7 @@ class EmergencyCheckpoint(pl.Callback):
                         type(trainer.strategy).__name__)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.resumed_from = None
         if self.auto_resume:
             self._auto_resume(trainer)
 
@@ -233,6 +236,7 @@ class EmergencyCheckpoint(pl.Callback):
             raise RuntimeError(f"rank {store.rank}: snapshot at step {step} vanished or broke after the ranks "
                                f"agreed on it (run {store.run_id!r}, {store.run_dir})")
         connector._loaded_checkpoint = store.load(info)
+        self.resumed_from = (step, store.created(info))
         connector._ckpt_path = f"mem://{step}"
         connector.restore_model()
         connector.restore_datamodule()

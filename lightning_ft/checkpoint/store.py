@@ -225,6 +225,11 @@ class SnapshotStore:
                 log.warning("skipping snapshot %s (step %d): %s", info.path, info.step, reason)
         return None
 
+    def created(self, info: SnapshotInfo) -> float:
+        """When the snapshot was taken (wall clock, from its header: copies keep it)."""
+        with open(info.path, "rb") as f:
+            return fmt.Header.unpack(f.read(fmt.HEADER_SIZE)).created
+
     # ------------------------------------------------------------------ load
     def load(self, info: SnapshotInfo | None = None) -> Any:
         """Verify and load a snapshot (default: ``latest()``); tensors are fresh CPU copies.

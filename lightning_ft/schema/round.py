@@ -24,6 +24,25 @@ def progress_key(rank: int) -> str:
     return f"progress/{rank}"
 
 
+#: why the round failed, as the watchdog that broke it saw it (first writer wins): lets every
+#: rank classify the failure alike, not only the one whose watchdog fired
+VERDICT_KEY = "verdict"
+
+
+class Verdict(NamedTuple):
+    detector: str
+    reason: str
+
+
+def encode_verdict(detector: str, reason: str) -> str:
+    return f"{detector}{SEP}{reason}"
+
+
+def decode_verdict(raw: bytes) -> Verdict | None:
+    detector, sep, reason = raw.decode(errors="replace").partition(SEP)
+    return Verdict(detector, reason) if sep else None
+
+
 def failed_key(rank: int) -> str:
     """The error text of a rank that failed with an error of its own (not recoverable)."""
     return f"failed/{rank}"

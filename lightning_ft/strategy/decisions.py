@@ -87,8 +87,8 @@ def find_stalled_ranks(own_rank: int, own_completed: int, peers: Iterable[PeerSt
                                        for p in peers):
         where = "; ".join(f"rank {r}: {w}" for r, w in sorted([(own_rank, own_waiting),
                                                                  *((p.rank, p.waiting) for p in peers)]))
-        return StallVerdict((), f"deadlock: every rank waits in a collective at step {own_completed} and none "
-                                f"moves ({where})", deadlock=True)
+        return StallVerdict((), f"deadlock: every rank waits in a collective, level at {own_completed} step(s) "
+                                f"of the round, and none moves ({where})", deadlock=True)
     return StallVerdict((), "every peer is alive and at the same step")
 
 

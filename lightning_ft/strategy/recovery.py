@@ -20,13 +20,13 @@ import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from lightning_ft._lightning.callbacks import callbacks_of_type
-from lightning_ft._lightning.loggers import finalize_failed
+from lightning_ft._lightning.history import finalize_failed
 from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer_reset import reset_trainer_for_rerun
 from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import ExitCode
 from lightning_ft.process import ExitWatchdog, destroy_process_group, planned_exit_code
-from lightning_ft.schema.round import failed_key
+from lightning_ft.schema.round import VERDICT_KEY, decode_verdict, failed_key
 from lightning_ft.schema.run import CloseKind
 from lightning_ft.strategy.decisions import (
     FailureFacts,
@@ -169,6 +169,9 @@ class FailureHandler:
                 if rank != result.rank and round_store.check([failed_key(rank)]):
                     peer_error = f"rank {rank}: {round_store.get(failed_key(rank)).decode()}"
                     break
+            if detector is None and round_store.check([VERDICT_KEY]):  # a peer's watchdog broke the round
+                verdict = decode_verdict(round_store.get(VERDICT_KEY))
+                detector = verdict.detector if verdict is not None else None
             closed = session.rendezvous.closed_reason()
             if peer_error is None and closed is not None and closed.kind is CloseKind.FAILED:
                 peer_error = str(closed)

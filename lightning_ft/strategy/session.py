@@ -20,6 +20,7 @@ from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
 from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
 from lightning_ft.rendezvous.store import connect_store
+from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.strategy.process_group import GroupTransport, retire_group
 from lightning_ft.strategy.settings import HangSettings, StrategySettings
@@ -97,6 +98,12 @@ class RoundRuntime:
     def __post_init__(self) -> None:
         self.awaiting_first_step = self.failure_at is not None
 
+    @property
+    def follows_a_failure(self) -> bool:
+        """This round replaces a failed one -- the same answer on every participant of the round,
+        spares included (unlike ``failure_at``, which only processes that saw the failure have)."""
+        return bool(self.round_id)
+
     def step_started(self) -> None:
         self.clock.started(time.monotonic())
 
@@ -115,6 +122,7 @@ class RoundRuntime:
         """Watch this round from a thread with its own store connection (see :class:`RoundWatchdog`)."""
         result, events, keys = self.result, session.events, session.keys
         clone = session.store.clone()
+        round_store = session.round_store(result, clone)
 
         def on_trigger(detector: str, reason: str, stalled: tuple[int, ...]) -> None:
             if detector in ("hang", "deadlock"):
@@ -122,8 +130,10 @@ class RoundRuntime:
                 # the step had been stuck, which the report counts as lost time
                 began = self.clock.in_flight_since
                 events.emit(ev.FAILURE_DETECTED, round=result.round, step=global_step(), error=reason,
-                            detector="hang", stalled=list(stalled),
+                            detector=detector, stalled=list(stalled),
                             stuck_seconds=None if began is None else round(time.monotonic() - began, 3))
+            if detector in ("hang", "deadlock"):
+                round_store.compare_set(VERDICT_KEY, "", encode_verdict(detector, reason))
             opened = int(clone.compare_set(keys.round, str(result.round), str(result.round + 1)))
             if detector in ("hang", "deadlock") and opened == result.round + 1:
                 events.emit(ev.ROUND_OPEN, round=result.round + 1, after=result.round, reason=reason)
@@ -131,7 +141,7 @@ class RoundRuntime:
         transport = self.transport
         self.clock.touch()  # building the group was progress; the watchdog measures from here
         self.watchdog = RoundWatchdog(
-            round_store=session.round_store(result, clone), rdzv_store=clone, round_key=keys.round,
+            round_store=round_store, rdzv_store=clone, round_key=keys.round,
             heartbeat_key=keys.heartbeat, round_id=result.round, rank=result.rank, world_size=result.world_size,
             clock=self.clock, hang_detection=hang.enabled, hang_floor=hang.floor, hang_factor=hang.safety_factor,
             dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,

@@ -38,11 +38,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
-from lightning_ft._lightning.loggers import (
+from lightning_ft._lightning.history import (
     continue_history,
     mark_saved_configs,
     pin_versions,
     resolve_versions,
+    set_aside_abandoned_checkpoints,
     versioned_loggers,
 )
 from lightning_ft._lightning.registration import STRATEGY_DESCRIPTION, STRATEGY_NAME
@@ -191,7 +192,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             # spares included. Only the scheduler's node 0 prints then; rank 0 of the first round
             # prints the device lines if that was not it.
             early_rank = 0 if _scheduler_node_index(settings) == 0 else NO_RANK
-            rank_zero_only.rank = utils_rank_zero_only.rank = early_rank
+            self._environment.assign(early_rank, 1)  # what set_world_ranks() reports until a round decides
+            self.set_world_ranks()
             self._printed_device_info = early_rank == 0
         plan_exit(destroy_process_group=True)  # Lightning never destroys a gloo group
         ensure_log_output()
@@ -315,7 +317,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         with SnapshotStore(checkpoint.root, checkpoint.run_id, self.global_rank, checkpoint.keep_last) as store:
             plan = exchange_snapshots(store, self.global_rank, self.world_size,
                                       lambda event, **f: self.event_log.emit(event, round=round_id, **f))
-        if self.round is not None and self.round.failure_at is not None and not checkpoint.auto_resume:
+        if self.round is not None and self.round.follows_a_failure and not checkpoint.auto_resume:
             log.info("ddp_ft: turning on EmergencyCheckpoint auto-resume to continue after the failure")
             checkpoint.auto_resume = True
         return plan.step if plan is not None else None
@@ -329,7 +331,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                 store.compare_set(key, "", encode_log_versions(resolve_versions(loggers)))
             store.wait([key], datetime.timedelta(seconds=self.settings.timeouts.init_timeout))
             pin_versions(loggers, decode_log_versions(store.get(key)))
-        if runtime.failure_at is None:
+        if not runtime.follows_a_failure:
             return
         if resume_step is not None:
             continue_history(self.trainer, resume_step, is_global_zero=self.global_rank == 0)
@@ -350,10 +352,13 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         trainer = self.trainer
         runtime = self.round
         step = trainer.global_step
-        if runtime is not None and (runtime.failure_at is not None or step > 0):
+        if runtime is not None and (runtime.follows_a_failure or step > 0):
             self.event_log.emit(ev.RESTORED, round=runtime.round_id, step=step)
         self._checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
         if self._checkpoint is not None and self.settings.mode is LaunchMode.RENDEZVOUS:
+            resumed = self._checkpoint.resumed_from
+            if runtime.follows_a_failure and self.global_rank == 0 and resumed is not None:
+                set_aside_abandoned_checkpoints(trainer, snapshot_created=resumed[1])
             self._snapshot_round_start(step)
         # rank 0 publishes copies for hot spares; decided once per round, not per step
         self._replicas = None

@@ -191,7 +191,8 @@ class RoundWatchdog:
         completed = clock.completed
         verdict = find_stalled_ranks(self.rank, completed, self._peer_states(now), self.dead_after,
                                      own_waiting=waiting, confirm_seconds=self.confirm_seconds)
-        what = f"step {completed + 1}" if clock.in_flight_since is not None else f"after step {completed}"
+        what = (f"in its step {completed + 1} of this round" if clock.in_flight_since is not None
+                else f"after {completed} step(s) of this round")
         if verdict.stalled or verdict.deadlock:
             return self._trigger("deadlock" if verdict.deadlock else "hang",
                                  f"no progress for {idle:.1f}s ({what}), longer than the hang timeout "

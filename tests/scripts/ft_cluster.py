@@ -62,8 +62,8 @@ class Cluster:
     def events(self) -> Path:
         return self.root / "events"
 
-    def start_store(self) -> Any:
-        proc = self.launcher.start("store", [sys.executable, "-m", "lightning_ft.cli", "store", "--host", "127.0.0.1",
+    def start_store(self, name: str = "store") -> Any:
+        proc = self.launcher.start(name, [sys.executable, "-m", "lightning_ft.cli", "store", "--host", "127.0.0.1",
                                              "--port", str(self.port), "--run-id", self.run_id,
                                              "--grace-timeout", "5"], env=base_env())
         deadline = time.monotonic() + 30

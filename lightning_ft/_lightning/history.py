@@ -1,4 +1,4 @@
-"""Keeping a run's log history across recoveries: one log version per run, continued, never restarted.
+"""Keeping a run's history across recoveries: one log version per run, continued, never restarted.
 
 Left alone, Lightning's loggers lose history at a recovery: a participant that becomes rank 0
 makes a new ``CSVLogger`` writer on the same version, which deletes ``metrics.csv``; a spare
@@ -12,7 +12,11 @@ may even resolve a different version (it lists the log directory at another mome
   the older events of those steps. Rows before ``S`` -- validation results included -- stay.
 * LightningCLI's ``SaveConfigCallback`` wrote the config into that same log directory in the
   first round; after a recovery it counts as saved (:func:`mark_saved_configs`), as it would in
-  the process that saved it -- else it would refuse to overwrite its own file.
+  the process that saved it -- else it would refuse to overwrite its own file;
+* checkpoint files that ``ModelCheckpoint`` wrote after the restored snapshot belong to a
+  timeline that no longer exists; the new rank 0 moves them into ``.abandoned/`` next to them
+  (:func:`set_aside_abandoned_checkpoints`), so the resumed run saves under the same names a
+  relaunch into a fresh directory would use, and nothing is deleted.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import os
 from typing import Any, Sequence
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -119,3 +124,32 @@ def mark_saved_configs(trainer: Any, strategy: Any) -> None:
         path = os.path.join(trainer.log_dir or "", callback.config_filename)
         exists = bool(strategy.broadcast(os.path.isfile(path) if strategy.global_rank == 0 else False))
         callback.already_saved = exists
+
+
+ABANDONED_DIR = ".abandoned"
+
+
+def set_aside_abandoned_checkpoints(trainer: Any, snapshot_created: float) -> list[str]:
+    """Move ``ModelCheckpoint`` files written after the restored snapshot (``snapshot_created``,
+    wall clock) that the restored callback state does not know into ``<dirpath>/.abandoned/``.
+
+    Call on global rank 0 only, after the snapshot was restored. Returns the moved paths.
+    """
+    moved: list[str] = []
+    for callback in trainer.callbacks:
+        if not isinstance(callback, ModelCheckpoint) or not callback.dirpath or not os.path.isdir(callback.dirpath):
+            continue
+        known = {os.path.abspath(p) for p in (*callback.best_k_models, callback.last_model_path,
+                                              callback.best_model_path, callback.kth_best_model_path) if p}
+        for entry in os.scandir(callback.dirpath):
+            path = os.path.abspath(entry.path)
+            if (entry.is_file() and entry.name.endswith(callback.FILE_EXTENSION) and path not in known
+                    and entry.stat().st_mtime > snapshot_created):
+                target_dir = os.path.join(callback.dirpath, ABANDONED_DIR)
+                os.makedirs(target_dir, exist_ok=True)
+                os.replace(path, os.path.join(target_dir, entry.name))
+                moved.append(path)
+    if moved:
+        log.info("ddp_ft: moved %d checkpoint file(s) written after the restored snapshot into %s/: %s",
+                 len(moved), ABANDONED_DIR, ", ".join(os.path.basename(p) for p in moved))
+    return moved

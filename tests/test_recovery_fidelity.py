@@ -1,0 +1,183 @@
+"""A recovered ``ddp_ft`` run equals Lightning's own resume from the same snapshot (issue 14).
+
+The job is ``tests/scripts/lightning_user.py``, what a Lightning user writes: ``save_hyperparameters``,
+a torchmetrics ``val_acc`` logged with ``sync_dist``, a DataModule, ``val_check_interval``,
+``ModelCheckpoint(every_n_train_steps=50, save_last=True, monitor="val_acc", save_top_k=2)``,
+``CSVLogger`` (+ ``TensorBoardLogger``), ``LearningRateMonitor``, an LR scheduler,
+``accumulate_grad_batches=2``, ``gradient_clip_val``. Three participants (2:3); whoever is
+global rank 0 is SIGKILLed at an interesting moment. The reference is the same job killed
+whole and relaunched from the same snapshot step (``fidelity.run_reference``); recovered and
+reference runs must end with the same weights, the same logged metrics at every step and the
+same checkpoint files. What differs on purpose: the recovered run keeps one log version (the
+reference writes a new one, Lightning's default for a relaunch) and moves the checkpoint
+files the lost rank wrote after the snapshot into ``checkpoints/.abandoned/``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from proc_utils import REPO_ROOT, ProcessSet
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
+from fidelity import Moment, Run, final_checkpoints, metric_points, metric_rows, run_ft, run_reference  # noqa: E402
+
+pytestmark = [pytest.mark.multiprocess]
+
+SNAPSHOTS_EVERY_40 = ["--snapshot-every", "40", "--pg-timeout", "60", "--hang-floor", "10"]
+DEFAULT_SCHEDULE = ["--pg-timeout", "60", "--hang-floor", "10"]
+
+
+def sleep_at(step: int, seconds: float = 0.5, what: str = "step") -> list[str]:
+    """Hold the run at ``step`` long enough to kill it exactly there."""
+    return [f"--{what}-sleep", str(seconds), "--sleep-from-step", str(step), "--sleep-until-step", str(step)]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Lightning's own resume from step S (``None``: a fresh start, i.e. the uninterrupted run),
+    computed once per (S, data loader) for the module."""
+    root = tmp_path_factory.mktemp("references")
+    processes = ProcessSet(root)
+    cache: dict[tuple[int | None, str], Run] = {}
+
+    def get(resume_step: int | None, data: str = "plain") -> Run:
+        key = (resume_step, data)
+        if key not in cache:
+            args = [*SNAPSHOTS_EVERY_40, "--tensorboard", "--data", data]
+            if resume_step is None:
+                run = run_ft(processes, root / f"uninterrupted-{data}", args, None)
+            else:
+                run = run_reference(processes, root / f"ref-{resume_step}-{data}", args, resume_step)
+            assert set(run.codes().values()) == {0}, run.logs()
+            cache[key] = run
+        return cache[key]
+
+    try:
+        yield get
+    finally:
+        processes.kill_all()
+
+
+def assert_recovered(run: Run, restored: int) -> None:
+    codes = run.codes()
+    assert codes[run.killed] == -9 and [c for n, c in codes.items() if n != run.killed] == [0, 0], run.logs()
+    assert {e["step"] for e in run.events("restored") if e.get("round", 0) > 0} == {restored}, run.events("restored")
+
+
+def assert_equal_to(run: Run, reference: Run) -> None:
+    assert run.digests() == reference.digests() and len(run.digests()) == 1, (run.digests(), reference.digests())
+    ours, theirs = metric_points(run), metric_points(reference)
+    assert ours == theirs, sorted(set(ours.items()) ^ set(theirs.items()))[:10]
+    assert final_checkpoints(run) == final_checkpoints(reference)
+    # one log version, every row once, in order; nothing deleted
+    assert [p.name for p in (run.logs_root / "lightning_logs").iterdir()] == ["version_0"]
+    steps = [int(row["step"]) for row in metric_rows(run)]
+    assert steps == sorted(steps), steps
+    logs = run.logs()
+    assert "Previous log files in this directory will be deleted" not in logs
+    assert logs.count("GPU available") == 1, "rank-zero output must come from one process only"
+
+
+def test_a_redone_modelcheckpoint_step_neither_hangs_nor_differs(processes, tmp_path, references):
+    # snapshot 120, kill 157: ModelCheckpoint's step 150 is done again -- by the survivor and the spare alike
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, "--tensorboard", *sleep_at(157)], Moment("step", 157))
+    assert_recovered(run, restored=120)
+    reference = references(120)
+    assert_equal_to(run, reference)
+    assert sorted(p.name for p in (run.logs_root / "lightning_logs" / "version_0" / "checkpoints" /
+                                   ".abandoned").iterdir()) == ["epoch=1-step=150.ckpt"]
+    # TensorBoard: the same version, continued; the reader hides what the lost rank logged after 120
+    ours, theirs = tensorboard_scalars(run, "train_loss"), tensorboard_scalars(reference, "train_loss")
+    assert [p for p, _ in ours] == sorted({p for p, _ in ours}) and ours == theirs
+
+
+def test_a_kill_before_the_first_snapshot_restores_everything_from_the_start(processes, tmp_path, references):
+    # the default schedule (every 30 s) has taken no periodic snapshot at step 130: weights,
+    # optimizer, schedulers and step all come from the start of the round, on every participant
+    run = run_ft(processes, tmp_path, [*DEFAULT_SCHEDULE, *sleep_at(130)], Moment("step", 130))
+    assert_recovered(run, restored=0)
+    assert_equal_to(run, references(0))
+
+
+def test_a_kill_during_validation_does_not_count_the_interrupted_validation(processes, tmp_path, references):
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, *sleep_at(150, 0.3, "val")], Moment("val_batch", 150, 3))
+    assert_recovered(run, restored=120)
+    assert_equal_to(run, references(120))
+    survivor = next(n for n in ("A", "B") if n != run.killed)
+    # every validation of the recovered round saw exactly this rank's half of the 512 samples
+    assert set(run.result(survivor)["val_samples_at_end"]) == {256}
+
+
+def test_a_kill_during_a_checkpoint_save(processes, tmp_path, references):
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, *sleep_at(150, 1.0, "save")], Moment("save", 150))
+    assert_recovered(run, restored=120)
+    assert_equal_to(run, references(120))
+
+
+def test_a_kill_during_setup(processes, tmp_path, references):
+    # no snapshot exists yet: survivor and spare start afresh, as a relaunch would
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, "--setup-sleep", "2"], Moment("setup"))
+    codes = run.codes()
+    assert codes[run.killed] == -9 and sorted(c for n, c in codes.items() if n != run.killed) == [0, 0], run.logs()
+    assert_equal_to(run, references(None))
+
+
+def test_lightning_cli_with_a_config_file(processes, tmp_path, references):
+    run = run_ft(processes, tmp_path, [], Moment("step", 157), cli="config", knobs=cli_sleep_at(157))
+    assert_recovered(run, restored=120)
+    assert_equal_to(run, references(120))
+    assert (run.logs_root / "lightning_logs" / "version_0" / "config.yaml").is_file()
+
+
+def test_lightning_cli_with_the_strategy_flag(processes, tmp_path, references):
+    run = run_ft(processes, tmp_path, [], Moment("step", 157), cli="ddp_ft", knobs=cli_sleep_at(157))
+    assert_recovered(run, restored=0)
+    assert_equal_to(run, references(0))
+
+
+def test_with_a_resumable_loader_recovery_equals_the_uninterrupted_run(processes, tmp_path, references):
+    # with a plain DataLoader a resume restarts the epoch's iterator (what Lightning does: see
+    # the tests above); a loader whose position is in the snapshot continues exactly
+    args = [*SNAPSHOTS_EVERY_40, "--data", "resumable"]
+    recovered = run_ft(processes, tmp_path, [*args, *sleep_at(157)], Moment("step", 157))
+    assert_recovered(recovered, restored=120)
+    uninterrupted = references(None, "resumable")
+    assert recovered.digests() == uninterrupted.digests()
+    train_loss = {k: v for k, v in metric_points(recovered).items() if k[1] == "train_loss"}
+    assert train_loss == {k: v for k, v in metric_points(uninterrupted).items() if k[1] == "train_loss"}
+
+
+@pytest.mark.timeout(120)
+def test_a_deadlock_is_detected_and_ends_in_bounded_time_with_no_restart(processes, tmp_path):
+    # at step 30 ranks 0 and 1 wait to receive from each other: every rank alive, at the same
+    # step, inside a collective. It comes back after every restore, so the job gives up (83).
+    started = time.monotonic()
+    run = run_ft(processes, tmp_path, ["--snapshot-every", "10", "--hang-floor", "3", "--pg-timeout", "600",
+                                       "--deadlock-at-step", "30"], None, timeout=100)
+    assert list(run.codes().values()) == [83, 83, 0], run.logs()
+    assert time.monotonic() - started < 90  # never the process-group timeout (600 s here)
+    detected = [e for e in run.events("failure_detected") if e.get("detector") == "deadlock"]
+    assert detected and "recv" in detected[0]["error"], run.events("failure_detected")
+    no_restart = run.events("no_restart")
+    assert no_restart and "deadlock" in no_restart[0]["reason"], no_restart
+
+
+def cli_sleep_at(step: int) -> dict[str, str]:
+    return {"LU_STEP_SLEEP": "0.5", "LU_SLEEP_FROM_STEP": str(step), "LU_SLEEP_UNTIL_STEP": str(step)}
+
+
+def tensorboard_scalars(run: Run, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    versions = sorted((run.logs_root / "tb_logs").glob("version_*"), key=lambda p: int(p.name[8:]))
+    points: dict[int, float] = {}
+    for version in versions:  # later versions win, as for the CSV
+        accumulator = EventAccumulator(str(version))
+        accumulator.Reload()
+        points.update({event.step: round(event.value, 6) for event in accumulator.Scalars(tag)})
+    return sorted(points.items())
