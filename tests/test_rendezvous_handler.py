@@ -136,8 +136,11 @@ def test_store_server_stops_on_sigterm(processes, port):
 def test_store_server_rejects_bad_arguments():
     from lightning_ft.rendezvous.store_server import main
 
-    assert main(["--port", "70000"]) == 2
-    assert main(["--grace-timeout", "0"]) == 2
+    assert main(["--host", "127.0.0.1", "--port", "70000"]) == 2
+    assert main(["--host", "127.0.0.1", "--grace-timeout", "0"]) == 2
+    with pytest.raises(SystemExit) as missing_host:  # it listens only where it is told to
+        main(["--port", "29400"])
+    assert missing_host.value.code == 2
 
 
 def test_unhealthy_node_is_counted_and_excluded(port, tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from lightning_ft.rendezvous import (
     ParticipantInfo,
     RendezvousSettings,
 )
-from lightning_ft.schema.run import RunKeys, encode_slot
+from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys, encode_slot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -131,7 +131,7 @@ def test_close_for_good_releases_waiting_spares(tcp_store):
         thread = threading.Thread(target=wait)
         thread.start()
         time.sleep(0.2)
-        rdzvs[0].close_for_good("training finished")
+        rdzvs[0].close_for_good(CloseReason(CloseKind.FINISHED, "training finished"))
         thread.join(timeout=10)
     finally:
         stop(rdzvs)

@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_ft.schema.round import decode_progress, encode_member, member_key, progress_key
+from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,9 +23,10 @@ def store():
 
 
 def watchdog(store, rank: int, clock: StepClock, triggered: list, hang_floor: float = 2.0) -> RoundWatchdog:
-    store.set(f"round/{member_key(rank)}", encode_member(f"p{rank}", f"d{rank}"))
+    values = SealedStore(store, Signer(None), "round")
+    values.put(member_key(rank), encode_member(f"p{rank}", f"d{rank}"))
     return RoundWatchdog(
-        round_store=dist.PrefixStore("round", store), rdzv_store=store, round_key="round",
+        round_values=values, rdzv_store=store, round_key="round",
         heartbeat_key=lambda participant: f"hb/{participant}", round_id=0, rank=rank, world_size=2, clock=clock,
         hang_detection=True, hang_floor=hang_floor, hang_factor=10.0, dead_after=0.4,
         on_trigger=lambda *args: triggered.append(args), break_group=lambda: 0, progress_interval=0.3)

@@ -19,6 +19,7 @@ from lightning_ft.checkpoint import snapshot_format as fmt
 from lightning_ft.checkpoint.policy import replica_needed, should_pull_replica
 from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore
 from lightning_ft.events import names as ev
+from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.schema.round import (
     REPLICA_BLOB_KEY,
     REPLICA_META_KEY,
@@ -48,9 +49,10 @@ class ReplicaPublisher:
     thread and only queues; a daemon thread reads the file and writes the store.
     """
 
-    def __init__(self, connect: Callable[[], Any], replication_factor: int, max_bytes: int,
+    def __init__(self, connect: Callable[[], Any], signer: Signer, replication_factor: int, max_bytes: int,
                  emit: Callable[..., None]) -> None:
         self._connect = connect
+        self._signer = signer
         self.replication_factor = replication_factor
         self.max_bytes = max_bytes
         self._emit = emit
@@ -100,8 +102,9 @@ class ReplicaPublisher:
 
     def _active_domains(self, round_id: int, store_prefix: str, world_size: int) -> list[str]:
         if self._domains is None or self._domains[0] != round_id:
-            values = self._store.multi_get([f"{store_prefix}/{member_key(rank)}" for rank in range(world_size)])
-            self._domains = (round_id, [decode_member(raw).domain_id for raw in values])
+            values = SealedStore(self._store, self._signer, store_prefix)
+            members = values.multi_get([member_key(rank) for rank in range(world_size)])
+            self._domains = (round_id, [decode_member(raw).domain_id if raw is not None else "?" for raw in members])
         return self._domains[1]
 
     def _publish(self, info: SnapshotInfo, round_id: int, store_prefix: str, world_size: int) -> None:
@@ -124,8 +127,9 @@ class ReplicaPublisher:
             except (RuntimeError, OSError):
                 pass
         self._published_prefix = store_prefix
-        store.set(f"{store_prefix}/{REPLICA_BLOB_KEY}", blob)
-        store.set(f"{store_prefix}/{REPLICA_META_KEY}", encode_replica_meta(info.step, domains))
+        values = SealedStore(store, self._signer, store_prefix)
+        values.put(REPLICA_BLOB_KEY, blob)  # sealed: a spare keeps only what this job published
+        values.put(REPLICA_META_KEY, encode_replica_meta(info.step, domains))
         self._emit(ev.REPLICA_PUBLISHED, round=round_id, step=info.step, bytes=len(blob))
 
 
@@ -145,22 +149,21 @@ class ReplicaPuller:
         self._emit = emit
         self._seen_meta = b""
 
-    def poll(self, store: Any, store_prefix: str) -> None:
-        """Look for a newly published replica of the round at ``store_prefix``; pull it if wanted."""
-        meta_key = f"{store_prefix}/{REPLICA_META_KEY}"
-        if not store.check([meta_key]):
-            return
-        raw = store.get(meta_key)
-        if raw == self._seen_meta:
+    def poll(self, values: SealedStore) -> None:
+        """Look for a newly published replica in a round's sealed values; pull it if wanted."""
+        raw = values.get(REPLICA_META_KEY)
+        if raw is None or raw == self._seen_meta:
             return
         self._seen_meta = raw
         meta = decode_replica_meta(raw)
         if meta is None:
             return
-        index = store.add(f"{store_prefix}/{replica_pullers_key(meta.step)}", 1) - 1
+        index = values.store.add(values.key(replica_pullers_key(meta.step)), 1) - 1
         if not should_pull_replica(self.domain_id, meta.active_domains, self.replication_factor, index):
             return
-        blob = store.get(f"{store_prefix}/{REPLICA_BLOB_KEY}")
+        blob = values.get(REPLICA_BLOB_KEY)
+        if blob is None:
+            return
         snapshots = self._open_snapshot_store()
         if snapshots is None:
             return

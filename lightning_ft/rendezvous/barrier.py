@@ -41,17 +41,19 @@ from lightning_ft.rendezvous.decisions import (
     RoundView,
     arrivals_of_round,
     assign_ranks,
+    choose_incarnation,
     decide_completion,
     is_extra_participant,
     newly_dead,
 )
-from lightning_ft.rendezvous.participant import ParticipantInfo
+from lightning_ft.rendezvous.participant import ParticipantInfo, process_start_time
 from lightning_ft.rendezvous.settings import RendezvousSettings
 from lightning_ft.schema.run import (
     CloseKind,
     CloseReason,
     RunKeys,
     Slot,
+    incarnation_key,
     decode_last_actives,
     decode_slot,
     decode_slot_rank,
@@ -60,6 +62,8 @@ from lightning_ft.schema.run import (
     encode_slot,
     encode_slot_rank,
 )
+
+from lightning_ft.schema.signing import SealedStore, Signer, job_signer
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +109,19 @@ class BarrierRendezvous:
     def __init__(self, store, settings: RendezvousSettings, participant: ParticipantInfo, *,
                  is_store_host: bool = False, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
-                 heartbeat_store_factory: Callable[[], object] | None = None) -> None:
+                 heartbeat_store_factory: Callable[[], object] | None = None,
+                 signer: Signer | None = None, incarnation: int | None = None,
+                 started_at: float | None = None) -> None:
         self.store = store
         self.settings = settings
         self.participant = participant
         self.is_store_host = is_store_host
-        self.keys = RunKeys(settings.run_id)
+        self.signer = job_signer() if signer is None else signer
+        self.values = SealedStore(store, self.signer)
+        if incarnation is None:
+            incarnation = resolve_incarnation(store, self.signer, settings.run_id,
+                                              process_start_time() if started_at is None else started_at)
+        self.keys = RunKeys(settings.run_id, incarnation)
         self._clock = clock
         self._sleep = sleep
         self._heartbeat_store_factory = heartbeat_store_factory
@@ -120,7 +131,7 @@ class BarrierRendezvous:
         self._last_result: RoundResult | None = None
         self._excluded = False
         self._acked = False
-        self._decode_cache: dict[bytes, Slot | None] = {}
+        self._decode_cache: dict[tuple[str, bytes], Slot | None] = {}
 
     # ----------------------------------------------------------------- public API
 
@@ -167,12 +178,14 @@ class BarrierRendezvous:
         """Wait while round ``round_id`` trains without us; return when a newer round opens."""
         log.info("standby in round %d: waiting for a failure to open the next round", round_id)
         exit_barrier = self.keys.exit_barrier(round_id)
+        # torch's exit-barrier key cannot be sealed; with a job secret, only the (sealed) close counts
+        watch_exit_barrier = not self.signer.enabled
         poll = self.settings.poll_interval
         while True:
             reason = self._closed_reason()
             if reason is not None:
                 self._graceful_exit(f"rendezvous closed for good while standby: {reason}")
-            if self.store.check([exit_barrier]):
+            if watch_exit_barrier and self.store.check([exit_barrier]):
                 self._graceful_exit(f"the active nodes of round {round_id} finished")
             if self._current_round() > round_id:
                 return
@@ -212,11 +225,11 @@ class BarrierRendezvous:
     def close_for_good(self, reason: CloseReason) -> CloseReason:
         """Permanently close the rendezvous (first reason wins); returns the reason in force."""
         encoded = reason.encode()
-        current = self.store.compare_set(self.keys.closed_for_good, "", encoded)
-        if current.decode(errors="replace") == encoded:
+        current = self.values.put_if_absent(self.keys.closed_for_good, encoded)
+        if current == encoded.encode():
             log.info("rendezvous %s closed for good: %s", self.settings.run_id, reason)
             return reason
-        return CloseReason.decode(current)
+        return CloseReason.decode(current) or reason
 
     def report_unhealthy(self, reasons: str) -> None:
         """Count this node as unhealthy and lost; it will not be placed again."""
@@ -227,7 +240,7 @@ class BarrierRendezvous:
     def withdraw(self, reason: str) -> None:
         """Leave the job for good: free our slot in an open round and count us as lost."""
         result = self._last_result
-        if result is not None and not self.store.check([self.keys.ready(result.round)]):
+        if result is not None and not self._is_ready(result.round):
             self._withdraw_slot(result.round, result.slot_index)
         self._mark_lost(self.participant_id, f"withdrew: {reason}")
         self._excluded = True
@@ -283,18 +296,18 @@ class BarrierRendezvous:
         except BaseException:
             # signal, timeout or closed: free the slot so the round does not wait for us
             try:
-                if not store.check([keys.ready(round_id)]):
+                if not self._is_ready(round_id):
                     self._withdraw_slot(round_id, index)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
             raise
 
     def _write_slot(self, round_id: int, index: int, withdrawn: bool) -> None:
-        self.store.set(self.keys.slot(index), encode_slot(round_id, self.participant, withdrawn))
+        self.values.put(self.keys.slot(index), encode_slot(round_id, self.participant, withdrawn))
         self.store.add(self.keys.written(round_id), 1)
 
     def _withdraw_slot(self, round_id: int, index: int) -> None:
-        self.store.set(self.keys.slot(index), encode_slot(round_id, self.participant, withdrawn=True))
+        self.values.put(self.keys.slot(index), encode_slot(round_id, self.participant, withdrawn=True))
         self.store.add(self.keys.withdrawn(round_id), 1)
         log.info("%s withdrew from round %d", self.participant_id, round_id)
 
@@ -306,7 +319,7 @@ class BarrierRendezvous:
         watch = _CoordinatorWatch(self._clock())
         poll = settings.poll_interval
         while True:
-            if store.check([keys.ready(round_id)]):
+            if self._is_ready(round_id):
                 return self._read_result(round_id, index)
             reason = self._closed_reason()
             if reason is not None:
@@ -324,7 +337,7 @@ class BarrierRendezvous:
                     coordinator = None
                 else:
                     coordinator.step()
-                    if store.check([keys.ready(round_id)]):
+                    if self._is_ready(round_id):
                         continue
             if self._clock() > deadline:
                 arrived = store.add(keys.arrived(round_id), 0) - store.add(keys.withdrawn(round_id), 0)
@@ -358,8 +371,8 @@ class BarrierRendezvous:
         return False
 
     def _read_result(self, round_id: int, index: int) -> RoundResult:
-        key = self.keys.slot_rank(index)
-        answer = decode_slot_rank(self.store.get(key)) if self.store.check([key]) else None
+        raw = self.values.get(self.keys.slot_rank(index))
+        answer = decode_slot_rank(raw) if raw is not None else None
         store_prefix = self.keys.round_store_prefix(round_id)
         if answer is not None and answer.round == round_id:
             rank, world_size = answer.rank, answer.world_size
@@ -379,9 +392,11 @@ class BarrierRendezvous:
         return int(self.store.compare_set(self.keys.round, "", "0"))
 
     def _closed_reason(self) -> CloseReason | None:
-        if not self.store.check([self.keys.closed_for_good]):
-            return None
-        return CloseReason.decode(self.store.get(self.keys.closed_for_good))
+        raw = self.values.get(self.keys.closed_for_good)
+        return CloseReason.decode(raw) if raw is not None else None
+
+    def _is_ready(self, round_id: int) -> bool:
+        return self.values.has(self.keys.ready(round_id))
 
     def _raise_if_closed_for_good(self) -> None:
         reason = self._closed_reason()
@@ -439,6 +454,26 @@ class BarrierRendezvous:
 
     def stop_heartbeat(self) -> None:
         self._heartbeat_stop.set()
+
+
+def resolve_incarnation(store, signer: Signer, run_id: str, started_at: float) -> int:
+    """The incarnation of ``run_id`` a participant started at ``started_at`` belongs to (see
+    :func:`~lightning_ft.rendezvous.decisions.choose_incarnation`); opens the next one if needed."""
+    counter = incarnation_key(run_id)
+    values = SealedStore(store, signer)
+    current = store.add(counter, 0)
+    while True:
+        raw = values.get(RunKeys(run_id, current).closed_for_good)
+        closed = CloseReason.decode(raw) if raw is not None else None
+        chosen = choose_incarnation(current, closed.closed_at if closed is not None else None, started_at)
+        if chosen == current:
+            return current
+        moved = int(store.compare_set(counter, str(current), str(chosen)))
+        if moved == chosen:
+            log.info("run %s: incarnation %d was closed for good (%s) before this process started; this is a new "
+                     "launch of the run id: incarnation %d", run_id, current, closed, chosen)
+            return chosen
+        current = moved  # someone else moved it: judge the new one
 
 
 def expected_acknowledgements(store, keys: RunKeys) -> int:
@@ -501,10 +536,10 @@ class _Coordinator:
         return holder in ("", self.rdzv.participant_id)
 
     def _read_previous_actives(self) -> tuple[str, ...]:
-        key = self.keys.last_actives
-        if not self.store.check([key]):
+        raw = self.rdzv.values.get(self.keys.last_actives)
+        if raw is None:
             return ()
-        last = decode_last_actives(self.store.get(key))
+        last = decode_last_actives(raw)
         return last[1] if last is not None and last[0] < self.round_id else ()
 
     def _read_counts(self) -> tuple[int, int, int]:
@@ -522,14 +557,16 @@ class _Coordinator:
             present = [k for k in slot_keys if self.store.check([k])]
             fetched = dict(zip(present, self.store.multi_get(present))) if present else {}
             raw_values = [fetched.get(k, b"") for k in slot_keys]
-        cache = self.rdzv._decode_cache
+        # decoded by (key, raw value): a value is authentic only under the key it was sealed for
+        cache, signer = self.rdzv._decode_cache, self.rdzv.signer
         slots = []
-        for raw in raw_values:
-            slot = cache.get(raw)
-            if slot is None and raw not in cache:
-                slot = decode_slot(raw)
+        for key, raw in zip(slot_keys, raw_values):
+            slot = cache.get((key, raw))
+            if slot is None and (key, raw) not in cache:
+                opened = signer.open(key, raw) if raw else None
+                slot = decode_slot(opened) if opened is not None else None
                 if len(cache) < 100_000:
-                    cache[raw] = slot
+                    cache[(key, raw)] = slot
             slots.append(slot)
         return slots
 
@@ -588,7 +625,7 @@ class _Coordinator:
 
     def _complete(self, arrivals: tuple[Arrival, ...]) -> None:
         token = f"{self.rdzv.participant_id}"
-        if self.store.compare_set(self.keys.closed(self.round_id), "", token).decode() != token:
+        if self.rdzv.values.put_if_absent(self.keys.closed(self.round_id), token) != token.encode():
             return  # another coordinator already decided this round
         assignment = assign_ranks(arrivals, self.previous_actives, self.settings.min_nodes,
                                   self.settings.segment)
@@ -600,11 +637,12 @@ class _Coordinator:
         for arrival in assignment.standby:
             rank_keys.append(self.keys.slot_rank(arrival.slot_index))
             rank_values.append(encode_slot_rank(self.round_id, -1, world))
-        self.store.multi_set(rank_keys, rank_values)
-        self.store.set(self.keys.last_actives,
-                       encode_last_actives(self.round_id, [a.participant_id for a in assignment.active]))
+        values = self.rdzv.values
+        values.multi_put(rank_keys, rank_values)
+        values.put(self.keys.last_actives,
+                   encode_last_actives(self.round_id, [a.participant_id for a in assignment.active]))
         # ready last: a reader that sees it finds every rank key above already written
-        self.store.set(self.keys.ready(self.round_id),
-                       encode_ready(world, len(assignment.standby), self.clock() - self.timer.opened_at))
+        values.put(self.keys.ready(self.round_id),
+                   encode_ready(world, len(assignment.standby), self.clock() - self.timer.opened_at))
         log.debug("round %d closed: %d active, %d standby (decided in %.3fs)", self.round_id, world,
                  len(assignment.standby), self.clock() - self.timer.opened_at)

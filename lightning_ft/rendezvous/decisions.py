@@ -200,3 +200,18 @@ def newly_dead(heartbeats: dict[str, int | None], last_seen: dict[str, tuple[int
         if now - previous[1] >= dead_after:
             dead.add(pid)
     return dead
+
+
+def choose_incarnation(current: int, closed_at: float | None, started_at: float) -> int:
+    """Which incarnation of a run a participant belongs to.
+
+    ``current`` is the newest incarnation in the store, ``closed_at`` when it was closed for
+    good (None: still open), ``started_at`` when this participant's process started. An open
+    incarnation is joined. A closed one is this participant's only if it started before the
+    close -- a late starter of that launch, which then leaves as "not needed"; a process
+    started after the close is a new launch of the run id (a requeue, a second job on a
+    long-lived store) and opens the next incarnation, so it never inherits "closed".
+    """
+    if closed_at is None or started_at < closed_at:
+        return current
+    return current + 1

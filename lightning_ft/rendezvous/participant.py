@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -72,3 +73,22 @@ def local_participant(local_id: int = 0, domain_id: str | None = None, infra_ran
         infra_rank=detect_infra_rank(env) if infra_rank is None else infra_rank,
         domain_id=domain_id or env.get("LIGHTNING_FT_DOMAIN_ID") or "none",
     )
+
+
+_IMPORTED_AT = time.time()
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock): from ``/proc`` on Linux, else when this module loaded.
+
+    A run's incarnation is decided by it: a process started before the run closed belongs to
+    that run (a late starter), one started after it belongs to a new launch of the run id.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            ticks_after_boot = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks_after_boot / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -47,6 +48,38 @@ def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> Endpoint:
     return Endpoint(host, port)
 
 
+def listen_on(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to ``host`` (its address, not every interface) and ``port``.
+
+    TCPStore alone listens on every interface whatever host it is given; handing it this
+    socket (``master_listen_fd``) makes "``--host 127.0.0.1``" mean loopback only.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(512)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def host_store(host: str, port: int, timeout: datetime.timedelta, multi_tenant: bool = True) -> dist.TCPStore:
+    """Host a TCPStore that listens on ``host`` only (port 0: a free one; ``store.port`` tells)."""
+    sock = listen_on(host, port)
+    bound_port = sock.getsockname()[1]
+    try:
+        # the store takes the descriptor over; the Python object must not close it
+        return dist.TCPStore(host, bound_port, is_master=True, wait_for_workers=False, timeout=timeout,
+                             multi_tenant=multi_tenant, master_listen_fd=sock.detach())
+    except BaseException:
+        sock.close()
+        raise
+
+
 def connect_store(endpoint: Endpoint, is_host: bool | None, connect_timeout: float,
                   op_timeout: float = STORE_OP_TIMEOUT) -> tuple[dist.Store, bool]:
     """Host the TCPStore at the endpoint, or connect to whoever hosts it.
@@ -59,8 +92,7 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, connect_timeout: flo
     timeout = datetime.timedelta(seconds=op_timeout)
     if is_host is not False:
         try:
-            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
-                                  multi_tenant=True)
+            store = host_store(host, port, timeout)
             log.info("hosting the rendezvous store at %s", endpoint)
             return store, True
         except (RuntimeError, OSError) as exc:

@@ -15,18 +15,20 @@ import signal
 import sys
 import time
 
-import torch.distributed as dist
-
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.rendezvous.barrier import wait_for_acknowledgements
-from lightning_ft.schema.run import CloseReason, RunKeys
+from lightning_ft.rendezvous.store import host_store
+from lightning_ft.schema.run import CloseReason, RunKeys, incarnation_key
+from lightning_ft.schema.signing import SealedStore, job_signer
 
 log = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-ft store", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    parser.add_argument("--host", required=True,
+                        help="address to listen on, and only there: this node's address on the job's network, "
+                             "127.0.0.1 for one machine, 0.0.0.0 for every interface")
     parser.add_argument("--port", type=int, default=29400, help="port to listen on (default: 29400)")
     parser.add_argument("--run-id", help="exit when this run is closed for good and acknowledged")
     parser.add_argument("--grace-timeout", type=float, default=3.0,
@@ -37,19 +39,22 @@ def _parser() -> argparse.ArgumentParser:
 def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
           stop_requested=lambda: False) -> int:
     try:
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                              timeout=datetime.timedelta(seconds=60))
+        store = host_store(host, port, datetime.timedelta(seconds=60))
     except (RuntimeError, OSError) as exc:
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         return 2
     print(f"lightning-ft store listening on {host}:{store.port}", flush=True)
-    keys = RunKeys(run_id) if run_id else None
+    values = SealedStore(store, job_signer())
     while not stop_requested():
-        if keys is not None and store.check([keys.closed_for_good]):
-            reason = CloseReason.decode(store.get(keys.closed_for_good))
-            log.info("run %s closed for good (%s); waiting for acknowledgements", run_id, reason)
-            wait_for_acknowledgements(store, keys, grace_timeout)
-            return 0
+        if run_id:
+            # the incarnation in progress (a run id may be launched again on a long-lived store)
+            keys = RunKeys(run_id, store.add(incarnation_key(run_id), 0))
+            raw = values.get(keys.closed_for_good)
+            reason = CloseReason.decode(raw) if raw is not None else None
+            if reason is not None:
+                log.info("run %s closed for good (%s); waiting for acknowledgements", run_id, reason)
+                wait_for_acknowledgements(store, keys, grace_timeout)
+                return 0
         # short slices (SIGTERM/SIGINT are handled between them), not shorter: each check is a
         # request to the store, and the store host may share its cores with training
         time.sleep(0.5)

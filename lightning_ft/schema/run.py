@@ -1,15 +1,21 @@
-"""Run scope: the rendezvous keys of one run, under ``lightning_ft/<run_id>/``, and their values.
+"""Run scope: the rendezvous keys of one run, under ``lightning_ft/<run_id>/i<incarnation>/``.
 
-Round-scoped keys carry the round number (``r{N}/...``). Slot keys are shared by all rounds
-and never cleared; the round inside each slot value tells readers which round wrote it.
-Every value a reader decodes has its encoder here, next to it.
+A run id can be used again -- a requeued job keeps its scheduler job id, a long-lived store
+outlives jobs -- so every launch of a run is an *incarnation* with keys of its own; nothing
+of an earlier incarnation ("closed for good" above all) is seen by a later one (see
+:func:`~lightning_ft.rendezvous.decisions.choose_incarnation`). Round-scoped keys carry the
+round number (``r{N}/...``). Slot keys are shared by all rounds of an incarnation and never
+cleared; the round inside each slot value tells readers which round wrote it. Every value a
+reader decodes has its encoder here, next to it; values are sealed with the job secret by
+:class:`~lightning_ft.schema.signing.SealedStore`.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple, Protocol
 
@@ -31,11 +37,18 @@ EXIT_BARRIER_KEY = _TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN
 SEP = "\x1f"
 
 
-class RunKeys:
-    """Key layout under ``lightning_ft/<run_id>/``."""
+def incarnation_key(run_id: str) -> str:
+    """The counter of a run's incarnations (the newest one is current)."""
+    return f"lightning_ft/{run_id}/incarnation"
 
-    def __init__(self, run_id: str) -> None:
-        self.prefix = f"lightning_ft/{run_id}"
+
+class RunKeys:
+    """Key layout of one incarnation of a run: ``lightning_ft/<run_id>/i<incarnation>/``."""
+
+    def __init__(self, run_id: str, incarnation: int = 0) -> None:
+        self.run_id = run_id
+        self.incarnation = incarnation
+        self.prefix = f"lightning_ft/{run_id}/i{incarnation}"
         p = self.prefix
         #: the current round (an integer counter; ``compare_set`` moves it on)
         self.round = f"{p}/round"
@@ -221,22 +234,23 @@ _LABELS = {CloseKind.FINISHED: "job finished", CloseKind.STOPPED: "job stopped",
 
 @dataclass(frozen=True)
 class CloseReason:
-    """The value of ``closed_for_good``: a kind to act on and a text for people."""
+    """The value of ``closed_for_good``: a kind to act on, a text for people, and when (wall clock)."""
 
     kind: CloseKind
     text: str
+    closed_at: float = field(default_factory=time.time)
 
     def __str__(self) -> str:
         return f"{self.kind.label}: {self.text}"
 
     def encode(self) -> str:
-        return f"{self.kind.value}{SEP}{self.text}"
+        return SEP.join((self.kind.value, repr(float(self.closed_at)), self.text))
 
     @classmethod
-    def decode(cls, raw: bytes) -> "CloseReason":
-        text = raw.decode(errors="replace")
-        kind_text, sep, rest = text.partition(SEP)
+    def decode(cls, raw: bytes) -> "CloseReason | None":
+        """None for a value that is not a close reason of this format."""
         try:
-            return cls(CloseKind(kind_text), rest) if sep else cls(CloseKind.CLOSED, text)
-        except ValueError:
-            return cls(CloseKind.CLOSED, text)
+            kind_text, when, text = raw.decode().split(SEP, 2)
+            return cls(CloseKind(kind_text), text, float(when))
+        except (ValueError, UnicodeDecodeError):
+            return None

@@ -15,7 +15,7 @@ UNHEALTHY_COUNT_KEY = "unhealthy_count"
 
 
 def namespace_prefix(namespace: str) -> str:
-    return f"lightning_ft/termination/{namespace}/"
+    return f"lightning_ft/termination/{namespace}"
 
 
 def unhealthy_key(rank: int) -> str:

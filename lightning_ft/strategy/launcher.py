@@ -236,7 +236,7 @@ class FaultTolerantLauncher(_Launcher):
 
         replicas = ReplicaPuller(settings.domain_id, settings.replication_factor, open_snapshot_store,
                                  session.events.emit)
-        monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys,
+        monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys, signer=session.rendezvous.signer,
                                dead_after=session.rendezvous.settings.dead_after, open_round=session.open_round,
                                replicas=replicas)
         monitor.start()

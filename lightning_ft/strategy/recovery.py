@@ -164,13 +164,15 @@ class FailureHandler:
         peer_error = newer = None
         result, session = runtime.result, self._session
         try:
-            round_store = session.round_store(result)
+            values = session.round_values(result)
             for rank in range(result.world_size):
-                if rank != result.rank and round_store.check([failed_key(rank)]):
-                    peer_error = f"rank {rank}: {round_store.get(failed_key(rank)).decode()}"
+                text = values.get(failed_key(rank)) if rank != result.rank else None
+                if text is not None:
+                    peer_error = f"rank {rank}: {text.decode(errors='replace')}"
                     break
-            if detector is None and round_store.check([VERDICT_KEY]):  # a peer's watchdog broke the round
-                verdict = decode_verdict(round_store.get(VERDICT_KEY))
+            raw_verdict = values.get(VERDICT_KEY) if detector is None else None
+            if raw_verdict is not None:  # a peer's watchdog broke the round
+                verdict = decode_verdict(raw_verdict)
                 detector = verdict.detector if verdict is not None else None
             closed = session.rendezvous.closed_reason()
             if peer_error is None and closed is not None and closed.kind is CloseKind.FAILED:
@@ -192,7 +194,7 @@ class FailureHandler:
         text = f"{type(exc).__name__}: {first_line(exc)}"
         try:
             if kind is FailureKind.LOCAL_ERROR:
-                session.round_store(result).set(failed_key(result.rank), text)
+                session.round_values(result).put(failed_key(result.rank), text)
                 reason = f"rank {result.rank} raised {text}"
                 session.events.emit(ev.DECISION, round=result.round, kind=kind.value, action="raise",
                                     reason=f"{CloseKind.FAILED.label}: {reason}")

@@ -22,6 +22,7 @@ from lightning_ft.rendezvous.participant import ParticipantInfo, local_participa
 from lightning_ft.rendezvous.store import connect_store
 from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
+from lightning_ft.schema.signing import SealedStore
 from lightning_ft.strategy.process_group import GroupTransport, retire_group
 from lightning_ft.strategy.settings import HangSettings, StrategySettings
 from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
@@ -49,7 +50,7 @@ class Session:
         participant = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
         rendezvous = BarrierRendezvous(store, settings.rendezvous(), participant, is_store_host=hosting,
                                        heartbeat_store_factory=store.clone)
-        session = cls(store, rendezvous, participant, RunKeys(launch.run_id), hosting,
+        session = cls(store, rendezvous, participant, rendezvous.keys, hosting,
                       events_for(participant.participant_id))
         session.events.emit(ev.JOIN, participant=participant.participant_id, domain=settings.domain_id,
                             endpoint=str(launch.endpoint), run_id=launch.run_id, min_nodes=launch.min_nodes,
@@ -60,8 +61,13 @@ class Session:
         return session
 
     def round_store(self, result: RoundResult, store: Any = None) -> dist.PrefixStore:
-        """The job's store of a round (on ``store``, default the session's connection)."""
+        """The job's store of a round (on ``store``, default the session's connection), for
+        torch's own keys (the exit barrier); our values there go through :meth:`round_values`."""
         return dist.PrefixStore(result.store_prefix, self.store if store is None else store)
+
+    def round_values(self, result: RoundResult, store: Any = None) -> SealedStore:
+        """The sealed values of a round's job (see :mod:`lightning_ft.schema.round`)."""
+        return SealedStore(self.store if store is None else store, self.rendezvous.signer, result.store_prefix)
 
     def open_round(self, failed_round: int, reason: str) -> int:
         """Open the round after ``failed_round`` (idempotent across participants); returns it."""
@@ -122,7 +128,7 @@ class RoundRuntime:
         """Watch this round from a thread with its own store connection (see :class:`RoundWatchdog`)."""
         result, events, keys = self.result, session.events, session.keys
         clone = session.store.clone()
-        round_store = session.round_store(result, clone)
+        round_values = session.round_values(result, clone)
 
         def on_trigger(detector: str, reason: str, stalled: tuple[int, ...]) -> None:
             if detector in ("hang", "deadlock"):
@@ -133,7 +139,7 @@ class RoundRuntime:
                             detector=detector, stalled=list(stalled),
                             stuck_seconds=None if began is None else round(time.monotonic() - began, 3))
             if detector in ("hang", "deadlock"):
-                round_store.compare_set(VERDICT_KEY, "", encode_verdict(detector, reason))
+                round_values.put_if_absent(VERDICT_KEY, encode_verdict(detector, reason))
             opened = int(clone.compare_set(keys.round, str(result.round), str(result.round + 1)))
             if detector in ("hang", "deadlock") and opened == result.round + 1:
                 events.emit(ev.ROUND_OPEN, round=result.round + 1, after=result.round, reason=reason)
@@ -141,7 +147,7 @@ class RoundRuntime:
         transport = self.transport
         self.clock.touch()  # building the group was progress; the watchdog measures from here
         self.watchdog = RoundWatchdog(
-            round_store=round_store, rdzv_store=clone, round_key=keys.round,
+            round_values=round_values, rdzv_store=clone, round_key=keys.round,
             heartbeat_key=keys.heartbeat, round_id=result.round, rank=result.rank, world_size=result.world_size,
             clock=self.clock, hang_detection=hang.enabled, hang_floor=hang.floor, hang_factor=hang.safety_factor,
             dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,

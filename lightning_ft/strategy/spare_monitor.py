@@ -17,6 +17,7 @@ from typing import Callable
 from lightning_ft.checkpoint.replication import ReplicaPuller
 from lightning_ft.schema.round import decode_member, member_key
 from lightning_ft.schema.run import RunKeys
+from lightning_ft.schema.signing import SealedStore, Signer
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +29,11 @@ class SpareMonitor:
     keeps copies of published snapshots.
     """
 
-    def __init__(self, *, rdzv_store, keys: RunKeys, dead_after: float, open_round: Callable[[int, str], None],
-                 replicas: ReplicaPuller | None = None, poll_interval: float = 0.25) -> None:
+    def __init__(self, *, rdzv_store, keys: RunKeys, signer: Signer, dead_after: float,
+                 open_round: Callable[[int, str], None], replicas: ReplicaPuller | None = None,
+                 poll_interval: float = 0.25) -> None:
         self.store = rdzv_store
+        self.signer = signer
         self.keys = keys
         self.dead_after = dead_after
         self.open_round = open_round
@@ -66,20 +69,20 @@ class SpareMonitor:
         round_id = int(self.store.compare_set(self.keys.round, "", "0"))
         if not self.store.check([self.keys.ready(round_id)]):
             return  # the round is still forming: nothing trains yet
-        prefix = self.keys.round_store_prefix(round_id)
+        values = SealedStore(self.store, self.signer, self.keys.round_store_prefix(round_id))
         if self.replicas is not None:
-            self.replicas.poll(self.store, prefix)
-        self._watch_actives(round_id, prefix)
+            self.replicas.poll(values)
+        self._watch_actives(round_id, values)
 
-    def _watch_actives(self, round_id: int, prefix: str) -> None:
+    def _watch_actives(self, round_id: int, values: SealedStore) -> None:
         if round_id != self._watched_round:
             self._watched_round = round_id
             self._members.clear()
             self._beats.clear()
         now = time.monotonic()
         rank = len(self._members)
-        while self.store.check([f"{prefix}/{member_key(rank)}"]):
-            self._members[rank] = decode_member(self.store.get(f"{prefix}/{member_key(rank)}")).participant_id
+        while (raw := values.get(member_key(rank))) is not None:
+            self._members[rank] = decode_member(raw).participant_id
             rank += 1
         if not self._members or self.store.check([self.keys.exit_barrier(round_id)]):
             return

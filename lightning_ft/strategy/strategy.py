@@ -58,6 +58,7 @@ from lightning_ft.process import plan_exit
 from lightning_ft.rendezvous.participant import detect_infra_rank
 from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
 from lightning_ft.schema.run import decode_log_versions, encode_log_versions
+from lightning_ft.schema.signing import SealedStore
 from lightning_ft.strategy.environment import NO_RANK, ElasticEnvironment, RoundEnvironment
 from lightning_ft.strategy.launcher import ElasticLauncher, FaultTolerantLauncher
 from lightning_ft.strategy.process_group import GroupTransport, init_round_group, open_sockets
@@ -290,8 +291,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                             seconds=round(seconds, 4))
         log.info("ddp_ft: round %d: process group up as rank %d of %d in %.3fs (%s)", result.round,
                  result.rank, result.world_size, seconds, self._process_group_backend)
-        session.round_store(result).set(member_key(result.rank),
-                                        encode_member(session.participant.participant_id, self.settings.domain_id))
+        session.round_values(result).put(member_key(result.rank),
+                                         encode_member(session.participant.participant_id, self.settings.domain_id))
         if result.rank == 0 and not self._printed_device_info:
             _log_device_info(self.trainer)  # held back until rank 0 was known (see __init__)
         self._printed_device_info = True
@@ -326,11 +327,10 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         """One log version per run on every participant; after a recovery, continue its history."""
         loggers = versioned_loggers(self.trainer)
         if loggers:
-            key, store = session.keys.log_versions, session.store
-            if self.global_rank == 0 and not store.check([key]):
-                store.compare_set(key, "", encode_log_versions(resolve_versions(loggers)))
-            store.wait([key], datetime.timedelta(seconds=self.settings.timeouts.init_timeout))
-            pin_versions(loggers, decode_log_versions(store.get(key)))
+            key, values = session.keys.log_versions, session.rendezvous.values
+            if self.global_rank == 0 and not values.has(key):
+                values.put_if_absent(key, encode_log_versions(resolve_versions(loggers)))
+            pin_versions(loggers, decode_log_versions(self._wait_for_value(values, key)))
         if not runtime.follows_a_failure:
             return
         if resume_step is not None:
@@ -364,8 +364,19 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._replicas = None
         if (self.settings.replication_factor and self._checkpoint is not None and self.global_rank == 0
                 and self.settings.mode is LaunchMode.RENDEZVOUS and self.session is not None):
-            self._replicas = ReplicaPublisher(self.session.store.clone, self.settings.replication_factor,
+            self._replicas = ReplicaPublisher(self.session.store.clone, self.session.rendezvous.signer,
+                                              self.settings.replication_factor,
                                               self.settings.replica_max_bytes, self.event_log.emit)
+
+    def _wait_for_value(self, values: SealedStore, key: str) -> bytes:
+        """An authentic value another rank writes, polled in short slices (bounded by init_timeout)."""
+        deadline = time.monotonic() + self.settings.timeouts.init_timeout
+        while (raw := values.get(key)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ddp_ft: no authentic value of {values.key(key)} within "
+                                   f"init_timeout={self.settings.timeouts.init_timeout:g}s")
+            time.sleep(0.01)
+        return raw
 
     def _snapshot_round_start(self, step: int) -> None:
         # A round must always have a snapshot to fall back to: without one, a failure before the

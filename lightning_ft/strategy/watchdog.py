@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Callable
 
 from lightning_ft.schema.round import decode_member, decode_progress, encode_progress, member_key, progress_key
+from lightning_ft.schema.signing import SealedStore
 from lightning_ft.strategy.decisions import PeerState, find_stalled_ranks, hang_timeout
 
 log = logging.getLogger(__name__)
@@ -110,19 +111,19 @@ def _short_path(path: str) -> str:
 class RoundWatchdog:
     """Watches one round on one active rank (see the module docstring).
 
-    ``round_store``: a store scoped to the round (``PrefixStore(round prefix, clone)``);
+    ``round_values``: the round's sealed values (on a store connection of the watchdog's own);
     ``rdzv_store`` + ``round_key``/``heartbeat_key``: the rendezvous keys on the same clone.
     ``on_trigger(detector, reason, stalled)`` runs in the watchdog thread before the group is
     broken; ``break_group()`` makes the training thread's collective fail. Build it on the
     training thread: that is the thread whose stack tells where this rank waits.
     """
 
-    def __init__(self, *, round_store, rdzv_store, round_key: str, heartbeat_key: Callable[[str], str],
+    def __init__(self, *, round_values: SealedStore, rdzv_store, round_key: str, heartbeat_key: Callable[[str], str],
                  round_id: int, rank: int, world_size: int, clock: StepClock, hang_detection: bool,
                  hang_floor: float, hang_factor: float, dead_after: float,
                  on_trigger: Callable[[str, str, tuple[int, ...]], None], break_group: Callable[[], int],
                  poll_interval: float = 0.2, progress_interval: float = 1.0) -> None:
-        self.round_store = round_store
+        self.round_values = round_values
         self.rdzv_store = rdzv_store
         self.round_key = round_key
         self.heartbeat_key = heartbeat_key
@@ -209,7 +210,7 @@ class RoundWatchdog:
             return
         if not urgent and now - self._published_at < self.progress_interval:
             return
-        self.round_store.set(progress_key(self.rank), encode_progress(*position))
+        self.round_values.put(progress_key(self.rank), encode_progress(*position))
         self._published, self._published_at = position, now
 
     def _peer_states(self, now: float) -> list[PeerState]:
@@ -217,8 +218,10 @@ class RoundWatchdog:
         for rank in range(self.world_size):
             if rank == self.rank:
                 continue
-            if rank not in self._members and self.round_store.check([member_key(rank)]):
-                self._members[rank] = decode_member(self.round_store.get(member_key(rank))).participant_id
+            if rank not in self._members:
+                raw = self.round_values.get(member_key(rank))
+                if raw is not None:
+                    self._members[rank] = decode_member(raw).participant_id
             participant = self._members.get(rank)
             silent = 0.0
             if participant is not None:
@@ -228,8 +231,7 @@ class RoundWatchdog:
                     self._heartbeats[rank] = (beat, now)
                 else:
                     silent = now - seen[1]
-            key = progress_key(rank)
-            raw = self.round_store.get(key) if self.round_store.check([key]) else b""
+            raw = self.round_values.get(progress_key(rank)) or b""
             position = self._positions.get(rank)
             if position is None or position[0] != raw:
                 self._positions[rank] = position = (raw, now)

@@ -221,8 +221,7 @@ class GracefulTermination(pl.Callback):
         # agent keeps one TCPStore across worker restarts and membership changes, so a
         # stop key left by an earlier group would stop the restarted one at once.
         namespace = trainer.strategy.broadcast(secrets.token_hex(8) if self._rank == 0 else None, src=0)
-        return StoreStopCoordinator(dist.PrefixStore(namespace_prefix(namespace), store), self._rank,
-                                    self._world_size)
+        return StoreStopCoordinator(store, self._rank, self._world_size, prefix=namespace_prefix(namespace))
 
     def _finish(self, trainer: pl.Trainer | None = None, exiting: bool = False) -> None:
         """Stop watching and put the pre-fit handlers back; nothing of ours stays installed.

@@ -20,18 +20,27 @@ from lightning_ft.schema.termination import (
     unhealthy_key,
 )
 
+from lightning_ft.schema.signing import SealedStore, Signer, job_signer
+
 log = logging.getLogger(__name__)
 
 __all__ = ["LocalStopCoordinator", "StopRequest", "StoreStopCoordinator"]
 
 
 class StoreStopCoordinator:
-    """Stop-step agreement and unhealthy-peer notices over a (prefixed) Store."""
+    """Stop-step agreement and unhealthy-peer notices over a Store, in the key space ``prefix``.
 
-    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+    The stop request and the notices are sealed with the job secret (see
+    :mod:`lightning_ft.schema.signing`): a forged stop key or notice is ignored.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, prefix: str = "",
+                 signer: Signer | None = None) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
+        self.prefix = prefix
+        self.values = SealedStore(store, job_signer() if signer is None else signer, prefix)
 
     def clone(self) -> "StoreStopCoordinator":
         """A coordinator on its own connection, for use from another thread."""
@@ -42,18 +51,16 @@ class StoreStopCoordinator:
                 store = clone()
             except Exception:  # not every Store type can clone; the TCPStore client is locked anyway
                 log.debug("store clone failed; sharing the connection", exc_info=True)
-        return StoreStopCoordinator(store, self.rank, self.world_size)
+        return StoreStopCoordinator(store, self.rank, self.world_size, self.prefix, self.values.signer)
 
     def propose(self, step: int, signum: int, reason: str) -> StopRequest:
         """Propose stopping after ``step``; returns the agreed request (possibly an earlier one)."""
         mine = StopRequest(step, self.rank, signum, reason)
-        current = self.store.compare_set(STOP_KEY, "", mine.encode())
-        return StopRequest.decode(current)
+        return StopRequest.decode(self.values.put_if_absent(STOP_KEY, mine.encode()))
 
     def poll(self) -> StopRequest | None:
-        if not self.store.check([STOP_KEY]):
-            return None
-        return StopRequest.decode(self.store.get(STOP_KEY))
+        raw = self.values.get(STOP_KEY)
+        return StopRequest.decode(raw) if raw is not None else None
 
     def announce_unhealthy(self, step: int, signum: int, reasons: list[str]) -> StopRequest:
         """Tell peers this rank is leaving as unhealthy (and ask them to stop).
@@ -62,21 +69,25 @@ class StoreStopCoordinator:
         reached the store when this returns, even if the process exits right after.
         """
         agreed = self.propose(step, signum, f"rank {self.rank} unhealthy")
-        self.store.set(unhealthy_key(self.rank), encode_unhealthy(step, reasons))
-        self.store.add(UNHEALTHY_COUNT_KEY, 1)
+        self.values.put(unhealthy_key(self.rank), encode_unhealthy(step, reasons))
+        self.store.add(self.values.key(UNHEALTHY_COUNT_KEY), 1)
         return agreed
 
     def any_peer_unhealthy(self) -> bool:
-        return bool(self.store.check([UNHEALTHY_COUNT_KEY]))
+        # the counter is a hint (counters cannot be sealed); the sealed notices decide
+        return bool(self.store.check([self.values.key(UNHEALTHY_COUNT_KEY)])) and bool(self.unhealthy_peers())
 
     def unhealthy_peers(self) -> dict[int, list[str]]:
         """rank -> reasons, for every rank that announced itself unhealthy."""
-        if not self.any_peer_unhealthy():
+        if not self.store.check([self.values.key(UNHEALTHY_COUNT_KEY)]):
             return {}
         peers: dict[int, list[str]] = {}
         for rank in range(self.world_size):
-            if rank != self.rank and self.store.check([unhealthy_key(rank)]):
-                peers[rank] = decode_unhealthy(self.store.get(unhealthy_key(rank)))
+            if rank == self.rank:
+                continue
+            raw = self.values.get(unhealthy_key(rank))
+            if raw is not None:
+                peers[rank] = decode_unhealthy(raw)
         return peers
 
 
