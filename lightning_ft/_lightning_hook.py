@@ -21,6 +21,8 @@ def _register_strategy() -> None:
     register = getattr(module, "register_strategy", None)
     if register is not None:
         register()
+        from lightning_ft import _slurm_compat  # under srun, Lightning's SLURM checks would reject ddp_ft layouts
+        _slurm_compat.install(module.FaultTolerantDDPStrategy)
 
 
 class _LoaderThatRegistersAfterwards(importlib.abc.Loader):
