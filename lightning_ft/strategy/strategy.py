@@ -219,6 +219,9 @@ class _ElasticLauncher(_Launcher):
                 strategy._break_group()
             raise
         _destroy_group()  # Lightning never destroys a gloo group (1 exit in ~15 aborts otherwise)
+        # the run's outcome for `lightning-ft report --exit-code` (rendezvous mode: _finish_success)
+        strategy._emit(ev.FINISHED, cycle=strategy._cycle(), rank=strategy.global_rank,
+                       step=trainer.global_step if trainer is not None else None)
         return output
 
     def kill(self, signum) -> None:
