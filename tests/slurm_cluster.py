@@ -58,8 +58,11 @@ def ensure_installed(log: Path) -> None:
     with open(log, "ab") as out:
         # a fresh machine may have no package index yet: read it once, then try again
         for attempt in (install, ["apt-get", "update", "-q"], install):
-            code = subprocess.run(attempt, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env=env, timeout=900).returncode
+            try:
+                code = subprocess.run(attempt, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=env, timeout=900).returncode
+            except subprocess.TimeoutExpired:
+                raise SlurmUnavailable(f"{' '.join(attempt)} did not finish within 900 s") from None
             if attempt is install and code == 0:
                 break
     if missing_commands():
