@@ -14,42 +14,48 @@ uses that environment: ``FaultTolerantDDPStrategy`` brings its own (ranks from t
 round, or from torchrun), which replaces the detected one in step 6 (``_lazy_init_strategy``).
 A strategy *instance* was never affected: Lightning takes its environment before detecting.
 
-So when the strategy is given by a name registered for one of our classes and no cluster
-environment plugin was passed, detection is skipped and Lightning gets a placeholder
-``LightningEnvironment`` (its constructor has no side effects), which the strategy's own
-environment then replaces. Every other strategy goes through Lightning's detection unchanged.
+So when the strategy is given by a name registered for one of ours (the class, a subclass, or
+a factory function registered in its place) and no cluster environment plugin was passed,
+detection is skipped and Lightning gets a placeholder ``LightningEnvironment`` (its
+constructor has no side effects), which the strategy's own environment then replaces. Every
+other strategy goes through Lightning's detection unchanged.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
-_OWN_ENVIRONMENT_CLASSES: list[type] = []
+_OWN_FACTORIES: list[Callable[..., Any]] = []
 _WRAPPED_MARK = "_lightning_ft_original"
 
 
 def skips_cluster_detection(strategy_flag: Any, cluster_environment_flag: Any, registry: Mapping[str, Any],
-                            own_environment_classes: tuple[type, ...]) -> bool:
+                            own_factories: Sequence[Callable[..., Any]]) -> bool:
     """True when Lightning's cluster-environment detection must not run for this Trainer.
 
     ``strategy_flag`` is the Trainer's strategy argument as the connector holds it (a name or
     an instance), ``cluster_environment_flag`` a cluster environment passed as a plugin (or
-    None), ``registry`` Lightning's ``StrategyRegistry`` (name -> {"strategy": class, ...}).
+    None), ``registry`` Lightning's ``StrategyRegistry`` (name -> {"strategy": class or
+    factory, ...}), ``own_factories`` what lightning_ft registers (classes match subclasses).
     """
     if not isinstance(strategy_flag, str) or cluster_environment_flag is not None:
         return False  # an instance brings its environment; a plugin is used as given
     entry = dict.get(registry, strategy_flag)  # StrategyRegistry.get() would instantiate the strategy
-    strategy_class = entry.get("strategy") if isinstance(entry, Mapping) else None
-    return isinstance(strategy_class, type) and issubclass(strategy_class, own_environment_classes)
+    registered = entry.get("strategy") if isinstance(entry, Mapping) else None
+    if registered is None:
+        return False
+    return any(registered is own or (isinstance(registered, type) and isinstance(own, type)
+                                     and issubclass(registered, own)) for own in own_factories)
 
 
-def install(strategy_class: type) -> None:
-    """Skip Lightning's cluster detection for ``strategy_class`` (and subclasses) chosen by name (idempotent)."""
-    if strategy_class not in _OWN_ENVIRONMENT_CLASSES:
-        _OWN_ENVIRONMENT_CLASSES.append(strategy_class)
+def install(strategy_factory: Callable[..., Any]) -> None:
+    """Skip Lightning's cluster detection when a name registered for ``strategy_factory`` (a
+    strategy class, which covers its subclasses, or a factory function) is chosen (idempotent)."""
+    if strategy_factory not in _OWN_FACTORIES:
+        _OWN_FACTORIES.append(strategy_factory)
     try:
         from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
     except ImportError as exc:  # pragma: no cover - another Lightning layout: nothing to patch
@@ -67,7 +73,7 @@ def install(strategy_class: type) -> None:
         from lightning.pytorch.strategies import StrategyRegistry
 
         if skips_cluster_detection(self._strategy_flag, self._cluster_environment_flag, StrategyRegistry,
-                                   tuple(_OWN_ENVIRONMENT_CLASSES)):
+                                   _OWN_FACTORIES):
             return LightningEnvironment()  # placeholder: replaced by the strategy's own environment
         return original(self)
 

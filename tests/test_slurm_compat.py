@@ -87,11 +87,17 @@ def test_skips_detection_only_for_names_of_our_strategies():
     class Subclass(FaultTolerantDDPStrategy):
         pass
 
+    def factory(**kwargs):
+        return FaultTolerantDDPStrategy(**kwargs)
+
     registry = {"ddp_ft": {"strategy": FaultTolerantDDPStrategy}, "mine": {"strategy": Subclass},
+                "by_factory": {"strategy": factory}, "other_factory": {"strategy": lambda: None},
                 "ddp": {"strategy": pl.strategies.DDPStrategy}, "broken": {}}
-    ours = (FaultTolerantDDPStrategy,)
+    ours = (FaultTolerantDDPStrategy, factory)
     assert skips_cluster_detection("ddp_ft", None, registry, ours)
     assert skips_cluster_detection("mine", None, registry, ours)
+    assert skips_cluster_detection("by_factory", None, registry, ours)
+    assert not skips_cluster_detection("other_factory", None, registry, ours)
     assert not skips_cluster_detection("ddp", None, registry, ours)
     assert not skips_cluster_detection("broken", None, registry, ours)
     assert not skips_cluster_detection("unknown", None, registry, ours)
