@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import pytest
 
@@ -55,8 +56,6 @@ def slurm():
 
 
 def pytest_terminal_summary(terminalreporter):
-    import sys
-
     measured = getattr(sys.modules.get("slurm_cluster"), "MEASURED", None)
     if measured:
         terminalreporter.write_sep("-", "SLURM scenarios: event -> job end state (measured)")
