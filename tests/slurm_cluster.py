@@ -254,18 +254,9 @@ class SlurmCluster:
 
     def job_processes(self) -> list[int]:
         """Processes whose environment names this cluster's slurm.conf (slurmstepd, batch scripts, tasks)."""
-        marker = f"SLURM_CONF={self.conf}".encode()
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                environ = (entry / "environ").read_bytes()
-            except OSError:
-                continue
-            if marker in environ.split(b"\0"):
-                found.append(int(entry.name))
-        return found
+        pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+        return [pid for pid in pids
+                if pid != os.getpid() and process_environ(pid).get("SLURM_CONF") == str(self.conf)]
 
     # ------------------------------------------------------------------ clients
 
@@ -309,6 +300,15 @@ class SlurmCluster:
         result = self.run(["scancel", *options, job_id])
         if result.returncode != 0:
             raise RuntimeError(f"scancel {' '.join(options)} {job_id} failed: {result.stderr}")
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment a process started with ({} once it is gone, or not readable)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
 def parse_record(text: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from proc_utils import REPO_ROOT, kill_pids, wait_for
-from slurm_cluster import KILL_WAIT, MEASURED, NODE, SlurmCluster
+from slurm_cluster import KILL_WAIT, MEASURED, NODE, SlurmCluster, process_environ
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
 
@@ -98,6 +98,16 @@ class Job:
         domains = {e["who"]: e["domain"] for e in self.events(attempt, "join")}
         return {domains[e["who"]]: e["pid"] for e in self.events(attempt, "round_complete")
                 if e["cycle"] == 0 and not e["standby"]}
+
+    def processes(self) -> dict[int, dict[str, str]]:
+        """pid -> environment of every process of this job still running (slurmstepd included)."""
+        environs = {pid: process_environ(pid) for pid in self.slurm.job_processes()}
+        return {pid: env for pid, env in environs.items() if env.get("SLURM_JOB_ID") == self.job_id}
+
+    def task_processes(self, task: str) -> list[int]:
+        """The processes of srun task ``task`` (SLURM_PROCID): what dies with its node, slurmstepd aside."""
+        return [pid for pid, env in self.processes().items()
+                if env.get("SLURM_PROCID") == task and "SLURM_STEPID" in env and "slurmstepd" not in _cmdline(pid)]
 
     def srun_and_job_codes(self) -> list[tuple[int, int]]:
         """(srun's code, the job's code) of each attempt, from the script's last line."""
@@ -362,7 +372,7 @@ def test_e_plain_scancel_ends_within_kill_wait_with_a_truthful_code_and_full_is_
         assert f"{job_code}:0" == job_info["ExitCode"], (job_info, job.diagnostics())
         expected = job_exit_code(summarize(job.events(0)), srun_code)
         assert job_code == expected.code, (expected, job.diagnostics())
-        assert not [p for p in slurm.job_processes() if _job_of(p) == job.job_id], "processes of the job are left"
+        assert not job.processes(), "processes of the job are left"
     # plain scancel: every rank stopped at one step and saved; the job is cancelled, not requeued
     assert info["JobState"] == "CANCELLED" and info["ExitCode"] == "81:0", plain.diagnostics()
     assert [d["exit_code"] for d in plain.events(0, "termination_decision")] == [81, 81], plain.diagnostics()
@@ -378,10 +388,7 @@ def test_f_torchrun_script_survives_a_killed_node_and_completes_0(jobs, timings)
     job = jobs.submit("torchrun", TRAIN_ARGS, options=("--nodes=1", "--ntasks-per-node=3"), script=TORCHRUN_SBATCH)
     job.wait_for_step(40, 120)
     worker = max(pid for pid, records in job.steps().items() if records)
-    task = _environ(worker).get("SLURM_PROCID")
-    node = [p for p in job.slurm.job_processes()
-            if _job_of(p) == job.job_id and _environ(p).get("SLURM_PROCID") == task and _environ(p).get("SLURM_STEPID")
-            and "slurmstepd" not in _cmdline(p)]
+    node = job.task_processes(process_environ(worker)["SLURM_PROCID"])
     assert worker in node
     start = time.monotonic()
     kill_pids(node)  # the whole "node": exit-code wrapper, torchrun agent, worker
@@ -422,20 +429,9 @@ def _domain_of(job: Job, attempt: int, pid: int) -> str:
     return next(e["domain"] for e in job.events(attempt, "join") if e["pid"] == pid)
 
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
 
-
-def _job_of(pid: int) -> str | None:
-    return _environ(pid).get("SLURM_JOB_ID")
