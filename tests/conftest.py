@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import pytest
 
@@ -33,3 +34,30 @@ def tcp_store():
 @pytest.fixture
 def port():
     return free_port()
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A real SLURM (munged, slurmctld, slurmd) on 127.0.0.1 for the whole session, started on first use.
+
+    Installs Debian's slurm-wlm and munge first when they are missing. If SLURM cannot be
+    installed or started, the tests that need it fail with the reason (never skipped).
+    """
+    from slurm_cluster import SlurmCluster, SlurmUnavailable
+
+    try:
+        cluster = SlurmCluster.start()
+    except SlurmUnavailable as exc:
+        pytest.fail(f"no SLURM for the SLURM tests: {exc}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    measured = getattr(sys.modules.get("slurm_cluster"), "MEASURED", None)
+    if measured:
+        terminalreporter.write_sep("-", "SLURM scenarios: event -> job end state (measured)")
+        for name, seconds in measured.items():
+            terminalreporter.write_line(f"{seconds:6.1f} s  {name}")

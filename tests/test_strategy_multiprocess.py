@@ -308,6 +308,8 @@ def test_under_torchrun_the_new_worker_receives_the_snapshot(processes, tmp_path
         assert received and received[0]["step"] >= 20, events
         finals = [json.loads(p.read_text()) for p in out.glob("result-*.json")]
         assert sorted(r["step"] for r in finals if r["trained"]) == [60, 60]
+        # the outcome is in the event log as in rendezvous mode (lightning-ft report --exit-code reads it)
+        assert sorted(e["step"] for e in events if e["event"] == "finished") == [60, 60]
     finally:
         for agent in agents.values():
             workers.update(child_pids(agent.pid))

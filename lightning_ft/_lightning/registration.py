@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from lightning_ft._lightning.compat import silence_known_warnings
+from lightning_ft._lightning.slurm import install as install_slurm_compat
 
 STRATEGY_NAME = "ddp_ft"
 STRATEGY_DESCRIPTION = "DDP over a barrier rendezvous with hot spares and in-process recovery."
@@ -42,6 +43,7 @@ def _register_strategy() -> None:
 
     if STRATEGY_NAME not in StrategyRegistry:
         StrategyRegistry.register(STRATEGY_NAME, create_ddp_ft, description=STRATEGY_DESCRIPTION)
+    install_slurm_compat(create_ddp_ft)  # under srun, Lightning's SLURM checks would reject ddp_ft layouts
 
 
 class _LoaderThatRegistersAfterwards(importlib.abc.Loader):

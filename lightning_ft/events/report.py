@@ -3,7 +3,9 @@
 The pure part, :func:`summarize` and :func:`format_report`, turns a list of events (as
 :func:`lightning_ft.events.read_events` returns them) into a :class:`RunSummary` and text;
 :func:`main` only reads the directory and prints. Exit status: 0 report printed, 2 bad
-arguments, missing directory or no events.
+arguments, missing directory or no events. With ``--exit-code --launcher-code N`` the exit
+status is instead the code the run's outcome implies for the whole job
+(:func:`job_exit_code`), for a batch script to end with.
 
 What the summary counts (event names are those the ``ddp_ft`` strategy emits):
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +36,7 @@ from typing import Any, Iterable, Sequence
 
 from lightning_ft.events import names as ev
 from lightning_ft.events.log import read_events
+from lightning_ft.exit_codes import ExitCode
 
 # fields every event has; the rest are the event's own "key fields"
 _ENVELOPE = ("t", "mono", "pid", "who", "event")
@@ -279,6 +283,64 @@ def summarize(events: Iterable[Any]) -> RunSummary:
     )
 
 
+# ---------------------------------------------------------------------- the job's exit code
+
+@dataclass(frozen=True)
+class JobExitCode:
+    """The code a job should end with, and why."""
+
+    code: int
+    reason: str
+
+
+def job_exit_code(summary: RunSummary, launcher_code: int) -> JobExitCode:
+    """The exit code the run's outcome implies for the whole job (e.g. a SLURM batch script).
+
+    Why: launchers report their worst task. ``srun`` returns the highest task code, so a job
+    whose hot spare replaced a SIGKILLed task (137) would end FAILED although training
+    finished, and one unhealthy node among saved ones decides nothing by itself. The run's
+    events say what finished and what was saved. In this order:
+
+    * no events at all: ``launcher_code`` (the training never started or never logged);
+    * status ``finished`` (a ``finished`` event and no ``no_restart``): 0;
+    * status ``no_restart``: 83 -- do not requeue;
+    * status ``stopped`` (the SIGTERM path):
+
+      - a rank exited unhealthy (``unhealthy_exit``): 82 -- its healthy peers saved; requeue
+        away from that node;
+      - every ``termination_decision`` is 81: 81 -- stopped at the agreed step and saved.
+        Ranks killed before they decided do not count against it: DDP ranks hold the same
+        state, and on resume ddp_ft sends the newest snapshot to ranks that lack it;
+      - another decision (e.g. 143: the save did not fit): the first such code;
+      - no decision at all (stopped without ``GracefulTermination``): 143, nothing saved;
+
+    * status ``incomplete`` (killed, or still running: no exit event decides): ``launcher_code``.
+    """
+    if not summary.timeline:
+        return JobExitCode(launcher_code, "no events: the run never started or never logged; "
+                                          "the launcher's code")
+    if summary.status == "finished":
+        return JobExitCode(int(ExitCode.SUCCESS), f"the run {summary.status_detail}")
+    if summary.status == "no_restart":
+        return JobExitCode(int(ExitCode.NO_RESTART), f"the run cannot go on ({summary.status_detail})")
+    if summary.status == "stopped":
+        unhealthy = [e for e in summary.timeline if e.event == ev.UNHEALTHY_EXIT]
+        if unhealthy:
+            who = ", ".join(dict.fromkeys(e.who for e in unhealthy))
+            return JobExitCode(int(ExitCode.UNHEALTHY_NODE),
+                               f"stopped; unhealthy node(s) ({who}) exited without saving, healthy peers saved")
+        codes = [c for c in (_int(e.fields.get("exit_code")) for e in summary.timeline
+                             if e.event == ev.TERMINATION_DECISION) if c is not None]
+        if codes and all(c == ExitCode.PREEMPTED for c in codes):
+            return JobExitCode(int(ExitCode.PREEMPTED), f"{summary.status_detail}; every rank that decided saved")
+        if codes:
+            code = next(c for c in codes if c != ExitCode.PREEMPTED)
+            return JobExitCode(code, f"{summary.status_detail}; not every rank saved")
+        return JobExitCode(128 + int(signal.SIGTERM),
+                           f"{summary.status_detail}; no termination decision, nothing saved at the stop")
+    return JobExitCode(launcher_code, f"{summary.status_detail}; the launcher's code")
+
+
 # ---------------------------------------------------------------------- text
 
 def _short(value: Any) -> str:
@@ -372,30 +434,56 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("run_dir", help="directory holding events-*.jsonl")
     parser.add_argument("--summary-only", action="store_true", help="skip the timeline")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--exit-code", action="store_true",
+                        help="exit with the code the run's outcome implies for the whole job: 0 finished, 81 "
+                             "stopped and saved, 82 an unhealthy node, 83 cannot go on, 143 stopped unsaved, "
+                             "else the launcher's code (needs --launcher-code)")
+    parser.add_argument("--launcher-code", type=int, metavar="N",
+                        help="the launcher's own exit status (e.g. srun's), used when the events decide nothing")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.exit_code and args.launcher_code is None:
+        parser.error("--exit-code needs --launcher-code N (the launcher's exit status, used when the events "
+                     "decide nothing)")
+    if args.launcher_code is not None and not args.exit_code:
+        parser.error("--launcher-code goes with --exit-code")
+    if args.launcher_code is not None and not 0 <= args.launcher_code <= 255:
+        parser.error(f"--launcher-code must be an exit status 0..255, got {args.launcher_code}")
+
+    def no_report(problem: str) -> int:
+        if not args.exit_code:
+            print(f"lightning-ft report: {problem}", file=sys.stderr)
+            return 2
+        # nothing says what happened: the job keeps the launcher's code
+        print(f"lightning-ft report: {problem}; job exit code {args.launcher_code} (the launcher's)", file=sys.stderr)
+        return args.launcher_code
+
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
-        print(f"lightning-ft report: {run_dir} is not a directory", file=sys.stderr)
-        return 2
+        return no_report(f"{run_dir} is not a directory")
     try:
         events = read_events(run_dir)
     except OSError as exc:
-        print(f"lightning-ft report: cannot read events in {run_dir}: {exc}", file=sys.stderr)
-        return 2
+        return no_report(f"cannot read events in {run_dir}: {exc}")
     summary = summarize(events)
     if not summary.timeline:
-        print(f"lightning-ft report: no events in {run_dir} (expected events-*.jsonl files; set "
-              f"LIGHTNING_FT_EVENTS_DIR for the training processes)", file=sys.stderr)
-        return 2
+        return no_report(f"no events in {run_dir} (expected events-*.jsonl files; set LIGHTNING_FT_EVENTS_DIR "
+                         "for the training processes)")
+    outcome = job_exit_code(summary, args.launcher_code) if args.exit_code else None
     if args.json:
-        print(json.dumps(summary_as_dict(summary), indent=2))
+        data = summary_as_dict(summary)
+        if outcome is not None:
+            data["job_exit_code"], data["job_exit_reason"] = outcome.code, outcome.reason
+        print(json.dumps(data, indent=2))
     else:
         print(format_report(summary, timeline=not args.summary_only))
-    return 0
+        if outcome is not None:
+            print(f"  job exit code {outcome.code}: {outcome.reason}")
+    return 0 if outcome is None else outcome.code
 
 
 if __name__ == "__main__":

@@ -298,6 +298,9 @@ class ElasticLauncher(_Launcher):
                 strategy.round.retire_group()
             raise
         destroy_process_group()
+        # the run's outcome for `lightning-ft report --exit-code` (rendezvous mode: _finish_success)
+        strategy.event_log.emit(ev.FINISHED, round=strategy.round.round_id, rank=strategy.global_rank,
+                                step=trainer.global_step if trainer is not None else None)
         return output
 
 

@@ -47,6 +47,7 @@ from lightning_ft._lightning.history import (
     versioned_loggers,
 )
 from lightning_ft._lightning.registration import STRATEGY_DESCRIPTION, STRATEGY_NAME
+from lightning_ft._lightning.slurm import install as install_slurm_compat
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.checkpoint.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.replication import ReplicaPublisher
@@ -456,6 +457,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         if STRATEGY_NAME not in strategy_registry:
             strategy_registry.register(STRATEGY_NAME, cls, description=STRATEGY_DESCRIPTION)
+            install_slurm_compat(cls)
 
 
 def _scheduler_node_index(settings: StrategySettings) -> int:

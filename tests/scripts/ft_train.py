@@ -36,6 +36,11 @@ def main() -> int:
     parser.add_argument("--num-nodes", type=int, default=1, help="plain ddp under torchrun with several agents")
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--step-sleep-requeued", type=float, default=None,
+                        help="--step-sleep once SLURM requeued the job (SLURM_RESTART_COUNT >= 1)")
+    parser.add_argument("--resumable-data", action="store_true",
+                        help="each step's batch comes from (global step, rank), not from the loader's position, so "
+                             "a run resumed mid-epoch trains on exactly the batches an uninterrupted one would")
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--snapshot-every", type=int, default=10)
@@ -50,8 +55,13 @@ def main() -> int:
     parser.add_argument("--replication-factor", type=int, default=1)
     parser.add_argument("--ft-option", action="append", default=[], metavar="KEY=VALUE",
                         help="extra FaultTolerantDDPStrategy argument (value parsed as JSON, else a string)")
+    parser.add_argument("--ft-by-name", action="store_true",
+                        help='Trainer(strategy="ddp_ft"): every setting from LIGHTNING_FT_* (the ft options above '
+                             "are ignored)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
+    if args.step_sleep_requeued is not None and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) >= 1:
+        args.step_sleep = args.step_sleep_requeued
     import faulthandler
     import signal
 
@@ -87,6 +97,10 @@ def main() -> int:
                     and self.trainer.global_rank == args.raise_on_rank:
                 raise ValueError(f"deliberate bug at step {args.raise_at_step}")
             x, y = batch
+            if args.resumable_data:
+                g = torch.Generator().manual_seed(1_000_003 * self.trainer.global_step + self.trainer.global_rank)
+                x = torch.randn(x.shape, generator=g)
+                y = x.sum(dim=1, keepdim=True)
             loss = nn.functional.mse_loss(self.net(x), y)
             self.last_loss = float(loss.detach())
             return loss
@@ -129,7 +143,9 @@ def main() -> int:
             ckpt_path = str(Path(args.checkpoint_dir) / "last.ckpt")
 
     pg_timeout = datetime.timedelta(seconds=args.pg_timeout)
-    if args.strategy == "ddp_ft":
+    if args.strategy == "ddp_ft" and args.ft_by_name:
+        strategy = "ddp_ft"
+    elif args.strategy == "ddp_ft":
         options = {}
         for item in args.ft_option:
             key, _, raw = item.partition("=")

@@ -1,0 +1,105 @@
+"""``Trainer(strategy="ddp_ft")`` inside srun tasks of any layout (lightning_ft/_lightning/slurm.py).
+
+The environments are those srun gives a task (captured from a real ``sbatch`` on SLURM 22.05,
+shortened to what Lightning reads). Lightning's auto-detected ``SLURMEnvironment`` rejects
+``--ntasks`` without ``--ntasks-per-node`` in ``Trainer.__init__``; ddp_ft must not care.
+"""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+import lightning_ft  # noqa: F401  (registers ddp_ft)
+from lightning_ft._lightning.slurm import skips_cluster_detection
+from lightning_ft.strategy import FaultTolerantDDPStrategy, StrategyConfigError
+
+# what srun sets for task 1 of `#SBATCH --ntasks=3` on one node
+NTASKS_3 = {
+    "SLURM_JOB_ID": "7", "SLURM_JOBID": "7", "SLURM_JOB_NAME": "ddp-ft", "SLURM_NTASKS": "3", "SLURM_NPROCS": "3",
+    "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NUM_NODES": "1",
+    "SLURM_NODELIST": "localhost", "SLURM_JOB_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": "3",
+    "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_TASKS_PER_NODE": "3", "SLURM_STEPID": "0", "SLURM_STEP_ID": "0",
+}
+LAYOUTS = {
+    "--ntasks=3": NTASKS_3,
+    "--nodes=1 --ntasks-per-node=3": {**NTASKS_3, "SLURM_NTASKS_PER_NODE": "3"},
+    "--nodes=2 --ntasks-per-node=2 (task 3)": {
+        **NTASKS_3, "SLURM_NTASKS": "4", "SLURM_NPROCS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2",
+        "SLURM_JOB_NUM_NODES": "2", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+        "SLURM_NODELIST": "node[1-2]", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"},
+    # a heterogeneous job: 2 active tasks in component 0, a spare of another kind in component 1 (written
+    # after srun's documented *_HET_GROUP_n variables, not captured: a het job needs two nodes)
+    "hetjob -n2 + -n1 (task 2)": {
+        **NTASKS_3, "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_HET_SIZE": "2", "SLURM_JOB_ID_HET_GROUP_0": "7",
+        "SLURM_NTASKS_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "1", "SLURM_TASKS_PER_NODE": "2,1"},
+}
+
+
+@pytest.fixture
+def srun_task(monkeypatch, port):
+    def enter(variables: dict[str, str]) -> None:
+        for name in list(os.environ):
+            if name.startswith(("SLURM_", "LIGHTNING_FT_", "TORCHELASTIC_")) or name in ("MASTER_ADDR", "MASTER_PORT"):
+                monkeypatch.delenv(name)
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("LIGHTNING_FT_ENDPOINT", f"127.0.0.1:{port}")
+        monkeypatch.setenv("LIGHTNING_FT_RUN_ID", "slurm-7")
+        monkeypatch.setenv("LIGHTNING_FT_NNODES", "2:3")
+    return enter
+
+
+def trainer(strategy="ddp_ft", **kwargs):
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=kwargs.pop("devices", 1), logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **kwargs)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_ddp_ft_by_name_works_in_every_srun_layout(srun_task, layout):
+    srun_task(LAYOUTS[layout])
+    built = trainer()
+    assert isinstance(built.strategy, FaultTolerantDDPStrategy)
+    environment = built.strategy.cluster_environment
+    assert type(environment).__name__ == "RoundEnvironment"  # the strategy's own, not the placeholder
+    assert built._accelerator_connector.cluster_environment is environment
+
+
+def test_other_strategies_still_get_lightnings_slurm_detection(srun_task):
+    # the same environment makes Lightning itself fail: the failure ddp_ft no longer inherits
+    srun_task(NTASKS_3)
+    with pytest.raises(RuntimeError, match="You set `--ntasks=3`"):
+        trainer("ddp")
+    srun_task(LAYOUTS["--nodes=1 --ntasks-per-node=3"])
+    assert isinstance(trainer("ddp").strategy.cluster_environment, SLURMEnvironment)
+
+
+def test_a_layout_ddp_ft_cannot_use_fails_with_our_message(srun_task):
+    srun_task(LAYOUTS["--nodes=1 --ntasks-per-node=3"])
+    with pytest.raises(StrategyConfigError, match="each process is one participant"):
+        trainer(devices=2)
+
+
+def test_skips_detection_only_for_names_of_our_strategies():
+    class Subclass(FaultTolerantDDPStrategy):
+        pass
+
+    def factory(**kwargs):
+        return FaultTolerantDDPStrategy(**kwargs)
+
+    registry = {"ddp_ft": {"strategy": FaultTolerantDDPStrategy}, "mine": {"strategy": Subclass},
+                "by_factory": {"strategy": factory}, "other_factory": {"strategy": lambda: None},
+                "ddp": {"strategy": pl.strategies.DDPStrategy}, "broken": {}}
+    ours = (FaultTolerantDDPStrategy, factory)
+    assert skips_cluster_detection("ddp_ft", None, registry, ours)
+    assert skips_cluster_detection("mine", None, registry, ours)
+    assert skips_cluster_detection("by_factory", None, registry, ours)
+    assert not skips_cluster_detection("other_factory", None, registry, ours)
+    assert not skips_cluster_detection("ddp", None, registry, ours)
+    assert not skips_cluster_detection("broken", None, registry, ours)
+    assert not skips_cluster_detection("unknown", None, registry, ours)
+    assert not skips_cluster_detection("ddp_ft", LightningEnvironment(), registry, ours)  # a plugin is used as given
+    assert not skips_cluster_detection(object(), None, registry, ours)  # an instance brings its environment
