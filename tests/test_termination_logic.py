@@ -6,7 +6,6 @@ import ctypes
 import signal
 import sys
 import threading
-import time
 
 import pytest
 

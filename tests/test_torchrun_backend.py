@@ -49,9 +49,9 @@ def start_three(processes, tmp_path, steps, **env):
     a = start_agent(processes, "A", 0, port, out, steps, **env)
     assert wait_for(lambda: "hosting the rendezvous store" in a.log(), 30), processes.dump_logs()
     b = start_agent(processes, "B", 1, port, out, steps, **env)
-    # C only once B holds a slot of round 0: started together, a loaded machine sometimes let C
-    # arrive first and B after the round closed, so B waited as the spare (seen once)
-    assert wait_for(lambda: "2 arrived" in a.log(), 30), processes.dump_logs()
+    # C only once B is in round 0: started together, a loaded machine sometimes let C arrive
+    # first and B after the round closed, so B waited as the spare (seen once)
+    assert wait_for(lambda: "round 0 complete" in b.log(), 30), processes.dump_logs()
     c = start_agent(processes, "C", 2, port, out, steps, **env)
     return out, a, b, c
 

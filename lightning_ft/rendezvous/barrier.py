@@ -225,7 +225,7 @@ class BarrierRendezvous:
     def close_for_good(self, reason: CloseReason) -> CloseReason:
         """Permanently close the rendezvous (first reason wins); returns the reason in force."""
         encoded = reason.encode()
-        current = self.values.put_if_absent(self.keys.closed_for_good, encoded)
+        current = self.values.put_if_absent(self.values.unlisted(self.keys.closed_for_good), encoded)
         if current == encoded.encode():
             log.info("rendezvous %s closed for good: %s", self.settings.run_id, reason)
             return reason
@@ -392,7 +392,7 @@ class BarrierRendezvous:
         return int(self.store.compare_set(self.keys.round, "", "0"))
 
     def _closed_reason(self) -> CloseReason | None:
-        raw = self.values.get(self.keys.closed_for_good)
+        raw = self.values.get(self.values.unlisted(self.keys.closed_for_good))
         return CloseReason.decode(raw) if raw is not None else None
 
     def _is_ready(self, round_id: int) -> bool:
@@ -463,7 +463,7 @@ def resolve_incarnation(store, signer: Signer, run_id: str, started_at: float) -
     values = SealedStore(store, signer)
     current = store.add(counter, 0)
     while True:
-        raw = values.get(RunKeys(run_id, current).closed_for_good)
+        raw = values.get(values.unlisted(RunKeys(run_id, current).closed_for_good))
         closed = CloseReason.decode(raw) if raw is not None else None
         chosen = choose_incarnation(current, closed.closed_at if closed is not None else None, started_at)
         if chosen == current:

@@ -22,13 +22,28 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from lightning_ft._logging import ensure_log_output
 from lightning_ft._validation import check_number, parse_bool, require
+from lightning_ft.process import exit_now
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, UnhealthyNodeError
 from lightning_ft.rendezvous.participant import local_participant
 from lightning_ft.rendezvous.settings import RendezvousConfigError, settings_from_config
 from lightning_ft.rendezvous.store import DEFAULT_PORT, connect_store, parse_endpoint
-from lightning_ft.schema.run import CloseKind, CloseReason
+from lightning_ft.schema.run import EXIT_BARRIER_KEY, EXIT_BARRIER_PREFIX, CloseKind, CloseReason
+from lightning_ft.schema.signing import SecretError, job_signer
 
 log = logging.getLogger(__name__)
+
+
+def _check_torch_exit_barrier_key() -> None:
+    # Standby nodes leave when torch's agents have passed their exit barrier, seen as this
+    # key; if a torch version renamed it they would wait forever. Checked here, where torch's
+    # agent is loaded anyway (the schema cannot import it: see EXIT_BARRIER_KEY).
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN
+
+    if (_TERMINAL_STATE_SYNC_ID, _TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN) != (EXIT_BARRIER_PREFIX,
+                                                                                      EXIT_BARRIER_KEY):
+        raise ImportError(f"this torch names its exit barrier {_TERMINAL_STATE_SYNC_ID!r}+{_LAST_MEMBER_CHECKIN!r}; "
+                          f"lightning_ft knows {EXIT_BARRIER_KEY!r} and does not support it")
 
 BACKEND_NAME = "lightning_ft"
 
@@ -128,16 +143,25 @@ def _exit_zero_if_torch_mishandles_graceful_exit() -> None:
     # launch_agent then calls None.is_failed(); the AttributeError makes torchrun exit 1 for a
     # spare that was simply not needed. launch_agent calls shutdown() from its ``finally``
     # while that error is in flight: replace it with a clean exit, and nothing else.
+    # It leaves with os._exit: an ordinary interpreter exit here aborted about 1 run in 8 on a
+    # loaded machine ("terminate called without an active exception", status -6), a C++ thread
+    # of the agent still joinable during static destruction. Everything this node had to do
+    # is done: shutdown() acknowledged (and, hosting the store, waited for the others).
     exc = sys.exc_info()[1]
     if isinstance(exc, AttributeError) and "is_failed" in str(exc):
         log.info("standby node leaves with exit status 0 (not needed; torch's launcher would "
                  "report a spurious failure here)")
-        raise SystemExit(0)
+        exit_now(0)
 
 
 def create_handler(params: RendezvousParameters) -> LightningFTRendezvousHandler:
     """Build the handler from torch's ``RendezvousParameters`` (``--rdzv-conf`` keys as config)."""
     ensure_log_output()
+    _check_torch_exit_barrier_key()
+    try:
+        job_signer()
+    except SecretError as exc:
+        raise RendezvousConfigError(str(exc)) from None
     config = dict(params.config)
     for key in _TORCHRUN_KEYS:
         value = config.pop(key, None)

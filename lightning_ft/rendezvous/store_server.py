@@ -19,7 +19,7 @@ from lightning_ft._logging import ensure_log_output
 from lightning_ft.rendezvous.barrier import wait_for_acknowledgements
 from lightning_ft.rendezvous.store import host_store
 from lightning_ft.schema.run import CloseReason, RunKeys, incarnation_key
-from lightning_ft.schema.signing import SealedStore, job_signer
+from lightning_ft.schema.signing import SealedStore, SecretError, job_signer
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +39,22 @@ def _parser() -> argparse.ArgumentParser:
 def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
           stop_requested=lambda: False) -> int:
     try:
+        signer = job_signer()
+    except SecretError as exc:
+        log.error("%s", exc)
+        return 2
+    try:
         store = host_store(host, port, datetime.timedelta(seconds=60))
     except (RuntimeError, OSError) as exc:
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         return 2
     print(f"lightning-ft store listening on {host}:{store.port}", flush=True)
-    values = SealedStore(store, job_signer())
+    values = SealedStore(store, signer)
     while not stop_requested():
         if run_id:
             # the incarnation in progress (a run id may be launched again on a long-lived store)
             keys = RunKeys(run_id, store.add(incarnation_key(run_id), 0))
-            raw = values.get(keys.closed_for_good)
+            raw = values.get(values.unlisted(keys.closed_for_good))
             reason = CloseReason.decode(raw) if raw is not None else None
             if reason is not None:
                 log.info("run %s closed for good (%s); waiting for acknowledgements", run_id, reason)

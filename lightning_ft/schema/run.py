@@ -20,18 +20,14 @@ from functools import lru_cache
 from typing import NamedTuple, Protocol
 
 # torch's elastic agent writes this key under the store a rendezvous returns once every
-# agent of the group passed its exit barrier. Derived from torch so that a rename fails
-# loudly at import instead of silently leaving standby nodes waiting forever.
-try:
-    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
-    from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN
-except ImportError as exc:  # pragma: no cover - depends on the torch version
-    raise ImportError(
-        "lightning_ft needs torch's elastic exit-barrier key names "
-        "(_TERMINAL_STATE_SYNC_ID, _LAST_MEMBER_CHECKIN); this torch version renamed them") from exc
-
-EXIT_BARRIER_PREFIX = _TERMINAL_STATE_SYNC_ID
-EXIT_BARRIER_KEY = _TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN
+# agent of the group passed its exit barrier (torch's _TERMINAL_STATE_SYNC_ID +
+# _LAST_MEMBER_CHECKIN). Spelled out rather than imported: importing torch's agent from here
+# loads torch's rendezvous registry, which imports lightning_ft.rendezvous, which needs this
+# module -- a cycle that silently dropped the "lightning_ft" torchrun backend. The torchrun
+# handler (the only code that relies on torch writing this key) checks the names against
+# torch at import and fails loudly if a torch version renamed them.
+EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"
+EXIT_BARRIER_KEY = EXIT_BARRIER_PREFIX + "/last_member"
 
 #: the unit separator between the fields of a value: never in host names, ids or domains
 SEP = "\x1f"
@@ -52,6 +48,8 @@ class RunKeys:
         p = self.prefix
         #: the current round (an integer counter; ``compare_set`` moves it on)
         self.round = f"{p}/round"
+        #: the run is over (a CloseReason); stored under ``SealedStore.unlisted(...)`` of this
+        #: name, so that a client without the secret cannot find it to overwrite it
         self.closed_for_good = f"{p}/closed_for_good"
         self.lost_count = f"{p}/lost_count"
         self.unhealthy_count = f"{p}/unhealthy_count"

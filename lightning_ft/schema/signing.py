@@ -162,6 +162,18 @@ class SealedStore:
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
+    def unlisted(self, name: str) -> str:
+        """``name`` with a suffix only holders of the secret can compute (``name`` without one).
+
+        For a value whose mere overwriting would hurt: a store client cannot list keys, so
+        without the secret it cannot find this one to overwrite or delete it (a sealed
+        ``closed_for_good`` that a forger kept overwriting left the store server waiting for
+        the run to close).
+        """
+        if not self.signer.enabled:
+            return name
+        return f"{name}.{self.signer._tag('unlisted:' + self.key(name), b'').hex()}"
+
     def put(self, name: str, value: bytes | str) -> None:
         key = self.key(name)
         self.store.set(key, self.signer.seal(key, value))

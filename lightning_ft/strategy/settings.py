@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from lightning_ft._validation import require, require_bool, require_number
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousSettings, RendezvousTimeouts
 from lightning_ft.rendezvous.store import Endpoint, parse_endpoint
+from lightning_ft.schema.signing import SecretError, read_secret
 from lightning_ft.strategy.decisions import merge_setting, parse_nnodes
 
 ENV_ENDPOINT = "LIGHTNING_FT_ENDPOINT"
@@ -144,6 +145,10 @@ def resolve_settings(*, endpoint: str | None, run_id: str | None, min_nodes: int
     """Check every argument and combine arguments and environment; raise StrategyConfigError naming the setting."""
     env = os.environ if env is None else env
     launch = resolve_launch_config(endpoint, run_id, min_nodes, max_nodes, env)
+    try:
+        read_secret(env)  # an unusable secret is a configuration error now, not a traceback at fit()
+    except SecretError as exc:
+        raise StrategyConfigError(f"{_PREFIX}{exc}") from None
     for name, value in (("watchdog_interval", watchdog_interval), ("hang_timeout_floor", hang_timeout_floor),
                         ("hang_safety_factor", hang_safety_factor), *durations.items()):
         _number(name, value)

@@ -62,10 +62,13 @@ class Cluster:
     def events(self) -> Path:
         return self.root / "events"
 
-    def start_store(self, name: str = "store") -> Any:
+    def start_store(self, name: str = "store", long_lived: bool = False, **env: str) -> Any:
+        """A ``lightning-ft store`` for the run (``long_lived``: one that serves until killed,
+        as a shared store outliving jobs would)."""
+        scope = [] if long_lived else ["--run-id", self.run_id]
         proc = self.launcher.start(name, [sys.executable, "-m", "lightning_ft.cli", "store", "--host", "127.0.0.1",
-                                             "--port", str(self.port), "--run-id", self.run_id,
-                                             "--grace-timeout", "5"], env=base_env())
+                                          "--port", str(self.port), *scope, "--grace-timeout", "5"],
+                                   env=base_env(**env))
         deadline = time.monotonic() + 30
         while "listening" not in proc.log():
             if proc.popen.poll() is not None or time.monotonic() > deadline:

@@ -21,11 +21,19 @@ import argparse
 import json
 import logging
 import os
+import signal
+import threading
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+
+def _sleep_until_sigusr1(seconds: float) -> None:
+    woken = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: woken.set())
+    woken.wait(seconds)
 
 
 def main() -> int:
@@ -58,6 +66,9 @@ def main() -> int:
     parser.add_argument("--ft-by-name", action="store_true",
                         help='Trainer(strategy="ddp_ft"): every setting from LIGHTNING_FT_* (the ft options above '
                              "are ignored)")
+    parser.add_argument("--sleep-before-fit", type=float, default=0.0,
+                        help="a slow start: the process exists, but joins the run this much later "
+                             "(or when it receives SIGUSR1)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     if args.step_sleep_requeued is not None and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) >= 1:
@@ -175,6 +186,8 @@ def main() -> int:
 
         profiler = cProfile.Profile()
         profiler.enable()
+    if args.sleep_before_fit:
+        _sleep_until_sigusr1(args.sleep_before_fit)
     try:
         trainer.fit(model, ckpt_path=ckpt_path)
     except SystemExit as exc:

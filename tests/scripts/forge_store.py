@@ -1,0 +1,99 @@
+"""An attacker that reaches a job's store and knows its run id, but not its secret.
+
+It keeps writing forged control-plane values while the job trains: "closed for good"
+(FINISHED), a failure notice of rank 0, a deadlock verdict, fake participants' slots, and a
+snapshot replica whose metadata would run a command under plain pickle (it touches
+``--marker``). Values are written unsealed and sealed with a wrong secret.
+
+    python forge_store.py --endpoint HOST:PORT --run-id RUN --marker PATH --seconds S
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.schema.round import (
+    REPLICA_BLOB_KEY,
+    REPLICA_META_KEY,
+    VERDICT_KEY,
+    encode_replica_meta,
+    encode_verdict,
+    failed_key,
+)
+from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys, encode_slot
+from lightning_ft.schema.signing import Signer
+
+
+class _Payload:
+    """Unpickling this runs ``touch marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def malicious_snapshot(marker: str, step: int) -> bytes:
+    """A snapshot file with valid checksums whose metadata pickles the payload."""
+    enc = fmt.encode({"global_step": step, "x": _Payload(marker)})
+    head = fmt.finish(enc, step, time.time(), fmt.block_sums(torch.zeros(enc.data_len, dtype=torch.uint8)))
+    return head + bytes(enc.file_size - len(head))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--marker", required=True)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--only-replica", action="store_true",
+                        help="forge only the snapshot replica (what a job without a secret must still survive)")
+    args = parser.parse_args()
+    host, _, port = args.endpoint.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
+    plain, wrong = Signer(None), Signer(b"not-the-job-secret")
+    keys = RunKeys(args.run_id, 0)
+    deadline = time.monotonic() + args.seconds
+    forged = 0
+    while time.monotonic() < deadline:
+        try:
+            current = int(store.compare_set(keys.round, "", "0"))
+        except (RuntimeError, OSError):  # torch's DistNetworkError: the job ended, its store with it
+            break
+        prefix = keys.round_store_prefix(current)
+        for signer in (plain, wrong):
+            def put(key: str, value: bytes | str) -> None:
+                try:
+                    store.set(key, signer.seal(key, value))
+                except (RuntimeError, OSError):
+                    pass
+
+            put(f"{prefix}/{REPLICA_BLOB_KEY}", malicious_snapshot(args.marker, 10_000 + forged))
+            put(f"{prefix}/{REPLICA_META_KEY}", encode_replica_meta(10_000 + forged, ["forged-domain"]))
+            if not args.only_replica:
+                put(keys.closed_for_good, CloseReason(CloseKind.FINISHED, "forged: job finished").encode())
+                put(f"{prefix}/{failed_key(0)}", "ValueError: forged bug")
+                put(f"{prefix}/{VERDICT_KEY}", encode_verdict("deadlock", "forged deadlock"))
+                put(keys.slot(50), encode_slot(current, _Fake(), withdrawn=False))
+            forged += 1
+        time.sleep(0.2)
+    print(f"forged {forged} rounds of values", flush=True)
+    return 0
+
+
+class _Fake:
+    participant_id = "attacker:1:0"
+    infra_rank = 0
+    domain_id = "forged-domain"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
