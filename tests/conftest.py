@@ -61,3 +61,29 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "SLURM scenarios: event -> job end state (measured)")
         for name, seconds in measured.items():
             terminalreporter.write_line(f"{seconds:6.1f} s  {name}")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``small_tmpfs(name, size)``: a tmpfs of ``size`` (e.g. ``"40k"``) mounted at ``tmp_path/name``
+    (mode 0700), unmounted at teardown -- a node whose /dev/shm fills up. Needs root (the test
+    command runs as root); if the mount fails the test fails with the reason (never skipped)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(name: str, size: str):
+        path = tmp_path / name
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.fail(f"cannot mount a {size} tmpfs at {path}: {done.stderr.strip()}", pytrace=False)
+        mounted.append(path)
+        return path
+
+    try:
+        yield mount
+    finally:
+        for path in mounted:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -91,7 +91,8 @@ def test_unreachable_endpoint_fails_quickly_with_a_clear_message():
 @pytest.mark.multiprocess
 def test_standalone_store_server_outlives_nodes_and_exits_after_the_run(processes, port):
     server = processes.python("store", ["-m", "lightning_ft.cli", "store", "--host", "127.0.0.1",
-                                        "--port", str(port), "--run-id", "srv", "--grace-timeout", "5"])
+                                        "--port", str(port), "--run-id", "srv", "--grace-timeout", "5",
+                                        "--linger", "0"])
     assert wait_for(lambda: "listening" in server.log(), 30), server.log()
     handlers = [get_rendezvous_handler(params(port, run_id="srv", min_nodes=1, max_nodes=2, is_host="false"))
                 for _ in range(2)]
@@ -137,6 +138,7 @@ def test_store_server_rejects_bad_arguments():
 
     assert main(["--host", "127.0.0.1", "--port", "70000"]) == 2
     assert main(["--host", "127.0.0.1", "--grace-timeout", "0"]) == 2
+    assert main(["--host", "127.0.0.1", "--linger", "-1"]) == 2
     with pytest.raises(SystemExit) as missing_host:  # it listens only where it is told to
         main(["--port", "29400"])
     assert missing_host.value.code == 2

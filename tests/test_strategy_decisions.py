@@ -9,10 +9,12 @@ from lightning_ft.checkpoint.policy import TransferPlan, plan_snapshot_transfer,
 from lightning_ft.schema.run import CloseKind
 from lightning_ft.strategy.decisions import (
     EndAction,
+    EndCause,
     FailureFacts,
     FailureKind,
     PeerState,
     RecoveryAction,
+    Role,
     classify_failure,
     decide_on_rendezvous_end,
     decide_recovery,
@@ -187,19 +189,26 @@ def test_peer_error_is_no_restart_and_local_error_raises():
 # ------------------------------------------------------------------ end of the rendezvous
 
 
-def test_spare_always_leaves_cleanly():
-    assert decide_on_rendezvous_end(False, CloseKind.FINISHED, False) is EndAction.RETURN
-    assert decide_on_rendezvous_end(False, CloseKind.TOO_FEW_NODES, False) is EndAction.RETURN
+def test_exit_zero_only_for_a_finished_job_or_a_spare_that_lost_the_store():
+    for role in Role:
+        assert decide_on_rendezvous_end(role, EndCause.CLOSED, CloseKind.FINISHED) is EndAction.RETURN
+        for kind in (CloseKind.FAILED, CloseKind.TOO_FEW_NODES, CloseKind.CLOSED, None):
+            assert decide_on_rendezvous_end(role, EndCause.CLOSED, kind) is EndAction.NO_RESTART, (role, kind)
+    assert decide_on_rendezvous_end(Role.STANDBY, EndCause.STORE_LOST) is EndAction.RETURN
+    assert decide_on_rendezvous_end(Role.TRAINED, EndCause.STORE_LOST) is EndAction.NO_RESTART
+    # nothing trained yet and the store is gone: never "finished"
+    assert decide_on_rendezvous_end(Role.UNASSIGNED, EndCause.STORE_LOST) is EndAction.NO_RESTART
 
 
-def test_former_active_returns_only_when_the_job_finished():
-    assert decide_on_rendezvous_end(True, CloseKind.FINISHED, False) is EndAction.RETURN
-    assert decide_on_rendezvous_end(True, CloseKind.TOO_FEW_NODES, False) is EndAction.NO_RESTART
-    assert decide_on_rendezvous_end(True, CloseKind.FAILED, False) is EndAction.NO_RESTART
+def test_a_stop_anywhere_is_143_for_everyone():
+    for role in Role:
+        assert decide_on_rendezvous_end(role, EndCause.SIGTERM) is EndAction.STOPPED
+        assert decide_on_rendezvous_end(role, EndCause.CLOSED, CloseKind.STOPPED) is EndAction.STOPPED
 
 
 def test_join_timeout_is_no_restart():
-    assert decide_on_rendezvous_end(False, None, True) is EndAction.NO_RESTART
+    for role in Role:
+        assert decide_on_rendezvous_end(role, EndCause.TIMED_OUT) is EndAction.NO_RESTART
 
 
 # ------------------------------------------------------------------ configuration

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 import threading
@@ -135,14 +136,31 @@ def test_node_exit_code_from_rank_records(records, launcher, expected):
 
 
 def test_wrapper_exits_with_the_recorded_code(tmp_path):
-    write_exit_record(tmp_path, 3, 81, "save-then-exit", ["stale"], 1)  # from an earlier attempt: cleared
+    # another job's (or an earlier attempt's) records in the same --dir never speak for this launch
+    write_exit_record(tmp_path, 3, 81, "save-then-exit", ["stale"], 1)
+    write_exit_record(tmp_path / "launch-other-job", 0, 81, "save-then-exit", ["other job"], 1)
     script = ("import sys; sys.path.insert(0, %r);"
               "from lightning_ft.termination.exit_records import write_exit_record as w;"
               "import os; d = os.environ['LIGHTNING_FT_EXIT_RECORD_DIR'];"
               "w(d, 0, 81, 'save-then-exit', [], 5); w(d, 1, 82, 'exit-without-save', ['xid'], 5);"
               "sys.exit(1)") % str(__import__("proc_utils").REPO_ROOT)
     assert run_and_summarize([sys.executable, "-c", script], tmp_path) == ExitCode.UNHEALTHY_NODE
-    assert sorted(r["rank"] for r in read_exit_records(tmp_path)) == [0, 1]
+    [launch] = [d for d in tmp_path.glob("launch-*") if d.name != "launch-other-job"]
+    assert oct(launch.stat().st_mode & 0o777) == "0o700"
+    assert sorted(r["rank"] for r in read_exit_records(launch)) == [0, 1]
+    # a crashed launch (exit 1, no record of its own) is not made 81 by another job's record
+    assert run_and_summarize([sys.executable, "-c", "import sys; sys.exit(1)"], tmp_path) == 1
+
+
+def test_exit_record_is_not_written_through_a_planted_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / f".rank-0.{os.getpid()}.tmp").symlink_to(victim)
+    with pytest.raises(OSError):
+        write_exit_record(records, 0, 81, "save-then-exit", [], 1)
+    assert victim.read_text() == "keep"
 
 
 def test_signal_listener_records_in_the_handler_and_acts_in_a_thread():

@@ -54,7 +54,10 @@ class Run:
         return sorted(info.step for info in SnapshotStore(self.snap, RUN_ID, rank=rank).list())
 
     def records(self) -> dict[int, dict]:
-        return {r["rank"]: r for r in read_exit_records(self.exit)}
+        # a wrapper writes into a launch directory of its own inside --dir; a plain launcher
+        # (LIGHTNING_FT_EXIT_RECORD_DIR / --exit-dir) into the directory itself
+        launches = sorted(self.exit.glob("launch-*"))
+        return {r["rank"]: r for r in read_exit_records(launches[-1] if launches else self.exit)}
 
 
 def torchrun_argv(*script_args: str) -> list[str]:

@@ -28,7 +28,10 @@ event                          fields
 ``replica_received``           step, bytes (a hot spare kept a copy)
 ``spare_exit``                 reason (a hot spare leaves ``fit()``; exit 0)
 ``no_restart``                 round, reason (the job cannot go on; exit 83)
-``stopped``                    round, reason (SIGTERM path or another deliberate stop)
+``node_fault``                 round, step, error, errno (this node's storage failed, e.g. ENOSPC; it leaves
+                               as unhealthy, exit 82, and its peers recover without it)
+``stopped``                    round, reason (SIGTERM path or another deliberate stop; a participant
+                               stopped while waiting in the rendezvous exits 143)
 ``finished``                   round, rank, step, seconds (fit completed and the exit barrier passed)
 =============================  ==================================================================
 
@@ -65,6 +68,7 @@ REPLICA_PUBLISHED = "replica_published"
 REPLICA_RECEIVED = "replica_received"
 SPARE_EXIT = "spare_exit"
 NO_RESTART = "no_restart"
+NODE_FAULT = "node_fault"
 STOPPED = "stopped"
 FINISHED = "finished"
 
@@ -77,9 +81,9 @@ UNHEALTHY_EXIT = "unhealthy_exit"
 
 STRATEGY_EVENTS = (JOIN, ROUND_COMPLETE, GROUP_FORMED, SNAPSHOT_PLAN, SNAPSHOT_SENT, SNAPSHOT_RECEIVED, RESTORED,
                    FAILURE_DETECTED, DECISION, ROUND_OPEN, FIRST_STEP_AFTER_RECOVERY, REPLICA_PUBLISHED,
-                   REPLICA_RECEIVED, SPARE_EXIT, NO_RESTART, STOPPED, FINISHED)
+                   REPLICA_RECEIVED, SPARE_EXIT, NO_RESTART, NODE_FAULT, STOPPED, FINISHED)
 TERMINATION_EVENTS = (TERMINATION_SIGNAL, HEALTH_REPORT, STOP_AGREED, TERMINATION_DECISION, UNHEALTHY_EXIT)
 ALL_EVENTS = STRATEGY_EVENTS + TERMINATION_EVENTS
 
 #: a participant whose log ends with one of these left on its own terms
-EXIT_EVENTS = (FINISHED, SPARE_EXIT, NO_RESTART, STOPPED, TERMINATION_DECISION, UNHEALTHY_EXIT)
+EXIT_EVENTS = (FINISHED, SPARE_EXIT, NO_RESTART, NODE_FAULT, STOPPED, TERMINATION_DECISION, UNHEALTHY_EXIT)

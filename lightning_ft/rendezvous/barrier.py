@@ -237,11 +237,23 @@ class BarrierRendezvous:
             self.store.add(self.keys.unhealthy_count, 1)
         self._excluded = True
 
-    def withdraw(self, reason: str) -> None:
-        """Leave the job for good: free our slot in an open round and count us as lost."""
+    def withdraw(self, reason: str, stopping: bool = False) -> None:
+        """Leave the job for good: free our slot in an open round and count us as lost.
+
+        ``stopping``: this participant leaves because it was told to stop (SIGTERM). If the
+        run cannot reach ``min_nodes`` without it, the run is closed STOPPED *before* it is
+        counted lost -- a preemption, which a requeue repairs -- rather than left for the
+        coordinator to close as TOO_FEW_NODES (which means "no spare left; do not requeue").
+        """
         result = self._last_result
         if result is not None and not self._is_ready(result.round):
             self._withdraw_slot(result.round, result.slot_index)
+        if stopping:
+            capacity = self.settings.max_nodes - self.store.add(self.keys.lost_count, 0) - 1
+            if capacity < self.settings.min_nodes:
+                self.close_for_good(CloseReason(CloseKind.STOPPED, (
+                    f"{self.participant_id} was stopped ({reason}); without it {capacity} of max_nodes="
+                    f"{self.settings.max_nodes} nodes can take part, fewer than min_nodes={self.settings.min_nodes}")))
         self._mark_lost(self.participant_id, f"withdrew: {reason}")
         self._excluded = True
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import threading
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -48,6 +50,41 @@ def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> Endpoint:
     return Endpoint(host, port)
 
 
+def resolve_host(host: str, timeout: float, retry_every: float = 1.0) -> str:
+    """The address of ``host`` (its first ``getaddrinfo`` answer), retrying until ``timeout``.
+
+    Name lookups are retried because a scheduler's DNS often knows a new node only seconds
+    after it starts; each lookup runs in a helper thread so that a resolver that hangs (no
+    network, a dead DNS server) cannot stretch the wait past ``timeout``. On failure a
+    RendezvousConnectionError says what could not be resolved (c10d alone retried
+    unresolvable names with IPv6 warnings past its own timeout).
+    """
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while True:
+        answer: dict[str, object] = {}
+
+        def lookup() -> None:
+            try:
+                answer["address"] = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+            except (OSError, UnicodeError) as exc:
+                answer["error"] = exc
+
+        worker = threading.Thread(target=lookup, name="lightning_ft-resolve", daemon=True)
+        worker.start()
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if "address" in answer:
+            return str(answer["address"])
+        last_error = answer.get("error", last_error)  # type: ignore[assignment]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            why = f"{type(last_error).__name__}: {last_error}" if last_error else "the lookup did not return"
+            raise RendezvousConnectionError(
+                f"cannot resolve the rendezvous host {host!r} within {timeout:g}s ({why}); check --rdzv-endpoint "
+                "/ LIGHTNING_FT_ENDPOINT")
+        time.sleep(min(retry_every, remaining))
+
+
 def listen_on(host: str, port: int) -> socket.socket:
     """A listening TCP socket bound to ``host`` (its address, not every interface) and ``port``.
 
@@ -88,7 +125,8 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, connect_timeout: flo
     otherwise, like torch's c10d backend: the first agent to bind the endpoint hosts.
     Returns the store and whether this process hosts it.
     """
-    host, port = endpoint.host, endpoint.port
+    deadline = time.monotonic() + connect_timeout
+    host, port = resolve_host(endpoint.host, connect_timeout), endpoint.port
     timeout = datetime.timedelta(seconds=op_timeout)
     if is_host is not False:
         try:
@@ -100,11 +138,14 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, connect_timeout: flo
                 raise RendezvousConnectionError(
                     f"is_host=true but the rendezvous store cannot listen on {endpoint}: {exc}") from exc
             log.debug("not hosting the store at %s (%s); connecting as a client", endpoint, exc)
+    remaining = max(1.0, deadline - time.monotonic())
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=connect_timeout))
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))
     except (RuntimeError, OSError) as exc:
+        # the first line only: torch appends its C++ stack to the message
+        detail = (str(exc).strip().splitlines() or [""])[0]
         raise RendezvousConnectionError(
             f"cannot reach the rendezvous store at {endpoint} within connect_timeout={connect_timeout}s "
-            f"(--rdzv-endpoint); is the store host running? ({exc})") from exc
+            f"(--rdzv-endpoint); is the store host running? ({type(exc).__name__}: {detail})") from None
     store.set_timeout(timeout)
     return store, False

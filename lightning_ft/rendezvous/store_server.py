@@ -3,7 +3,8 @@
 Hosting the store in its own process (for example on the login node, or as a small
 pod) means losing any training node never loses the store. With ``--run-id`` the server
 exits by itself once that run is closed for good and its participants acknowledged
-(bounded by ``--grace-timeout``); otherwise it serves until SIGTERM or SIGINT.
+(bounded by ``--grace-timeout``), then served ``--linger`` seconds more; otherwise it serves
+until SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-id", help="exit when this run is closed for good and acknowledged")
     parser.add_argument("--grace-timeout", type=float, default=3.0,
                         help="after the close, wait at most this long for acknowledgements (s)")
+    parser.add_argument("--linger", type=float, default=30.0,
+                        help="then keep serving this long (s), so that a participant of the run that starts late "
+                             "learns that the run is over and exits 0 instead of hosting a store of its own and "
+                             "waiting for peers that are gone (default: 30)")
     return parser
 
 
 def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
-          stop_requested=lambda: False) -> int:
+          stop_requested=lambda: False, linger: float = 0.0) -> int:
     try:
         signer = job_signer()
     except SecretError as exc:
@@ -59,6 +64,11 @@ def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
             if reason is not None:
                 log.info("run %s closed for good (%s); waiting for acknowledgements", run_id, reason)
                 wait_for_acknowledgements(store, keys, grace_timeout)
+                if linger > 0:
+                    log.info("serving %.0fs more for participants that start late", linger)
+                    deadline = time.monotonic() + linger
+                    while time.monotonic() < deadline and not stop_requested():
+                        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
                 return 0
         # short slices (SIGTERM/SIGINT are handled between them), not shorter: each check is a
         # request to the store, and the store host may share its cores with training
@@ -75,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.grace_timeout > 0:
         print(f"lightning-ft store: --grace-timeout must be positive, got {args.grace_timeout}", file=sys.stderr)
         return 2
+    if not args.linger >= 0:
+        print(f"lightning-ft store: --linger must be >= 0, got {args.linger}", file=sys.stderr)
+        return 2
     ensure_log_output()
     stop = {"requested": False}
 
@@ -83,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    return serve(args.host, args.port, args.run_id, args.grace_timeout, lambda: stop["requested"])
+    return serve(args.host, args.port, args.run_id, args.grace_timeout, lambda: stop["requested"], args.linger)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ rules can be tested with plain values.
 from __future__ import annotations
 
 import enum
+import errno
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -107,6 +108,9 @@ class FailureKind(enum.Enum):
     PEER_ERROR = "peer_error"
     #: this process raised something that is not a collective failure: a bug, re-raise
     LOCAL_ERROR = "local_error"
+    #: this node's resources failed (no space left, I/O error, read-only filesystem): not the
+    #: user's bug; the node leaves as unhealthy (exit 82) and its peers recover without it
+    NODE_FAULT = "node_fault"
     #: a deliberate stop (SIGTERM path, KeyboardInterrupt, SystemExit): let it through
     STOP = "stop"
 
@@ -130,6 +134,21 @@ class FailureFacts:
     dead_members: tuple[str, ...] = ()
     #: the transport says the peer's end is gone (connection closed/reset by the peer)
     peer_gone: bool = False
+    #: the errno name of a node-resource failure in the exception chain (see NODE_FAULT_ERRNOS)
+    node_fault: str | None = None
+
+
+#: OSError numbers that say "this node's storage failed", not "this program is wrong"
+NODE_FAULT_ERRNOS = ("ENOSPC", "EDQUOT", "EIO", "EROFS")
+
+
+def node_fault_errno(errnos: Iterable[int | None]) -> str | None:
+    """The name of the first node-resource errno among ``errnos`` (an exception chain's), else None."""
+    for number in errnos:
+        name = errno.errorcode.get(number) if number is not None else None
+        if name in NODE_FAULT_ERRNOS:
+            return name
+    return None
 
 
 def classify_failure(facts: FailureFacts) -> FailureKind:
@@ -141,6 +160,8 @@ def classify_failure(facts: FailureFacts) -> FailureKind:
     """
     if facts.is_stop:
         return FailureKind.STOP
+    if facts.node_fault is not None:
+        return FailureKind.NODE_FAULT
     if not facts.is_collective_error and not facts.hang_detected and not facts.deadlock_detected:
         return FailureKind.LOCAL_ERROR
     if facts.peer_error is not None:
@@ -228,28 +249,60 @@ def decide_recovery(kind: FailureKind, failures_without_progress: int,
 # ------------------------------------------------------------------ the end of the rendezvous
 
 
+class Role(enum.Enum):
+    """What a participant has been in the run so far, when the rendezvous ends for it."""
+
+    #: active in some round: it trained
+    TRAINED = "trained"
+    #: a hot spare of a round that formed; never active
+    STANDBY = "standby"
+    #: no round formed while it waited (the job never started)
+    UNASSIGNED = "unassigned"
+
+
+class EndCause(enum.Enum):
+    """Why the rendezvous ended for a participant."""
+
+    #: the run was closed for good (its :class:`CloseKind` says why)
+    CLOSED = "closed"
+    #: no round formed within the join (or rejoin) timeout
+    TIMED_OUT = "timed_out"
+    #: the rendezvous store stopped answering
+    STORE_LOST = "store_lost"
+    #: SIGTERM arrived while this process waited in the rendezvous
+    SIGTERM = "sigterm"
+
+
 class EndAction(enum.Enum):
-    #: return from fit() normally: a spare that was not needed, or a finished job
+    #: return from fit() normally, exit code 0: the job finished, or a spare's work is done
     RETURN = "return"
-    #: exit NO_RESTART: the job cannot go on and a restart would not help
+    #: exit 143: stopped (by SIGTERM, here or elsewhere in the job), nothing of its own saved;
+    #: the scheduler may requeue
+    STOPPED = "stopped"
+    #: exit NO_RESTART (83): the job cannot go on
     NO_RESTART = "no_restart"
 
 
-def decide_on_rendezvous_end(was_active: bool, closed: CloseKind | None, timed_out: bool) -> EndAction:
-    """The rendezvous ended for this participant (closed for good, or a join timed out).
+def decide_on_rendezvous_end(role: Role, cause: EndCause, closed: CloseKind | None = None) -> EndAction:
+    """The exit a participant owes the scheduler when the rendezvous ends for it.
 
-    A participant that never trained (hot spare) returns from ``fit()`` whatever the
-    reason: it lost nothing and has nothing to report. One that trained returns only when
-    the job finished (it was excluded, e.g. after a hang, and the others completed);
-    otherwise the job ended under it -- no spare left, a peer's error -- and the truthful
-    status is NO_RESTART.
+    Exit 0 claims that the job finished (or, for a hot spare, that it has nothing to add):
+    it is given only when the run closed FINISHED, or to a spare of a formed round that lost
+    the store -- the actives, which hold the training, report the job's outcome then. A
+    SIGTERM, here or as the run's close, is 143 for everyone (stopped; requeue). Everything
+    else -- no spare left, a peer's error, a close from outside, no round within the timeout,
+    the store lost before anything trained or under a participant that trained -- is 83.
     """
-    if timed_out:
+    if cause is EndCause.SIGTERM:
+        return EndAction.STOPPED
+    if cause is EndCause.STORE_LOST:
+        return EndAction.RETURN if role is Role.STANDBY else EndAction.NO_RESTART
+    if cause is EndCause.TIMED_OUT:
         return EndAction.NO_RESTART
-    if not was_active:
-        return EndAction.RETURN
     if closed is CloseKind.FINISHED:
         return EndAction.RETURN
+    if closed is CloseKind.STOPPED:
+        return EndAction.STOPPED
     return EndAction.NO_RESTART
 
 

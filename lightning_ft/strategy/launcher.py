@@ -45,7 +45,13 @@ from lightning_ft.events import names as ev
 from lightning_ft.process import destroy_process_group
 from lightning_ft.rendezvous.barrier import ParticipantExcludedError, RoundResult
 from lightning_ft.schema.run import CloseKind
-from lightning_ft.strategy.decisions import EndAction, decide_on_rendezvous_end, looks_like_collective_error
+from lightning_ft.strategy.decisions import (
+    EndAction,
+    EndCause,
+    Role,
+    decide_on_rendezvous_end,
+    looks_like_collective_error,
+)
 from lightning_ft.strategy.recovery import FailureHandler, exception_chain, first_line, give_up
 from lightning_ft.strategy.session import RoundRuntime, Session
 from lightning_ft.strategy.settings import StrategyConfigError, StrategySettings
@@ -91,6 +97,7 @@ class FaultTolerantLauncher(_Launcher):
         self._strategy = strategy
         self._finished = False
         self._callbacks_added = False
+        self._saw_round = False  # a round formed while this process took part (active or standby)
 
     @property
     def is_interactive_compatible(self) -> bool:
@@ -153,67 +160,77 @@ class FaultTolerantLauncher(_Launcher):
     def _join_round(self, session: Session) -> RoundResult | None:
         """Block until active in a round; ``None`` when this process should leave fit() cleanly."""
         rendezvous = session.rendezvous
-        was_active = self._strategy.trained
         previous_handler = _install_sigterm_raiser()
         monitor = self._start_spare_monitor(session)
         try:
             while True:
                 result = rendezvous.join_round()
+                self._saw_round = True
                 session.events.emit(ev.ROUND_COMPLETE, round=result.round, rank=result.rank,
                                     world=result.world_size, standby=not result.is_active)
                 if result.is_active:
                     return result
                 rendezvous.wait_while_standby(result.round)
         except (RendezvousGracefulExitError, RendezvousClosedError) as exc:
-            return self._rendezvous_ended(session, str(exc), timed_out=False)
+            return self._rendezvous_ended(session, EndCause.CLOSED, str(exc))
         except RendezvousTimeoutError as exc:
-            return self._rendezvous_ended(session, str(exc), timed_out=True)
+            return self._rendezvous_ended(session, EndCause.TIMED_OUT, str(exc))
         except _SpareTerminated:
-            rendezvous.withdraw("SIGTERM while waiting in the rendezvous")
-            rendezvous.shutdown(job_finished=False)
-            session.events.emit(ev.SPARE_EXIT, reason="SIGTERM while waiting in the rendezvous")
-            if was_active:
-                raise SystemExit(128 + signal.SIGTERM) from None
-            log.info("ddp_ft: SIGTERM while waiting as a hot spare; leaving fit()")
-            self._leave_as_spare()
-            return None
+            return self._rendezvous_ended(session, EndCause.SIGTERM, "SIGTERM while waiting in the rendezvous")
         except (RuntimeError, OSError) as exc:  # the store itself (DistStoreError is a RuntimeError)
-            give_up(self._strategy, f"lost the rendezvous store at {self._strategy.settings.launch.endpoint}: "
-                                    f"{type(exc).__name__}: {exc}", cause=exc)
+            return self._rendezvous_ended(session, EndCause.STORE_LOST,
+                                          f"lost the rendezvous store at {self._strategy.settings.launch.endpoint}: "
+                                          f"{type(exc).__name__}: {first_line(exc)}")
         except RendezvousError as exc:  # extra participant, unhealthy
-            if isinstance(exc, ParticipantExcludedError) and not was_active:
+            if isinstance(exc, ParticipantExcludedError) and not self._strategy.trained:
                 log.error("ddp_ft: %s", exc)
                 session.events.emit(ev.SPARE_EXIT, reason=str(exc))
                 self._leave_as_spare()
                 return None
-            give_up(self._strategy, f"rendezvous failed: {exc}", cause=exc)
+            give_up(self._strategy, f"rendezvous failed: {exc}")
         finally:
             _restore_sigterm(previous_handler)  # first: a SIGTERM from here on is the caller's to handle
             if monitor is not None:
                 monitor.stop()
 
-    def _rendezvous_ended(self, session: Session, reason: str, timed_out: bool) -> None:
+    def _role(self) -> Role:
+        if self._strategy.trained:
+            return Role.TRAINED
+        return Role.STANDBY if self._saw_round else Role.UNASSIGNED
+
+    def _rendezvous_ended(self, session: Session, cause: EndCause, reason: str) -> None:
+        """Leave fit() with the exit code the end of the rendezvous implies (see decide_on_rendezvous_end)."""
         rendezvous = session.rendezvous
+        role = self._role()
+        if cause is EndCause.SIGTERM:
+            _best_effort(rendezvous.withdraw, reason, stopping=True)
         closed = None
-        if not timed_out:
+        if cause is EndCause.CLOSED:
             try:
                 closed = rendezvous.closed_reason()
             except (RuntimeError, OSError):
                 closed = None
-        was_active = self._strategy.trained
-        action = decide_on_rendezvous_end(was_active, closed.kind if closed else None, timed_out)
+        action = decide_on_rendezvous_end(role, cause, closed.kind if closed else None)
         text = str(closed) if closed is not None else reason
-        if action is EndAction.RETURN:
-            rendezvous.shutdown(job_finished=False)
-            session.events.emit(ev.SPARE_EXIT, reason=text)
-            log.info("ddp_ft: leaving fit() (%s): %s", "job over" if was_active else "hot spare not needed", text)
+        if action is EndAction.NO_RESTART:
+            if closed is not None and closed.kind is CloseKind.TOO_FEW_NODES:
+                give_up(self._strategy, f"no hot spare left to replace the lost participant(s): {closed}")
+            give_up(self._strategy, f"the job cannot go on: {text}")
+        _best_effort(rendezvous.shutdown, job_finished=False)
+        if action is EndAction.STOPPED:
+            session.events.emit(ev.STOPPED, reason=text)
+            log.warning("ddp_ft: leaving fit() stopped, with exit code %d (nothing of this participant's to "
+                        "save): %s", 128 + signal.SIGTERM, text)
             self._leave_as_spare()
-            return None
-        if closed is not None and closed.kind is CloseKind.TOO_FEW_NODES:
-            message = f"no hot spare left to replace the lost participant(s): {closed}"
+            raise SystemExit(128 + signal.SIGTERM)
+        session.events.emit(ev.SPARE_EXIT, reason=text)
+        if cause is EndCause.STORE_LOST:
+            log.warning("ddp_ft: hot spare leaves fit() (exit 0; the actives report the job's outcome): %s", text)
         else:
-            message = f"the job cannot go on: {text}"
-        give_up(self._strategy, message)
+            log.info("ddp_ft: leaving fit() (%s): %s", "job over" if role is Role.TRAINED else "hot spare not needed",
+                     text)
+        self._leave_as_spare()
+        return None
 
     def _leave_as_spare(self) -> None:
         strategy = self._strategy
@@ -255,8 +272,8 @@ class FaultTolerantLauncher(_Launcher):
             store_util.barrier(session.round_store(result), result.world_size, key_prefix=_TERMINAL_STATE_SYNC_ID,
                                barrier_timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - our work is done; a peer lost at the very end is no reason to fail
-            log.warning("ddp_ft: exit barrier of round %d did not complete within %.0fs (%s); finishing anyway",
-                        result.round, timeout, exc)
+            log.warning("ddp_ft: exit barrier of round %d did not complete (%s: %s; bound %.0fs); finishing anyway",
+                        result.round, type(exc).__name__, first_line(exc), timeout)
         step = strategy.trainer.global_step if strategy.trainer is not None else None
         session.events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=step,
                             seconds=round(time.monotonic() - start, 4))
@@ -302,6 +319,14 @@ class ElasticLauncher(_Launcher):
         strategy.event_log.emit(ev.FINISHED, round=strategy.round.round_id, rank=strategy.global_rank,
                                 step=trainer.global_step if trainer is not None else None)
         return output
+
+
+def _best_effort(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """A courtesy to the others on the way out; the store may be gone."""
+    try:
+        call(*args, **kwargs)
+    except (RuntimeError, OSError) as exc:
+        log.debug("ddp_ft: %s on the way out: %s", getattr(call, "__name__", call), exc)
 
 
 def _install_sigterm_raiser():

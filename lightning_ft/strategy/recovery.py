@@ -36,6 +36,7 @@ from lightning_ft.strategy.decisions import (
     decide_recovery,
     looks_like_collective_error,
     looks_like_peer_gone,
+    node_fault_errno,
 )
 from lightning_ft.strategy.session import RoundRuntime, Session
 from lightning_ft.strategy.watchdog import RoundWatchdog
@@ -45,6 +46,17 @@ if TYPE_CHECKING:
     from lightning_ft.strategy.strategy import FaultTolerantDDPStrategy
 
 log = logging.getLogger(__name__)
+
+
+class NodeFaultExit(SystemExit):
+    """This node's resources failed; the process exits UNHEALTHY_NODE (82) with the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(int(ExitCode.UNHEALTHY_NODE))
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class NoRestartError(SystemExit):
@@ -73,6 +85,18 @@ def exception_chain(exc: BaseException) -> list[tuple[str, str]]:
     return chain
 
 
+def chain_errnos(exc: BaseException) -> list[int | None]:
+    """The ``errno`` of each OSError in ``exc``'s chain of causes/contexts (at most 10 links)."""
+    numbers, seen = [], set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen and len(seen) < 10:
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            numbers.append(current.errno)
+        current = current.__cause__ or current.__context__
+    return numbers
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return (text.splitlines()[0] if text else "")[:300]
@@ -83,7 +107,10 @@ def give_up(strategy: "FaultTolerantDDPStrategy", message: str, cause: BaseExcep
     """End this process with NO_RESTART (83); with ``close``, close the rendezvous for good first."""
     session = strategy.session
     if close and session is not None:
-        session.close(CloseKind.FAILED, message)
+        try:
+            session.close(CloseKind.FAILED, message)
+        except (RuntimeError, OSError) as exc:  # the store is gone: nobody is left to tell
+            log.warning("ddp_ft: could not close the rendezvous (%s: %s)", type(exc).__name__, first_line(exc))
     round_id = strategy.round.round_id if strategy.round is not None else None
     strategy.event_log.emit(ev.NO_RESTART, round=round_id, reason=message)
     log.error("ddp_ft: giving up with exit code %d (NO_RESTART): %s", int(ExitCode.NO_RESTART), message)
@@ -119,6 +146,8 @@ class FailureHandler:
         detector = watchdog.triggered[0] if watchdog is not None and watchdog.triggered else "collective"
         step = trainer.global_step if trainer is not None else None
         result = runtime.result
+        if kind is FailureKind.NODE_FAULT:
+            self._leave_unhealthy(facts.node_fault, exc, runtime, step)
         if kind in (FailureKind.STOP, FailureKind.LOCAL_ERROR):
             self._end_on_exception(kind, exc, runtime)
             raise exc  # Lightning runs on_exception hooks and its teardown, as for any error
@@ -154,7 +183,12 @@ class FailureHandler:
         # process would have: pristine callbacks, loggers, datamodule and module state
         self._pristine.restore(trainer, self._module)
         strategy.recoveries += 1
-        session.open_round(result.round, f"{kind.value} in round {result.round}: {error_text}")
+        try:
+            session.open_round(result.round, f"{kind.value} in round {result.round}: {error_text}")
+        except (RuntimeError, OSError) as store_error:  # torch's DistNetworkError/DistStoreError
+            give_up(strategy, f"lost the rendezvous store at {settings.launch.endpoint} "
+                              f"({type(store_error).__name__}: {first_line(store_error)}) while recovering from "
+                              f"a {kind.value} in round {result.round}; the job cannot re-form its group")
         return now
 
     def _facts(self, exc: BaseException, runtime: RoundRuntime, watchdog: RoundWatchdog | None) -> FailureFacts:
@@ -186,7 +220,8 @@ class FailureHandler:
             is_stop=isinstance(exc, (SystemExit, KeyboardInterrupt)),
             peer_error=peer_error, newer_round=bool(newer), hang_detected=detector == "hang",
             deadlock_detected=detector == "deadlock",
-            peer_gone=looks_like_peer_gone(chain) and not transport_broken)
+            peer_gone=looks_like_peer_gone(chain) and not transport_broken,
+            node_fault=node_fault_errno(chain_errnos(exc)))
 
     def _end_on_exception(self, kind: FailureKind, exc: BaseException, runtime: RoundRuntime) -> None:
         """Tell the others this job is over (spares leave, peers do not mistake it for a lost node)."""
@@ -207,6 +242,30 @@ class FailureHandler:
         self._strategy.stop_round_threads()
         session.rendezvous.shutdown(job_finished=False)
         log.info("ddp_ft: %s; not recovering (%s)", text, kind.value)
+
+    def _leave_unhealthy(self, errno_name: str | None, exc: BaseException, runtime: RoundRuntime,
+                         step: int | None) -> NoReturn:
+        """This node's storage failed: leave as an unhealthy node (82) so the others go on without it.
+
+        Not the user's bug (which would end the job for everyone) and not worth retrying here:
+        the node is counted lost for good, its peers see a lost peer and recover with a spare
+        (or end NO_RESTART when none is left), and the scheduler learns to avoid this node.
+        """
+        strategy, session, result = self._strategy, self._session, runtime.result
+        text = f"{type(exc).__name__}: {first_line(exc)}"
+        message = f"this node cannot go on ({errno_name}: {text}); leaving as an unhealthy node"
+        log.error("ddp_ft: %s, exit code %d", message, int(ExitCode.UNHEALTHY_NODE))
+        print(f"lightning_ft: UNHEALTHY_NODE ({int(ExitCode.UNHEALTHY_NODE)}): {message}", file=sys.stderr, flush=True)
+        session.events.emit(ev.NODE_FAULT, round=result.round, step=step, error=text, errno=errno_name)
+        try:
+            session.rendezvous.report_unhealthy(f"{errno_name}: {text}")
+        except (RuntimeError, OSError) as store_error:
+            log.warning("ddp_ft: could not report this node unhealthy: %s", store_error)
+        strategy.stop_round_threads()
+        session.rendezvous.shutdown(job_finished=False)
+        runtime.retire_group()
+        destroy_process_group()
+        raise NodeFaultExit(message)
 
     def _teardown(self, trainer: Any, runtime: RoundRuntime) -> None:
         # what Lightning's _call_and_handle_interrupt does after on_exception, minus re-raising;

@@ -10,6 +10,10 @@ and exits with the code the records imply::
 
     python -m lightning_ft.termination.exit_records --dir /tmp/ft-exit -- torchrun ... train.py
 
+Every run of the wrapper gives its launcher a directory of its own inside ``--dir``
+(``launch-<job>-<host>-<random>``, mode 0700) and reads only that one, so jobs sharing
+``--dir`` -- or an earlier attempt of the same job -- never speak for each other.
+
 No Lightning import.
 """
 
@@ -23,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -39,15 +44,31 @@ def write_exit_record(directory: str | os.PathLike, rank: int, exit_code: int, a
                       reasons: Sequence[str], step: int) -> Path:
     """Atomically write this rank's record (``rank-<R>.json``)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = directory / f"rank-{rank}.json"
     tmp = directory / f".rank-{rank}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({
+    data = json.dumps({
         "rank": rank, "exit_code": int(exit_code), "action": action, "reasons": list(reasons), "step": step,
         "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-    }))
+    }).encode()
+    # a file of our own: a planted link or another user's file at this name is not written through
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     return path
+
+
+def launch_directory(base: str | os.PathLike, env: dict[str, str] | None = None) -> Path:
+    """A new directory for one launch's records inside ``base`` (created 0700; see the module doc)."""
+    env = os.environ if env is None else env
+    job = next((env[k] for k in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "LIGHTNING_FT_RUN_ID") if env.get(k)), "job")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{job}-{socket.gethostname()}")[:80]
+    base = Path(base)
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"launch-{safe}-", dir=base))
 
 
 def read_exit_records(directory: str | os.PathLike) -> list[dict]:
@@ -84,10 +105,9 @@ def summarize_exit_codes(record_codes: Sequence[int], launcher_code: int) -> int
 def run_and_summarize(command: Sequence[str], directory: str | os.PathLike,
                       forward: Sequence[int] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
                                                 signal.SIGUSR2)) -> int:
-    """Run ``command`` with the record dir in its environment; forward signals; return the node code."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    clear_exit_records(directory)  # records of an earlier attempt must not speak for this one
+    """Run ``command`` with a record directory of its own (inside ``directory``) in its
+    environment; forward signals; return the node code."""
+    directory = launch_directory(directory)
     env = dict(os.environ, **{ENV_EXIT_RECORD_DIR: str(directory)})
     # own session: a terminal's Ctrl-C reaches only us, and we forward it exactly once
     child = subprocess.Popen(list(command), env=env, start_new_session=True)
@@ -109,7 +129,7 @@ def run_and_summarize(command: Sequence[str], directory: str | os.PathLike,
     records = read_exit_records(directory)
     code = summarize_exit_codes([int(r["exit_code"]) for r in records], launcher_code)
     per_rank = ", ".join(f"rank {r['rank']}: {r['exit_code']} ({r['action']})" for r in records) or "none"
-    print(f"lightning_ft: launcher exited {launcher_code}; rank records: {per_rank}; exiting {code}",
+    print(f"lightning_ft: launcher exited {launcher_code}; rank records ({directory}): {per_rank}; exiting {code}",
           file=sys.stderr, flush=True)
     return code
 
@@ -121,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                     "code its ranks recorded (81 preempted+saved, 82 unhealthy node, 143 stopped unsaved) "
                     "instead of the launcher's own status.")
     parser.add_argument("--dir", default=os.environ.get(ENV_EXIT_RECORD_DIR),
-                        help=f"directory for the per-rank records ({ENV_EXIT_RECORD_DIR}); node-local")
+                        help=f"node-local directory for the per-rank records ({ENV_EXIT_RECORD_DIR}); each run "
+                             "of this wrapper uses a new directory of its own inside it")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

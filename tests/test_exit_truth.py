@@ -1,0 +1,140 @@
+"""Every way a ddp_ft process ends tells the scheduler the truth (issue 11, cases 1, 5, 6).
+
+One test per row of the README's exit-code table that the other process tests do not cover
+already (they are named in the table): a stop before anything trained, the store lost with
+and without a peer failure, a full /dev/shm on the spare that receives the snapshot, an
+endpoint whose host does not resolve, and a participant that starts after its job ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from proc_utils import REPO_ROOT, wait_for
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
+from ft_cluster import Cluster  # noqa: E402
+
+pytestmark = [pytest.mark.multiprocess]
+
+SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
+
+
+def no_traceback(log: str) -> bool:
+    return "Traceback" not in log and "frame #" not in log
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_while_round_0_forms_stops_everyone_with_143(processes, tmp_path):
+    """Nothing trained: a SIGTERM before the job could start is a stop (requeue), never a success."""
+    cluster = Cluster(processes, tmp_path, "2:2")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    cluster.start_participant("A", ["--max-steps", "30"])
+    # B exists (as srun's tasks do) but reaches the rendezvous only after A was stopped
+    cluster.start_participant("B", ["--max-steps", "30", "--sleep-before-fit", "1000"])
+    assert wait_for(lambda: "joins run" in cluster.procs["A"].log(), 60), cluster.logs()
+    time.sleep(0.3)
+    cluster.kill("A", signal.SIGTERM)
+    assert cluster.wait(["A"], 30) == {"A": 143}, cluster.logs()
+    cluster.procs["B"].signal(signal.SIGUSR1)
+    assert cluster.wait(["B"], 30) == {"B": 143}, cluster.logs()
+    assert not any(cluster.steps().values())
+    assert "job stopped" in cluster.procs["B"].log()
+    assert cluster.events_of("stopped") and not cluster.events_of("finished")
+
+
+@pytest.mark.timeout(90)
+def test_store_lost_while_training_the_job_still_succeeds(processes, tmp_path):
+    """The store is needed only to recover: training finishes; the spare leaves with 0, not 83."""
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.out.mkdir(parents=True)
+    store = cluster.start_store()
+    for name in "ABC":
+        cluster.start_participant(name, ["--max-steps", "150", *SLOW])
+    cluster.wait_for_step(20, 60)
+    os.kill(store.pid, signal.SIGKILL)
+    codes = cluster.wait(list("ABC"), 60)
+    assert codes == {"A": 0, "B": 0, "C": 0}, cluster.logs()
+    assert sorted(cluster.result(n)["step"] for n in "ABC") == [0, 150, 150]
+    assert not cluster.events_of("no_restart")
+    assert all(no_traceback(cluster.procs[n].log()) for n in "ABC"), cluster.logs()
+
+
+@pytest.mark.timeout(90)
+def test_store_lost_then_a_peer_fails_ends_no_restart_with_a_clear_message(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.out.mkdir(parents=True)
+    store = cluster.start_store()
+    for name in "ABC":
+        cluster.start_participant(name, ["--max-steps", "1000", *SLOW])
+    cluster.wait_for_step(20, 60)
+    os.kill(store.pid, signal.SIGKILL)
+    victim = cluster.active_names()[-1]
+    survivor = next(n for n in cluster.active_names() if n != victim)
+    spare = next(n for n in "ABC" if n not in (victim, survivor))
+    cluster.kill(victim)
+    codes = cluster.wait([survivor, spare], 60)
+    assert codes == {survivor: 83, spare: 0}, cluster.logs()
+    log = cluster.procs[survivor].log()
+    assert "lost the rendezvous store" in log and "NO_RESTART (83)" in log
+    assert "Traceback" not in log, log  # was: exit 1 with a raw DistNetworkError traceback
+
+
+@pytest.mark.timeout(120)
+def test_full_shm_on_the_spare_that_receives_the_snapshot_is_a_node_fault(processes, tmp_path, small_tmpfs):
+    """ENOSPC is the node's fault, not the user's bug: that spare leaves unhealthy (82) and the
+    job goes on with the next spare."""
+    tiny = small_tmpfs("tiny-shm", "40k")  # a snapshot of this model is ~60 kB
+    cluster = Cluster(processes, tmp_path, "2:4")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    args = ["--max-steps", "400", "--hidden", "256", *SLOW]
+    for infra_rank, name in enumerate("ABCD"):  # C is the first spare in line, D the second
+        extra = {"LIGHTNING_FT_SNAPSHOT_DIR": str(tiny)} if name == "C" else {}
+        cluster.start_participant(name, args, LIGHTNING_FT_INFRA_RANK=str(infra_rank), **extra)
+    cluster.wait_for_step(30, 60)
+    assert sorted(cluster.active_names()) == ["A", "B"], cluster.logs()
+    cluster.kill("A")
+    codes = cluster.wait(["B", "C", "D"], 90)
+    assert codes == {"B": 0, "C": 82, "D": 0}, cluster.logs()
+    assert "No space left on device" in cluster.procs["C"].log()
+    [fault] = cluster.events_of("node_fault")
+    assert fault["errno"] == "ENOSPC"
+    assert cluster.result("B")["step"] == cluster.result("D")["step"] == 400
+
+
+@pytest.mark.timeout(60)
+def test_unresolvable_endpoint_host_fails_within_connect_timeout(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path, "1:1")
+    cluster.out.mkdir(parents=True)
+    proc = cluster.start_participant("A", ["--max-steps", "5", "--ft-option", "connect_timeout=5"],
+                                     LIGHTNING_FT_ENDPOINT="nohost.invalid:29400")
+    assert cluster.wait(["A"], 45) == {"A": 83}, cluster.logs()
+    log = proc.log()
+    assert "cannot resolve the rendezvous host 'nohost.invalid' within 5s" in log, log
+    assert no_traceback(log), log
+
+
+@pytest.mark.timeout(90)
+def test_a_participant_that_starts_after_its_job_finished_exits_0(processes, tmp_path):
+    """A slow start (loaded machine): the run closed and its store is gone... almost; the store
+    lingers so the latecomer learns the run is over instead of hosting a store of its own and
+    waiting for peers that are gone."""
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    for name in "AB":
+        cluster.start_participant(name, ["--max-steps", "20"])
+    late = cluster.start_participant("C", ["--max-steps", "20", "--sleep-before-fit", "1000"])
+    assert cluster.wait(["A", "B"], 60) == {"A": 0, "B": 0}, cluster.logs()
+    late.signal(signal.SIGUSR1)
+    assert cluster.wait(["C"], 30) == {"C": 0}, cluster.logs()
+    result = cluster.result("C")
+    assert not result["trained"], result
+    assert "hosting the store" not in late.log()
