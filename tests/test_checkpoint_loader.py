@@ -143,9 +143,11 @@ def test_a_file_of_an_older_format_version_is_skipped_with_the_reason_never_load
 
 
 @pytest.mark.parametrize("pid, match", [
-    (("t", 0, "float32", (1000,), 0, 4000, False, False), "does not fit"),
-    (("t", 0, "load", (1,), 0, 4, False, False), "bad tensor placeholder"),
-    (("t", 0, "float32", (2,), 0, 4, False, False), "does not fit"),
+    (("t", 0, "float32", (1000,), 0, 4000, False, False), "bad tensor placeholder"),   # beyond the data
+    (("t", 0, "float32", (10**12,), 0, 4 * 10**12, False, False), "bad tensor placeholder"),  # never allocated
+    (("t", 0, "load", (1,), 0, 4, False, False), "bad tensor placeholder"),           # torch.load is no dtype
+    (("t", 0, "float32", (2,), 0, 4, False, False), "bad tensor placeholder"),        # size != shape
+    (("t", 0, "float32", (-1, -1), 0, 4, False, False), "bad tensor placeholder"),    # no room for it either
     (("x", 0), "bad tensor placeholder"),
 ])
 def test_tensor_placeholders_are_checked_against_the_data_region(store, pid, match):
