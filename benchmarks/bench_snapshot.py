@@ -34,7 +34,8 @@ from torch.utils.data import DataLoader
 
 from lightning_ft import EmergencyCheckpoint
 from lightning_ft.checkpoint import snapshot_format as fmt
-from lightning_ft.checkpoint.store import _ReadMap, default_root
+from lightning_ft.checkpoint.files import ReadMap
+from lightning_ft.checkpoint.store import default_root
 
 HERE = Path(__file__).resolve().parent
 SECTION = "## In-memory snapshot (issue: SIGTERM path)"
@@ -174,7 +175,7 @@ class Measure(pl.Callback):
         info = store.latest()
         r["ours_load"] = min(_times(lambda: store.load(info), self.reps))
         if self.checksum_options:
-            with _ReadMap(info.path) as (mm, size):
+            with ReadMap(info.path) as (mm, size):
                 header = fmt.Header.unpack(mm)
                 data = fmt.frombuffer_u8(mm, header.data_off, header.data_len)
                 r["sum_digest"] = min(_times(lambda: fmt.block_sums(data), 5))
