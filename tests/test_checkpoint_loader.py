@@ -342,3 +342,45 @@ def test_real_lightning_checkpoints_round_trip_through_the_restricted_loader(nam
         store.save(checkpoint, step=checkpoint["global_step"])
         loaded = store.load(expect=store.expected_identity())
     assert tensors_equal(loaded, checkpoint)
+
+
+def test_no_snapshot_path_uses_an_unrestricted_unpickler(tmp_path, monkeypatch):
+    """Every way a snapshot is read -- from its file, as bytes from a peer or the store -- goes
+    through the restricted loader: with every unrestricted decoder made to fail, they all work."""
+    import torch.distributed as dist
+
+    from ckpt_helpers import make_module, resume_probe, trainer_kwargs
+    from lightning_ft import EmergencyCheckpoint
+    from lightning_ft.checkpoint import MemoryCheckpointIO
+    from lightning_ft.checkpoint.replication import read_snapshot_file
+    from lightning_ft.checkpoint.resume import agree_resume_step
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("an unrestricted unpickler was used")
+
+    class ForbiddenUnpickler:
+        def __init__(self, *args, **kwargs):
+            forbidden()
+
+    for module, name in ((pickle, "loads"), (pickle, "load"), (pickle, "Unpickler"), (torch, "load"),
+                         (dist, "all_gather_object"), (dist, "broadcast_object_list")):
+        monkeypatch.setattr(module, name, ForbiddenUnpickler if name == "Unpickler" else forbidden)
+    root = tmp_path / "shm"
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[EmergencyCheckpoint(every_n_steps=3, root=str(root),
+                                                                                      run_id="guard")]))
+    trainer.fit(make_module())
+    store = SnapshotStore(root=root, run_id="guard", rank=0)
+    expect = store.expected_identity()
+    assert store.scan(include_peers=True, expect=expect).readable == [3, 6]
+    assert agree_resume_step(store, include_peers=True, expect=expect) == 6
+    assert store.load(expect=expect)["global_step"] == 6
+    blob = read_snapshot_file(store.find(6).path)
+    receiver = SnapshotStore(root=tmp_path / "spare", run_id="guard", rank=1)
+    assert receiver.load(receiver.write_bytes(store.read_bytes(store.find(3))))["global_step"] == 3
+    assert receiver.write_bytes(blob).step == 6
+    assert MemoryCheckpointIO(root=str(root), run_id="guard").load_checkpoint("mem://latest")["global_step"] == 6
+    probe = resume_probe()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=8, callbacks=[EmergencyCheckpoint(root=str(root), run_id="guard"),
+                                                                  probe]))
+    trainer.fit(make_module())
+    assert probe.start_step == 6
