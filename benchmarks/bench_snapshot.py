@@ -273,14 +273,15 @@ def render_checksums(results: list[dict]) -> str:
     ])
 
 
-def write_results(text: str) -> Path:
+def write_results(text: str, section: str = SECTION) -> Path:
+    """Put ``text`` (which starts with ``section``) into RESULTS.md in place of that section."""
     path = HERE / "RESULTS.md"
     old = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = old.find(SECTION)
+    start = old.find(section)
     if start == -1:
         new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
     else:
-        nxt = old.find("\n## ", start + len(SECTION))
+        nxt = old.find("\n## ", start + len(section))
         new = old[:start] + text.rstrip("\n") + "\n" + (old[nxt:] if nxt != -1 else "")
     path.write_text(new)
     return path

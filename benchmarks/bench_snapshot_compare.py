@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_snapshot import write_results  # this directory is on sys.path when run as a script
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -174,19 +175,6 @@ def render(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_results(text: str) -> Path:
-    path = HERE / "RESULTS.md"
-    old = path.read_text()
-    start = old.find(SECTION)
-    if start == -1:
-        new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text.rstrip("\n") + "\n" + (old[nxt:] if nxt != -1 else "")
-    path.write_text(new)
-    return path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ref", default="588c8c8", help="the older commit (default: last with format version 1)")
@@ -237,7 +225,7 @@ def main() -> None:
         text = (f"{SECTION}\n\n{note} Old and new alternate at every repetition; min and median of "
                 f"{args.reps} repetitions (20x as many under 1 MiB, 4x under 256 MiB), after 3 untimed rounds. "
                 f"new / old below 1.00 means the new code is faster.\n\n{table}\n")
-        print("updated", write_results(text))
+        print("updated", write_results(text, SECTION))
 
 
 if __name__ == "__main__":
