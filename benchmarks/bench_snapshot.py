@@ -34,7 +34,8 @@ from torch.utils.data import DataLoader
 
 from lightning_ft import EmergencyCheckpoint
 from lightning_ft.checkpoint import snapshot_format as fmt
-from lightning_ft.checkpoint.store import _ReadMap, default_root
+from lightning_ft.checkpoint.files import ReadMap
+from lightning_ft.checkpoint.store import default_root
 
 HERE = Path(__file__).resolve().parent
 SECTION = "## In-memory snapshot (issue: SIGTERM path)"
@@ -174,7 +175,7 @@ class Measure(pl.Callback):
         info = store.latest()
         r["ours_load"] = min(_times(lambda: store.load(info), self.reps))
         if self.checksum_options:
-            with _ReadMap(info.path) as (mm, size):
+            with ReadMap(info.path) as (mm, size):
                 header = fmt.Header.unpack(mm)
                 data = fmt.frombuffer_u8(mm, header.data_off, header.data_len)
                 r["sum_digest"] = min(_times(lambda: fmt.block_sums(data), 5))
@@ -272,14 +273,15 @@ def render_checksums(results: list[dict]) -> str:
     ])
 
 
-def write_results(text: str) -> Path:
+def write_results(text: str, section: str = SECTION) -> Path:
+    """Put ``text`` (which starts with ``section``) into RESULTS.md in place of that section."""
     path = HERE / "RESULTS.md"
     old = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = old.find(SECTION)
+    start = old.find(section)
     if start == -1:
         new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
     else:
-        nxt = old.find("\n## ", start + len(SECTION))
+        nxt = old.find("\n## ", start + len(section))
         new = old[:start] + text.rstrip("\n") + "\n" + (old[nxt:] if nxt != -1 else "")
     path.write_text(new)
     return path

@@ -26,7 +26,7 @@ def tensors_equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def make_module(seed: int = 0):
+def make_module(seed: int = 0, hidden: int = 16):
     import lightning.pytorch as pl
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -35,7 +35,7 @@ def make_module(seed: int = 0):
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(seed)
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+            self.net = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
         def training_step(self, batch, batch_idx):
             x, y = batch

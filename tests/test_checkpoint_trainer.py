@@ -11,12 +11,14 @@ import torch
 from ckpt_helpers import make_module, matches_snapshot, resume_probe, tensors_equal, trainer_kwargs
 
 from lightning_ft import EmergencyCheckpoint
-from lightning_ft.checkpoint import MemoryCheckpointIO, SnapshotStore
+from lightning_ft.checkpoint import MemoryCheckpointIO, SnapshotError, SnapshotStore
+from lightning_ft.checkpoint import callback as callback_module
 
 
-def fit(max_steps: int, callbacks: list, seed: int = 0, ckpt_path=None, plugins=None) -> pl.Trainer:
-    trainer = pl.Trainer(**trainer_kwargs(max_steps=max_steps, callbacks=callbacks, plugins=plugins or []))
-    trainer.fit(make_module(seed), ckpt_path=ckpt_path)
+def fit(max_steps: int, callbacks: list, seed: int = 0, ckpt_path=None, plugins=None, hidden: int = 16,
+        **kwargs) -> pl.Trainer:
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=max_steps, callbacks=callbacks, plugins=plugins or [], **kwargs))
+    trainer.fit(make_module(seed, hidden=hidden), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -286,3 +288,71 @@ def test_unused_per_batch_hooks_are_not_dispatched_but_subclass_overrides_are(ro
     assert dispatched.count("on_train_batch_end") == 12 and dispatched.count("on_before_backward") == 6
     assert "on_before_zero_grad" not in dispatched and "on_train_epoch_start" not in dispatched
     assert [i.step for i in SnapshotStore(root=root, run_id="a", rank=0).list()] == [5]
+
+
+# ------------------------------------------------------------------------------- whose snapshot it is
+
+
+def test_auto_resume_skips_another_models_snapshot_says_why_and_starts_fresh(root, caplog):
+    fit(10, [EmergencyCheckpoint(every_n_steps=5, root=root, run_id="job")], hidden=16)
+    probe = resume_probe()
+    with caplog.at_level(logging.WARNING, logger="lightning_ft"):
+        trainer = fit(4, [EmergencyCheckpoint(root=root, run_id="job"), probe], hidden=32)
+    assert probe.start_step == 0 and trainer.global_step == 4  # trained, from scratch, no size mismatch
+    warning = next(r.message for r in caplog.records if "auto-resume skipped" in r.message)
+    assert "step 10" in warning and "different model" in warning and "Starting fresh" in warning
+
+
+def test_auto_resume_takes_this_models_older_snapshot_over_another_models_newer_one(root, caplog):
+    fit(5, [EmergencyCheckpoint(every_n_steps=5, root=root, run_id="job", keep_last=5)], hidden=16)
+    store = SnapshotStore(root=root, run_id="job", rank=0)
+    other = SnapshotStore(root=root + "-b", run_id="job", rank=0)
+    other.save({"state_dict": make_module(hidden=32).state_dict(), "global_step": 10}, step=10)
+    store.write_bytes(other.read_bytes(other.list()[0]))  # a newer snapshot of another model, same run id
+    probe = resume_probe()
+    with caplog.at_level(logging.WARNING, logger="lightning_ft"):
+        fit(7, [EmergencyCheckpoint(root=root, run_id="job", keep_last=5), probe], hidden=16)
+    assert probe.start_step == 5
+    assert any("Resuming from this run's step 5 instead" in r.message for r in caplog.records)
+
+
+def test_without_a_run_id_snapshots_are_written_but_never_resumed(root, monkeypatch, caplog):
+    for var in ("LIGHTNING_FT_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(callback_module, "_no_run_id_warned", False)
+    with caplog.at_level(logging.WARNING, logger="lightning_ft"):
+        fit(10, [EmergencyCheckpoint(every_n_steps=5, root=root)], seed=1)
+        probe = resume_probe()
+        fit(10, [EmergencyCheckpoint(every_n_steps=5, root=root), probe], seed=2)  # another job, same script
+    assert probe.start_step == 0
+    warnings = [r.message for r in caplog.records if "no run id is set" in r.message]
+    assert len(warnings) == 1 and f"{root}/default" in warnings[0] and "LIGHTNING_FT_RUN_ID" in warnings[0]
+    assert [i.step for i in SnapshotStore(root=root, rank=0).list()] == [10, 5]
+    with pytest.raises(ValueError, match="no run id is set"):
+        fit(11, [], ckpt_path="mem://10", plugins=[MemoryCheckpointIO(root=root)])
+    with pytest.raises(FileNotFoundError, match="no run id is set"):
+        fit(11, [], ckpt_path="mem://latest", plugins=[MemoryCheckpointIO(root=root)])
+
+
+def test_explicit_mem_path_to_another_models_snapshot_fails_clearly(root):
+    fit(10, [EmergencyCheckpoint(every_n_steps=5, root=root, run_id="job")], hidden=16)
+    with pytest.raises(SnapshotError) as err:
+        fit(12, [], ckpt_path="mem://10", plugins=[MemoryCheckpointIO(root=root, run_id="job")], hidden=32)
+    message = str(err.value)
+    assert "mem://10: refusing to load the snapshot at step 10" in message and "different model" in message
+    with pytest.raises(FileNotFoundError, match="different model"):
+        fit(12, [], ckpt_path="mem://latest", plugins=[MemoryCheckpointIO(root=root, run_id="job")], hidden=32)
+    probe = resume_probe()  # the same model still resumes
+    fit(12, [probe], ckpt_path="mem://10", plugins=[MemoryCheckpointIO(root=root, run_id="job")], hidden=16)
+    assert probe.start_step == 10
+
+
+def test_a_true_half_precision_run_resumes_through_an_explicit_mem_path(root):
+    # the explicit path restores before the precision plugin casts the module to bf16: the
+    # fingerprint counts float kinds, not widths, so this is still the same model
+    fit(6, [EmergencyCheckpoint(every_n_steps=3, root=root, run_id="half")], precision="bf16-true")
+    probe = resume_probe()
+    trainer = fit(8, [probe], ckpt_path="mem://6", plugins=[MemoryCheckpointIO(root=root, run_id="half")],
+                  precision="bf16-true")
+    assert probe.start_step == 6 and trainer.global_step == 8
+    assert next(trainer.lightning_module.parameters()).dtype == torch.bfloat16

@@ -7,6 +7,7 @@ agents); ``MemoryCheckpointIO`` and ``EmergencyCheckpoint`` load it on first use
 from __future__ import annotations
 
 from lightning_ft._lazy import lazy_getattr
+from lightning_ft.checkpoint.identity import ExpectedIdentity, SnapshotIdentity
 from lightning_ft.checkpoint.snapshot_format import SnapshotError
 from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore
 
@@ -15,6 +16,6 @@ _LAZY = {
     "EmergencyCheckpoint": "lightning_ft.checkpoint.callback",
 }
 
-__all__ = ["SnapshotStore", "SnapshotInfo", "SnapshotError", *_LAZY]
+__all__ = ["SnapshotStore", "SnapshotInfo", "SnapshotError", "SnapshotIdentity", "ExpectedIdentity", *_LAZY]
 
 __getattr__ = lazy_getattr("lightning_ft.checkpoint", _LAZY, globals())

@@ -13,13 +13,39 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._validation import require_bool, require_number
 from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.identity import state_dict_fingerprint
 from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due, steps_between_snapshots
-from lightning_ft.checkpoint.resume import agree_resume_step
-from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore, ensure_writable_root, resolve_root, resolve_run_id
+from lightning_ft.checkpoint.resume import agree_on_step
+from lightning_ft.checkpoint.store import (
+    RUN_ID_ENV_VARS,
+    SnapshotInfo,
+    SnapshotStore,
+    configured_run_id,
+    ensure_writable_root,
+    resolve_root,
+    resolve_run_id,
+)
 
 log = logging.getLogger(__name__)
 
 _EMA = 0.3  # weight of the newest step-time sample
+_SKIPPED_SHOWN = 3  # skipped snapshots named in the auto-resume warning
+_no_run_id_warned = False  # the "set a run id" warning is given once per process
+
+
+def no_run_id_message(run_dir: str) -> str:
+    """Why snapshots of a run without a run id are written but never resumed, and the fix."""
+    return (f"EmergencyCheckpoint: no run id is set (run_id=, {', '.join(RUN_ID_ENV_VARS)}), so snapshots go to "
+            f"{run_dir} but are never resumed: a run without a run id cannot tell its own snapshots from "
+            f"another job's. Set a run id that stays the same when this job restarts (e.g. LIGHTNING_FT_RUN_ID) "
+            f"to resume from them.")
+
+
+def skipped_snapshots_message(rank: int, skipped: list[tuple[SnapshotInfo, str]], outcome: str) -> str:
+    """The auto-resume warning for snapshots of another job or model: which, why, and what happens instead."""
+    shown = "; ".join(f"step {info.step} ({info.path}): {why}" for info, why in skipped[:_SKIPPED_SHOWN])
+    more = f" (and {len(skipped) - _SKIPPED_SHOWN} more)" if len(skipped) > _SKIPPED_SHOWN else ""
+    return f"rank {rank}: auto-resume skipped snapshots of another job or model: {shown}{more}. {outcome}"
 
 
 class EmergencyCheckpoint(pl.Callback):
@@ -38,9 +64,12 @@ class EmergencyCheckpoint(pl.Callback):
             common steps without talking to each other.
         keep_last: snapshots kept per rank (>= 1). With >= 2 the oldest file is overwritten in
             place by the next snapshot, which is ~3x faster than a fresh tmpfs file.
-        root: snapshot root (default ``$LIGHTNING_FT_SNAPSHOT_DIR`` or ``/dev/shm/lightning_ft``).
-        run_id: scope (default LIGHTNING_FT_RUN_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID / "default").
-        auto_resume: restore on ``fit()`` without a ``ckpt_path``.
+        root: snapshot root (default ``$LIGHTNING_FT_SNAPSHOT_DIR`` or ``/dev/shm/lightning_ft-<uid>``).
+        run_id: scope (default LIGHTNING_FT_RUN_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID). Without any,
+            snapshots are written to ``<root>/default`` but never resumed (a warning says so once).
+        auto_resume: on ``fit()``, restore the newest snapshot of this run id and this model (same
+            parameter names and shapes); snapshots of another job or model are skipped with a
+            warning that says which and why.
         preallocate: keep a spare snapshot file with its shared-memory pages allocated whenever
             the next save could not overwrite an old snapshot (before the first ``keep_last``
             snapshots exist). Costs one state-size of shared memory and a one-off allocation at
@@ -66,6 +95,7 @@ class EmergencyCheckpoint(pl.Callback):
         self.root = resolve_root(root)
         ensure_writable_root(self.root)
         self.run_id = resolve_run_id(run_id)
+        self._configured_run_id = configured_run_id(run_id)
         self.auto_resume = auto_resume
         self.preallocate = preallocate
         self._check_spare = True
@@ -119,7 +149,11 @@ class EmergencyCheckpoint(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._get_store(trainer)
+        store = self._get_store(trainer)
+        global _no_run_id_warned
+        if store.configured_run_id is None and not _no_run_id_warned:
+            _no_run_id_warned = True
+            log.warning(no_run_id_message(store.run_dir))
         if not self._replicated(trainer):
             log.warning("EmergencyCheckpoint supports single-device and DDP strategies; with %s each rank's "
                         "snapshot holds only what dump_checkpoint returns on that rank and auto-resume is off",
@@ -176,7 +210,7 @@ class EmergencyCheckpoint(pl.Callback):
         if self._store is None or self._store.rank != rank:
             if self._store is not None:
                 self._store.close()
-            self._store = SnapshotStore(self.root, self.run_id, rank, self.keep_last)
+            self._store = SnapshotStore(self.root, self._configured_run_id, rank, self.keep_last)
         return self._store
 
     def _ensure_spare(self, trainer: pl.Trainer) -> None:
@@ -188,7 +222,8 @@ class EmergencyCheckpoint(pl.Callback):
         if self._last_snapshot is not None:
             nbytes = self._last_snapshot.nbytes
         else:
-            nbytes = fmt.encode(trainer._checkpoint_connector.dump_checkpoint(weights_only=False)).file_size
+            nbytes = fmt.encode(trainer._checkpoint_connector.dump_checkpoint(weights_only=False),
+                                check_loadable=False).file_size
         try:
             store.preallocate(nbytes)
         except OSError as exc:
@@ -221,21 +256,35 @@ class EmergencyCheckpoint(pl.Callback):
         if parse_mem_url(given) is not None:
             return  # already restored from a snapshot by MemoryCheckpointIO
         store = self._get_store(trainer)
-        step = agree_resume_step(store, include_peers=True)
+        # Only this job's snapshots of this model: the run id, and the parameter names and shapes
+        # of the module as it is now (after configure_model and the precision plugin's cast).
+        expect = store.expected_identity(model=state_dict_fingerprint(trainer.lightning_module.state_dict()))
+        if store.configured_run_id is None:
+            local, skipped = [], []  # every rank still joins the agreement below
+            log.info("rank %d: not resuming from snapshots: no run id is set", store.rank)
+        else:
+            scan = store.scan(include_peers=True, expect=expect)
+            local, skipped = scan.readable, scan.foreign
+        step = agree_on_step(local, store.rank)
+        loaded_step = connector._loaded_checkpoint.get("global_step") if connector._loaded_checkpoint else None
+        resumes = step is not None and (loaded_step is None or loaded_step < step)
+        if skipped:
+            outcome = (f"Resuming from this run's step {step} instead." if resumes else
+                       f"Using ckpt_path={given} instead." if given else "Starting fresh.")
+            log.warning(skipped_snapshots_message(store.rank, skipped, outcome))
         if step is None:
             log.info("rank %d: no snapshot of run %r to resume from%s", store.rank, store.run_id,
                      f"; using ckpt_path={given}" if given else "; starting fresh")
             return
-        loaded_step = connector._loaded_checkpoint.get("global_step") if connector._loaded_checkpoint else None
-        if loaded_step is not None and loaded_step >= step:
+        if not resumes:
             log.info("rank %d: keeping ckpt_path=%s (step %d); newest snapshot is step %d",
                      store.rank, given, loaded_step, step)
             return
-        info = store.find(step, include_peers=True)
+        info = store.find(step, include_peers=True, expect=expect)
         if info is None:
             raise RuntimeError(f"rank {store.rank}: snapshot at step {step} vanished or broke after the ranks "
                                f"agreed on it (run {store.run_id!r}, {store.run_dir})")
-        connector._loaded_checkpoint = store.load(info)
+        connector._loaded_checkpoint = store.load(info, expect=expect)
         self.resumed_from = (step, store.created(info))
         connector._ckpt_path = f"mem://{step}"
         connector.restore_model()

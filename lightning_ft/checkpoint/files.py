@@ -2,7 +2,14 @@
 
 :class:`~lightning_ft.checkpoint.store.SnapshotStore` decides what to write where; this module
 knows how a snapshot file is allocated (never a SIGBUS on a full tmpfs), mapped, recycled
-without re-faulting its pages, and mapped again for reading.
+without re-faulting its pages, and mapped again for reading, and which directories and files
+may be trusted at all:
+
+* a snapshot directory (root, run, rank) must be a real directory (not a symlink) owned by this
+  user and writable by nobody else, or another local user could plant or swap files in it;
+* files are created with ``O_EXCL|O_NOFOLLOW`` and mode 0600 from the start; an existing file
+  is opened with ``O_NOFOLLOW`` and used only if it is a regular file of ours (one link, for
+  writing), so a planted symlink is never followed and never written through.
 """
 
 from __future__ import annotations
@@ -23,6 +30,97 @@ MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux value; Python < 3.13 lacks the name
 
 FileKey = tuple[int, int]  # (st_dev, st_ino)
+
+
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# ---------------------------------------------------------------------------------------------- trust
+
+
+def private_dir_problem(mode: int, uid: int, my_uid: int) -> tuple[str, str] | None:
+    """(what is wrong, what to do) for a directory with ``lstat`` mode/uid; None if it may hold our snapshots."""
+    if stat.S_ISLNK(mode):
+        return "is a symbolic link", "use the directory it points to, or remove the link"
+    if not stat.S_ISDIR(mode):
+        return "is not a directory", "remove it or choose another snapshot root (root= or LIGHTNING_FT_SNAPSHOT_DIR)"
+    if uid != my_uid:
+        return (f"is owned by uid {uid}, not by this user (uid {my_uid})",
+                "remove it (as its owner or root) or choose another snapshot root (root= or LIGHTNING_FT_SNAPSHOT_DIR)")
+    writers = [who for who, bit in (("its group", stat.S_IWGRP), ("other users", stat.S_IWOTH)) if mode & bit]
+    if writers:
+        return f"is writable by {' and '.join(writers)}", "make it private: chmod go-w (or chmod 700) on it"
+    return None
+
+
+def require_private_dir(path: str, what: str) -> None:
+    """Raise ValueError naming ``path``, its owner and mode unless it is a private directory of ours."""
+    st = os.lstat(path)
+    problem = private_dir_problem(st.st_mode, st.st_uid, os.getuid())
+    if problem is not None:
+        reason, fix = problem
+        raise ValueError(f"{what} {path!r} {reason} (owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)} "
+                         f"{stat.S_IMODE(st.st_mode):04o}); another local user could plant or swap snapshots "
+                         f"there. {fix[0].upper()}{fix[1:]}.")
+
+
+def make_private_dir(path: str, what: str) -> None:
+    """Check the directory at ``path`` (ValueError if not private), or create it with mode 0700."""
+    try:
+        require_private_dir(path, what)
+        return
+    except FileNotFoundError:
+        pass
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:  # created meanwhile: check what it is
+        pass
+    require_private_dir(path, what)
+
+
+def snapshot_file_problem(st: os.stat_result, my_uid: int, for_write: bool) -> str | None:
+    """Why a file (``lstat``/``fstat`` result) must not be read or written as a snapshot; None if fine."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link (not followed)"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != my_uid:
+        return f"is owned by uid {st.st_uid}, not by this user ({my_uid})"
+    if for_write and st.st_nlink != 1:
+        # writing would change the file under its other names too
+        return f"has {st.st_nlink} hard links"
+    return None
+
+
+def open_snapshot_file(path: str, for_write: bool) -> tuple[int, os.stat_result]:
+    """Open an existing snapshot file without following a symlink and check it (SnapshotError if unsafe)."""
+    try:
+        fd = os.open(path, (os.O_RDWR if for_write else os.O_RDONLY) | _NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SnapshotError(f"{path} is a symbolic link (not followed)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        problem = snapshot_file_problem(st, os.getuid(), for_write)
+        if problem is not None:
+            raise SnapshotError(f"{path} {problem}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def create_snapshot_file(path: str) -> int:
+    """Create ``path`` read-write with mode 0600; fails if anything (a symlink too) is already there."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+
+
+def read_snapshot_bytes(path: str) -> bytes:
+    """The whole content of a snapshot file of ours (symlinks and other users' files refused)."""
+    fd, st = open_snapshot_file(path, for_write=False)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 def pid_alive(pid: int) -> bool:
@@ -118,7 +216,7 @@ class WritableMaps:
     def forget(self, path: str) -> None:
         """Drop the map of ``path`` (before the file is replaced or removed)."""
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             return
         mm = self._maps.pop((st.st_dev, st.st_ino), None)
@@ -152,7 +250,7 @@ def delete_file(maps: WritableMaps, path: str) -> None:
 
 
 class ReadMap:
-    """Read-only, pre-faulted map of a snapshot file owned by this user."""
+    """Read-only, pre-faulted map of a snapshot file owned by this user (a symlink is not followed)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -160,14 +258,8 @@ class ReadMap:
         self.mm: mmap.mmap | None = None
 
     def __enter__(self) -> tuple[mmap.mmap, int]:
-        self.fd = os.open(self.path, os.O_RDONLY)
+        self.fd, st = open_snapshot_file(self.path, for_write=False)
         try:
-            st = os.fstat(self.fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SnapshotError("not a regular file")
-            if st.st_uid != os.getuid():
-                # metadata is unpickled; never from a file another user could have planted
-                raise SnapshotError(f"owned by uid {st.st_uid}, not by this user ({os.getuid()})")
             if st.st_size < fmt.HEADER_SIZE:
                 raise SnapshotError(f"file too short ({st.st_size} bytes; torn/truncated)")
             self.mm = mmap.mmap(self.fd, st.st_size, flags=mmap.MAP_SHARED | MAP_POPULATE, prot=mmap.PROT_READ)

@@ -5,16 +5,48 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import sys
 from typing import Any
 
+import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.strategies import Strategy
 
 from lightning_ft._validation import require_number
+from lightning_ft.checkpoint.identity import ExpectedIdentity, identity_mismatch, state_dict_fingerprint
 from lightning_ft.checkpoint.policy import parse_mem_url, pick_disk_checkpoint
-from lightning_ft.checkpoint.resume import agree_resume_step
-from lightning_ft.checkpoint.store import SnapshotStore, current_rank, ensure_writable_root, resolve_root, resolve_run_id
+from lightning_ft.checkpoint.resume import agree_on_step
+from lightning_ft.checkpoint.snapshot_format import SnapshotError
+from lightning_ft.checkpoint.store import (
+    RUN_ID_ENV_VARS,
+    SnapshotStore,
+    configured_run_id,
+    current_rank,
+    ensure_writable_root,
+    resolve_root,
+    resolve_run_id,
+)
 
 log = logging.getLogger(__name__)
+_CALLER_FRAMES = 8  # how far up the stack the restoring strategy is looked for
+
+
+def module_being_restored() -> torch.nn.Module | None:
+    """The LightningModule a checkpoint is being loaded for, or None outside a Trainer's restore.
+
+    Lightning calls ``CheckpointIO.load_checkpoint`` from ``Strategy.load_checkpoint`` without
+    saying for which model; the strategy a frame or two up the stack knows it. Used only to
+    refuse another model's snapshot with a clear message instead of a state_dict size mismatch.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_CALLER_FRAMES):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Strategy):
+            return owner.lightning_module
+    return None
 
 
 class MemoryCheckpointIO(CheckpointIO):
@@ -22,9 +54,11 @@ class MemoryCheckpointIO(CheckpointIO):
     goes to the wrapped ``checkpoint_io`` (default ``TorchCheckpointIO``).
 
     ``Trainer(plugins=[MemoryCheckpointIO()]).fit(model, ckpt_path="mem://latest")`` resumes from
-    the newest snapshot every rank can read (ranks agree over the default process group when
-    one is initialized). With no snapshot, the newest ``*.ckpt`` in ``fallback_dir`` is loaded
-    if given, else FileNotFoundError is raised.
+    the newest snapshot of this run id and this model (same parameter names and shapes) every
+    rank can read (ranks agree over the default process group when one is initialized). With no
+    such snapshot, the newest ``*.ckpt`` in ``fallback_dir`` is loaded if given, else
+    FileNotFoundError is raised. ``mem://<step>`` naming a snapshot of another run or model, or
+    any ``mem://`` path without a configured run id, fails with a message that says why.
 
     Args:
         checkpoint_io: IO for ordinary paths (default ``TorchCheckpointIO()``).
@@ -48,6 +82,7 @@ class MemoryCheckpointIO(CheckpointIO):
         self.root = resolve_root(root)
         ensure_writable_root(self.root)
         self.run_id = resolve_run_id(run_id)
+        self._configured_run_id = configured_run_id(run_id)
         self.keep_last = keep_last
         self.replicated = replicated
         self.fallback_dir = None if fallback_dir is None else os.fspath(fallback_dir)
@@ -60,7 +95,7 @@ class MemoryCheckpointIO(CheckpointIO):
         if self._store is None or self._store.rank != rank:
             if self._store is not None:
                 self._store.close()
-            self._store = SnapshotStore(self.root, self.run_id, rank, self.keep_last)
+            self._store = SnapshotStore(self.root, self._configured_run_id, rank, self.keep_last)
         return self._store
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -71,27 +106,47 @@ class MemoryCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0)) if spec == "latest" else spec
         self.store.save(checkpoint, step, reason="CheckpointIO")
 
+    def _expected_identity(self, store: SnapshotStore) -> ExpectedIdentity:
+        module = module_being_restored()
+        model = state_dict_fingerprint(module.state_dict()) if module is not None else None
+        return store.expected_identity(model=model, rank=None if self.replicated else store.rank)
+
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         spec = parse_mem_url(path)
         if spec is None:
             return self.checkpoint_io.load_checkpoint(path, *args, **kwargs)
         store = self.store
+        expect = self._expected_identity(store)
+        no_run_id = (f"no run id is set (run_id=, {', '.join(RUN_ID_ENV_VARS)}), so no snapshot can be shown to "
+                     "belong to this job; set one that stays the same across restarts of the job")
         if spec == "latest":
-            step = agree_resume_step(store, include_peers=self.replicated)
+            scan = store.scan(include_peers=self.replicated, expect=expect)
+            step = agree_on_step(scan.readable, store.rank)
             if step is None:
+                why = no_run_id if store.configured_run_id is None else "; ".join(
+                    f"step {info.step} skipped: {reason}" for info, reason in scan.foreign[:3])
                 fallback = self._fallback_path()
                 if fallback is None:
                     raise FileNotFoundError(
                         f"{path}: no intact snapshot of run {store.run_id!r} under {store.run_dir}"
-                        + (f" and no *.ckpt in {self.fallback_dir}" if self.fallback_dir else ""))
-                log.info("%s: no snapshot of run %r; falling back to disk checkpoint %s", path, store.run_id, fallback)
+                        + (f" and no *.ckpt in {self.fallback_dir}" if self.fallback_dir else "")
+                        + (f" ({why})" if why else ""))
+                log.info("%s: no snapshot of run %r%s; falling back to disk checkpoint %s", path, store.run_id,
+                         f" ({why})" if why else "", fallback)
                 return self.checkpoint_io.load_checkpoint(fallback, *args, **kwargs)
         else:
             step = spec
+            if store.configured_run_id is None:
+                raise ValueError(f"{path}: {no_run_id}")
         info = store.find(step, include_peers=self.replicated)
         if info is None:
             raise FileNotFoundError(f"{path}: no intact snapshot at step {step} for rank {store.rank} of run {store.run_id!r}")
-        return store.load(info)
+        refusal = identity_mismatch(store.identity(info), expect)
+        if refusal is not None:
+            raise SnapshotError(f"{path}: refusing to load the snapshot at step {step} ({info.path}): {refusal}. "
+                                f"Resume a snapshot only into the job and model that wrote it; to train this one "
+                                f"from scratch, drop ckpt_path={path!r}.")
+        return store.load(info, expect=expect)
 
     def _fallback_path(self) -> str | None:
         if not self.fallback_dir:

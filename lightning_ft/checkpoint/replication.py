@@ -16,6 +16,7 @@ import threading
 from typing import Any, Callable
 
 from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.files import read_snapshot_bytes
 from lightning_ft.checkpoint.policy import replica_needed, should_pull_replica
 from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore
 from lightning_ft.events import names as ev
@@ -34,9 +35,9 @@ log = logging.getLogger(__name__)
 
 
 def read_snapshot_file(path: str) -> bytes:
-    """The verified bytes of a committed snapshot file (one recycled while we read fails here)."""
-    with open(path, "rb") as f:
-        blob = f.read()
+    """The verified bytes of a committed snapshot file of ours (a symlink is not followed; one
+    recycled while we read fails here)."""
+    blob = read_snapshot_bytes(path)
     fmt.verify(blob, len(blob))
     return blob
 

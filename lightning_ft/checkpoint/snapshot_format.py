@@ -1,48 +1,64 @@
 """On-disk (in-shm) layout of one snapshot file, and its encode / verify / decode steps.
 
-Layout (little endian)::
+Layout (little endian), format version 2::
 
     [0, 128)            header: magic, version, step, sizes, crc32 of the body, crc32 of itself
-    [128, meta_off)     per-block sums of the data region (int64, one per BLOCK_SIZE bytes)
+    [128, +ident_len)   identity: UTF-8 JSON {"model", "rank", "run_id"} (see identity.py)
+    [sums_off, meta_off) per-block sums of the data region (int64, one per BLOCK_SIZE bytes);
+                        sums_off is 8-byte aligned
     [meta_off, +len)    pickled metadata; tensors are replaced by placeholders (persistent ids)
     [data_off, end)     flat data region (data_off is page aligned); each tensor's bytes at its
                         64-byte aligned offset
 
-Integrity: crc32 covers the block-sum table and the metadata; the data region is covered by
-wrap-around int64 sums over 1 MiB blocks. The sums are a single bandwidth-bound torch
+Integrity: crc32 covers the identity, the block-sum table and the metadata; the data region is
+covered by wrap-around int64 sums over 1 MiB blocks. The sums are a single bandwidth-bound torch
 reduction (~30 GB/s here) where zlib.crc32 runs at ~2.4 GB/s and would cost 3x the copy
 itself. The sums detect truncation (also caught by the size check), any single flipped
 bit or byte, zeroed or stale pages and data shifted between blocks; they do not detect
 8-byte words swapped within one block (not a failure mode of a torn or partial write).
+
+Decoding runs no code from the file: the metadata is read by a restricted unpickler
+(:mod:`.restricted_pickle`) and tensor placeholders are checked against the data region. What
+the loader would refuse is refused at save time already (tensors without a flat layout, globals
+outside the allow-list), so a save never produces a snapshot that cannot be resumed.
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import json
+import math
 import pickle
 import struct
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from lightning_ft.checkpoint.identity import SnapshotIdentity, model_fingerprint
+from lightning_ft.checkpoint.restricted_pickle import DisallowedGlobal, RestrictedUnpickler
+
 MAGIC = b"LFTSNAP\x01"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 128
 BLOCK_SIZE = 1 << 20
 TENSOR_ALIGN = 64
 PAGE = 4096
+MAX_IDENTITY_BYTES = 4096
 
-# magic, version, header_size, step, created, file_size, meta_off, meta_len, data_off, data_len,
-# block_size, nblocks, body_crc
-_HEADER = struct.Struct("<8sIIqdQQQQQQQI")
+# Every version starts with magic, version, header_size, so an old file is named as such.
+_PREFIX = struct.Struct("<8sII")
+# magic, version, header_size, step, created, file_size, ident_len, meta_off, meta_len, data_off,
+# data_len, block_size, nblocks, body_crc
+_HEADER = struct.Struct("<8sIIqdQQQQQQQQI")
 _HEADER_CRC = struct.Struct("<I")
 
 
 class SnapshotError(Exception):
-    """A snapshot file is torn, corrupt or not a snapshot; the message says why."""
+    """A snapshot file is torn, corrupt, not a snapshot, or cannot be loaded safely; the message says why."""
 
 
 def _align(n: int, a: int) -> int:
@@ -54,6 +70,7 @@ class Header:
     step: int
     created: float
     file_size: int
+    ident_len: int
     meta_off: int
     meta_len: int
     data_off: int
@@ -62,10 +79,14 @@ class Header:
     nblocks: int
     body_crc: int
 
+    @property
+    def sums_off(self) -> int:
+        return self.meta_off - 8 * self.nblocks
+
     def pack(self) -> bytes:
-        raw = _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, self.step, self.created, self.file_size,
-                           self.meta_off, self.meta_len, self.data_off, self.data_len,
-                           self.block_size, self.nblocks, self.body_crc)
+        raw = _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, self.step, self.created, self.file_size, self.ident_len,
+                           self.meta_off, self.meta_len, self.data_off, self.data_len, self.block_size, self.nblocks,
+                           self.body_crc)
         raw += _HEADER_CRC.pack(zlib.crc32(raw))
         return raw.ljust(HEADER_SIZE, b"\0")
 
@@ -74,22 +95,49 @@ class Header:
         mv = memoryview(buf)
         if len(mv) < HEADER_SIZE:
             raise SnapshotError(f"file too short for a header ({len(mv)} < {HEADER_SIZE} bytes)")
-        raw = bytes(mv[: _HEADER.size])
-        (magic, version, header_size, step, created, file_size, meta_off, meta_len, data_off,
-         data_len, block_size, nblocks, body_crc) = _HEADER.unpack(raw)
+        magic, version, header_size = _PREFIX.unpack(bytes(mv[: _PREFIX.size]))
         if magic != MAGIC:
             raise SnapshotError("bad magic (not a snapshot file)")
+        if version != VERSION or header_size != HEADER_SIZE:
+            raise SnapshotError(f"snapshot format version {version}, this lightning_ft reads version {VERSION} "
+                                f"only (written by another lightning_ft version; not loaded)")
+        raw = bytes(mv[: _HEADER.size])
         (crc,) = _HEADER_CRC.unpack(bytes(mv[_HEADER.size: _HEADER.size + _HEADER_CRC.size]))
         if crc != zlib.crc32(raw):
             raise SnapshotError("header checksum mismatch")
-        if version != VERSION or header_size != HEADER_SIZE:
-            raise SnapshotError(f"unsupported format version {version}")
-        if not (HEADER_SIZE + 8 * nblocks == meta_off and meta_off + meta_len <= data_off
-                and data_off + data_len == file_size and data_len % 8 == 0
-                and nblocks == -(-data_len // block_size) and block_size % 8 == 0):
+        (_, _, _, step, created, file_size, ident_len, meta_off, meta_len, data_off, data_len, block_size, nblocks,
+         body_crc) = _HEADER.unpack(raw)
+        if not (0 < ident_len <= MAX_IDENTITY_BYTES and block_size > 0 and block_size % 8 == 0
+                and _align(HEADER_SIZE + ident_len, 8) + 8 * nblocks == meta_off
+                and meta_off + meta_len <= data_off and data_off + data_len == file_size and data_len % 8 == 0
+                and nblocks == -(-data_len // block_size) and step >= 0):
             raise SnapshotError("inconsistent header fields")
-        return cls(step, created, file_size, meta_off, meta_len, data_off, data_len, block_size,
-                   nblocks, body_crc)
+        return cls(step, created, file_size, ident_len, meta_off, meta_len, data_off, data_len, block_size, nblocks,
+                   body_crc)
+
+
+# ---------------------------------------------------------------------------------------
+# Identity record
+# ---------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=16)  # the same few values at every save of a job
+def encode_identity(run_id: str, rank: int, model: str) -> bytes:
+    raw = json.dumps({"model": model, "rank": rank, "run_id": run_id}, sort_keys=True,
+                     separators=(",", ":")).encode()
+    if len(raw) > MAX_IDENTITY_BYTES:
+        raise SnapshotError(f"run id too long for a snapshot ({len(run_id)} characters)")
+    return raw
+
+
+def decode_identity(raw: bytes, step: int) -> SnapshotIdentity:
+    try:
+        record = json.loads(raw)
+        run_id, rank, model = record["run_id"], record["rank"], record["model"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise SnapshotError(f"bad identity record: {exc}") from None
+    if not (isinstance(run_id, str) and type(rank) is int and isinstance(model, str)):
+        raise SnapshotError("bad identity record: wrong field types")
+    return SnapshotIdentity(run_id=run_id, rank=rank, step=step, model=model)
 
 
 # ---------------------------------------------------------------------------------------
@@ -98,10 +146,41 @@ class Header:
 # OrderedDict, namedtuple, dataclasses, hparams objects — without our own tree walker.
 # ---------------------------------------------------------------------------------------
 
-def _plain_tensor(obj: Any) -> bool:
-    # Sparse / quantized / subclass tensors (DTensor, ...) fall back to ordinary pickling.
-    return (type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided
-            and not obj.is_quantized and not obj.is_nested)
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def unsupported_tensor(tensor: torch.Tensor) -> str | None:
+    """What a tensor is when our format cannot store it as flat bytes (None: it can).
+
+    Pickled the torch way instead, such tensors would need globals (and for some, an
+    unrestricted ``torch.load``) that the restricted loader refuses.
+    """
+    if type(tensor) not in _PLAIN_TENSOR_TYPES:
+        return f"a {type(tensor).__module__}.{type(tensor).__qualname__} (a tensor subclass)"
+    if tensor.layout != torch.strided:
+        return f"a {str(tensor.layout).removeprefix('torch.')} tensor"
+    if tensor.is_quantized:
+        return "a quantized tensor"
+    if tensor.is_nested:
+        return "a nested tensor"
+    if tensor.is_meta:
+        return "a meta tensor (it has no data)"
+    return None
+
+
+def _shape_text(tensor: torch.Tensor) -> str:
+    try:
+        return str(tuple(tensor.shape))
+    except RuntimeError:  # nested tensors have no single shape
+        return "irregular"
+
+
+class _UnsupportedTensor(Exception):
+    def __init__(self, tensor: torch.Tensor, what: str) -> None:
+        super().__init__(what)
+        self.tensor = tensor
+        self.what = what
 
 
 class _Pickler(pickle.Pickler):
@@ -112,10 +191,14 @@ class _Pickler(pickle.Pickler):
         self._memo: dict[int, tuple] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor) or not _plain_tensor(obj):
+        if not isinstance(obj, torch.Tensor):
             return None
         pid = self._memo.get(id(obj))
         if pid is None:
+            # the common case inline (this runs for every tensor of every save)
+            if not (type(obj) in _PLAIN_TENSOR_TYPES and obj.layout is torch.strided and not obj.is_quantized
+                    and not obj.is_nested and not obj.is_meta):
+                raise _UnsupportedTensor(obj, unsupported_tensor(obj) or "an unsupported tensor")
             nbytes = obj.numel() * obj.element_size()
             offset = self.data_len
             self.data_len = _align(offset + nbytes, TENSOR_ALIGN)
@@ -128,19 +211,49 @@ class _Pickler(pickle.Pickler):
         return pid
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, data: torch.Tensor) -> None:
+def parse_placeholder(pid: Any, data_len: int) -> tuple[Any, torch.dtype, tuple, int, int, Any, Any]:
+    """Check a tensor placeholder read from a file against the data region (SnapshotError if bad):
+    (index, dtype, shape, offset, nbytes, is_param, requires_grad).
+
+    What matters is checked here, once per tensor at every load: a known dtype, and a byte range
+    inside the data region that is exactly the shape's size, so nothing larger than the file is
+    ever allocated. Malformed dimensions or flags (negative, not ints) are refused by
+    ``torch.empty`` and ``Parameter`` themselves, and reported as a decoding failure.
+    """
+    try:
+        kind, index, dtype_name, shape, offset, nbytes, is_param, requires_grad = pid
+        dtype = _DTYPES[dtype_name]
+        fits = (kind == "t" and type(shape) is tuple and nbytes == math.prod(shape) * dtype.itemsize
+                and 0 <= offset <= data_len - nbytes)
+    except (TypeError, ValueError, KeyError):
+        fits = False
+    if not fits:
+        raise SnapshotError(f"bad tensor placeholder {pid!r}: not a tensor of the data region")
+    return index, dtype, shape, offset, nbytes, is_param, requires_grad
+
+
+class _Unpickler(RestrictedUnpickler):
+    """Restricted unpickler whose tensor placeholders are resolved by ``resolve(pid)``."""
+
+    def __init__(self, file: io.BytesIO, resolve: Callable[[Any], torch.Tensor]) -> None:
+        # set before the base __init__, which is where the C unpickler looks the hook up: it then
+        # calls ``resolve`` directly, one Python frame per tensor instead of three
+        self.persistent_load = resolve
         super().__init__(file)
-        self._data = data  # uint8 view of the data region
+
+
+class _DataRegion:
+    """Resolves placeholders to fresh tensors copied out of a file's data region (uint8 view)."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._data = data
+        self._len = data.numel()
         self._loaded: dict[int, torch.Tensor] = {}
 
-    def persistent_load(self, pid: Any) -> Any:
-        kind, index, dtype_name, shape, offset, nbytes, is_param, requires_grad = pid
-        if kind != "t":
-            raise SnapshotError(f"unknown placeholder {kind!r}")
+    def __call__(self, pid: Any) -> torch.Tensor:
+        index, dtype, shape, offset, nbytes, is_param, requires_grad = parse_placeholder(pid, self._len)
         tensor = self._loaded.get(index)
         if tensor is None:
-            dtype = getattr(torch, dtype_name)
             tensor = torch.empty(shape, dtype=dtype)
             if nbytes:
                 flat = tensor.reshape(-1).view(torch.uint8)
@@ -151,10 +264,41 @@ class _Unpickler(pickle.Unpickler):
         return tensor
 
 
+def _unpickle(meta: bytes, resolve: Callable[[Any], torch.Tensor]) -> Any:
+    try:
+        return _Unpickler(io.BytesIO(meta), resolve).load()
+    except DisallowedGlobal as exc:
+        raise SnapshotError(f"snapshot metadata refused: {exc}") from None
+    except SnapshotError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any other decoding failure is a bad file, said as such
+        raise SnapshotError(f"snapshot metadata cannot be decoded: {type(exc).__name__}: {exc}") from None
+
+
+def _path_to(root: Any, target: Any, depth: int = 12) -> str | None:
+    """Where ``target`` sits inside nested dicts/lists/tuples of ``root``, e.g. ``['state_dict']['w']``."""
+    if root is target:
+        return ""
+    if depth == 0:
+        return None
+    if isinstance(root, dict):
+        items = root.items()
+    elif isinstance(root, (list, tuple)):
+        items = enumerate(root)
+    else:
+        return None
+    for key, value in items:
+        sub = _path_to(value, target, depth - 1)
+        if sub is not None:
+            return f"[{key!r}]{sub}"
+    return None
+
+
 @dataclass
 class Encoded:
     """A snapshot whose metadata is serialized; the tensor bytes are still to be copied."""
 
+    identity: bytes
     meta: bytes
     tensors: list[tuple[torch.Tensor, int]]
     meta_off: int
@@ -167,17 +311,35 @@ class Encoded:
         return self.data_off + self.data_len
 
 
-def encode(obj: Any) -> Encoded:
-    """Pickle ``obj`` with tensor placeholders and compute the file layout."""
+def encode(obj: Any, run_id: str = "", rank: int = 0, check_loadable: bool = True) -> Encoded:
+    """Pickle ``obj`` with tensor placeholders and compute the file layout.
+
+    ``run_id`` (``""``: none configured) and ``rank`` go into the identity record with the
+    fingerprint of ``obj["state_dict"]``. Raises SnapshotError, naming where, for a tensor the
+    format cannot hold and (``check_loadable``: decoding the metadata once as a load would, ~10 %
+    of the pickling time) for a global the restricted loader would refuse.
+    """
     buf = io.BytesIO()
     pickler = _Pickler(buf)
-    pickler.dump(obj)
+    try:
+        pickler.dump(obj)
+    except _UnsupportedTensor as exc:
+        where = _path_to(obj, exc.tensor)
+        raise SnapshotError(
+            f"cannot snapshot {exc.what}{f' at {where}' if where else ''} (shape {_shape_text(exc.tensor)}): "
+            "snapshots hold plain dense tensors only. Convert it in state_dict()/on_save_checkpoint "
+            "(e.g. .to_dense(), .dequantize(), or the plain tensor a subclass wraps)") from None
     meta = buf.getvalue()
+    if check_loadable:
+        # Decode as a load would (placeholders resolve to the live tensors, nothing is copied):
+        # what the restricted loader refuses fails here, at the save, not at the resume.
+        _unpickle(meta, lambda pid: pickler.tensors[pid[1]][0])
+    identity = encode_identity(run_id, rank, model_fingerprint(obj))
     data_len = _align(pickler.data_len, 8)
     nblocks = -(-data_len // BLOCK_SIZE)
-    meta_off = HEADER_SIZE + 8 * nblocks
+    meta_off = _align(HEADER_SIZE + len(identity), 8) + 8 * nblocks
     data_off = _align(meta_off + len(meta), PAGE)
-    return Encoded(meta, pickler.tensors, meta_off, data_off, data_len, nblocks)
+    return Encoded(identity, meta, pickler.tensors, meta_off, data_off, data_len, nblocks)
 
 
 def copy_tensors(enc: Encoded, data: torch.Tensor) -> None:
@@ -205,12 +367,13 @@ def block_sums(data: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor
 
 
 def finish(enc: Encoded, step: int, created: float, sums: torch.Tensor) -> bytes:
-    """Bytes of ``[0, meta_off + len(meta))``: header, block sums and metadata."""
+    """Bytes of ``[0, meta_off + len(meta))``: header, identity, block sums and metadata."""
     sums_bytes = sums.numpy().tobytes()
-    body_crc = zlib.crc32(enc.meta, zlib.crc32(sums_bytes))
-    header = Header(step, created, enc.file_size, enc.meta_off, len(enc.meta), enc.data_off,
+    gap = b"\0" * (enc.meta_off - 8 * enc.nblocks - HEADER_SIZE - len(enc.identity))
+    body_crc = zlib.crc32(enc.meta, zlib.crc32(sums_bytes, zlib.crc32(enc.identity)))
+    header = Header(step, created, enc.file_size, len(enc.identity), enc.meta_off, len(enc.meta), enc.data_off,
                     enc.data_len, BLOCK_SIZE, enc.nblocks, body_crc)
-    return header.pack() + sums_bytes + enc.meta
+    return header.pack() + enc.identity + gap + sums_bytes + enc.meta
 
 
 def frombuffer_u8(buf: Any, offset: int, length: int) -> torch.Tensor:
@@ -223,17 +386,26 @@ def frombuffer_u8(buf: Any, offset: int, length: int) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8, count=length, offset=offset)
 
 
-def verify(buf: Any, actual_size: int) -> Header:
-    """Check a whole snapshot held in ``buf`` (mmap or bytes); raise SnapshotError with the reason."""
+def check_body(buf: Any, actual_size: int) -> Header:
+    """Check the header, the file size and the crc of identity + block sums + metadata (cheap:
+    the data region is not read). Raise SnapshotError with the reason."""
     header = Header.unpack(buf)
     # A recycled file may be longer than its snapshot (files are never shrunk); shorter is torn.
     if actual_size < header.file_size:
         raise SnapshotError(f"size {actual_size} < {header.file_size} recorded in the header (torn/truncated)")
     mv = memoryview(buf)
-    sums_raw = mv[HEADER_SIZE: header.meta_off]
+    identity = mv[HEADER_SIZE: HEADER_SIZE + header.ident_len]
+    sums_raw = mv[header.sums_off: header.meta_off]
     meta = mv[header.meta_off: header.meta_off + header.meta_len]
-    if zlib.crc32(meta, zlib.crc32(sums_raw)) != header.body_crc:
+    if zlib.crc32(meta, zlib.crc32(sums_raw, zlib.crc32(identity))) != header.body_crc:
         raise SnapshotError("metadata checksum mismatch")
+    return header
+
+
+def check_data(buf: Any, header: Header) -> None:
+    """Check the data region against the block sums (call ``check_body`` first)."""
+    mv = memoryview(buf)
+    sums_raw = mv[header.sums_off: header.meta_off]
     stored = torch.frombuffer(bytearray(sums_raw), dtype=torch.int64) if header.nblocks else \
         torch.empty(0, dtype=torch.int64)
     computed = block_sums(frombuffer_u8(buf, header.data_off, header.data_len), header.block_size)
@@ -241,12 +413,23 @@ def verify(buf: Any, actual_size: int) -> Header:
         bad = int((stored != computed).nonzero()[0, 0])
         raise SnapshotError(f"data checksum mismatch in block {bad} (bytes {header.data_off + bad * header.block_size}"
                             f"..{header.data_off + (bad + 1) * header.block_size})")
+
+
+def verify(buf: Any, actual_size: int) -> Header:
+    """Check a whole snapshot held in ``buf`` (mmap or bytes); raise SnapshotError with the reason."""
+    header = check_body(buf, actual_size)
+    check_data(buf, header)
     return header
 
 
+def read_identity(buf: Any, header: Header) -> SnapshotIdentity:
+    """The identity record of a snapshot whose body passed ``check_body``."""
+    return decode_identity(bytes(memoryview(buf)[HEADER_SIZE: HEADER_SIZE + header.ident_len]), header.step)
+
+
 def decode(buf: Any, header: Header) -> Any:
-    """Unpickle the metadata and materialize every tensor as a fresh copy (call verify first)."""
+    """Unpickle the metadata (restricted) and materialize every tensor as a fresh copy (call verify first)."""
     mv = memoryview(buf)
     meta = bytes(mv[header.meta_off: header.meta_off + header.meta_len])
     data = frombuffer_u8(buf, header.data_off, header.data_len)
-    return _Unpickler(io.BytesIO(meta), data).load()
+    return _unpickle(meta, _DataRegion(data))

@@ -6,11 +6,16 @@ Directory layout::
     <root>/<run_id>/rank<R>/.tmp-step-<step>-<pid>-<rand>.snap   being written (never loaded)
     <root>/<run_id>/rank<R>/.tmp-spare-<pid>.snap                 preallocated file for the next write
 
+``<root>`` defaults to ``/dev/shm/lightning_ft-<uid>``; without a configured run id ``<run_id>``
+is ``default`` and what is written there is never resumed. Every directory on that path must be
+a private directory of this user (see ``files.private_dir_problem``).
+
 A snapshot is written under a temporary name and committed by ``rename`` (atomic within a
 directory), so a process killed mid-write leaves only a temp file. Every load re-checks
-the header, the size and the checksums, so a torn or corrupt file is skipped with a logged
-reason instead of being loaded. Snapshots survive the death of the writing process (they
-live in tmpfs, not in the process), not a reboot.
+the header, the size, the checksums and that the file name's step is the header's, so a torn,
+corrupt or renamed file is skipped with a logged reason instead of being loaded; given an
+expected identity, snapshots of another run or model are skipped too. Snapshots survive the
+death of the writing process (they live in tmpfs, not in the process), not a reboot.
 """
 
 from __future__ import annotations
@@ -27,18 +32,26 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_ft._validation import require_number
+from lightning_ft._validation import require, require_number
 from lightning_ft.checkpoint import snapshot_format as fmt
 from lightning_ft.checkpoint.files import (
     ReadMap,
     WritableMaps,
     close_map,
+    create_snapshot_file,
     delete_file,
     listdir,
+    make_private_dir,
+    open_snapshot_file,
     pid_alive,
     prefault_for_write,
+    private_dir_problem,
+    read_snapshot_bytes,
+    require_private_dir,
     reserve,
+    snapshot_file_problem,
 )
+from lightning_ft.checkpoint.identity import ExpectedIdentity, SnapshotIdentity, identity_mismatch
 from lightning_ft.checkpoint.policy import plan_write, spare_needed
 from lightning_ft.checkpoint.snapshot_format import SnapshotError
 
@@ -46,7 +59,10 @@ log = logging.getLogger(__name__)
 
 ENV_SNAPSHOT_DIR = "LIGHTNING_FT_SNAPSHOT_DIR"
 RUN_ID_ENV_VARS = ("LIGHTNING_FT_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+#: directory of snapshots written without a configured run id (never resumed)
 DEFAULT_RUN_ID = "default"
+# what torchrun puts in TORCHELASTIC_RUN_ID when --rdzv-id is not given: not a job's name
+_TORCHRUN_PLACEHOLDER_RUN_ID = "none"
 
 _COMMITTED = re.compile(r"^step-(\d+)\.snap$")
 _TEMP = re.compile(r"^\.tmp-(step-\d+|spare)-(\d+)(?:-[0-9a-f]+)?\.snap$")
@@ -54,29 +70,43 @@ _RANK_DIR = re.compile(r"^rank(\d+)$")
 
 
 def default_root() -> str:
+    """``/dev/shm/lightning_ft-<uid>`` (the temp dir when there is no /dev/shm): one root per user."""
     shm = "/dev/shm"
     base = shm if os.path.isdir(shm) else tempfile.gettempdir()
-    return os.path.join(base, "lightning_ft")
+    return os.path.join(base, f"lightning_ft-{os.getuid()}")
 
 
 def resolve_root(root: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """Explicit ``root``, else ``$LIGHTNING_FT_SNAPSHOT_DIR``, else ``/dev/shm/lightning_ft``."""
+    """Explicit ``root``, else ``$LIGHTNING_FT_SNAPSHOT_DIR``, else ``/dev/shm/lightning_ft-<uid>``."""
     env = os.environ if environ is None else environ
     if root is not None:
         return os.fspath(root)
     return env.get(ENV_SNAPSHOT_DIR) or default_root()
 
 
-def resolve_run_id(run_id: str | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """Explicit ``run_id``, else the first set of LIGHTNING_FT_RUN_ID, TORCHELASTIC_RUN_ID,
-    SLURM_JOB_ID, else ``"default"``; made safe as a single directory name."""
-    env = os.environ if environ is None else environ
-    if run_id is None:
-        run_id = next((env[k] for k in RUN_ID_ENV_VARS if env.get(k)), DEFAULT_RUN_ID)
+def _safe_run_id(run_id: object) -> str:
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", str(run_id))
-    if safe in ("", ".", ".."):
-        raise ValueError(f"run_id={run_id!r} is not usable as a directory name")
+    require(safe not in ("", ".", ".."), "run_id", "usable as a directory name", run_id)
     return safe
+
+
+def configured_run_id(run_id: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+    """Explicit ``run_id``, else the first set of LIGHTNING_FT_RUN_ID, TORCHELASTIC_RUN_ID (not
+    torchrun's placeholder ``none``), SLURM_JOB_ID; made safe as a directory name. None when no
+    run id is configured anywhere: then no snapshot can be shown to belong to this job."""
+    if run_id is not None:
+        return _safe_run_id(run_id)
+    env = os.environ if environ is None else environ
+    for key in RUN_ID_ENV_VARS:
+        value = env.get(key)
+        if value and not (key == "TORCHELASTIC_RUN_ID" and value == _TORCHRUN_PLACEHOLDER_RUN_ID):
+            return _safe_run_id(value)
+    return None
+
+
+def resolve_run_id(run_id: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The run's directory name: :func:`configured_run_id`, else ``"default"`` (written, never resumed)."""
+    return configured_run_id(run_id, environ) or DEFAULT_RUN_ID
 
 
 def current_rank(environ: Mapping[str, str] | None = None) -> int:
@@ -88,13 +118,17 @@ def current_rank(environ: Mapping[str, str] | None = None) -> int:
 
 
 def ensure_writable_root(root: str) -> None:
-    """Create ``root`` if needed and prove it writable; raise ValueError naming ``root`` if not."""
-    created = not os.path.isdir(root)
+    """Create ``root`` (mode 0700) if needed, check it is a private directory of this user and
+    prove it writable; raise ValueError naming ``root``, its owner and mode, and the fix, if not."""
     try:
-        os.makedirs(root, exist_ok=True)
-        if created and os.path.abspath(root) == os.path.abspath(default_root()):
-            # the default root is shared by all users of the host, like /tmp; run dirs are 0700
-            os.chmod(root, 0o1777)
+        if not os.path.lexists(root):
+            parent = os.path.dirname(os.path.abspath(root))
+            os.makedirs(parent, exist_ok=True)
+            try:
+                os.mkdir(root, 0o700)
+            except FileExistsError:
+                pass
+        require_private_dir(root, "snapshot root")
         fd, probe = tempfile.mkstemp(prefix=".probe-", dir=root)
         os.close(fd)
         os.unlink(probe)
@@ -118,14 +152,34 @@ class SnapshotInfo:
     created: float
 
 
+@dataclass(frozen=True)
+class SnapshotScan:
+    """What one look through the snapshot directories found."""
+
+    #: steps with an intact snapshot that fits the expected identity, ascending
+    readable: list[int]
+    #: intact snapshots of another job or model (not at a readable step), newest first, with the reason
+    foreign: list[tuple[SnapshotInfo, str]]
+
+
+def _renamed(info: SnapshotInfo, header: fmt.Header) -> str | None:
+    if header.step == info.step:
+        return None
+    return f"its file name says step {info.step} but its header says step {header.step} (renamed or planted file)"
+
+
 class SnapshotStore:
     """Snapshots of one rank of one run under ``<root>/<run_id>/rank<rank>``.
 
     Args:
-        root: base directory (default ``$LIGHTNING_FT_SNAPSHOT_DIR`` or ``/dev/shm/lightning_ft``).
-        run_id: scope (default from LIGHTNING_FT_RUN_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID, else "default").
+        root: base directory (default ``$LIGHTNING_FT_SNAPSHOT_DIR`` or ``/dev/shm/lightning_ft-<uid>``).
+        run_id: scope (default from LIGHTNING_FT_RUN_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID; with none
+            of them the directory is ``default`` and snapshots record no run id: they are never resumed).
         rank: the rank whose directory this store writes (default: ``current_rank()``).
         keep_last: committed snapshots kept in this rank's directory (>= 1).
+
+    Raises ValueError if the root, run or rank directory exists but is not a private directory
+    of this user (a symlink, another owner, writable by group or others).
 
     Not thread safe; one writer per rank directory.
     """
@@ -137,15 +191,28 @@ class SnapshotStore:
         require_number("rank", rank, integer=True, inclusive=True)
         self.root = resolve_root(root)
         ensure_writable_root(self.root)
-        self.run_id = resolve_run_id(run_id)
+        #: the run id written into snapshots and expected from them; None when none is configured
+        self.configured_run_id = configured_run_id(run_id)
+        self.run_id = self.configured_run_id or DEFAULT_RUN_ID
         self.rank = rank
         self.keep_last = keep_last
         self.run_dir = os.path.join(self.root, self.run_id)
         self.rank_dir = self._rank_dir(rank)
+        for directory, what in ((self.run_dir, "run directory"), (self.rank_dir, "rank directory")):
+            if os.path.lexists(directory):
+                require_private_dir(directory, what)
         self._maps = WritableMaps()
         self._spare: str | None = None  # our preallocated file, if any
         self._saving = False
+        # A job's checkpoints have the same structure at every save: the metadata is decoded as a
+        # load would decode it at the first save of each store only (see fmt.encode).
+        self._loadable_checked = False
+        self._reported: set[tuple[str, str]] = set()
         self.remove_stale_temp_files()
+
+    def expected_identity(self, model: str | None = None, rank: int | None = None) -> ExpectedIdentity:
+        """What a resume through this store accepts: its run id (none: nothing), ``model`` and ``rank`` if given."""
+        return ExpectedIdentity(self.configured_run_id or "", model, rank)
 
     # ------------------------------------------------------------------ listing
     def _rank_dir(self, rank: int) -> str:
@@ -154,97 +221,192 @@ class SnapshotStore:
     def _final_path(self, step: int, rank: int | None = None) -> str:
         return os.path.join(self._rank_dir(self.rank if rank is None else rank), f"step-{step:012d}.snap")
 
+    def _warn_once(self, path: str, reason: str) -> None:
+        # listing runs at every save; a planted entry is reported once, not every time
+        if (path, reason) not in self._reported:
+            self._reported.add((path, reason))
+            log.warning("ignoring %s: %s", path, reason)
+
+    def _dir_trusted(self, path: str) -> bool:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        problem = private_dir_problem(st.st_mode, st.st_uid, os.getuid())
+        if problem is not None:
+            self._warn_once(path, f"it {problem[0]}; snapshots there are not read ({problem[1]})")
+            return False
+        return True
+
     def ranks(self) -> list[int]:
         """Ranks that have a directory in this run."""
         names = listdir(self.run_dir)
         return sorted(int(m.group(1)) for m in map(_RANK_DIR.match, names) if m)
 
     def list(self, rank: int | None = None) -> list[SnapshotInfo]:
-        """Committed snapshots of ``rank`` (default: this store's), newest step first. Not verified."""
+        """Committed snapshots of ``rank`` (default: this store's), newest step first. Not verified.
+
+        Only regular files of this user in private directories count; anything else named like a
+        snapshot (a symlink, another user's file) is skipped with a logged reason, never followed.
+        """
         rank = self.rank if rank is None else rank
         directory = self._rank_dir(rank)
-        names = listdir(directory)
+        if not (self._dir_trusted(self.run_dir) and self._dir_trusted(directory)):
+            return []
+        return self._list_files(directory, rank)
+
+    def _list_files(self, directory: str, rank: int) -> list[SnapshotInfo]:
         infos = []
-        for name in names:
+        for name in listdir(directory):
             m = _COMMITTED.match(name)
             if not m:
                 continue
             path = os.path.join(directory, name)
             try:
-                st = os.stat(path)
+                st = os.lstat(path)
             except FileNotFoundError:
+                continue
+            problem = snapshot_file_problem(st, os.getuid(), for_write=False)
+            if problem is not None:
+                self._warn_once(path, f"named like a snapshot but {problem}")
                 continue
             infos.append(SnapshotInfo(int(m.group(1)), rank, self.run_id, path, st.st_size, st.st_mtime))
         return sorted(infos, key=lambda i: i.step, reverse=True)
 
-    # ------------------------------------------------------------------ checking
-    def verify(self, info: SnapshotInfo) -> str | None:
-        """None if the snapshot is intact, else the reason it must not be loaded."""
-        try:
-            with ReadMap(info.path) as (mm, size):
-                fmt.verify(mm, size)
-        except (SnapshotError, OSError, ValueError) as exc:
-            return str(exc)
-        return None
+    def _ranks_to_read(self, include_peers: bool) -> list[int]:
+        return [self.rank] + ([r for r in self.ranks() if r != self.rank] if include_peers else [])
 
-    def latest(self, rank: int | None = None) -> SnapshotInfo | None:
-        """Newest intact snapshot of ``rank`` (default: own); torn/corrupt ones are logged and skipped."""
+    # ------------------------------------------------------------------ checking
+    def _head(self, info: SnapshotInfo) -> tuple[fmt.Header, SnapshotIdentity]:
+        """Header and identity of a snapshot, checked against the body crc; reads only the bytes
+        before the data region (no mapping of the whole file)."""
+        fd, st = open_snapshot_file(info.path, for_write=False)
+        try:
+            header = fmt.Header.unpack(os.pread(fd, fmt.HEADER_SIZE, 0))
+            prefix = os.pread(fd, header.meta_off + header.meta_len, 0)
+        finally:
+            os.close(fd)
+        header = fmt.check_body(prefix, st.st_size)
+        return header, fmt.read_identity(prefix, header)
+
+    def _check(self, info: SnapshotInfo, expect: ExpectedIdentity | None) -> tuple[str | None, bool]:
+        """(why it must not be loaded, whether that is because it is another job's), (None, False) if fine.
+
+        Name, identity and body crc are checked before the data is mapped and summed, so another
+        job's file costs a few small reads.
+        """
+        try:
+            header, found = self._head(info)
+            renamed = _renamed(info, header)
+            if renamed is not None:
+                return renamed, False
+            if expect is not None:
+                mismatch = identity_mismatch(found, expect)
+                if mismatch is not None:
+                    return mismatch, True
+            with ReadMap(info.path) as (mm, size):
+                if fmt.check_body(mm, size) != header:
+                    return "it changed while it was being checked", False
+                fmt.check_data(mm, header)
+        except (SnapshotError, OSError, ValueError) as exc:
+            return str(exc), False
+        return None, False
+
+    def _log_skip(self, info: SnapshotInfo, reason: str) -> None:
+        log.warning("skipping snapshot %s (step %d): %s", info.path, info.step, reason)
+
+    def verify(self, info: SnapshotInfo, expect: ExpectedIdentity | None = None) -> str | None:
+        """None if the snapshot is intact (and fits ``expect`` when given), else the reason it must not be loaded."""
+        return self._check(info, expect)[0]
+
+    def latest(self, rank: int | None = None, expect: ExpectedIdentity | None = None) -> SnapshotInfo | None:
+        """Newest intact snapshot of ``rank`` (default: own) that fits ``expect``; others are logged and skipped."""
         for info in self.list(rank):
-            reason = self.verify(info)
+            reason = self.verify(info, expect)
             if reason is None:
                 return info
-            log.warning("skipping snapshot %s (step %d): %s", info.path, info.step, reason)
+            self._log_skip(info, reason)
         return None
 
-    def readable_steps(self, include_peers: bool = False) -> list[int]:
-        """Steps with an intact snapshot in this rank's directory, or (``include_peers``) in any
-        rank directory of this run on this host. Ascending."""
-        ranks = [self.rank] + ([r for r in self.ranks() if r != self.rank] if include_peers else [])
+    def scan(self, include_peers: bool = False, expect: ExpectedIdentity | None = None) -> SnapshotScan:
+        """Intact snapshots in this rank's directory or (``include_peers``) any rank directory of
+        this run on this host. Torn or corrupt ones are logged; those of another job or model
+        (``expect``) are returned in ``foreign`` for the caller to explain."""
         found: set[int] = set()
-        for rank in ranks:
+        foreign: list[tuple[SnapshotInfo, str]] = []
+        for rank in self._ranks_to_read(include_peers):
             for info in self.list(rank):
                 if info.step in found:
                     continue
-                reason = self.verify(info)
+                reason, is_foreign = self._check(info, expect)
                 if reason is None:
                     found.add(info.step)
+                elif is_foreign:
+                    foreign.append((info, reason))
                 else:
-                    log.warning("skipping snapshot %s (step %d): %s", info.path, info.step, reason)
-        return sorted(found)
+                    self._log_skip(info, reason)
+        foreign = sorted((f for f in foreign if f[0].step not in found), key=lambda f: f[0].step, reverse=True)
+        return SnapshotScan(sorted(found), foreign)
 
-    def find(self, step: int, include_peers: bool = False) -> SnapshotInfo | None:
-        """An intact snapshot at ``step``: this rank's own if possible, else (``include_peers``) a peer's."""
-        ranks = [self.rank] + ([r for r in self.ranks() if r != self.rank] if include_peers else [])
-        for rank in ranks:
+    def readable_steps(self, include_peers: bool = False, expect: ExpectedIdentity | None = None) -> list[int]:
+        """Steps with an intact snapshot (fitting ``expect`` when given) in this rank's directory,
+        or (``include_peers``) in any rank directory of this run on this host. Ascending."""
+        result = self.scan(include_peers, expect)
+        for info, reason in result.foreign:
+            self._log_skip(info, reason)
+        return result.readable
+
+    def find(self, step: int, include_peers: bool = False,
+             expect: ExpectedIdentity | None = None) -> SnapshotInfo | None:
+        """An intact snapshot at ``step`` fitting ``expect``: this rank's own if possible, else
+        (``include_peers``) a peer's."""
+        for rank in self._ranks_to_read(include_peers):
             for info in self.list(rank):
                 if info.step != step:
                     continue
-                reason = self.verify(info)
+                reason = self.verify(info, expect)
                 if reason is None:
                     return info
-                log.warning("skipping snapshot %s (step %d): %s", info.path, info.step, reason)
+                self._log_skip(info, reason)
         return None
+
+    def _read_head(self, info: SnapshotInfo) -> fmt.Header:
+        fd, _ = open_snapshot_file(info.path, for_write=False)
+        try:
+            return fmt.Header.unpack(os.pread(fd, fmt.HEADER_SIZE, 0))
+        finally:
+            os.close(fd)
 
     def created(self, info: SnapshotInfo) -> float:
         """When the snapshot was taken (wall clock, from its header: copies keep it)."""
-        with open(info.path, "rb") as f:
-            return fmt.Header.unpack(f.read(fmt.HEADER_SIZE)).created
+        return self._read_head(info).created
+
+    def identity(self, info: SnapshotInfo) -> SnapshotIdentity:
+        """Run id, rank, step and model fingerprint recorded in a snapshot (checked against its checksum)."""
+        return self._head(info)[1]
 
     # ------------------------------------------------------------------ load
-    def load(self, info: SnapshotInfo | None = None) -> Any:
-        """Verify and load a snapshot (default: ``latest()``); tensors are fresh CPU copies.
+    def load(self, info: SnapshotInfo | None = None, expect: ExpectedIdentity | None = None) -> Any:
+        """Verify and load a snapshot (default: ``latest(expect=expect)``); tensors are fresh CPU copies.
 
-        Raises FileNotFoundError if there is no snapshot, SnapshotError if it is corrupt.
-        The metadata is unpickled: only load snapshots this user wrote (the store checks
-        file ownership), as with ``torch.load(weights_only=False)``.
+        Raises FileNotFoundError if there is no snapshot, SnapshotError if it is corrupt, was
+        renamed, does not fit ``expect``, or its metadata names a global the restricted loader
+        does not allow. No code from the file runs: the metadata is decoded by an allow-list
+        unpickler (torch's weights_only list, see ``restricted_pickle``), tensors are copied out
+        of the checked data region.
         """
         if info is None:
-            info = self.latest()
+            info = self.latest(expect=expect)
             if info is None:
                 raise FileNotFoundError(f"no intact snapshot in {self.rank_dir}")
         start = time.perf_counter()
         with ReadMap(info.path) as (mm, size):
             header = fmt.verify(mm, size)
+            refusal = _renamed(info, header)
+            if refusal is None and expect is not None:
+                refusal = identity_mismatch(fmt.read_identity(mm, header), expect)
+            if refusal is not None:
+                raise SnapshotError(f"{info.path} (step {info.step}): {refusal}")
             state = fmt.decode(mm, header)
             # The writer may recycle a committed file for a newer snapshot (another process, or a
             # peer rank's dir); a second check catches a file that changed while we copied it.
@@ -261,7 +423,11 @@ class SnapshotStore:
 
         Synchronous and local: no collectives, safe to call from a SIGTERM path. Tensors are
         copied (the caller may keep training right after). Older snapshots beyond
-        ``keep_last`` are removed after the commit.
+        ``keep_last`` are removed after the commit. The file records this store's run id and
+        rank and the fingerprint of ``state["state_dict"]``. Raises SnapshotError for state the
+        restricted loader could not read back: a tensor that is not plain and dense (any save),
+        a global outside the allow-list (checked at the first save of this store; a job's
+        checkpoints keep their structure), so what is saved can be resumed.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
@@ -274,27 +440,41 @@ class SnapshotStore:
         finally:
             self._saving = False
 
-    def _save(self, state: Any, step: int, reason: str) -> SnapshotInfo:
-        start = time.perf_counter()
-        enc = fmt.encode(state)
-        self._make_dirs()
-        self._maps.drop_stale(self.rank_dir)
-        existing = {info.step: info for info in self.list()}
-        plan = plan_write(existing, step, self.keep_last)
-        tmp = self._temp_path(step)
-        final = self._final_path(step)
-        if plan.recycle is not None:
+    def _open_write_target(self, recycle: SnapshotInfo | None, tmp: str, step: int) -> tuple[int, str]:
+        """(fd, source) of the file the next snapshot is written into, renamed to ``tmp`` first."""
+        if recycle is not None:
             # Leaves the committed set first: if we die mid-write it is only a stale temp file.
-            os.rename(existing[plan.recycle].path, tmp)
+            os.rename(recycle.path, tmp)
             source = "recycled"
-        elif self._spare is not None and os.path.exists(self._spare):
+        elif self._spare is not None and os.path.lexists(self._spare):
             os.rename(self._spare, tmp)
             self._spare = None
             source = "preallocated"
         else:
-            source = "new"
+            return create_snapshot_file(tmp), "new"
+        try:
+            fd, _ = open_snapshot_file(tmp, for_write=True)
+        except SnapshotError as exc:
+            # something was swapped in since it was listed: remove that entry (unlink never
+            # follows a link) and write a fresh file instead
+            log.warning("not reusing the %s file for step %d: %s; writing a fresh file", source, step, exc)
+            os.unlink(tmp)
+            return create_snapshot_file(tmp), "new"
+        return fd, source
+
+    def _save(self, state: Any, step: int, reason: str) -> SnapshotInfo:
+        start = time.perf_counter()
+        enc = fmt.encode(state, run_id=self.configured_run_id or "", rank=self.rank,
+                         check_loadable=not self._loadable_checked)
+        self._loadable_checked = True
+        self._make_dirs()  # checks both directories, so the listing below need not
+        self._maps.drop_stale(self.rank_dir)
+        existing = {info.step: info for info in self._list_files(self.rank_dir, self.rank)}
+        plan = plan_write(existing, step, self.keep_last)
+        tmp = self._temp_path(step)
+        final = self._final_path(step)
+        fd, source = self._open_write_target(existing[plan.recycle] if plan.recycle is not None else None, tmp, step)
         recycled = source != "new"
-        fd = os.open(tmp, os.O_RDWR) if recycled else os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         mm = None
         try:
             current = os.fstat(fd).st_size
@@ -342,20 +522,27 @@ class SnapshotStore:
         return SnapshotInfo(step, self.rank, self.run_id, final, size, time.time())
 
     def _make_dirs(self) -> None:
-        for directory in (self.run_dir, self.rank_dir):
-            try:
-                os.mkdir(directory, 0o700)
-            except FileExistsError:
-                pass
+        make_private_dir(self.run_dir, "run directory")
+        make_private_dir(self.rank_dir, "rank directory")
 
     def _spare_path(self) -> str:
         return os.path.join(self.rank_dir, f".tmp-spare-{os.getpid()}.snap")
 
     def spare_needed(self) -> bool:
         """True if the next ``save`` would write a fresh file (nothing to recycle, no spare)."""
-        if self._spare is not None and os.path.exists(self._spare):
+        if self._spare is not None and os.path.lexists(self._spare):
             return False
         return spare_needed(len(self.list()), self.keep_last)
+
+    def _create_new(self, path: str) -> int:
+        """A fresh 0600 file at ``path``; an entry we did not make there (planted, or left by an
+        earlier process with our pid) is removed first, never opened."""
+        try:
+            return create_snapshot_file(path)
+        except FileExistsError:
+            log.warning("removing %s before creating it: an entry this process did not make was there", path)
+            os.unlink(path)
+            return create_snapshot_file(path)
 
     def preallocate(self, nbytes: int) -> float:
         """Create (or resize) a spare file of ``nbytes`` with all pages allocated and mapped.
@@ -366,8 +553,17 @@ class SnapshotStore:
         """
         start = time.perf_counter()
         self._make_dirs()
-        path = self._spare if self._spare is not None and os.path.exists(self._spare) else self._spare_path()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if self._spare is not None and os.path.lexists(self._spare):
+            path = self._spare
+            try:
+                fd, _ = open_snapshot_file(path, for_write=True)
+            except SnapshotError as exc:
+                log.warning("not reusing the spare file: %s", exc)
+                os.unlink(path)
+                fd = create_snapshot_file(path)
+        else:
+            path = self._spare_path()
+            fd = self._create_new(path)
         try:
             nbytes = max(nbytes, os.fstat(fd).st_size)  # never shrink (see _save)
             reserve(fd, nbytes)
@@ -443,15 +639,23 @@ class SnapshotStore:
     # ------------------------------------------------------------------ raw bytes (peer transfer)
     def read_bytes(self, info: SnapshotInfo) -> bytes:
         """The whole snapshot file as one verified blob, for sending to another host."""
-        with open(info.path, "rb") as f:
-            blob = f.read()
+        blob = read_snapshot_bytes(info.path)
         header = fmt.verify(blob, len(blob))
+        refusal = _renamed(info, header)
+        if refusal is not None:
+            raise SnapshotError(f"{info.path}: {refusal}")
         return blob[: header.file_size] if len(blob) > header.file_size else blob
 
     def write_bytes(self, blob: bytes | bytearray | memoryview) -> SnapshotInfo:
         """Verify a blob from ``read_bytes`` (possibly another rank/host) and commit it as this
-        rank's snapshot of the step recorded inside it. Raises SnapshotError if it is damaged."""
+        rank's snapshot of the step recorded inside it. The copy keeps the identity it was taken
+        with (run id, the taking rank, step, model). Raises SnapshotError if it is damaged or
+        belongs to another run than this store's."""
         header = fmt.verify(blob, len(memoryview(blob)))
+        found = fmt.read_identity(blob, header)
+        if self.configured_run_id is not None and found.run_id != self.configured_run_id:
+            raise SnapshotError(f"received snapshot of step {header.step} belongs to run {found.run_id!r}, not to "
+                                f"{self.configured_run_id!r}; not stored")
         blob = memoryview(blob)[: header.file_size]  # drop any slack of a recycled source file
         self._make_dirs()
         existing = {info.step: info for info in self.list()}
@@ -459,9 +663,8 @@ class SnapshotStore:
         tmp = self._temp_path(header.step)
         final = self._final_path(header.step)
         try:
-            with open(tmp, "xb") as f:
+            with os.fdopen(create_snapshot_file(tmp), "wb") as f:
                 f.write(blob)
-            os.chmod(tmp, 0o600)
             self._maps.forget(final)
             os.replace(tmp, final)
         except BaseException:
@@ -473,8 +676,8 @@ class SnapshotStore:
         # nothing was recycled, so the would-be-recycled file is pruned like any other
         for old in [*plan.delete_after_commit, *([plan.recycle] if plan.recycle not in (None, header.step) else [])]:
             self._delete_path(existing[old].path)
-        log.info("committed received snapshot step=%d rank=%d run=%s: %s -> %s",
-                 header.step, self.rank, self.run_id, _fmt_size(header.file_size), final)
+        log.info("committed received snapshot step=%d rank=%d run=%s (taken by rank %d): %s -> %s",
+                 header.step, self.rank, self.run_id, found.rank, _fmt_size(header.file_size), final)
         return SnapshotInfo(header.step, self.rank, self.run_id, final, header.file_size, time.time())
 
     # ------------------------------------------------------------------ lifecycle

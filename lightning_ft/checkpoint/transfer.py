@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ft.checkpoint.policy import TransferPlan, plan_snapshot_transfer
+from lightning_ft.checkpoint.resume import gather_steps
 from lightning_ft.checkpoint.store import SnapshotStore
 from lightning_ft.events import names as ev
 
@@ -26,15 +27,19 @@ def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int,
                        emit: Callable[..., None]) -> TransferPlan | None:
     """Make the newest snapshot any rank holds available on every rank (collective).
 
-    All ranks agree on the newest step (one ``all_gather_object``); the lowest rank that
-    holds it sends the verified file bytes point-to-point to each rank that lacks it (a hot
-    spare that just joined, a survivor whose copy was lost). Receivers commit the bytes as
-    their own snapshot, so the ordinary resume path finds it.
+    All ranks agree on the newest step of this run (snapshots recording another run id are not
+    offered; one all_gather of the step lists as tensors); the lowest rank that holds it sends
+    the verified file bytes point-to-point to each rank that lacks it (a hot spare that just
+    joined, a survivor whose copy was lost). Receivers check the bytes and commit them as
+    their own snapshot (keeping the sender's identity), so the ordinary resume path finds it.
+    Nothing received is unpickled here.
     """
-    local = store.readable_steps(include_peers=True)
-    gathered: list[list[int] | None] = [None] * world_size
-    dist.all_gather_object(gathered, local)
-    plan = plan_snapshot_transfer([steps or [] for steps in gathered])
+    local = store.readable_steps(include_peers=True, expect=store.expected_identity())
+    gathered = gather_steps(local)
+    if len(gathered) != world_size:
+        raise RuntimeError(f"ddp_ft: snapshot exchange expected {world_size} ranks, the default group has "
+                           f"{len(gathered)}")
+    plan = plan_snapshot_transfer(gathered)
     emit(ev.SNAPSHOT_PLAN, step=plan.step if plan else None, source=plan.source if plan else None,
          receivers=list(plan.receivers) if plan else [])
     if plan is None or not plan.receivers:
