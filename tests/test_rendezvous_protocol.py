@@ -247,8 +247,9 @@ def test_coordinator_takeover_when_first_arrival_dies(tcp_store):
         results = join_all(rdzvs)
     finally:
         stop(rdzvs)
-    # the dead one arrived first, so it gets a place too; what matters: the round completed
+    # the round completed, and the dead coordinator (heartbeat silent too) got no place in it
     assert len(results) == 2 and all(r.round == 0 for r in results)
+    assert sorted(r.rank for r in results) == [0, 1] and all(r.world_size == 2 for r in results)
 
 
 def test_shutdown_closes_first_then_host_waits_for_acknowledgements(tcp_store):

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,16 +54,16 @@ from lightning_ft.schema.run import (
     CloseReason,
     RunKeys,
     Slot,
-    incarnation_key,
     decode_last_actives,
+    decode_ready,
     decode_slot,
     decode_slot_rank,
     encode_last_actives,
     encode_ready,
     encode_slot,
     encode_slot_rank,
+    incarnation_key,
 )
-
 from lightning_ft.schema.signing import SealedStore, Signer, job_signer
 
 log = logging.getLogger(__name__)
@@ -343,7 +344,7 @@ class BarrierRendezvous:
                 self._withdraw_slot(round_id, index)
                 return None
             if coordinator is None and self._should_take_over(round_id, watch):
-                coordinator = _Coordinator(self, round_id)
+                coordinator = _Coordinator(self, round_id, replaces=watch.replaced)
             if coordinator is not None:
                 if not coordinator.still_mine():
                     coordinator = None
@@ -378,12 +379,15 @@ class BarrierRendezvous:
         if won.decode() == self.participant_id:
             log.info("%s took over coordinating round %d from %r (silent for %.1fs)",
                      self.participant_id, round_id, holder, now - watch.since)
+            watch.replaced = holder
             return True
         watch.since = now
         return False
 
     def _read_result(self, round_id: int, index: int) -> RoundResult:
-        raw = self.values.get(self.keys.slot_rank(index))
+        raw_ready = self.values.get(self.keys.ready(round_id))
+        ready = decode_ready(raw_ready) if raw_ready is not None else None
+        raw = self.values.get(self.keys.decided_rank(round_id, ready.decision, index)) if ready else None
         answer = decode_slot_rank(raw) if raw is not None else None
         store_prefix = self.keys.round_store_prefix(round_id)
         if answer is not None and answer.round == round_id:
@@ -521,12 +525,14 @@ class _CoordinatorWatch:
     since: float
     beat: int = -1
     next_check: float = 0.0
+    #: the participant whose coordination this one took over ("" if none)
+    replaced: str = ""
 
 
 class _Coordinator:
     """Decides one round: reads the slots, asks the pure decision, writes the result."""
 
-    def __init__(self, rendezvous: BarrierRendezvous, round_id: int) -> None:
+    def __init__(self, rendezvous: BarrierRendezvous, round_id: int, replaces: str = "") -> None:
         self.rdzv = rendezvous
         self.store = rendezvous.store
         self.keys = rendezvous.keys
@@ -537,6 +543,9 @@ class _Coordinator:
         self.previous_actives = self._read_previous_actives()
         self._heartbeats_seen: dict[str, tuple[int | None, float]] = {}
         self._dead: set[str] = set()
+        # a coordinator this one took over from fell silent; if its heartbeat is silent too it
+        # is dead, and must not get a place in the round it failed to decide
+        self._suspects: set[str] = {replaces} if replaces else set()
         self._unwritten_since: float | None = None
         self._last_reason = ""
         log.debug("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,
@@ -603,18 +612,25 @@ class _Coordinator:
     def _update_dead(self, view: RoundView) -> bool:
         """Mark silent previous actives dead; True when someone newly died."""
         arrived_ids = {a.participant_id for a in view.arrivals}
+        self._suspects &= arrived_ids | self._dead  # one that withdrew has no place to lose
         missing = [p for p in self.previous_actives if p not in arrived_ids and p not in self._dead]
+        missing += [p for p in self._suspects if p in arrived_ids and p not in self._dead and p not in missing]
         if not missing:
             return False
         hb_keys = [self.keys.heartbeat(p) for p in missing]
         values = {}
         for pid, key in zip(missing, hb_keys):
             values[pid] = self.store.add(key, 0) if self.store.check([key]) else None
+        before = {p: self._heartbeats_seen.get(p) for p in self._suspects}
         dead = newly_dead(values, self._heartbeats_seen, self.clock(), self.settings.dead_after)
+        for pid, seen in before.items():
+            if seen is not None and values.get(pid, seen[0]) != seen[0]:
+                self._suspects.discard(pid)  # its heartbeat moves: slow, not dead; it keeps its place
         for pid in dead:
             self._dead.add(pid)
-            self.rdzv._mark_lost(pid, f"heartbeat silent for {self.settings.dead_after:.2f}s "
-                                      f"(previous active, missing from round {self.round_id})")
+            why = ("coordinator of this round that went silent" if pid in self._suspects
+                   else f"previous active, missing from round {self.round_id}")
+            self.rdzv._mark_lost(pid, f"heartbeat silent for {self.settings.dead_after:.2f}s ({why})")
         return bool(dead)
 
     def step(self) -> None:
@@ -625,6 +641,11 @@ class _Coordinator:
         if self._update_dead(view):  # deaths just counted as lost change what the view says
             view = dataclasses.replace(view, dead_previous_actives=frozenset(self._dead),
                                        lost_count=self.store.add(self.keys.lost_count, 0))
+        if self._suspects:
+            if self._suspects - self._dead:
+                return  # not judged yet: deciding now could give a dead coordinator a place
+            view = dataclasses.replace(view, arrivals=tuple(a for a in view.arrivals
+                                                            if a.participant_id not in self._dead))
         now = self.clock()
         decision = decide_completion(view, self.settings, self.timer, now)
         if decision.reason != self._last_reason:
@@ -636,25 +657,28 @@ class _Coordinator:
             self.rdzv.close_for_good(CloseReason(CloseKind.TOO_FEW_NODES, decision.reason))
 
     def _complete(self, arrivals: tuple[Arrival, ...]) -> None:
-        token = f"{self.rdzv.participant_id}"
-        if self.rdzv.values.put_if_absent(self.keys.closed(self.round_id), token) != token.encode():
-            return  # another coordinator already decided this round
+        # Each decision writes its answers under a name of its own; ``ready`` -- first writer
+        # wins -- names the one in force. A coordinator that dies (or stalls) anywhere in here
+        # therefore never blocks the round: whoever takes over decides again and publishes its
+        # own answers; a stalled one that wakes up loses the race for ``ready`` and leaves its
+        # answers unread.
+        decision = f"{self.rdzv.participant_id}#{uuid.uuid4().hex[:8]}"
         assignment = assign_ranks(arrivals, self.previous_actives, self.settings.min_nodes,
                                   self.settings.segment)
         world = len(assignment.active)
         rank_keys, rank_values = [], []
         for rank, arrival in enumerate(assignment.active):
-            rank_keys.append(self.keys.slot_rank(arrival.slot_index))
+            rank_keys.append(self.keys.decided_rank(self.round_id, decision, arrival.slot_index))
             rank_values.append(encode_slot_rank(self.round_id, rank, world))
         for arrival in assignment.standby:
-            rank_keys.append(self.keys.slot_rank(arrival.slot_index))
+            rank_keys.append(self.keys.decided_rank(self.round_id, decision, arrival.slot_index))
             rank_values.append(encode_slot_rank(self.round_id, -1, world))
         values = self.rdzv.values
         values.multi_put(rank_keys, rank_values)
+        mine = encode_ready(world, len(assignment.standby), self.clock() - self.timer.opened_at, decision)
+        if values.put_if_absent(self.keys.ready(self.round_id), mine) != mine.encode():
+            return  # another coordinator's decision is in force
         values.put(self.keys.last_actives,
                    encode_last_actives(self.round_id, [a.participant_id for a in assignment.active]))
-        # ready last: a reader that sees it finds every rank key above already written
-        values.put(self.keys.ready(self.round_id),
-                   encode_ready(world, len(assignment.standby), self.clock() - self.timer.opened_at))
         log.debug("round %d closed: %d active, %d standby (decided in %.3fs)", self.round_id, world,
                  len(assignment.standby), self.clock() - self.timer.opened_at)

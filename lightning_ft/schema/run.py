@@ -70,9 +70,6 @@ class RunKeys:
     def withdrawn(self, round_id: int) -> str:
         return self.round_key(round_id, "withdrawn")
 
-    def closed(self, round_id: int) -> str:
-        return self.round_key(round_id, "closed")
-
     def ready(self, round_id: int) -> str:
         return self.round_key(round_id, "ready")
 
@@ -92,8 +89,11 @@ class RunKeys:
     def slot(self, index: int) -> str:
         return f"{self.prefix}/slot/{index}"
 
-    def slot_rank(self, index: int) -> str:
-        return f"{self.prefix}/slot/{index}/rank"
+    def decided_rank(self, round_id: int, decision: str, index: int) -> str:
+        """A coordinator's answer for one slot, under its own decision: the ``ready`` marker names
+        the decision in force, so answers of a coordinator that lost the race (or died half-way
+        and was taken over) can never mix with the effective ones."""
+        return self.round_key(round_id, f"decision/{decision}/slot/{index}")
 
     def heartbeat(self, participant_id: str) -> str:
         return f"{self.prefix}/heartbeat/{participant_id}"
@@ -188,9 +188,25 @@ def decode_last_actives(raw: bytes) -> tuple[int, tuple[str, ...]] | None:
         return None
 
 
-def encode_ready(world_size: int, standby: int, seconds: float) -> str:
-    """The ``ready`` marker of a round; only its presence is acted on, the value is for humans."""
-    return f"{world_size},{standby},{seconds:.4f}"
+class Ready(NamedTuple):
+    """The ``ready`` marker of a round: which coordinator decision is in force (the rest is for humans)."""
+
+    world_size: int
+    standby: int
+    seconds: float
+    decision: str
+
+
+def encode_ready(world_size: int, standby: int, seconds: float, decision: str) -> str:
+    return f"{world_size},{standby},{seconds:.4f},{decision}"
+
+
+def decode_ready(raw: bytes) -> Ready | None:
+    try:
+        world, standby, seconds, decision = raw.decode().split(",", 3)
+        return Ready(int(world), int(standby), float(seconds), decision)
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def encode_log_versions(versions: list[int | str | None]) -> str:

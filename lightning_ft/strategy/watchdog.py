@@ -144,6 +144,11 @@ class RoundWatchdog:
         self.progress_interval = min(progress_interval, hang_floor / 4)
         # a deadlock is declared only after every peer's published position stood still this long
         self.confirm_seconds = 2 * self.progress_interval + poll_interval
+        # A peer whose heartbeat is silent while this rank cannot progress is frozen (SIGSTOP, a
+        # hung host): a failure at once, not after the hang timeout -- which has no step times to
+        # go by in the first steps of a round and falls back to its floor. Looked at only after
+        # this long without progress, so that steady training reads no heartbeats.
+        self.silence_after = max(5 * dead_after, 2.0)
         self.triggered: tuple[str, str, tuple[int, ...]] | None = None
         self._training_thread = threading.get_ident()
         self._stop = threading.Event()
@@ -186,6 +191,8 @@ class RoundWatchdog:
             return self._trigger("rendezvous", f"round {current} opened while this rank trains in round "
                                                f"{self.round_id} (a peer saw a failure)", ())
         if not overdue:
+            if self.hang_detection and idle >= self.silence_after:
+                return self._check_silent_peers(idle, now)
             self._heartbeats.clear()
             self._positions.clear()
             return False
@@ -204,6 +211,13 @@ class RoundWatchdog:
                         "waiting (the process-group timeout bounds the wait)", self.rank, idle, what, timeout,
                         verdict.reason)
         return False
+
+    def _check_silent_peers(self, idle: float, now: float) -> bool:
+        silent = tuple(p.rank for p in self._peer_states(now) if p.silent_seconds >= self.silence_after)
+        if not silent:
+            return False
+        return self._trigger("hang", f"no progress for {idle:.1f}s and the heartbeat of rank(s) {list(silent)} "
+                                     f"silent for >= {self.silence_after:.1f}s (frozen or hung host)", silent)
 
     def _publish(self, position: tuple[int, int, str | None], now: float, urgent: bool) -> None:
         if position == self._published:

@@ -36,6 +36,34 @@ def _sleep_until_sigusr1(seconds: float) -> None:
     woken.wait(seconds)
 
 
+def _inject_fault(spec: str) -> None:
+    """``KIND:MODULE:QUALNAME[:N]``: on the N-th call (default 1) of that function this process
+    signals itself -- kill (SIGKILL), stop (SIGSTOP) or term (SIGTERM) -- right before the call
+    runs: a real fault at an exact point of lightning_ft's code, from outside it."""
+    import functools
+    import importlib
+
+    kind, module_name, qualname, *rest = spec.split(":")
+    nth = int(rest[0]) if rest else 1
+    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}[kind]
+    owner = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original = getattr(owner, name)
+    calls = {"n": 0}
+
+    @functools.wraps(original)
+    def faulty(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == nth:
+            print(f"FAULT {kind} in {qualname} (call {nth})", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), sig)
+        return original(*a, **kw)
+
+    setattr(owner, name, faulty)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -69,6 +97,8 @@ def main() -> int:
     parser.add_argument("--sleep-before-fit", type=float, default=0.0,
                         help="a slow start: the process exists, but joins the run this much later "
                              "(or when it receives SIGUSR1)")
+    parser.add_argument("--fault", action="append", default=[], metavar="KIND:MODULE:QUALNAME[:N]",
+                        help="signal this process (kill|stop|term) at the N-th call of a function")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     if args.step_sleep_requeued is not None and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) >= 1:
@@ -91,6 +121,9 @@ def main() -> int:
 
     import lightning_ft
     from lightning_ft import EmergencyCheckpoint, GracefulTermination
+
+    for spec in args.fault:
+        _inject_fault(spec)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

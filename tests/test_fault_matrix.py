@@ -1,0 +1,199 @@
+"""Faults at exact points of a ddp_ft run, with real processes and real signals (tests/FAULTS.md).
+
+``ft_train.py --fault KIND:MODULE:QUALNAME[:N]`` makes a participant signal itself (SIGKILL,
+SIGSTOP or SIGTERM) at the N-th call of one of lightning_ft's functions -- receiving a snapshot,
+opening the next round, finishing -- so a fault lands inside that phase every time, not only
+when the timing happens to allow it. Each test names its cell of the matrix.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+
+from proc_utils import REPO_ROOT, wait_for
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
+from ft_cluster import Cluster  # noqa: E402
+
+pytestmark = [pytest.mark.multiprocess]
+
+SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
+RECEIVE = "lightning_ft.checkpoint.store:SnapshotStore.write_bytes"
+OPEN_ROUND = "lightning_ft.strategy.session:Session.open_round"
+FINISH = "lightning_ft.strategy.launcher:FaultTolerantLauncher._finish_success"
+SAVE = "lightning_ft.checkpoint.store:SnapshotStore.save"
+
+
+def four(processes, tmp_path, steps: int, faults: dict[str, str], *extra: str) -> Cluster:
+    """2 actives (A, B) + 2 spares (C first in line, D second); ``faults``: name -> --fault spec."""
+    cluster = Cluster(processes, tmp_path, "2:4")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    for infra_rank, name in enumerate("ABCD"):
+        fault = ["--fault", faults[name]] if name in faults else []
+        cluster.start_participant(name, ["--max-steps", str(steps), *SLOW, *extra, *fault],
+                                  LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+    cluster.wait_for_step(20, 60)
+    assert sorted(cluster.active_names()) == ["A", "B"], cluster.logs()
+    return cluster
+
+
+def thaw_and_kill(cluster: Cluster, name: str) -> None:
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.kill(cluster.procs[name].pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def faulted(cluster: Cluster, name: str) -> bool:
+    return "FAULT " in cluster.procs[name].log()
+
+
+# ------------------------------------------------------------------ snapshot transfer
+
+
+@pytest.mark.timeout(120)
+def test_kill9_of_the_spare_receiving_the_snapshot(processes, tmp_path):
+    """kill -9 x snapshot transfer: the next spare takes the place and receives it."""
+    cluster = four(processes, tmp_path, 200, {"C": f"kill:{RECEIVE}"})
+    cluster.kill("A")
+    codes = cluster.wait(["B", "C", "D"], 90)
+    assert codes == {"B": 0, "C": -signal.SIGKILL, "D": 0}, cluster.logs()
+    assert faulted(cluster, "C")
+    assert "received snapshot" in cluster.procs["D"].log(), cluster.logs()
+    assert cluster.result("D")["step"] == 200 and cluster.starts("D")[0]["step"] > 0, cluster.logs()
+
+
+@pytest.mark.timeout(120)
+def test_sigstop_of_the_spare_receiving_the_snapshot(processes, tmp_path):
+    """SIGSTOP x snapshot transfer: the frozen receiver's silent heartbeat fails the round."""
+    cluster = four(processes, tmp_path, 200, {"C": f"stop:{RECEIVE}"}, "--hang-floor", "60")
+    cluster.kill("A")
+    try:
+        codes = cluster.wait(["B", "D"], 90)
+    finally:
+        thaw_and_kill(cluster, "C")
+    assert codes == {"B": 0, "D": 0}, cluster.logs()
+    assert faulted(cluster, "C")
+    assert "hang" in [e["detector"] for e in cluster.events_of("failure_detected")], cluster.logs()
+
+
+# ------------------------------------------------------------------ recovery
+
+
+@pytest.mark.timeout(120)
+def test_kill9_of_the_survivor_while_it_opens_the_next_round(processes, tmp_path):
+    """kill -9 x recovery: both holders of the state are gone, the spares carry on (from step 0:
+    no copy survived; the durable tier is what covers this)."""
+    cluster = four(processes, tmp_path, 150, {"B": f"kill:{OPEN_ROUND}"})
+    cluster.kill("A")
+    codes = cluster.wait(["B", "C", "D"], 90)
+    assert codes == {"B": -signal.SIGKILL, "C": 0, "D": 0}, cluster.logs()
+    assert faulted(cluster, "B")
+    assert cluster.result("C")["step"] == cluster.result("D")["step"] == 150
+
+
+@pytest.mark.timeout(120)
+def test_sigstop_of_the_survivor_while_it_opens_the_next_round(processes, tmp_path):
+    cluster = four(processes, tmp_path, 150, {"B": f"stop:{OPEN_ROUND}"}, "--hang-floor", "60")
+    cluster.kill("A")
+    try:
+        codes = cluster.wait(["C", "D"], 90)
+    finally:
+        thaw_and_kill(cluster, "B")
+    assert codes == {"C": 0, "D": 0}, cluster.logs()
+    assert faulted(cluster, "B")
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_survivor_while_it_opens_the_next_round(processes, tmp_path):
+    """SIGTERM x recovery: a stop, not a failure -- nobody claims success, nothing is lost."""
+    cluster = four(processes, tmp_path, 400, {"B": f"term:{OPEN_ROUND}"})
+    cluster.kill("A")
+    codes = cluster.wait(["B", "C", "D"], 90)
+    assert codes["B"] in (81, 143) and codes["C"] == codes["D"] == 143, cluster.logs()
+    assert faulted(cluster, "B")
+    assert not cluster.events_of("finished") and cluster.events_of("stopped")
+
+
+# ------------------------------------------------------------------ snapshot save
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_during_a_periodic_snapshot_save(processes, tmp_path):
+    """SIGTERM x snapshot save: the save completes, then the SIGTERM path stops both actives at
+    one agreed step with a committed snapshot (81); the spare stops too (143)."""
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    for infra_rank, name in enumerate("ABC"):
+        fault = ["--fault", f"term:{SAVE}:3"] if name == "A" else []
+        cluster.start_participant(name, ["--max-steps", "400", *SLOW, *fault], LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+    codes = cluster.wait(["A", "B", "C"], 75)
+    assert codes == {"A": 81, "B": 81, "C": 143}, cluster.logs()
+    assert faulted(cluster, "A")
+    decisions = cluster.events_of("termination_decision")
+    assert len({e["step"] for e in decisions}) == 1 and all(e["exit_code"] == 81 for e in decisions)
+
+
+@pytest.mark.timeout(90)
+def test_full_shm_on_an_active_writer(processes, tmp_path, small_tmpfs):
+    """Full /dev/shm x snapshot save: the periodic save fails with a warning, training goes on
+    (its peer holds the same state), the job finishes."""
+    tiny = small_tmpfs("tiny-shm", "40k")
+    cluster = Cluster(processes, tmp_path, "2:2")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    for infra_rank, name in enumerate("AB"):
+        extra = {"LIGHTNING_FT_SNAPSHOT_DIR": str(tiny)} if name == "A" else {}
+        cluster.start_participant(name, ["--max-steps", "60", "--hidden", "256", *SLOW],
+                                  LIGHTNING_FT_INFRA_RANK=str(infra_rank), **extra)
+    codes = cluster.wait(["A", "B"], 75)
+    assert codes == {"A": 0, "B": 0}, cluster.logs()
+    assert "No space left on device" in cluster.procs["A"].log()
+    assert cluster.result("A")["step"] == cluster.result("B")["step"] == 60
+
+
+# ------------------------------------------------------------------ shutdown
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["kill", "stop"])
+def test_an_active_lost_after_fit_returned(processes, tmp_path, kind):
+    """kill -9 / SIGSTOP x shutdown: training is complete; the other active passes its bounded
+    exit barrier and finishes 0, the spare leaves 0."""
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    for infra_rank, name in enumerate("ABC"):
+        fault = ["--fault", f"{kind}:{FINISH}"] if name == "A" else []
+        cluster.start_participant(name, ["--max-steps", "40", *SLOW, "--ft-option", "exit_barrier_timeout=5", *fault],
+                                  LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+    try:
+        codes = cluster.wait(["B", "C"], 75)
+    finally:
+        thaw_and_kill(cluster, "A")
+    assert codes == {"B": 0, "C": 0}, cluster.logs()
+    assert faulted(cluster, "A")
+    assert cluster.result("B")["step"] == 40
+
+
+# ------------------------------------------------------------------ rendezvous
+
+
+@pytest.mark.timeout(60)
+def test_store_killed_before_the_first_round_formed(processes, tmp_path):
+    """store kill x rendezvous: nothing trained and nothing can form: 83, promptly, said clearly."""
+    cluster = Cluster(processes, tmp_path, "2:2")
+    cluster.out.mkdir(parents=True)
+    store = cluster.start_store()
+    proc = cluster.start_participant("A", ["--max-steps", "20"])
+    assert wait_for(lambda: "joins run" in proc.log(), 60), proc.log()
+    os.kill(store.pid, signal.SIGKILL)
+    assert cluster.wait(["A"], 40) == {"A": 83}, cluster.logs()
+    assert "lost the rendezvous store" in proc.log() and "Traceback" not in proc.log()
