@@ -29,6 +29,18 @@ def no_traceback(log: str) -> bool:
     return "Traceback" not in log and "frame #" not in log
 
 
+def training_then_store_killed(processes, tmp_path, steps: int) -> Cluster:
+    """2 actives + 1 spare at step 20 or later; then the store process is SIGKILLed."""
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.out.mkdir(parents=True)
+    store = cluster.start_store()
+    for name in "ABC":
+        cluster.start_participant(name, ["--max-steps", str(steps), *SLOW])
+    cluster.wait_for_step(20, 60)
+    os.kill(store.pid, signal.SIGKILL)
+    return cluster
+
+
 @pytest.mark.timeout(90)
 def test_sigterm_while_round_0_forms_stops_everyone_with_143(processes, tmp_path):
     """Nothing trained: a SIGTERM before the job could start is a stop (requeue), never a success."""
@@ -52,13 +64,7 @@ def test_sigterm_while_round_0_forms_stops_everyone_with_143(processes, tmp_path
 @pytest.mark.timeout(90)
 def test_store_lost_while_training_the_job_still_succeeds(processes, tmp_path):
     """The store is needed only to recover: training finishes; the spare leaves with 0, not 83."""
-    cluster = Cluster(processes, tmp_path, "2:3")
-    cluster.out.mkdir(parents=True)
-    store = cluster.start_store()
-    for name in "ABC":
-        cluster.start_participant(name, ["--max-steps", "150", *SLOW])
-    cluster.wait_for_step(20, 60)
-    os.kill(store.pid, signal.SIGKILL)
+    cluster = training_then_store_killed(processes, tmp_path, steps=150)
     codes = cluster.wait(list("ABC"), 60)
     assert codes == {"A": 0, "B": 0, "C": 0}, cluster.logs()
     assert sorted(cluster.result(n)["step"] for n in "ABC") == [0, 150, 150]
@@ -68,13 +74,7 @@ def test_store_lost_while_training_the_job_still_succeeds(processes, tmp_path):
 
 @pytest.mark.timeout(90)
 def test_store_lost_then_a_peer_fails_ends_no_restart_with_a_clear_message(processes, tmp_path):
-    cluster = Cluster(processes, tmp_path, "2:3")
-    cluster.out.mkdir(parents=True)
-    store = cluster.start_store()
-    for name in "ABC":
-        cluster.start_participant(name, ["--max-steps", "1000", *SLOW])
-    cluster.wait_for_step(20, 60)
-    os.kill(store.pid, signal.SIGKILL)
+    cluster = training_then_store_killed(processes, tmp_path, steps=1000)
     victim = cluster.active_names()[-1]
     survivor = next(n for n in cluster.active_names() if n != victim)
     spare = next(n for n in "ABC" if n not in (victim, survivor))

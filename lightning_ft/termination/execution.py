@@ -12,6 +12,7 @@ log, exit record). Every exit is bounded by the termination's :class:`ExitWatchd
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -29,7 +30,7 @@ from lightning_ft.termination.decision import (
     decide_on_termination,
     not_saved_exit_code,
 )
-from lightning_ft.termination.exit_records import write_exit_record
+from lightning_ft.termination.exit_records import ENV_EXIT_RECORD_LAUNCH_DIR, write_exit_record
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +181,9 @@ class TerminationExecutor:
         return HealthReport(healthy, (result,), check.timeout_s)
 
     def _write_exit_record(self, code: int, decision: Decision, step: int) -> None:
-        if not self.exit_record_dir:
-            return
-        try:
-            write_exit_record(self.exit_record_dir, self.rank, code, decision.action.value, decision.reasons, step)
-        except OSError as exc:
-            log.warning("rank %d: cannot write the exit record to %s: %s", self.rank, self.exit_record_dir, exc)
+        targets = [d for d in (self.exit_record_dir, os.environ.get(ENV_EXIT_RECORD_LAUNCH_DIR)) if d]
+        for directory in dict.fromkeys(os.path.abspath(d) for d in targets):
+            try:
+                write_exit_record(directory, self.rank, code, decision.action.value, decision.reasons, step)
+            except OSError as exc:
+                log.warning("rank %d: cannot write the exit record to %s: %s", self.rank, directory, exc)

@@ -37,6 +37,9 @@ from lightning_ft.exit_codes import ExitCode
 log = logging.getLogger(__name__)
 
 ENV_EXIT_RECORD_DIR = "LIGHTNING_FT_EXIT_RECORD_DIR"
+#: set by the wrapper for its launcher: the directory it reads. Records go there too when a
+#: script names another ``exit_record_dir``, so the wrapper never misses them.
+ENV_EXIT_RECORD_LAUNCH_DIR = "LIGHTNING_FT_EXIT_RECORD_LAUNCH_DIR"
 _PATTERN = "rank-*.json"
 
 
@@ -108,7 +111,7 @@ def run_and_summarize(command: Sequence[str], directory: str | os.PathLike,
     """Run ``command`` with a record directory of its own (inside ``directory``) in its
     environment; forward signals; return the node code."""
     directory = launch_directory(directory)
-    env = dict(os.environ, **{ENV_EXIT_RECORD_DIR: str(directory)})
+    env = dict(os.environ, **{ENV_EXIT_RECORD_DIR: str(directory), ENV_EXIT_RECORD_LAUNCH_DIR: str(directory)})
     # own session: a terminal's Ctrl-C reaches only us, and we forward it exactly once
     child = subprocess.Popen(list(command), env=env, start_new_session=True)
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import pickle
 import time
 
 import torch
 import torch.distributed as dist
 
 from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.identity import state_dict_fingerprint
 from lightning_ft.schema.round import (
     REPLICA_BLOB_KEY,
     REPLICA_META_KEY,
@@ -41,11 +43,18 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def malicious_snapshot(marker: str, step: int) -> bytes:
-    """A snapshot file with valid checksums whose metadata pickles the payload."""
-    enc = fmt.encode({"global_step": step, "x": _Payload(marker)})
-    head = fmt.finish(enc, step, time.time(), fmt.block_sums(torch.zeros(enc.data_len, dtype=torch.uint8)))
-    return head + bytes(enc.file_size - len(head))
+def malicious_snapshot(marker: str, step: int, run_id: str, hidden: int = 32) -> bytes:
+    """A snapshot file with valid checksums and the job's own identity (run id, rank 0, the
+    fingerprint of ft_train.py's model, which an attacker who knows the architecture can
+    compute), whose metadata pickles the payload: only the restricted loader stops it."""
+    state_dict = {"net.0.weight": torch.zeros(hidden, 16), "net.0.bias": torch.zeros(hidden),
+                  "net.2.weight": torch.zeros(1, hidden), "net.2.bias": torch.zeros(1)}
+    identity = fmt.encode_identity(run_id, 0, state_dict_fingerprint(state_dict))
+    meta = pickle.dumps({"global_step": step, "state_dict": {}, "x": _Payload(marker)}, protocol=5)
+    meta_off = fmt._align(fmt.HEADER_SIZE + len(identity), 8)
+    data_off = fmt._align(meta_off + len(meta), fmt.PAGE)
+    enc = fmt.Encoded(identity, meta, [], meta_off, data_off, 0, 0)
+    return fmt.finish(enc, step, time.time(), torch.empty(0, dtype=torch.int64)).ljust(data_off, b"\0")
 
 
 def main() -> int:
@@ -76,7 +85,7 @@ def main() -> int:
                 except (RuntimeError, OSError):
                     pass
 
-            put(f"{prefix}/{REPLICA_BLOB_KEY}", malicious_snapshot(args.marker, 10_000 + forged))
+            put(f"{prefix}/{REPLICA_BLOB_KEY}", malicious_snapshot(args.marker, 10_000 + forged, args.run_id))
             put(f"{prefix}/{REPLICA_META_KEY}", encode_replica_meta(10_000 + forged, ["forged-domain"]))
             if not args.only_replica:
                 put(keys.closed_for_good, CloseReason(CloseKind.FINISHED, "forged: job finished").encode())
@@ -84,6 +93,8 @@ def main() -> int:
                 put(f"{prefix}/{VERDICT_KEY}", encode_verdict("deadlock", "forged deadlock"))
                 put(keys.slot(50), encode_slot(current, _Fake(), withdrawn=False))
             forged += 1
+        if forged == 2:  # one round unsealed, one sealed with a wrong secret
+            print("forging", flush=True)
         time.sleep(0.2)
     print(f"forged {forged} rounds of values", flush=True)
     return 0
