@@ -42,6 +42,17 @@ def four(processes, tmp_path, steps: int, faults: dict[str, str], *extra: str) -
     return cluster
 
 
+def three(processes, tmp_path, args: list[str], fault_of_a: str) -> Cluster:
+    """2 actives (A, B) + 1 spare (C); A signals itself as ``fault_of_a`` says."""
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    for infra_rank, name in enumerate("ABC"):
+        fault = ["--fault", fault_of_a] if name == "A" else []
+        cluster.start_participant(name, [*args, *fault], LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+    return cluster
+
+
 def thaw_and_kill(cluster: Cluster, name: str) -> None:
     for sig in (signal.SIGCONT, signal.SIGKILL):
         try:
@@ -83,6 +94,18 @@ def test_sigstop_of_the_spare_receiving_the_snapshot(processes, tmp_path):
     assert "hang" in [e["detector"] for e in cluster.events_of("failure_detected")], cluster.logs()
 
 
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_spare_receiving_the_snapshot(processes, tmp_path):
+    """SIGTERM x snapshot transfer: that spare stops (nothing of its own to save), the next one
+    receives the snapshot and the job goes on."""
+    cluster = four(processes, tmp_path, 200, {"C": f"term:{RECEIVE}"})
+    cluster.kill("A")
+    codes = cluster.wait(["B", "C", "D"], 90)
+    assert codes["C"] in (-signal.SIGTERM, 143, 81) and codes["B"] == codes["D"] == 0, cluster.logs()
+    assert faulted(cluster, "C")
+    assert cluster.result("D")["step"] == 200 and cluster.starts("D")[0]["step"] > 0, cluster.logs()
+
+
 # ------------------------------------------------------------------ recovery
 
 
@@ -112,13 +135,14 @@ def test_sigstop_of_the_survivor_while_it_opens_the_next_round(processes, tmp_pa
 
 @pytest.mark.timeout(120)
 def test_sigterm_to_the_survivor_while_it_opens_the_next_round(processes, tmp_path):
-    """SIGTERM x recovery: a stop, not a failure -- nobody claims success, nothing is lost."""
-    cluster = four(processes, tmp_path, 400, {"B": f"term:{OPEN_ROUND}"})
+    """SIGTERM x recovery: that node is stopped (by the signal: nothing of its own to save while
+    it re-forms), a lost node for the others; the spares carry the job to its end."""
+    cluster = four(processes, tmp_path, 150, {"B": f"term:{OPEN_ROUND}"})
     cluster.kill("A")
     codes = cluster.wait(["B", "C", "D"], 90)
-    assert codes["B"] in (81, 143) and codes["C"] == codes["D"] == 143, cluster.logs()
+    assert codes["B"] in (-signal.SIGTERM, 143) and codes["C"] == codes["D"] == 0, cluster.logs()
     assert faulted(cluster, "B")
-    assert not cluster.events_of("finished") and cluster.events_of("stopped")
+    assert cluster.result("C")["step"] == cluster.result("D")["step"] == 150
 
 
 # ------------------------------------------------------------------ snapshot save
@@ -128,12 +152,7 @@ def test_sigterm_to_the_survivor_while_it_opens_the_next_round(processes, tmp_pa
 def test_sigterm_during_a_periodic_snapshot_save(processes, tmp_path):
     """SIGTERM x snapshot save: the save completes, then the SIGTERM path stops both actives at
     one agreed step with a committed snapshot (81); the spare stops too (143)."""
-    cluster = Cluster(processes, tmp_path, "2:3")
-    cluster.out.mkdir(parents=True)
-    cluster.start_store()
-    for infra_rank, name in enumerate("ABC"):
-        fault = ["--fault", f"term:{SAVE}:3"] if name == "A" else []
-        cluster.start_participant(name, ["--max-steps", "400", *SLOW, *fault], LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+    cluster = three(processes, tmp_path, ["--max-steps", "400", *SLOW], f"term:{SAVE}:3")
     codes = cluster.wait(["A", "B", "C"], 75)
     assert codes == {"A": 81, "B": 81, "C": 143}, cluster.logs()
     assert faulted(cluster, "A")
@@ -159,21 +178,31 @@ def test_full_shm_on_an_active_writer(processes, tmp_path, small_tmpfs):
     assert cluster.result("A")["step"] == cluster.result("B")["step"] == 60
 
 
+@pytest.mark.timeout(120)
+def test_sigstop_during_a_periodic_snapshot_save(processes, tmp_path):
+    """SIGSTOP x snapshot save: the frozen writer's silent heartbeat fails the round; the spare
+    takes its place from the last committed snapshot."""
+    cluster = three(processes, tmp_path, ["--max-steps", "150", *SLOW, "--hang-floor", "60"], f"stop:{SAVE}:3")
+    try:
+        codes = cluster.wait(["B", "C"], 90)
+    finally:
+        thaw_and_kill(cluster, "A")
+    assert codes == {"B": 0, "C": 0}, cluster.logs()
+    assert faulted(cluster, "A")
+    assert "hang" in [e["detector"] for e in cluster.events_of("failure_detected")], cluster.logs()
+    assert cluster.starts("C")[0]["step"] >= 10
+
+
 # ------------------------------------------------------------------ shutdown
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("kind", ["kill", "stop"])
+@pytest.mark.parametrize("kind", ["kill", "stop", "term"])
 def test_an_active_lost_after_fit_returned(processes, tmp_path, kind):
-    """kill -9 / SIGSTOP x shutdown: training is complete; the other active passes its bounded
-    exit barrier and finishes 0, the spare leaves 0."""
-    cluster = Cluster(processes, tmp_path, "2:3")
-    cluster.out.mkdir(parents=True)
-    cluster.start_store()
-    for infra_rank, name in enumerate("ABC"):
-        fault = ["--fault", f"{kind}:{FINISH}"] if name == "A" else []
-        cluster.start_participant(name, ["--max-steps", "40", *SLOW, "--ft-option", "exit_barrier_timeout=5", *fault],
-                                  LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+    """kill -9 / SIGSTOP / SIGTERM x shutdown: training is complete; the other active passes its
+    bounded exit barrier and finishes 0, the spare leaves 0."""
+    cluster = three(processes, tmp_path, ["--max-steps", "40", *SLOW, "--ft-option", "exit_barrier_timeout=5"],
+                    f"{kind}:{FINISH}")
     try:
         codes = cluster.wait(["B", "C"], 75)
     finally:

@@ -27,3 +27,17 @@ def test_cli_lists_commands():
 
 def test_version():
     assert lightning_ft.__version__
+
+
+def test_the_fault_matrix_names_only_tests_that_exist():
+    """tests/FAULTS.md: every `file`: `test_name` it cites is a test in that file."""
+    import re
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    text = (tests / "FAULTS.md").read_text()
+    cited = re.findall(r"`(\w+)`: `(test_\w+)", text)
+    assert len(cited) >= 30
+    for module, name in cited:
+        source = (tests / f"test_{module}.py").read_text()
+        assert f"def {name}" in source or f"def {name.rstrip('_')}" in source, (module, name)
