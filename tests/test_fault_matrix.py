@@ -53,6 +53,14 @@ def three(processes, tmp_path, args: list[str], fault_of_a: str) -> Cluster:
     return cluster
 
 
+def wait_then_kill_frozen(cluster: Cluster, names: list[str], timeout: float, frozen: str) -> dict[str, int | None]:
+    """Exit codes of ``names``; then the frozen participant is thawed and killed (never left behind)."""
+    try:
+        return cluster.wait(names, timeout)
+    finally:
+        thaw_and_kill(cluster, frozen)
+
+
 def thaw_and_kill(cluster: Cluster, name: str) -> None:
     for sig in (signal.SIGCONT, signal.SIGKILL):
         try:
@@ -85,10 +93,7 @@ def test_sigstop_of_the_spare_receiving_the_snapshot(processes, tmp_path):
     """SIGSTOP x snapshot transfer: the frozen receiver's silent heartbeat fails the round."""
     cluster = four(processes, tmp_path, 200, {"C": f"stop:{RECEIVE}"}, "--hang-floor", "60")
     cluster.kill("A")
-    try:
-        codes = cluster.wait(["B", "D"], 90)
-    finally:
-        thaw_and_kill(cluster, "C")
+    codes = wait_then_kill_frozen(cluster, ["B", "D"], 90, "C")
     assert codes == {"B": 0, "D": 0}, cluster.logs()
     assert faulted(cluster, "C")
     assert "hang" in [e["detector"] for e in cluster.events_of("failure_detected")], cluster.logs()
@@ -125,10 +130,7 @@ def test_kill9_of_the_survivor_while_it_opens_the_next_round(processes, tmp_path
 def test_sigstop_of_the_survivor_while_it_opens_the_next_round(processes, tmp_path):
     cluster = four(processes, tmp_path, 150, {"B": f"stop:{OPEN_ROUND}"}, "--hang-floor", "60")
     cluster.kill("A")
-    try:
-        codes = cluster.wait(["C", "D"], 90)
-    finally:
-        thaw_and_kill(cluster, "B")
+    codes = wait_then_kill_frozen(cluster, ["C", "D"], 90, "B")
     assert codes == {"C": 0, "D": 0}, cluster.logs()
     assert faulted(cluster, "B")
 
@@ -183,10 +185,7 @@ def test_sigstop_during_a_periodic_snapshot_save(processes, tmp_path):
     """SIGSTOP x snapshot save: the frozen writer's silent heartbeat fails the round; the spare
     takes its place from the last committed snapshot."""
     cluster = three(processes, tmp_path, ["--max-steps", "150", *SLOW, "--hang-floor", "60"], f"stop:{SAVE}:3")
-    try:
-        codes = cluster.wait(["B", "C"], 90)
-    finally:
-        thaw_and_kill(cluster, "A")
+    codes = wait_then_kill_frozen(cluster, ["B", "C"], 90, "A")
     assert codes == {"B": 0, "C": 0}, cluster.logs()
     assert faulted(cluster, "A")
     assert "hang" in [e["detector"] for e in cluster.events_of("failure_detected")], cluster.logs()
@@ -203,10 +202,7 @@ def test_an_active_lost_after_fit_returned(processes, tmp_path, kind):
     bounded exit barrier and finishes 0, the spare leaves 0."""
     cluster = three(processes, tmp_path, ["--max-steps", "40", *SLOW, "--ft-option", "exit_barrier_timeout=5"],
                     f"{kind}:{FINISH}")
-    try:
-        codes = cluster.wait(["B", "C"], 75)
-    finally:
-        thaw_and_kill(cluster, "A")
+    codes = wait_then_kill_frozen(cluster, ["B", "C"], 75, "A")
     assert codes == {"B": 0, "C": 0}, cluster.logs()
     assert faulted(cluster, "A")
     assert cluster.result("B")["step"] == 40
