@@ -6,7 +6,8 @@ Neutral ground for every component (no Lightning import, no torch import at modu
   is still alive at a deadline (a teardown stuck on a broken group, a barrier in another
   callback, a user thread).
 * :func:`exit_now` -- flush what can be flushed and leave at once.
-* :func:`run_with_timeout` -- run a store call or record write under a bound.
+* :func:`run_with_timeout` -- run a store call or record write under a bound;
+  :func:`call_with_timeout` -- the same, returning the call's value or why there is none.
 * :func:`destroy_process_group` -- the one place that destroys the default group.
 * :func:`install_exit_hook` / :func:`plan_exit` -- at interpreter exit, destroy the default
   group (Lightning never does for gloo, whose threads alive at exit abort about 1 run in
@@ -82,6 +83,50 @@ def run_with_timeout(fn: Callable[[], object], timeout_s: float, what: str) -> b
         log.warning("%s did not finish within %.2f s; going on without it", what, timeout_s)
         return False
     return bool(outcome and outcome[0])
+
+
+class BoundedCall:
+    """The outcome of :func:`call_with_timeout`: ``value`` if it returned in time, else ``problem``."""
+
+    __slots__ = ("value", "problem")
+
+    def __init__(self, value: object = None, problem: str | None = None) -> None:
+        self.value = value
+        self.problem = problem
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def call_with_timeout(fn: Callable[[], object], timeout_s: float, what: str) -> BoundedCall:
+    """Run ``fn`` in a daemon thread and wait at most ``timeout_s`` for its value.
+
+    For store calls on a thread that must not stall (a frozen store answers nothing and a
+    TCPStore client waits for its op timeout, minutes). A call that does not return in time
+    keeps running in its thread and its late result is dropped; ``problem`` says what went
+    wrong, in words fit for a log line and a decision's reasons.
+    """
+    box: list[BoundedCall] = []
+
+    def _target() -> None:
+        try:
+            box.append(BoundedCall(fn()))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, which decides
+            box.append(BoundedCall(problem=f"{what} failed: {type(exc).__name__}: {first_line(exc)}"))
+
+    thread = threading.Thread(target=_target, name="lightning-ft-bounded", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if box:
+        return box[0]
+    return BoundedCall(problem=f"{what} did not finish within {timeout_s:g} s (the store does not answer)")
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, shortened (C++ errors carry long traces)."""
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else "")[:limit]
 
 
 class ExitWatchdog:
