@@ -48,9 +48,14 @@ def model_args(args) -> list[str]:
 
 
 def plain_snapshots(args) -> list[str]:
-    if args.plain_snapshots:  # diagnosis: the same EmergencyCheckpoint on the plain side
+    if args.plain_snapshots and args.snapshot_every:  # diagnosis: the same EmergencyCheckpoint on the plain side
         return ["--snapshot-every", str(args.snapshot_every)]
     return ["--no-snapshots"]
+
+
+def ft_snapshots(args) -> list[str]:
+    # 0: no EmergencyCheckpoint of the script's own; the strategy adds its default (every 30 s)
+    return ["--snapshot-every", str(args.snapshot_every)] if args.snapshot_every else ["--no-snapshots"]
 
 
 def step_times(records: list[dict], warmup: int) -> list[float]:
@@ -80,8 +85,7 @@ def run_ft(args, root: Path, spare: bool) -> list[float]:
         names = ["A", "B", "C"] if spare else ["A", "B"]
         cluster = Cluster(procs, root, "2:3" if spare else "2:2", run_id="overhead")
         extra = [f"--ft-option={option}" for option in args.ft_option]
-        cluster.start(names, [*model_args(args), "--snapshot-every", str(args.snapshot_every),
-                              "--hang-floor", "60", *extra])
+        cluster.start(names, [*model_args(args), *ft_snapshots(args), "--hang-floor", "60", *extra])
         codes = cluster.wait(names, 600)
         if any(code != 0 for code in codes.values()):
             raise RuntimeError(f"ddp_ft failed: {codes}\n{cluster.logs()}")
@@ -123,7 +127,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--snapshot-every", type=int, default=50)
+    parser.add_argument("--snapshot-every", type=int, default=50,
+                        help="ddp_ft: EmergencyCheckpoint every N steps (a worst case); 0 = the strategy's "
+                             "default configuration (a snapshot every 30 s)")
     parser.add_argument("--with-spare", action="store_true", help="also measure ddp_ft with a hot spare")
     parser.add_argument("--control", action="store_true",
                         help="also run plain ddp a second time per round (A/A noise floor)")

@@ -170,7 +170,7 @@ class TerminationExecutor:
             log.exception("rank %d: emergency snapshot failed; exiting with %d (state NOT saved)", self.rank, code)
             return Decision(Action.EXIT_WITHOUT_SAVE, code,
                             (*decision.reasons, f"snapshot failed: {type(exc).__name__}: {exc}"))
-        log.warning("rank %d: emergency snapshot of step %d committed in %.2f s (%s); exiting with %d",
+        log.warning("rank %d: emergency snapshot of step %d committed in %.3f s (%s); exiting with %d",
                     self.rank, step, time.monotonic() - started, info, decision.exit_code)
         return decision
 
