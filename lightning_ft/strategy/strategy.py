@@ -198,7 +198,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             self._environment.assign(early_rank, 1)  # what set_world_ranks() reports until a round decides
             self.set_world_ranks()
             self._printed_device_info = early_rank == 0
-        plan_exit(destroy_process_group=True)  # Lightning never destroys a gloo group
+        # Lightning never destroys a gloo group; and a ddp_ft process has told its peers and the
+        # rendezvous everything before fit() returns, so its interpreter teardown may be quick
+        plan_exit(destroy_process_group=True, quick_teardown=True)
         ensure_log_output()
 
     # ------------------------------------------------------------------ properties
