@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 
 import pytest
 
@@ -56,7 +55,14 @@ def slurm():
 
 
 def pytest_terminal_summary(terminalreporter):
-    measured = getattr(sys.modules.get("slurm_cluster"), "MEASURED", None)
+    # from the reports (user_properties), so it works with and without pytest-xdist workers
+    measured = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, value in getattr(report, "user_properties", ()):
+                if key == "slurm_timing":
+                    name, seconds = value
+                    measured[name] = seconds
     if measured:
         terminalreporter.write_sep("-", "SLURM scenarios: event -> job end state (measured)")
         for name, seconds in measured.items():

@@ -19,7 +19,7 @@ HELPERS = str(REPO_ROOT / "tests" / "ckpt_helpers.py")
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_kill_9_during_a_snapshot_write_leaves_the_previous_snapshot(processes, tmp_path):
     root = tmp_path / "shm"
     rank_dir = root / "k9" / "rank0"

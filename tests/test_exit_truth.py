@@ -41,7 +41,7 @@ def training_then_store_killed(processes, tmp_path, steps: int) -> Cluster:
     return cluster
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_sigterm_while_round_0_forms_stops_everyone_with_143(processes, tmp_path):
     """Nothing trained: a SIGTERM before the job could start is a stop (requeue), never a success."""
     cluster = Cluster(processes, tmp_path, "2:2")
@@ -61,7 +61,7 @@ def test_sigterm_while_round_0_forms_stops_everyone_with_143(processes, tmp_path
     assert cluster.events_of("stopped") and not cluster.events_of("finished")
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_store_lost_while_training_the_job_still_succeeds(processes, tmp_path):
     """The store is needed only to recover: training finishes; the spare leaves with 0, not 83."""
     cluster = training_then_store_killed(processes, tmp_path, steps=150)
@@ -72,7 +72,7 @@ def test_store_lost_while_training_the_job_still_succeeds(processes, tmp_path):
     assert all(no_traceback(cluster.procs[n].log()) for n in "ABC"), cluster.logs()
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_store_lost_then_a_peer_fails_ends_no_restart_with_a_clear_message(processes, tmp_path):
     cluster = training_then_store_killed(processes, tmp_path, steps=1000)
     victim = cluster.active_names()[-1]
@@ -109,7 +109,7 @@ def test_full_shm_on_the_spare_that_receives_the_snapshot_is_a_node_fault(proces
     assert cluster.result("B")["step"] == cluster.result("D")["step"] == 400
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_unresolvable_endpoint_host_fails_within_connect_timeout(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "1:1")
     cluster.out.mkdir(parents=True)
@@ -121,7 +121,7 @@ def test_unresolvable_endpoint_host_fails_within_connect_timeout(processes, tmp_
     assert no_traceback(log), log
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_a_participant_that_starts_after_its_job_finished_exits_0(processes, tmp_path):
     """A slow start (loaded machine): the run closed and its store is gone... almost; the store
     lingers so the latecomer learns the run is over instead of hosting a store of its own and
@@ -164,3 +164,49 @@ def test_a_frozen_store_and_a_frozen_peer_end_in_a_clear_decision_in_bounded_tim
     assert codes == {survivor: 83}, cluster.logs()
     log = cluster.procs[survivor].log()
     assert "does not answer" in log and "NO_RESTART (83)" in log, log
+
+
+@pytest.mark.timeout(180)
+def test_a_store_frozen_while_round_0_forms_ends_83_within_its_bounds(processes, tmp_path):
+    """A waits in the rendezvous for B when the store host freezes; B starts after the freeze.
+    A's next store call fails after ``store_timeout`` and B cannot reach the store within
+    ``connect_timeout``: both end NO_RESTART (83) with a line that says so, no traceback."""
+    cluster = Cluster(processes, tmp_path, "2:2")
+    cluster.out.mkdir(parents=True)
+    store = cluster.start_store()
+    bounds = ["--ft-option", "store_timeout=4", "--ft-option", "connect_timeout=4"]
+    cluster.start_participant("A", ["--max-steps", "30", *bounds])
+    assert wait_for(lambda: "joins run" in cluster.procs["A"].log(), 60), cluster.logs()
+    time.sleep(0.5)
+    os.kill(store.pid, signal.SIGSTOP)
+    try:
+        cluster.start_participant("B", ["--max-steps", "30", *bounds])
+        codes = cluster.wait(["A", "B"], 60)
+    finally:
+        os.kill(store.pid, signal.SIGKILL)
+    assert codes == {"A": 83, "B": 83}, cluster.logs()
+    assert not any(cluster.steps().values())
+    for name in "AB":
+        log = cluster.procs[name].log()
+        assert "NO_RESTART (83)" in log and no_traceback(log), log
+
+
+@pytest.mark.timeout(180)
+def test_a_store_frozen_at_the_end_of_fit_still_ends_0(processes, tmp_path):
+    """Both ranks trained every step; the store host freezes as the first of them reaches the
+    exit barrier. The barrier and the rendezvous's close are bounded (``exit_barrier_timeout``,
+    ``store_timeout``), and the truth is that the job finished: both exit 0."""
+    cluster = Cluster(processes, tmp_path, "2:2")
+    cluster.out.mkdir(parents=True)
+    store = cluster.start_store()
+    bounds = ["--ft-option", "store_timeout=3", "--ft-option", "exit_barrier_timeout=3"]
+    freeze = ["--fault", "store-stop:lightning_ft.strategy.launcher:FaultTolerantLauncher._finish_success"]
+    cluster.start_participant("A", ["--max-steps", "40", *bounds, *freeze], FT_TEST_STORE_PID=str(store.pid))
+    cluster.start_participant("B", ["--max-steps", "40", *bounds])
+    try:
+        codes = cluster.wait(["A", "B"], 70)
+    finally:
+        os.kill(store.pid, signal.SIGKILL)
+    assert "FAULT store-stop" in cluster.procs["A"].log(), cluster.logs()
+    assert codes == {"A": 0, "B": 0}, cluster.logs()
+    assert {max(r["step"] for r in records) for records in cluster.steps().values()} == {40}, cluster.logs()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,13 +34,39 @@ def four(processes, tmp_path, steps: int, faults: dict[str, str], *extra: str) -
     cluster = Cluster(processes, tmp_path, "2:4")
     cluster.out.mkdir(parents=True)
     cluster.start_store()
+    hold = ordered_start(cluster, "AB")
     for infra_rank, name in enumerate("ABCD"):
         fault = ["--fault", faults[name]] if name in faults else []
-        cluster.start_participant(name, ["--max-steps", str(steps), *SLOW, *extra, *fault],
+        cluster.start_participant(name, ["--max-steps", str(steps), *SLOW, *extra, *fault, *hold],
                                   LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+        in_order(cluster, name, actives="AB")
+    release(hold)
     cluster.wait_for_step(20, 60)
     assert sorted(cluster.active_names()) == ["A", "B"], cluster.logs()
     return cluster
+
+
+def ordered_start(cluster: Cluster, actives: str) -> list[str]:
+    """ft_train arguments that hold the actives' first step until :func:`release`: the spares
+    start one by one after round 0 formed (see :func:`in_order`), which on a loaded machine
+    takes longer than the whole run would."""
+    gate = cluster.root / "hold-first-step"
+    gate.touch()
+    return ["--hold-first-step-while", str(gate)]
+
+
+def release(hold: list[str]) -> None:
+    Path(hold[-1]).unlink()
+
+
+def in_order(cluster: Cluster, name: str, actives: str) -> None:
+    """Roles by arrival, whatever the machine's load: after the last of ``actives`` started,
+    wait until round 0 formed with them; a spare waits until it is standby, so the next one
+    queues behind it."""
+    if name in actives and name != actives[-1]:
+        return
+    for member in (actives if name in actives else name):
+        cluster.wait_for_log(member, "round 0 complete")
 
 
 def three(processes, tmp_path, args: list[str], fault_of_a: str) -> Cluster:
@@ -47,9 +74,12 @@ def three(processes, tmp_path, args: list[str], fault_of_a: str) -> Cluster:
     cluster = Cluster(processes, tmp_path, "2:3")
     cluster.out.mkdir(parents=True)
     cluster.start_store()
+    hold = ordered_start(cluster, "AB")
     for infra_rank, name in enumerate("ABC"):
         fault = ["--fault", fault_of_a] if name == "A" else []
-        cluster.start_participant(name, [*args, *fault], LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+        cluster.start_participant(name, [*args, *fault, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+        in_order(cluster, name, actives="AB")
+    release(hold)
     return cluster
 
 
@@ -150,7 +180,7 @@ def test_sigterm_to_the_survivor_while_it_opens_the_next_round(processes, tmp_pa
 # ------------------------------------------------------------------ snapshot save
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_sigterm_during_a_periodic_snapshot_save(processes, tmp_path):
     """SIGTERM x snapshot save: the save completes, then the SIGTERM path stops both actives at
     one agreed step with a committed snapshot (81); the spare stops too (143)."""
@@ -162,7 +192,7 @@ def test_sigterm_during_a_periodic_snapshot_save(processes, tmp_path):
     assert len({e["step"] for e in decisions}) == 1 and all(e["exit_code"] == 81 for e in decisions)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_full_shm_on_an_active_writer(processes, tmp_path, small_tmpfs):
     """Full /dev/shm x snapshot save: the periodic save fails with a warning, training goes on
     (its peer holds the same state), the job finishes."""
@@ -195,7 +225,7 @@ def test_sigstop_during_a_periodic_snapshot_save(processes, tmp_path):
 # ------------------------------------------------------------------ shutdown
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["kill", "stop", "term"])
 def test_an_active_lost_after_fit_returned(processes, tmp_path, kind):
     """kill -9 / SIGSTOP / SIGTERM x shutdown: training is complete; the other active passes its
@@ -211,7 +241,7 @@ def test_an_active_lost_after_fit_returned(processes, tmp_path, kind):
 # ------------------------------------------------------------------ rendezvous
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_store_killed_before_the_first_round_formed(processes, tmp_path):
     """store kill x rendezvous: nothing trained and nothing can form: 83, promptly, said clearly."""
     cluster = Cluster(processes, tmp_path, "2:2")

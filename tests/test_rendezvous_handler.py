@@ -16,7 +16,7 @@ from lightning_ft.rendezvous import RendezvousConfigError
 from lightning_ft.rendezvous.handler import LightningFTRendezvousHandler, parse_endpoint
 from proc_utils import free_port, wait_for
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(150)
 
 
 def params(port, run_id="h", min_nodes=1, max_nodes=2, **conf):

@@ -28,7 +28,8 @@ import pytest
 from proc_utils import REPO_ROOT, kill_pids, wait_for
 from slurm_cluster import KILL_WAIT, MEASURED, NODE, SlurmCluster, process_environ
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
+# one xdist group: every scenario shares the session's SLURM (one node, one slurmctld)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 
 DDP_FT_SBATCH = REPO_ROOT / "examples" / "slurm" / "ddp_ft.sbatch"
 TORCHRUN_SBATCH = REPO_ROOT / "examples" / "slurm" / "torchrun.sbatch"
@@ -177,9 +178,16 @@ def jobs(slurm, tmp_path):
 
 
 @pytest.fixture
-def timings():
-    """Scenario -> seconds from its event to the job's end state; conftest prints them after the run."""
-    return MEASURED
+def timings(request):
+    """Scenario -> seconds from its event to the job's end state; conftest prints them after the run.
+
+    They travel with the test's report (``user_properties``): under pytest-xdist the test runs
+    in a worker process and the summary is printed by the controller.
+    """
+    measured: dict[str, float] = {}
+    yield measured
+    MEASURED.update(measured)
+    request.node.user_properties.extend(("slurm_timing", item) for item in measured.items())
 
 
 @dataclass
@@ -209,10 +217,13 @@ def time_limit_job(request, tmp_path_factory):
     """The job of scenario (c), submitted when the module starts: most of it is waiting for
     slurmctld's time-limit check, which can as well happen while the other scenarios run.
 
-    ``--time=1`` (the shortest), warning 10 s before: slurmctld checks limits every 30 s and sends
-    the warning at the first check within 10 + 30 s of the limit, i.e. 20..50 s after the start;
-    the limit itself is enforced at the first check after it, >= 30 s after the warning.
-    Attempt 0 trains slowly enough to be still running then; the requeued attempt fast.
+    ``--time=2``, warning 10 s before: slurmctld checks limits every 30 s and sends the warning
+    at the first check within 10 + 30 s of the limit, i.e. 80..110 s after the start; the limit
+    itself is enforced at the first check after it, >= 30 s after the warning. (With
+    ``--time=1`` the warning can come 20 s after the start, before three tasks importing torch
+    on a loaded 2-core machine have joined: they are then stopped before anything trained,
+    truthfully 143, which is not this scenario.) Attempt 0 trains slowly enough (120 steps of
+    1 s) to be still running at the warning; the requeued attempt fast.
     """
     wanted = test_c_time_limit_warning_stops_and_saves_before_the_limit_then_requeue_completes.__name__
     if not any(item.originalname == wanted for item in request.session.items):
@@ -220,8 +231,8 @@ def time_limit_job(request, tmp_path_factory):
         return
     slurm = request.getfixturevalue("slurm")
     jobs = Jobs(slurm, tmp_path_factory.mktemp("slurm-time-limit"))
-    job = jobs.submit("time-limit", ["--max-steps", "120", "--step-sleep", "0.45", "--step-sleep-requeued", "0.02"],
-                      options=("--ntasks=3", "--time=1", "--signal=B:USR1@10"))
+    job = jobs.submit("time-limit", ["--max-steps", "120", "--step-sleep", "1.0", "--step-sleep-requeued", "0.02"],
+                      options=("--ntasks=3", "--time=2", "--signal=B:USR1@10"))
     stop = threading.Event()
 
     def give_the_rerun_time() -> None:

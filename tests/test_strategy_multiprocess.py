@@ -30,7 +30,7 @@ def first_loss(cluster: Cluster) -> float:
     return records[0]["loss"]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_no_failure_matches_plain_ddp_and_the_spare_exits_zero(processes, tmp_path):
     cluster = Cluster(processes, tmp_path / "ft", "2:3")
     cluster.start(["A", "B", "C"], ["--max-steps", "40"])
@@ -64,7 +64,7 @@ def test_no_failure_matches_plain_ddp_and_the_spare_exits_zero(processes, tmp_pa
     assert len(cluster.events_of("spare_exit")) == 1
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_sigkill_active_spare_takes_over_from_the_last_snapshot(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:3")
     cluster.start(["A", "B", "C"], ["--max-steps", "100", *SLOW])
@@ -95,7 +95,7 @@ def test_sigkill_active_spare_takes_over_from_the_last_snapshot(processes, tmp_p
     assert [e["detector"] for e in cluster.events_of("failure_detected")] == ["collective"]
 
 
-@pytest.mark.timeout(100)
+@pytest.mark.timeout(180)
 def test_two_failures_with_two_spares(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:4")
     names = ["A", "B", "C", "D"]
@@ -121,7 +121,7 @@ def test_two_failures_with_two_spares(processes, tmp_path):
     assert {e["round"] for e in cluster.events_of("finished")} == {2}
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_failure_with_no_spare_left_ends_with_no_restart(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:2")
     cluster.start(["A", "B"], ["--max-steps", "400", *SLOW])
@@ -134,7 +134,7 @@ def test_failure_with_no_spare_left_ends_with_no_restart(processes, tmp_path):
     assert "min_nodes" in event["reason"]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_second_failure_after_the_only_spare_was_used_ends_with_no_restart(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:3")
     cluster.start(["A", "B", "C"], ["--max-steps", "400", *SLOW])
@@ -154,7 +154,7 @@ def test_second_failure_after_the_only_spare_was_used_ends_with_no_restart(proce
     assert "min_nodes" in event["reason"]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_bug_in_training_step_fails_the_job_without_using_the_spare(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:3")
     cluster.start(["A", "B", "C"], ["--max-steps", "400", "--raise-at-step", "15", "--raise-on-rank", "1", *SLOW])
@@ -166,7 +166,7 @@ def test_bug_in_training_step_fails_the_job_without_using_the_spare(processes, t
     assert not cluster.events_of("snapshot_received"), "the spare must not be used for a bug"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("callback", ["added by the strategy", "given by the user"])
 def test_sigterm_to_one_active_takes_the_graceful_termination_path(processes, tmp_path, callback):
     cluster = Cluster(processes, tmp_path, "2:3")
@@ -189,7 +189,7 @@ def test_sigterm_to_one_active_takes_the_graceful_termination_path(processes, tm
     assert cluster.events_of("stopped")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_sigterm_events_go_to_the_events_dir_given_to_the_strategy(processes, tmp_path):
     # events_dir as an argument, LIGHTNING_FT_EVENTS_DIR unset: the SIGTERM path's events must
     # land in the same run directory (and the same per-process file) as the strategy's
@@ -210,7 +210,7 @@ def test_sigterm_events_go_to_the_events_dir_given_to_the_strategy(processes, tm
     assert not cluster.events.exists() or not list(cluster.events.glob("*.jsonl"))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_sigterm_to_a_waiting_spare_withdraws_it_and_training_goes_on(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:3")
     cluster.start(["A", "B", "C"], ["--max-steps", "80", *SLOW])
@@ -225,7 +225,7 @@ def test_sigterm_to_a_waiting_spare_withdraws_it_and_training_goes_on(processes,
     assert all(cluster.result(n)["step"] == 80 for n in actives)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_sigstopped_active_is_detected_as_hung_and_replaced(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:3")
     cluster.start(["A", "B", "C"], ["--max-steps", "100", "--hang-floor", "2", *SLOW])
@@ -247,7 +247,7 @@ def test_sigstopped_active_is_detected_as_hung_and_replaced(processes, tmp_path)
         assert cluster.result(name)["step"] == 100
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_sole_active_lost_the_spare_resumes_from_its_replica(processes, tmp_path):
     # 1 active + 1 spare on different "hosts": each snapshot is replicated to the spare through
     # the store, because the active alone holds it; when the active dies nobody is left to send

@@ -12,7 +12,7 @@ from lightning_ft.schema.round import decode_progress, encode_member, member_key
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(150)
 
 
 @pytest.fixture

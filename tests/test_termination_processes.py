@@ -173,7 +173,7 @@ def test_unhealthy_rank_exits_without_saving_and_the_healthy_one_saves(processes
     assert starts[0]["digest"] == starts[1]["digest"] == healthy_stop["digest"]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_single_process_sigterm_to_itself_saves_and_resumes(processes, tmp_path):
     run = Run(tmp_path)
     processes.python("train", [SCRIPT, *run.args("--self-signal-step", "5")])
@@ -188,7 +188,7 @@ def test_single_process_sigterm_to_itself_saves_and_resumes(processes, tmp_path)
     assert run.marker("done", 0)["step"] == 7
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize(("overrun_healthy", "expected"), [(False, ExitCode.UNHEALTHY_NODE),
                                                            (True, ExitCode.PREEMPTED)])
 def test_a_hanging_probe_is_judged_by_the_overrun_policy_within_its_deadline(overrun_healthy, expected,
@@ -204,7 +204,7 @@ def test_a_hanging_probe_is_judged_by_the_overrun_policy_within_its_deadline(ove
         assert any("hangs" in reason for reason in record["reasons"]), record
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_without_emergency_checkpoint_the_exit_code_says_nothing_was_saved(processes, tmp_path):
     run = Run(tmp_path)
     processes.python("train", [SCRIPT, *run.args("--self-signal-step", "3", "--no-emergency")])

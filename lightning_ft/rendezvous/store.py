@@ -144,8 +144,25 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, connect_timeout: flo
                     f"is_host=true but the rendezvous store cannot listen on {endpoint}: {exc}") from exc
             log.debug("not hosting the store at %s (%s); connecting as a client", endpoint, exc)
     remaining = max(1.0, deadline - time.monotonic())
+    # in a thread of its own: a frozen store host's kernel still accepts the connection, and
+    # the client then waits for the handshake's answer without limit
+    connecting: Future = Future()
+
+    def _connect() -> None:
+        try:
+            connecting.set_result(dist.TCPStore(host, port, is_master=False,
+                                                timeout=datetime.timedelta(seconds=remaining)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            connecting.set_exception(exc)
+
+    threading.Thread(target=_connect, name="lightning_ft-store-connect", daemon=True).start()
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))
+        # torch's own connect retries end after ``remaining``; the margin is for a loaded machine
+        store = connecting.result(timeout=remaining + 5.0)
+    except TimeoutError:
+        raise RendezvousConnectionError(
+            f"cannot reach the rendezvous store at {endpoint} within connect_timeout={connect_timeout}s: "
+            f"no answer (its host is frozen or overloaded, or the connection hangs)") from None
     except (RuntimeError, OSError) as exc:
         # the first line only: torch appends its C++ stack to the message
         detail = (str(exc).strip().splitlines() or [""])[0]

@@ -20,7 +20,7 @@ from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
 from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
-from lightning_ft.rendezvous.store import STORE_OP_TIMEOUT, BoundedStore, connect_store, raw_store
+from lightning_ft.rendezvous.store import BoundedStore, connect_store, raw_store
 from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore
@@ -53,7 +53,7 @@ class Session:
         launch = settings.launch
         raw, hosting = connect_store(launch.endpoint, settings.is_store_host, settings.timeouts.connect_timeout)
         # every call of ours on the store returns within a bound, even if the store freezes
-        store = BoundedStore(raw, STORE_OP_TIMEOUT)
+        store = BoundedStore(raw, settings.timeouts.store_timeout)
         participant = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
         rendezvous = BarrierRendezvous(store, settings.rendezvous(), participant, is_store_host=hosting,
                                        heartbeat_store_factory=store.clone)

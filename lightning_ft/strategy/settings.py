@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from lightning_ft._validation import require, require_bool, require_number
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousSettings, RendezvousTimeouts
+from lightning_ft.rendezvous.store import STORE_OP_TIMEOUT
 from lightning_ft.rendezvous.store import Endpoint, parse_endpoint
 from lightning_ft.schema.signing import SecretError, read_secret
 from lightning_ft.strategy.decisions import merge_setting, parse_nnodes
@@ -78,6 +79,8 @@ class StrategyTimeouts:
     exit_barrier_timeout: float = 60.0
     #: bound on reaching the rendezvous store
     connect_timeout: float = 60.0
+    #: bound on any one store call once connected (a frozen store host never answers)
+    store_timeout: float = STORE_OP_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ class StrategySettings:
             raise StrategyConfigError(f"{_PREFIX}{exc}") from None
 
 
-_OWN_DURATIONS = ("init_timeout", "exit_barrier_timeout", "connect_timeout")
+_OWN_DURATIONS = ("init_timeout", "exit_barrier_timeout", "connect_timeout", "store_timeout")
 
 
 def resolve_settings(*, endpoint: str | None, run_id: str | None, min_nodes: int | None, max_nodes: int | None,

@@ -114,6 +114,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         init_timeout: bound on building the process group of a round.
         exit_barrier_timeout: bound on waiting for the other actives at the end.
         connect_timeout: bound on reaching the rendezvous store.
+        store_timeout: bound on any one call to the store once connected: a frozen store
+            host makes the call fail after this long (and later calls at once) instead of
+            blocking for good.
         max_failures_without_progress: failed rounds in a row without a completed training
             step before giving up with NO_RESTART.
         max_recoveries: optional cap on recoveries in one process.
@@ -152,6 +155,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         init_timeout: float = 60.0,
         exit_barrier_timeout: float = 60.0,
         connect_timeout: float = 60.0,
+        store_timeout: float = 30.0,
         max_failures_without_progress: int = 2,
         max_recoveries: int | None = None,
         timeout: datetime.timedelta | None = default_pg_timeout,
@@ -169,7 +173,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             max_recoveries=max_recoveries, timeout=timeout, heartbeat_interval=heartbeat_interval,
             last_call_timeout=last_call_timeout, previous_active_grace=previous_active_grace,
             join_timeout=join_timeout, rejoin_timeout=rejoin_timeout, init_timeout=init_timeout,
-            exit_barrier_timeout=exit_barrier_timeout, connect_timeout=connect_timeout)
+            exit_barrier_timeout=exit_barrier_timeout, connect_timeout=connect_timeout,
+            store_timeout=store_timeout)
         environment: ClusterEnvironment = (RoundEnvironment(socket.gethostname())
                                            if settings.mode is LaunchMode.RENDEZVOUS else ElasticEnvironment())
         super().__init__(cluster_environment=environment, timeout=timeout,
@@ -192,12 +197,14 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if settings.mode is LaunchMode.RENDEZVOUS:
             # Before the rendezvous nobody knows who is rank 0, yet Lightning's rank-zero output
             # (the "GPU available" lines in Trainer.__init__, tips) would print on every process,
-            # spares included. Only the scheduler's node 0 prints then; rank 0 of the first round
-            # prints the device lines if that was not it.
-            early_rank = 0 if _scheduler_node_index(settings) == 0 else NO_RANK
+            # spares included. Only the scheduler's node 0 prints then. When the scheduler numbers
+            # the nodes, node 0 has printed them, whoever becomes rank 0 (arrival order decides);
+            # only without a numbering does rank 0 of the first round print the device lines.
+            node_index = _scheduler_node_index(settings)
+            early_rank = 0 if node_index == 0 else NO_RANK
             self._environment.assign(early_rank, 1)  # what set_world_ranks() reports until a round decides
             self.set_world_ranks()
-            self._printed_device_info = early_rank == 0
+            self._printed_device_info = node_index >= 0
         # Lightning never destroys a gloo group; and a ddp_ft process has told its peers and the
         # rendezvous everything before fit() returns, so its interpreter teardown may be quick
         plan_exit(destroy_process_group=True, quick_teardown=True)

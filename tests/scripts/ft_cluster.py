@@ -20,6 +20,8 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "ft_train.py")
+#: how long processes may take to start and train their first step (imports on a loaded machine)
+STARTUP_ALLOWANCE = 60.0
 
 
 def free_port() -> int:
@@ -109,14 +111,33 @@ class Cluster:
         return [name for name, records in self.steps().items() if records]
 
     def wait_for_step(self, step: int, timeout: float, among: list[str] | None = None) -> str:
-        """Wait until some process (of ``among``) completed ``step``; returns its name."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Wait until some process (of ``among``) completed ``step``; returns its name.
+
+        ``timeout`` counts from the first completed step of anyone: before it, processes are
+        still importing torch and Lightning, which on a loaded 2-core machine can take tens of
+        seconds; that part is bounded by ``STARTUP_ALLOWANCE`` on its own.
+        """
+        start = time.monotonic()
+        deadline = start + STARTUP_ALLOWANCE + timeout
+        trained_since = None
+        while time.monotonic() < min(deadline, (trained_since or deadline) + timeout):
             for name, records in self.steps().items():
+                if records and trained_since is None:
+                    trained_since = time.monotonic()
                 if (among is None or name in among) and records and records[-1]["step"] >= step:
                     return name
             time.sleep(0.02)
-        raise TimeoutError(f"no process reached step {step} within {timeout}s")
+        raise TimeoutError(f"no process reached step {step} within {timeout}s of the first step "
+                           f"(first step after {'-' if trained_since is None else round(trained_since - start, 1)}s)"
+                           f"\n{self.logs()}")
+
+    def wait_for_log(self, name: str, text: str, timeout: float = STARTUP_ALLOWANCE) -> None:
+        """Wait until ``text`` is in the log of ``name``; raises TimeoutError with every log."""
+        deadline = time.monotonic() + timeout
+        while text not in self.procs[name].log():
+            if time.monotonic() > deadline or self.procs[name].popen.poll() is not None:
+                raise TimeoutError(f"{name} did not log {text!r}\n{self.logs()}")
+            time.sleep(0.05)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> float:
         """Signal one participant; returns the wall-clock time of the kill."""

@@ -39,13 +39,16 @@ def _sleep_until_sigusr1(seconds: float) -> None:
 def _inject_fault(spec: str) -> None:
     """``KIND:MODULE:QUALNAME[:N]``: on the N-th call (default 1) of that function this process
     signals itself -- kill (SIGKILL), stop (SIGSTOP) or term (SIGTERM) -- right before the call
-    runs: a real fault at an exact point of lightning_ft's code, from outside it."""
+    runs: a real fault at an exact point of lightning_ft's code, from outside it. ``store-stop``
+    SIGSTOPs the store process instead (its pid in ``FT_TEST_STORE_PID``): the store host
+    freezes at that point."""
     import functools
     import importlib
 
     kind, module_name, qualname, *rest = spec.split(":")
     nth = int(rest[0]) if rest else 1
-    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}[kind]
+    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "store-stop": signal.SIGSTOP}[kind]
+    target = int(os.environ["FT_TEST_STORE_PID"]) if kind == "store-stop" else os.getpid()
     owner = importlib.import_module(module_name)
     *path, name = qualname.split(".")
     for part in path:
@@ -58,7 +61,7 @@ def _inject_fault(spec: str) -> None:
         calls["n"] += 1
         if calls["n"] == nth:
             print(f"FAULT {kind} in {qualname} (call {nth})", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), sig)
+            os.kill(target, sig)
         return original(*a, **kw)
 
     setattr(owner, name, faulty)
@@ -97,6 +100,9 @@ def main() -> int:
     parser.add_argument("--sleep-before-fit", type=float, default=0.0,
                         help="a slow start: the process exists, but joins the run this much later "
                              "(or when it receives SIGUSR1)")
+    parser.add_argument("--hold-first-step-while", default=None, metavar="PATH",
+                        help="step 0 waits while PATH exists: a test lets spares arrive before training starts "
+                             "(the first step of a round is exempt from hang detection)")
     parser.add_argument("--fault", action="append", default=[], metavar="KIND:MODULE:QUALNAME[:N]",
                         help="signal this process (kill|stop|term) at the N-th call of a function")
     parser.add_argument("--quiet", action="store_true")
@@ -135,6 +141,9 @@ def main() -> int:
             self.net = nn.Sequential(nn.Linear(16, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
 
         def training_step(self, batch, batch_idx):
+            if args.hold_first_step_while and self.trainer.global_step == 0:
+                while os.path.exists(args.hold_first_step_while):
+                    time.sleep(0.05)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             if args.raise_at_step is not None and self.trainer.global_step == args.raise_at_step \
