@@ -282,7 +282,9 @@ def test_b_scancel_signal_term_stops_at_one_step_with_81_and_slurm_requeues_and_
     timings["(b) scancel --signal=TERM -> COMPLETED after the requeue"] = seconds
 
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), job.diagnostics()
-    assert job.srun_and_job_codes() == [(81, 81), (0, 0)], job.diagnostics()
+    # srun returns the highest task code: the hot spare, stopped with nothing of its own to
+    # save, exits 143; the job's code comes from the run's outcome (both ranks saved: 81)
+    assert job.srun_and_job_codes() == [(143, 81), (0, 0)], job.diagnostics()
     decisions = job.events(0, "termination_decision")
     assert [d["exit_code"] for d in decisions] == [81, 81], job.diagnostics()
     stop_step = decisions[0]["step"]
@@ -315,7 +317,7 @@ def test_d_unhealthy_node_exits_82_the_job_ends_82_the_epilog_drains_the_node(jo
         info = job.info()
         assert info["JobState"] == "PENDING" and info["ExitCode"] == "82:0", (info, job.diagnostics())
         assert "Epilog error" in node.get("Reason", ""), node
-        assert job.srun_and_job_codes() == [(82, 82)], job.diagnostics()
+        assert job.srun_and_job_codes() == [(143, 82)], job.diagnostics()  # 143: the stopped spare (see (b))
         [unhealthy] = job.events(0, "unhealthy_exit")
         assert unhealthy["exit_code"] == 82 and any(domain in reason for reason in unhealthy["reasons"])
         saved = job.events(0, "termination_decision")
@@ -417,7 +419,7 @@ def test_c_time_limit_warning_stops_and_saves_before_the_limit_then_requeue_comp
     output = job.output()
     assert "time limit near: SIGTERM to the tasks" in output
     assert "ddp_ft.sbatch: SIGTERM" not in output, "the limit itself was reached (SLURM's own SIGTERM)"
-    assert job.srun_and_job_codes() == [(81, 81), (0, 0)], job.diagnostics()
+    assert job.srun_and_job_codes() == [(143, 81), (0, 0)], job.diagnostics()  # 143: the spare (see (b))
     decisions = job.events(0, "termination_decision")
     assert [d["exit_code"] for d in decisions] == [81, 81], job.diagnostics()
     stop_step = decisions[0]["step"]

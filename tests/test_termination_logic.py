@@ -11,10 +11,13 @@ import threading
 import pytest
 
 from lightning_ft.exit_codes import ExitCode
+from lightning_ft.process import call_with_timeout
 from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
 from lightning_ft.termination.decision import (
     Action,
+    BoundaryAction,
     budget_left,
+    decide_at_boundary,
     decide_on_termination,
     not_saved_exit_code,
     resolve_grace_seconds,
@@ -26,6 +29,7 @@ from lightning_ft.termination.exit_records import (
     write_exit_record,
 )
 from lightning_ft.termination.signals import SignalListener
+from lightning_ft.termination.watcher import StopWatcher
 
 
 class FakeClock:
@@ -114,6 +118,75 @@ def test_first_proposal_wins_and_every_rank_sees_it(tcp_store):
     assert rank0.any_peer_unhealthy()
     assert rank0.unhealthy_peers() == {1: ["marker: xid 79"]}
     assert rank1.unhealthy_peers() == {}  # its own notice is not a peer's
+
+
+@pytest.mark.parametrize(("step", "stop", "unhealthy", "confirmed", "expected"), [
+    (10, 12, False, False, BoundaryAction.CONTINUE),  # two steps before the stop: nothing to wait for yet
+    (11, 12, False, False, BoundaryAction.HOLD),  # before training the stop step, every rank must know it
+    (11, 12, False, True, BoundaryAction.CONTINUE),
+    (12, 12, False, False, BoundaryAction.STOP),  # at the stop step: everyone who trained it knew it
+    (13, 12, False, True, BoundaryAction.STOP),  # past it (a confirmation that was forged): stop now
+    (5, 12, True, False, BoundaryAction.STOP),  # a peer left unhealthy: our next collective fails
+])
+def test_boundary_actions(step, stop, unhealthy, confirmed, expected):
+    assert decide_at_boundary(step=step, stop_step=stop, peer_unhealthy=unhealthy,
+                              all_confirmed=confirmed) is expected
+
+
+def test_bounded_call_returns_the_value_the_error_or_that_it_took_too_long():
+    assert call_with_timeout(lambda: 42, 1.0, "answering").value == 42
+    failed = call_with_timeout(lambda: 1 / 0, 1.0, "dividing")
+    assert not failed.ok and "dividing failed: ZeroDivisionError" in failed.problem
+    never = threading.Event()
+    stuck = call_with_timeout(lambda: never.wait(60), 0.05, "asking a frozen store")
+    assert not stuck.ok and "did not finish within 0.05 s" in stuck.problem
+    never.set()
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+def test_the_stop_watcher_learns_a_peers_stop_and_unhealthy_exit_and_confirms(tcp_store):
+    import torch.distributed as dist
+
+    prefix = dist.PrefixStore("w/", tcp_store)
+    rank0, rank1 = StoreStopCoordinator(prefix, 0, 2), StoreStopCoordinator(prefix.clone(), 1, 2)
+    learned: list[tuple[StopRequest, str]] = []
+    watcher = StopWatcher(rank1, on_stop=lambda stop: learned.append((stop, threading.current_thread().name)))
+    watcher.start()
+    try:
+        assert watcher.stop is None and not rank0.all_confirmed()
+        agreed = rank0.propose(7, signal.SIGTERM, "rank 0: SIGTERM received")  # confirms, wakes everyone
+        assert wait_until(lambda: watcher.stop is not None)
+        assert watcher.stop == agreed and learned == [(agreed, "lightning-ft-stop-watcher")]
+        assert rank0.wait_until_all_confirmed(10.0)  # rank 1's watcher confirmed for it
+        assert not watcher.peer_unhealthy
+
+        rank0.announce_unhealthy(7, signal.SIGTERM, ["marker: xid 79"])
+        assert wait_until(lambda: watcher.peer_unhealthy)
+        assert watcher.unhealthy == {0: ["marker: xid 79"]} and len(learned) == 1
+    finally:
+        watcher.close(rank1, timeout_s=5.0)
+    assert not [t for t in threading.enumerate() if t.name == "lightning-ft-stop-watcher"]
+
+
+def test_confirmations_time_out_when_a_rank_never_learns_the_stop(tcp_store):
+    import torch.distributed as dist
+
+    prefix = dist.PrefixStore("c/", tcp_store)
+    rank0 = StoreStopCoordinator(prefix, 0, 2)
+    rank0.propose(3, signal.SIGTERM, "rank 0: SIGTERM received")
+    assert not rank0.wait_until_all_confirmed(0.1)  # rank 1 has no watcher
+    StoreStopCoordinator(prefix.clone(), 1, 2).confirm()
+    assert rank0.wait_until_all_confirmed(0.1)
 
 
 def test_local_coordinator_is_its_own_authority():

@@ -136,7 +136,6 @@ def test_torchrun_sigterm_stops_every_rank_at_the_same_step(target, processes, w
         assert starts[0]["step"] == starts[1]["step"] == step
         assert starts[0]["digest"] == starts[1]["digest"] == stop_digest
         assert run.marker("done", 0)["step"] == step + 2
-        del resume
 
 
 @pytest.mark.timeout(150)

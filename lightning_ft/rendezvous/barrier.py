@@ -421,7 +421,7 @@ class BarrierRendezvous:
 
     def _graceful_exit(self, message: str) -> None:
         self._acknowledge()
-        log.info("%s exits gracefully: %s", self.participant_id, message)
+        log.info("%s leaves the rendezvous: %s", self.participant_id, message)
         raise RendezvousGracefulExitError(message)
 
     def _get_or_empty(self, key: str) -> str:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import datetime
 import logging
+import queue
 import socket
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
@@ -18,8 +21,10 @@ log = logging.getLogger(__name__)
 
 #: as torchrun's c10d backend
 DEFAULT_PORT = 29400
-#: bound on one store request once connected (a request, not a wait: waits poll in slices)
-STORE_OP_TIMEOUT = 300.0
+#: bound on one store request once connected (a request, not a wait: waits poll in slices).
+#: A healthy store answers in milliseconds; one that takes this long is frozen or gone, and
+#: the participant acts on that (a spare leaves, a survivor gives up) instead of hanging.
+STORE_OP_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -149,3 +154,72 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, connect_timeout: flo
             f"(--rdzv-endpoint); is the store host running? ({type(exc).__name__}: {detail})") from None
     store.set_timeout(timeout)
     return store, False
+
+
+class StoreUnresponsiveError(RuntimeError):
+    """A store call did not return within its bound: the store (or its host) is frozen or gone."""
+
+
+class BoundedStore:
+    """A TCPStore client whose calls return -- or raise StoreUnresponsiveError -- within ``bound``
+    seconds.
+
+    A TCPStore client waits for an answer without limit when the server is frozen (its host
+    SIGSTOPped, a dead machine whose connection is still open): its timeout covers waiting
+    for a key, not a server that never answers. Every call here runs on one worker thread of
+    this client and is waited for at most ``bound``; a stuck call keeps the worker (later
+    calls queue behind it and time out too) until the store answers or the process ends.
+    ``raw`` is the plain client, for torch's own use (``PrefixStore`` for a process group).
+    """
+
+    _METHODS = ("set", "get", "add", "compare_set", "check", "multi_get", "multi_set", "delete_key",
+                "num_keys", "wait")
+
+    def __init__(self, store: Any, bound: float) -> None:
+        self.raw = store
+        self.bound = bound
+        self._stuck: Future | None = None
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._serve, name="lightning_ft-store-client", daemon=True)
+        self._worker.start()
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+    def _call(self, name: str, *args: Any) -> Any:
+        stuck = self._stuck
+        if stuck is not None and not stuck.done():
+            # a call already waited out its bound and still has no answer: later calls would
+            # only queue behind it, so they fail at once instead of adding bound after bound
+            raise StoreUnresponsiveError(f"the rendezvous store did not answer {name}(): an earlier call has "
+                                         f"had no answer for more than {self.bound:g}s (frozen or gone)")
+        future: Future = Future()
+        self._calls.put((future, getattr(self.raw, name), args))
+        try:
+            return future.result(timeout=self.bound)
+        except TimeoutError:
+            if not future.cancel():
+                self._stuck = future
+            raise StoreUnresponsiveError(f"the rendezvous store did not answer {name}() within {self.bound:g}s "
+                                         "(frozen or gone)") from None
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name in BoundedStore._METHODS:
+            return lambda *args: self._call(name, *args)
+        return getattr(self.raw, name)
+
+    def clone(self) -> "BoundedStore":
+        """Another connection to the same store (torch's ``TCPStore.clone``), bounded alike."""
+        return BoundedStore(self._call("clone"), self.bound)
+
+
+def raw_store(store: Any) -> Any:
+    """The plain torch Store behind ``store`` (for torch APIs that need a c10d Store)."""
+    return store.raw if isinstance(store, BoundedStore) else store

@@ -22,6 +22,26 @@ def unhealthy_key(rank: int) -> str:
     return f"unhealthy/{rank}"
 
 
+def wake_key(rank: int) -> str:
+    """Set (raw) to wake rank ``rank``'s stop watcher, which blocks in a store ``wait`` on it.
+
+    Whoever writes the stop request or an unhealthy notice sets every rank's wake key after
+    it; a rank sets its own to end its watcher. Not a value (anyone may set it): a woken
+    watcher deletes it and reads the sealed keys, which decide.
+    """
+    return f"wake/{rank}"
+
+
+def confirmed_key(rank: int) -> str:
+    """Set (raw) by rank ``rank`` once it knows the stop request: "I will stop at its step".
+
+    A rank that leaves as unhealthy sets it too (it will not hold anyone up). Not sealed: a
+    forged confirmation can only make a rank miss the stop step and then fail in the next
+    collective, where the exception path saves the same step.
+    """
+    return f"confirmed/{rank}"
+
+
 @dataclass(frozen=True)
 class StopRequest:
     """The agreed stop: every rank stops after optimizer step ``step``."""

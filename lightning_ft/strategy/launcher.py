@@ -42,7 +42,7 @@ from lightning_ft.checkpoint.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.replication import ReplicaPuller
 from lightning_ft.checkpoint.store import SnapshotStore
 from lightning_ft.events import names as ev
-from lightning_ft.process import destroy_process_group
+from lightning_ft.process import destroy_process_group, run_with_timeout
 from lightning_ft.rendezvous.barrier import ParticipantExcludedError, RoundResult
 from lightning_ft.schema.run import CloseKind
 from lightning_ft.strategy.decisions import (
@@ -266,14 +266,13 @@ class FaultTolerantLauncher(_Launcher):
         strategy.stop_round_threads()
         start = time.monotonic()
         timeout = strategy.settings.timeouts.exit_barrier_timeout
-        try:
-            # torch's elastic exit barrier, same keys and semantics as the agent's: spares
-            # watching keys.exit_barrier(round) see that this round's actives finished
-            store_util.barrier(session.round_store(result), result.world_size, key_prefix=_TERMINAL_STATE_SYNC_ID,
-                               barrier_timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - our work is done; a peer lost at the very end is no reason to fail
-            log.warning("ddp_ft: exit barrier of round %d did not complete (%s: %s; bound %.0fs); finishing anyway",
-                        result.round, type(exc).__name__, first_line(exc), timeout)
+        # torch's elastic exit barrier, same keys and semantics as the agent's: spares watching
+        # keys.exit_barrier(round) see that this round's actives finished. Our work is done, so
+        # a peer lost at the very end (or a store that froze) is no reason to fail: bounded --
+        # a frozen store would hold torch's barrier for good -- and on we go.
+        run_with_timeout(lambda: store_util.barrier(session.round_store(result), result.world_size,
+                                                    key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=timeout),
+                         timeout + 1.0, f"ddp_ft: exit barrier of round {result.round} (bound {timeout:.0f}s)")
         step = strategy.trainer.global_step if strategy.trainer is not None else None
         session.events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=step,
                             seconds=round(time.monotonic() - start, 4))

@@ -25,7 +25,7 @@ from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer_reset import reset_trainer_for_rerun
 from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import ExitCode
-from lightning_ft.process import ExitWatchdog, destroy_process_group, planned_exit_code
+from lightning_ft.process import ExitWatchdog, call_with_timeout, destroy_process_group, planned_exit_code
 from lightning_ft.schema.round import VERDICT_KEY, decode_verdict, failed_key
 from lightning_ft.schema.run import CloseKind
 from lightning_ft.strategy.decisions import (
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from lightning_ft.strategy.strategy import FaultTolerantDDPStrategy
 
 log = logging.getLogger(__name__)
+
+# the longest classifying a failure waits for the store's notices (failed peers, verdicts, the close)
+_CLASSIFY_STORE_TIMEOUT_S = 2.0
 
 
 class NodeFaultExit(SystemExit):
@@ -197,23 +200,31 @@ class FailureHandler:
         transport_broken = runtime.transport is not None and runtime.transport.aborted
         peer_error = newer = None
         result, session = runtime.result, self._session
-        try:
+
+        def read_notices() -> tuple[str | None, str | None, bool]:
+            found_error, found_detector = None, detector
             values = session.round_values(result)
             for rank in range(result.world_size):
                 text = values.get(failed_key(rank)) if rank != result.rank else None
                 if text is not None:
-                    peer_error = f"rank {rank}: {text.decode(errors='replace')}"
+                    found_error = f"rank {rank}: {text.decode(errors='replace')}"
                     break
-            raw_verdict = values.get(VERDICT_KEY) if detector is None else None
+            raw_verdict = values.get(VERDICT_KEY) if found_detector is None else None
             if raw_verdict is not None:  # a peer's watchdog broke the round
                 verdict = decode_verdict(raw_verdict)
-                detector = verdict.detector if verdict is not None else None
+                found_detector = verdict.detector if verdict is not None else None
             closed = session.rendezvous.closed_reason()
-            if peer_error is None and closed is not None and closed.kind is CloseKind.FAILED:
-                peer_error = str(closed)
-            newer = session.rendezvous.current_round() > result.round
-        except (RuntimeError, OSError) as store_error:
-            log.warning("ddp_ft: cannot read the rendezvous store while classifying a failure: %s", store_error)
+            if found_error is None and closed is not None and closed.kind is CloseKind.FAILED:
+                found_error = str(closed)
+            return found_error, found_detector, session.rendezvous.current_round() > result.round
+
+        # bounded: a frozen store host must not keep this rank from deciding (on the SIGTERM
+        # path, GracefulTermination saves from here on); no answer counts as no notices
+        notices = call_with_timeout(read_notices, _CLASSIFY_STORE_TIMEOUT_S, "reading the store's notices")
+        if notices.ok:
+            peer_error, detector, newer = notices.value  # type: ignore[misc]
+        else:
+            log.warning("ddp_ft: classifying the failure without the rendezvous store: %s", notices.problem)
         return FailureFacts(
             exception_type=type(exc).__name__,
             is_collective_error=looks_like_collective_error(chain) or transport_broken,

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
 from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
-from lightning_ft.rendezvous.store import connect_store
+from lightning_ft.rendezvous.store import STORE_OP_TIMEOUT, BoundedStore, connect_store, raw_store
 from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore
@@ -28,6 +29,10 @@ from lightning_ft.strategy.settings import HangSettings, StrategySettings
 from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
 
 log = logging.getLogger(__name__)
+
+#: bound on one poll of the round watchdog (seconds): a frozen store must not freeze it, so a
+#: rank that cannot progress breaks the group within hang timeout + this bound
+WATCHDOG_STORE_TIMEOUT = 5.0
 
 
 @dataclass
@@ -46,7 +51,9 @@ class Session:
         """Reach (or host) the store and build this participant. Raises ``RendezvousError``
         when the store cannot be reached; ``events_for(participant_id)`` opens the event log."""
         launch = settings.launch
-        store, hosting = connect_store(launch.endpoint, settings.is_store_host, settings.timeouts.connect_timeout)
+        raw, hosting = connect_store(launch.endpoint, settings.is_store_host, settings.timeouts.connect_timeout)
+        # every call of ours on the store returns within a bound, even if the store freezes
+        store = BoundedStore(raw, STORE_OP_TIMEOUT)
         participant = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
         rendezvous = BarrierRendezvous(store, settings.rendezvous(), participant, is_store_host=hosting,
                                        heartbeat_store_factory=store.clone)
@@ -63,7 +70,7 @@ class Session:
     def round_store(self, result: RoundResult, store: Any = None) -> dist.PrefixStore:
         """The job's store of a round (on ``store``, default the session's connection), for
         torch's own keys (the exit barrier); our values there go through :meth:`round_values`."""
-        return dist.PrefixStore(result.store_prefix, self.store if store is None else store)
+        return dist.PrefixStore(result.store_prefix, raw_store(self.store if store is None else store))
 
     def round_values(self, result: RoundResult, store: Any = None) -> SealedStore:
         """The sealed values of a round's job (see :mod:`lightning_ft.schema.round`)."""
@@ -128,6 +135,7 @@ class RoundRuntime:
         """Watch this round from a thread with its own store connection (see :class:`RoundWatchdog`)."""
         result, events, keys = self.result, session.events, session.keys
         clone = session.store.clone()
+        clone.set_timeout(datetime.timedelta(seconds=WATCHDOG_STORE_TIMEOUT))
         round_values = session.round_values(result, clone)
 
         def on_trigger(detector: str, reason: str, stalled: tuple[int, ...]) -> None:
@@ -152,7 +160,7 @@ class RoundRuntime:
             clock=self.clock, hang_detection=hang.enabled, hang_floor=hang.floor, hang_factor=hang.safety_factor,
             dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,
             break_group=transport.abort if transport is not None else (lambda: 0),
-            poll_interval=hang.watchdog_interval)
+            poll_interval=hang.watchdog_interval, store_timeout=WATCHDOG_STORE_TIMEOUT)
         self.watchdog.start()
 
     def stop_watchdog(self) -> RoundWatchdog | None:

@@ -57,6 +57,7 @@ from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
 from lightning_ft.process import plan_exit
 from lightning_ft.rendezvous.participant import detect_infra_rank
+from lightning_ft.rendezvous.store import raw_store
 from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
 from lightning_ft.schema.run import decode_log_versions, encode_log_versions
 from lightning_ft.schema.signing import SealedStore
@@ -197,7 +198,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             self._environment.assign(early_rank, 1)  # what set_world_ranks() reports until a round decides
             self.set_world_ranks()
             self._printed_device_info = early_rank == 0
-        plan_exit(destroy_process_group=True)  # Lightning never destroys a gloo group
+        # Lightning never destroys a gloo group; and a ddp_ft process has told its peers and the
+        # rendezvous everything before fit() returns, so its interpreter teardown may be quick
+        plan_exit(destroy_process_group=True, quick_teardown=True)
         ensure_log_output()
 
     # ------------------------------------------------------------------ properties
@@ -284,7 +287,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         start = time.perf_counter()
         runtime.transport = init_round_group(
             self._process_group_backend, result.rank, result.world_size,
-            store=dist.PrefixStore(f"{result.store_prefix}/{PROCESS_GROUP}", session.store),
+            store=dist.PrefixStore(f"{result.store_prefix}/{PROCESS_GROUP}", raw_store(session.store)),
             init_timeout=self.settings.timeouts.init_timeout, pg_timeout=self._timeout,
             store_port=getattr(session.store, "port", None))
         seconds = time.perf_counter() - start

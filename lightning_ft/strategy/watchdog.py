@@ -122,7 +122,7 @@ class RoundWatchdog:
                  round_id: int, rank: int, world_size: int, clock: StepClock, hang_detection: bool,
                  hang_floor: float, hang_factor: float, dead_after: float,
                  on_trigger: Callable[[str, str, tuple[int, ...]], None], break_group: Callable[[], int],
-                 poll_interval: float = 0.2, progress_interval: float = 1.0) -> None:
+                 poll_interval: float = 0.2, progress_interval: float = 1.0, store_timeout: float = 5.0) -> None:
         self.round_values = round_values
         self.rdzv_store = rdzv_store
         self.round_key = round_key
@@ -138,6 +138,8 @@ class RoundWatchdog:
         self.on_trigger = on_trigger
         self.break_group = break_group
         self.poll_interval = poll_interval
+        #: longest a poll may wait on the store before the rank decides without it
+        self.store_timeout = store_timeout
         # Peers read a rank's progress only once their own progress is overdue (>= hang_floor),
         # so publishing it every poll is wasted store traffic, which competes with training for
         # the CPU when the store shares the machine; fresh within progress_interval suffices.
@@ -170,13 +172,64 @@ class RoundWatchdog:
             self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
+        # Every poll talks to the store, and a frozen store (its host SIGSTOPped, a dead
+        # machine whose TCP connection is still open) answers nothing -- a TCPStore call then
+        # blocks for good. So each poll runs in a helper thread and is waited for at most
+        # ``store_timeout``; while one is stuck no new one starts, and once this rank is
+        # overdue the group is broken without the store's help.
+        stuck: threading.Thread | None = None
         while not self._stop.wait(self.poll_interval):
-            try:
-                if self._poll():
+            if stuck is not None:
+                if not stuck.is_alive():
+                    stuck = None
+                elif self.triggered is not None:  # fired, then stuck telling the store: break anyway
+                    self.break_group()
                     return
-            except Exception as exc:  # noqa: BLE001 - the store went away: the main thread will see it too
-                log.debug("round watchdog stopped: %s", exc)
+                elif self._overdue_without_store("the rendezvous store does not answer "
+                                                 f"(a call is stuck for more than {self.store_timeout:g}s)"):
+                    return
+                continue
+            outcome: list = []
+            poller = threading.Thread(target=self._poll_into, args=(outcome,), daemon=True,
+                                      name="lightning_ft-round-watchdog-poll")
+            poller.start()
+            poller.join(self.store_timeout)
+            if poller.is_alive():
+                stuck = poller
+                continue
+            if outcome and outcome[0] is True:
                 return
+            if outcome and isinstance(outcome[0], BaseException):
+                exc = outcome[0]
+                if self.triggered is not None:
+                    return  # it fired; only telling the store failed (the group is broken already)
+                # Without the store nobody can be blamed; but a rank that cannot progress must
+                # not wait for the process-group timeout either: once it is overdue, break the
+                # group (the recovery path then finds out whether the store is gone for good).
+                # Until then keep watching -- the store may come back.
+                if self._overdue_without_store(f"the rendezvous store does not answer ({type(exc).__name__}: "
+                                               f"{(str(exc).splitlines() or [''])[0][:200]})"):
+                    return
+                log.debug("round watchdog: store call failed (%s); still watching", exc)
+
+    def _poll_into(self, outcome: list) -> None:
+        try:
+            outcome.append(self._poll())
+        except Exception as exc:  # noqa: BLE001 - judged by _run
+            outcome.append(exc)
+
+    def _overdue_without_store(self, why: str) -> bool:
+        if self.triggered is not None or self._stop.is_set() or not self.hang_detection:
+            return self.triggered is not None
+        idle = time.monotonic() - self.clock.last_activity
+        timeout = hang_timeout(self.clock.durations(), self.hang_floor, self.hang_factor)
+        if idle < timeout:
+            return False
+        reason = f"no progress for {idle:.1f}s, longer than the hang timeout {timeout:.1f}s, and {why}; nobody can be blamed"
+        self.triggered = ("hang", reason, ())
+        broken = self.break_group()
+        log.warning("rank %d: %s; broke the process group (%d connection(s))", self.rank, reason, broken)
+        return True
 
     def _poll(self) -> bool:
         clock = self.clock

@@ -6,18 +6,27 @@ Flow on each rank (see the README section "SIGTERM path" for the exit-code table
    signal wakeup fd, starts the node-health check at once, so the probes overlap the
    wait for the stop step.
 2. At the next optimizer-step boundary the rank proposes ``stop = step + margin_steps``
-   in the process group's store (``compare_set``, first writer wins). Every rank checks
-   the key at every boundary (``check``, a few microseconds), so all ranks stop after
-   the same step; no collective ever runs inside a signal handler.
+   in the process group's store (``compare_set``, first writer wins) and wakes every
+   rank's stop watcher (:mod:`~lightning_ft.termination.watcher`): a thread blocked in a
+   store ``wait`` that reads the request, publishes it in an attribute and confirms it.
+   The training thread reads that attribute at its boundaries and never calls the store
+   in steady state. Before training the stop step, a rank that knows it waits until every
+   rank confirmed, so all ranks stop after the same step (see
+   :func:`~lightning_ft.termination.decision.decide_at_boundary`); no collective ever
+   runs inside a signal handler.
 3. Unhealthy node (as soon as the check says so, not waiting for the stop step):
    publish "unhealthy, exiting" in the store, then ``os._exit(UNHEALTHY_NODE)``
-   without saving. Peers see the notice at their next boundary, or see a gloo error in
-   their current collective and find the notice in ``on_exception``; either way they
-   save the state of their last completed optimizer step.
+   without saving. Peers learn it from their watcher at their next boundary, or see a
+   gloo error in their current collective and find the notice in ``on_exception``;
+   either way they save the state of their last completed optimizer step.
 4. Healthy node at the stop step: if the measured snapshot cost fits in what is left
    of the grace period, ``EmergencyCheckpoint.save_now`` and exit ``PREEMPTED`` (81);
    otherwise (or with no ``EmergencyCheckpoint`` configured, or when the save fails)
    exit ``128 + signal`` (143 for SIGTERM): stopped by the signal, nothing saved.
+
+Every store call on the training thread runs under ``store_timeout_seconds``: a store that
+does not answer (frozen host, dead server) makes the rank stop at the step it is at,
+decide as in 4. and log why -- it never waits out the store's own op timeout (minutes).
 """
 
 from __future__ import annotations
@@ -41,18 +50,22 @@ from lightning_ft.events import names as ev
 from lightning_ft.health import NodeHealthCheck
 from lightning_ft.health.check import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
 from lightning_ft.health.probes import _env_float, default_probes
-from lightning_ft.process import install_exit_hook, plan_exit, run_with_timeout
+from lightning_ft.process import call_with_timeout, install_exit_hook, plan_exit
 from lightning_ft.schema.termination import namespace_prefix
-from lightning_ft.termination.coordination import LocalStopCoordinator, StoreStopCoordinator
-from lightning_ft.termination.decision import resolve_grace_seconds
+from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
+from lightning_ft.termination.decision import BoundaryAction, decide_at_boundary, resolve_grace_seconds
 from lightning_ft.termination.execution import Termination, TerminationExecutor
 from lightning_ft.termination.exit import TerminationExit
 from lightning_ft.termination.exit_records import ENV_EXIT_RECORD_DIR
 from lightning_ft.termination.signals import SignalListener
+from lightning_ft.termination.watcher import StopWatcher
 
 log = logging.getLogger(__name__)
 
-_STORE_METHODS = ("compare_set", "check", "get", "set", "add")
+_STORE_METHODS = ("compare_set", "check", "get", "set", "add", "multi_set", "wait", "delete_key")
+# ending the stop watcher at the end of fit: how long to wait for it (a watcher stuck in a
+# store that does not answer is a daemon thread and is left behind)
+_WATCHER_CLOSE_TIMEOUT_S = 0.5
 
 
 class GracefulTermination(pl.Callback):
@@ -86,6 +99,12 @@ class GracefulTermination(pl.Callback):
             exiting; ``None`` = ``LIGHTNING_FT_EXIT_RECORD_DIR`` or no records. torchrun
             exits 1 whatever its workers did; ``python -m lightning_ft.termination.exit_records``
             turns these records into the node's real exit code.
+        store_timeout_seconds: the longest any call on the training thread waits for the
+            store on the SIGTERM path (proposing the stop step, waiting for every rank's
+            confirmation, asking about peers after a failed collective). When the store does
+            not answer in time the rank stops at the step it is at, without agreement, and
+            decides save-or-not as usual (81 only for a committed snapshot, else 143). In
+            steady state the training thread never calls the store.
     """
 
     def __init__(
@@ -102,6 +121,7 @@ class GracefulTermination(pl.Callback):
         exit_reserve_seconds: float = 1.0,
         exit_timeout_seconds: float = 5.0,
         exit_record_dir: str | os.PathLike | None = None,
+        store_timeout_seconds: float = 2.0,
     ) -> None:
         if health_timeout_seconds is None:
             health_timeout_seconds = _env_float(dict(os.environ), ENV_TIMEOUT, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S
@@ -128,6 +148,7 @@ class GracefulTermination(pl.Callback):
         _require(check_number(exit_reserve_seconds, inclusive=True), "exit_reserve_seconds", "a number >= 0",
                  exit_reserve_seconds)
         _require(check_number(exit_timeout_seconds), "exit_timeout_seconds", "a number > 0", exit_timeout_seconds)
+        _require(check_number(store_timeout_seconds), "store_timeout_seconds", "a number > 0", store_timeout_seconds)
         _require(exit_reserve_seconds < self.grace_seconds, "exit_reserve_seconds",
                  f"smaller than the grace period ({self.grace_seconds:g} s from {self.grace_source})",
                  exit_reserve_seconds)
@@ -135,6 +156,7 @@ class GracefulTermination(pl.Callback):
         self.save_safety_factor = float(save_safety_factor)
         self.exit_reserve_seconds = float(exit_reserve_seconds)
         self.exit_timeout_seconds = float(exit_timeout_seconds)
+        self.store_timeout_seconds = float(store_timeout_seconds)
         self._store_override = store
         self._events: Any = NullEventLog()
         ensure_log_output()
@@ -146,11 +168,13 @@ class GracefulTermination(pl.Callback):
         self._termination: Termination | None = None
         self._executor: TerminationExecutor | None = None
         self._trainer: pl.Trainer | None = None
+        # the SIGTERM path's store connection (proposals, confirmations, notices): never the
+        # training thread's own, so a call stuck on it stalls nothing but the bounded call
         self._coordinator: StoreStopCoordinator | LocalStopCoordinator = LocalStopCoordinator()
+        self._watcher: StopWatcher | None = None
         self._restore_handlers: dict[int, Any] = {}
         self._fit_active = False
         self._last_boundary_step = -1
-        self._store_error_logged = False
         self._rank = 0
         self._world_size = 1
         skip_unused_batch_hooks(self)
@@ -182,8 +206,12 @@ class GracefulTermination(pl.Callback):
         self._trainer = trainer
         self._rank, self._world_size = trainer.global_rank, trainer.world_size
         self._termination = None
-        self._store_error_logged = False
-        self._coordinator = self._make_coordinator(trainer)
+        shared = self._make_coordinator(trainer)
+        self._coordinator = shared.clone()
+        self._watcher = None
+        if isinstance(shared, StoreStopCoordinator):
+            self._watcher = StopWatcher(shared, on_stop=self._on_peer_stop)
+            self._watcher.start()
         self._last_boundary_step = trainer.global_step
         # Lightning's teardown restores the handlers it found before fit; restore to
         # those as well, never to Lightning's own (collective-calling) handler.
@@ -197,7 +225,7 @@ class GracefulTermination(pl.Callback):
             health_check=self._health_check, grace_seconds=self.grace_seconds,
             exit_reserve_seconds=self.exit_reserve_seconds, save_safety_factor=self.save_safety_factor,
             exit_record_dir=self.exit_record_dir, events=self._events, rank=self._rank, world_size=self._world_size,
-            announcer=self._coordinator.clone(), current_step=self._current_step, fit_active=lambda: self._fit_active)
+            announcer=self._coordinator, current_step=self._current_step, fit_active=lambda: self._fit_active)
         self._listener = SignalListener(self.signals, self._on_signal)
         if self._listener.install():
             log.info("rank %d: handling %s (grace %.0f s from %s, health check %.1f s, %d probes)",
@@ -234,6 +262,9 @@ class GracefulTermination(pl.Callback):
         and our exit watchdog still bound the exit.
         """
         self._fit_active = False
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:  # on the way out nothing needs it gone: do not spend time waking it
+            watcher.close(None if exiting else self._coordinator, _WATCHER_CLOSE_TIMEOUT_S)
         if self._listener is None:
             return
         restore = dict(self._restore_handlers)
@@ -254,6 +285,11 @@ class GracefulTermination(pl.Callback):
                     self._rank, name, step + 1)
         self._events.emit(ev.TERMINATION_SIGNAL, signal=name, step=step)
         self._begin(signum, seen_at, f"{name} received")
+
+    def _on_peer_stop(self, stop: StopRequest) -> None:  # stop-watcher thread
+        # start the health check now, not at the next step boundary; after fit, nothing to stop
+        if self._fit_active:
+            self._begin(stop.signum, time.monotonic(), f"stop requested by rank {stop.rank}")
 
     def _current_step(self) -> int:
         return self._trainer.global_step if self._trainer is not None else -1
@@ -279,76 +315,124 @@ class GracefulTermination(pl.Callback):
             return
         self._last_boundary_step = step
         termination = self._termination
-        received = self._listener.received
-        if termination is None and received is not None:  # the watcher has not run yet
-            termination = self._begin(received[0], received[1], f"{signal.Signals(received[0]).name} received")
-        try:
-            stop = termination.stop if termination is not None else None
-            if stop is None:
-                if termination is not None:
-                    stop = self._coordinator.propose(step + self._propose_margin(), termination.signum,
-                                                     f"rank {self._rank}: {termination.cause}")
-                    log.warning("rank %d: at step %d; agreed stop after step %d (proposed by rank %d: %s)",
-                                self._rank, step, stop.step, stop.rank, stop.reason)
-                else:
-                    stop = self._coordinator.poll()
-                    if stop is None:
-                        return
-                    termination = self._begin(stop.signum, time.monotonic(), f"stop requested by rank {stop.rank}")
-                    log.warning("rank %d: at step %d; peer asked to stop after step %d (%s)",
-                                self._rank, step, stop.step, stop.reason)
-                termination.stop = stop
-                self._events.emit(ev.STOP_AGREED, step=step, stop_step=stop.step, proposer=stop.rank, reason=stop.reason)
-            peer_unhealthy = self._coordinator.any_peer_unhealthy()
-        except Exception as exc:  # a broken store shows up as a collective error soon; do not add one
-            if not self._store_error_logged:
-                self._store_error_logged = True
-                log.warning("rank %d: cannot reach the store at step %d: %s: %s", self._rank, step,
-                            type(exc).__name__, exc)
+        if termination is None:
+            received = self._listener.received
+            if received is not None:  # the signal watcher has not run yet
+                termination = self._begin(received[0], received[1], f"{signal.Signals(received[0]).name} received")
+            else:
+                watcher = self._watcher
+                stop = watcher.stop if watcher is not None else None
+                if stop is None:
+                    return  # the steady state: a few attribute reads, no store call
+                termination = self._begin(stop.signum, time.monotonic(), f"stop requested by rank {stop.rank}")
+        self._at_boundary(trainer, termination, step)
+
+    def _at_boundary(self, trainer: pl.Trainer, termination: Termination, step: int) -> None:
+        """A termination is known: agree on the stop step, hold before it until all know it, stop at it."""
+        stop = termination.stop
+        watcher = self._watcher
+        if stop is None:
+            stop = watcher.stop if watcher is not None else None
+            if stop is not None:
+                log.warning("rank %d: at step %d; peer asked to stop after step %d (%s)",
+                            self._rank, step, stop.step, stop.reason)
+            else:
+                stop = self._propose(termination, step)
+                if stop is None:  # the store did not answer: stopped (never returns)
+                    return
+            termination.stop = stop
+            self._events.emit(ev.STOP_AGREED, step=step, stop_step=stop.step, proposer=stop.rank, reason=stop.reason)
+        unhealthy = watcher.unhealthy if watcher is not None else {}
+        action = decide_at_boundary(step=step, stop_step=stop.step, peer_unhealthy=bool(unhealthy),
+                                    all_confirmed=termination.all_confirmed)
+        if action is BoundaryAction.HOLD:
+            unhealthy = self._hold_until_confirmed(trainer, termination, step)
+            if not unhealthy:
+                return  # every rank knows the stop step: train it
+        elif action is BoundaryAction.CONTINUE:
             return
-        if step >= stop.step or peer_unhealthy:
-            if step > stop.step:
-                log.warning("rank %d: already past the agreed stop (%d > %d); stopping now",
-                            self._rank, step, stop.step)
-            self._stop_here(trainer, termination, step, peer_unhealthy)
+        if unhealthy:
+            where = f"stopping at step {step}: peer(s) exited unhealthy {unhealthy}"
+        elif step > stop.step:
+            log.warning("rank %d: already past the agreed stop (%d > %d); stopping now", self._rank, step, stop.step)
+            where = f"stopping at step {step}, past the agreed stop step {stop.step}"
+        else:
+            where = f"reached the agreed stop step {step}"
+        self._stop_here(trainer, termination, step, where)
+
+    def _propose(self, termination: Termination, step: int) -> StopRequest | None:
+        """Propose ``step + margin`` (bounded); the agreed request, or stop here if the store does not answer."""
+        coordinator, proposal = self._coordinator, step + self._propose_margin()
+        reason = f"rank {self._rank}: {termination.cause}"
+        if isinstance(coordinator, LocalStopCoordinator):
+            return coordinator.propose(proposal, termination.signum, reason)
+        outcome = call_with_timeout(lambda: coordinator.propose(proposal, termination.signum, reason),
+                                    self.store_timeout_seconds, "proposing the stop step in the store")
+        if not outcome.ok:
+            log.error("rank %d: %s; no agreed stop step: stopping at step %d", self._rank, outcome.problem, step)
+            self._stop_here(self._trainer, termination, step,
+                            f"stopping at step {step} without an agreed stop step: {outcome.problem}")
+        stop: StopRequest = outcome.value  # type: ignore[assignment]
+        log.warning("rank %d: at step %d; agreed stop after step %d (proposed by rank %d: %s)",
+                    self._rank, step, stop.step, stop.rank, stop.reason)
+        return stop
+
+    def _hold_until_confirmed(self, trainer: pl.Trainer, termination: Termination,
+                              step: int) -> dict[int, list[str]]:
+        """Before the stop step: wait (bounded) until every rank confirmed it; returns unhealthy peers.
+
+        Stops here (never returns) when the confirmations do not come in time: a rank that
+        does not know the stop step might train past it, so nobody trains it.
+        """
+        coordinator, timeout = self._coordinator, self.store_timeout_seconds
+
+        def _wait() -> tuple[bool, dict[int, list[str]]]:
+            confirmed = coordinator.wait_until_all_confirmed(timeout)
+            return confirmed, coordinator.unhealthy_peers()
+
+        started = time.monotonic()
+        # the outer bound is a little longer: the inner wait returns False by itself when the
+        # store answers but a rank did not confirm
+        outcome = call_with_timeout(_wait, timeout + 0.5, "waiting for every rank to confirm the stop step")
+        if outcome.ok:
+            confirmed, unhealthy = outcome.value  # type: ignore[misc]
+            if unhealthy:
+                return unhealthy
+            if confirmed:
+                termination.all_confirmed = True
+                log.info("rank %d: every rank confirmed the stop after step %d (waited %.0f ms)", self._rank,
+                         termination.stop.step, (time.monotonic() - started) * 1000)
+                return {}
+            problem = f"not every rank confirmed the stop step within {timeout:g} s"
+        else:
+            problem = outcome.problem
+        log.error("rank %d: %s; stopping at step %d instead of %d", self._rank, problem, step, termination.stop.step)
+        self._stop_here(trainer, termination, step, f"stopping at step {step} before the agreed stop step "
+                                                    f"{termination.stop.step}: {problem}")
+        return {}  # not reached
 
     def _propose_margin(self) -> int:
-        # Why margin_steps=1 is enough under DDP. Every optimizer step ends with a
-        # gradient all-reduce (on the last micro-batch of an accumulation window; the
-        # others run under no_sync, so "step" here always means optimizer step). A rank
-        # cannot finish that all-reduce before every other rank has entered it. When
-        # rank A proposes at its boundary after step g, its compare_set has completed
-        # (request/response) before A enters step g+1's all-reduce, so any rank B that
-        # finishes step g+1 does so after the key exists and sees it at its boundary g+1
-        # at the latest; a rank that checks earlier sees it before g+1. So every rank
-        # learns of stop = g+1 no later than at step g+1, and none can have passed it.
-        # Later proposals lose the compare_set and adopt the first value, which by the
-        # same argument is never behind them. Checks run only at optimizer-step
-        # boundaries (global_step changed), so ranks never stop inside an accumulation
-        # window, where the accumulated gradients would be lost. A larger margin only
-        # buys tolerance for strategies that do not synchronize every optimizer step
-        # (e.g. local SGD), at the price of one step of the grace period per unit.
-        # A single process has nobody to wait for and stops at its first boundary.
+        # Any margin >= 1 keeps the agreement exact: the proposer holds before the stop step
+        # until every rank confirmed it (decide_at_boundary). A margin of 1 stops soonest:
+        # the hold before step+1 lasts until the peers' watchers read the request -- a few
+        # store round trips, as they block in a store wait that the proposal ends. Checks run
+        # only at optimizer-step boundaries (global_step changed), so ranks never stop inside
+        # an accumulation window, where the accumulated gradients would be lost. A larger
+        # margin gives the confirmations time to arrive while training goes on, at the price
+        # of one step of the grace period per unit. A single process has nobody to wait for
+        # and stops at its first boundary.
         return self.margin_steps if self._world_size > 1 else 0
 
-    def _stop_here(self, trainer: pl.Trainer, termination: Termination, step: int, peer_unhealthy: bool) -> None:
-        peers = self._unhealthy_peers() if peer_unhealthy else {}
-        where = (f"stopping at step {step}: peer(s) exited unhealthy {peers}" if peer_unhealthy
-                 else f"reached the agreed stop step {step}")
+    def _stop_here(self, trainer: pl.Trainer, termination: Termination, step: int, where: str) -> None:
         code, decision = self._executor.decide_and_execute(trainer, termination, step, where)
         self._finish(trainer, exiting=True)
-        plan_exit(destroy_process_group=True)
+        # The code is forced at interpreter exit (os._exit after the atexit handlers), not left to
+        # SystemExit: on Python < 3.14 a daemon thread that returns from a store call while the
+        # interpreter finalizes (the stop watcher when the store server goes away with the job)
+        # takes the process down with SIGABRT, which would replace the decided code.
+        plan_exit(destroy_process_group=True, force_code=code)
         termination.watchdog.arm(time.monotonic() + self.exit_timeout_seconds)
         raise TerminationExit(code, decision.describe())
-
-    def _unhealthy_peers(self) -> dict[int, list[str]]:
-        found: dict[int, list[str]] = {}
-
-        def _ask() -> None:
-            found.update(self._coordinator.unhealthy_peers())
-
-        run_with_timeout(_ask, 1.0, f"rank {self._rank}: reading unhealthy peers")
-        return found
 
     # ---- the exception path and the end of fit -----------------------------------------
 
@@ -362,15 +446,15 @@ class GracefulTermination(pl.Callback):
         peers: dict[int, list[str]] = {}
         if self._world_size > 1:
             # A peer that left (unhealthy, or killed) makes our current collective fail;
-            # the store says whether that is part of a termination.
-            learned: dict[str, Any] = {}
-
-            def _ask() -> None:
-                learned["stop"] = self._coordinator.poll()
-                learned["peers"] = self._coordinator.unhealthy_peers()
-
-            run_with_timeout(_ask, 2.0, f"rank {self._rank}: asking the store about a termination")
-            stop, peers = learned.get("stop"), learned.get("peers") or {}
+            # the store says whether that is part of a termination (bounded: it may be gone too).
+            coordinator, watcher = self._coordinator, self._watcher
+            outcome = call_with_timeout(lambda: (coordinator.poll(), coordinator.unhealthy_peers()),
+                                        self.store_timeout_seconds, "asking the store about a termination")
+            if outcome.ok:
+                stop, peers = outcome.value  # type: ignore[misc]
+            else:
+                log.warning("rank %d: %s; using what the stop watcher knew", self._rank, outcome.problem)
+                stop, peers = (watcher.stop, dict(watcher.unhealthy)) if watcher is not None else (None, {})
             if termination is None and stop is not None:
                 termination = self._begin(stop.signum, time.monotonic(), f"stop requested by rank {stop.rank}")
             if termination is not None and termination.stop is None:

@@ -1,37 +1,51 @@
 """Agreeing on a common stop step through a ``torch.distributed`` Store, without collectives.
 
 Any rank that sees a termination signal proposes ``stop = its step + margin`` with
-``compare_set`` (first writer wins); every rank checks the key at each optimizer-step
-boundary with ``check`` (a few microseconds on a TCPStore). A node that exits as
-unhealthy publishes that first, so its peers know why their next collective fails.
+``compare_set`` (first writer wins) and wakes every rank's stop watcher
+(:mod:`lightning_ft.termination.watcher`), a thread blocked in a store ``wait`` that reads
+the request off the training thread and confirms it. A rank that knows the stop holds back
+before the stop step until every rank has confirmed (see ``GracefulTermination``), so no rank
+can complete the stop step without knowing it -- and no training step ever waits on the
+store. A node that exits as unhealthy publishes that first, so its peers know why their next
+collective fails.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
+import time
 from typing import Any
 
+from lightning_ft.schema.signing import SealedStore, Signer, job_signer
 from lightning_ft.schema.termination import (
     STOP_KEY,
     UNHEALTHY_COUNT_KEY,
     StopRequest,
+    confirmed_key,
     decode_unhealthy,
     encode_unhealthy,
     unhealthy_key,
+    wake_key,
 )
-
-from lightning_ft.schema.signing import SealedStore, Signer, job_signer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LocalStopCoordinator", "StopRequest", "StoreStopCoordinator"]
+
+# polling for the confirmations: start fast (they usually arrive within a few store round
+# trips), back off so a long wait costs the store little
+_CONFIRM_POLL_FIRST_S = 0.001
+_CONFIRM_POLL_MAX_S = 0.02
 
 
 class StoreStopCoordinator:
     """Stop-step agreement and unhealthy-peer notices over a Store, in the key space ``prefix``.
 
     The stop request and the notices are sealed with the job secret (see
-    :mod:`lightning_ft.schema.signing`): a forged stop key or notice is ignored.
+    :mod:`lightning_ft.schema.signing`): a forged stop key or notice is ignored. Every method
+    is a few store round trips and blocks while the store does not answer: callers on the
+    training thread run them under a bound.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, prefix: str = "",
@@ -54,24 +68,72 @@ class StoreStopCoordinator:
         return StoreStopCoordinator(store, self.rank, self.world_size, self.prefix, self.values.signer)
 
     def propose(self, step: int, signum: int, reason: str) -> StopRequest:
-        """Propose stopping after ``step``; returns the agreed request (possibly an earlier one)."""
+        """Propose stopping after ``step``; returns the agreed request (possibly an earlier one).
+
+        This rank then knows the stop: it confirms, and wakes every rank's watcher.
+        """
         mine = StopRequest(step, self.rank, signum, reason)
-        return StopRequest.decode(self.values.put_if_absent(STOP_KEY, mine.encode()))
+        agreed = StopRequest.decode(self.values.put_if_absent(STOP_KEY, mine.encode()))
+        self.confirm()
+        self.wake_all()
+        return agreed
 
     def poll(self) -> StopRequest | None:
         raw = self.values.get(STOP_KEY)
         return StopRequest.decode(raw) if raw is not None else None
 
+    def confirm(self) -> None:
+        """Tell the proposer(s) this rank knows the stop request."""
+        self.store.set(self.values.key(confirmed_key(self.rank)), "1")
+
+    def all_confirmed(self) -> bool:
+        return bool(self.store.check([self.values.key(confirmed_key(r)) for r in range(self.world_size)]))
+
+    def wait_until_all_confirmed(self, timeout_s: float) -> bool:
+        """Poll until every rank confirmed the stop (True) or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        interval = _CONFIRM_POLL_FIRST_S
+        while not self.all_confirmed():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(interval, left))
+            interval = min(2 * interval, _CONFIRM_POLL_MAX_S)
+        return True
+
+    def wake_all(self) -> None:
+        """Wake every rank's stop watcher (after writing what it should read)."""
+        keys = [self.values.key(wake_key(r)) for r in range(self.world_size)]
+        self.store.multi_set(keys, ["1"] * len(keys))
+
+    def wake_self(self) -> None:
+        """Wake this rank's own stop watcher (so that it can end)."""
+        self.store.set(self.values.key(wake_key(self.rank)), "1")
+
+    def wait_for_wake(self, timeout_s: float) -> bool:
+        """Block until this rank's wake key is set (True, and consume it) or ``timeout_s`` passed (False).
+
+        The wait happens in the store server: no traffic and no wake-ups while nothing happens.
+        """
+        from torch.distributed import DistStoreError  # torch raises it for a wait that timed out
+
+        key = self.values.key(wake_key(self.rank))
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=timeout_s))
+        except DistStoreError:  # a timeout is an answer; a lost connection (DistNetworkError) is not
+            return False
+        self.store.delete_key(key)
+        return True
+
     def announce_unhealthy(self, step: int, signum: int, reasons: list[str]) -> StopRequest:
         """Tell peers this rank is leaving as unhealthy (and ask them to stop).
 
-        Ends with a request/response operation (``add``), so everything before it has
-        reached the store when this returns, even if the process exits right after.
+        The notice is written before the stop request and the wake-ups, so a woken watcher
+        finds it; the rank also confirms, so nobody waits for its confirmation.
         """
-        agreed = self.propose(step, signum, f"rank {self.rank} unhealthy")
         self.values.put(unhealthy_key(self.rank), encode_unhealthy(step, reasons))
         self.store.add(self.values.key(UNHEALTHY_COUNT_KEY), 1)
-        return agreed
+        return self.propose(step, signum, f"rank {self.rank} unhealthy")
 
     def any_peer_unhealthy(self) -> bool:
         # the counter is a hint (counters cannot be sealed); the sealed notices decide
@@ -109,6 +171,15 @@ class LocalStopCoordinator:
 
     def poll(self) -> StopRequest | None:
         return self._stop
+
+    def confirm(self) -> None:
+        pass
+
+    def all_confirmed(self) -> bool:
+        return True
+
+    def wait_until_all_confirmed(self, timeout_s: float) -> bool:
+        return True
 
     def announce_unhealthy(self, step: int, signum: int, reasons: list[str]) -> StopRequest:
         return self.propose(step, signum, "rank 0 unhealthy")

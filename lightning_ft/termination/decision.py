@@ -94,6 +94,31 @@ def decide_on_termination(
                     (f"node healthy; save needs ~{needed:.2f} s, {budget_left_s:.2f} s left",))
 
 
+class BoundaryAction(enum.Enum):
+    """What a rank that knows of a termination does at an optimizer-step boundary."""
+
+    CONTINUE = "continue"  # train the next step
+    HOLD = "hold"  # wait (bounded) until every rank confirmed the stop, then train the stop step
+    STOP = "stop"  # stop here: decide, save or not, exit
+
+
+def decide_at_boundary(*, step: int, stop_step: int, peer_unhealthy: bool, all_confirmed: bool) -> BoundaryAction:
+    """The rank just completed optimizer step ``step``; the agreed stop is after ``stop_step``.
+
+    Why HOLD keeps the agreement exact although no rank asks the store at its boundaries: a
+    rank completes step ``stop_step`` only after every rank entered that step's gradient
+    all-reduce. A rank that holds before it until all ranks confirmed therefore lets no rank
+    complete the stop step without knowing it (a rank confirms only after its watcher
+    published the request where its training thread reads it). A peer that left unhealthy
+    will fail our next collective: stop at once, from the last completed step.
+    """
+    if peer_unhealthy or step >= stop_step:
+        return BoundaryAction.STOP
+    if step == stop_step - 1 and not all_confirmed:
+        return BoundaryAction.HOLD
+    return BoundaryAction.CONTINUE
+
+
 def budget_left(*, grace_s: float, signal_time: float, now: float, exit_reserve_s: float) -> float:
     """Seconds still usable for a save: grace minus time since the signal minus the exit reserve."""
     return grace_s - (now - signal_time) - exit_reserve_s

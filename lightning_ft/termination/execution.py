@@ -45,6 +45,8 @@ class Termination:
         self.started_at = started_at  # time.monotonic() when this rank first knew
         self.cause = cause
         self.stop: StopRequest | None = None
+        #: every rank confirmed it knows ``stop`` (so this rank may train the stop step)
+        self.all_confirmed = False
         self.report: HealthReport | None = None
         self.report_ready = threading.Event()
         # what a forced exit (watchdog) should report right now: nothing saved yet
@@ -143,6 +145,9 @@ class TerminationExecutor:
         elapsed_ms = (time.monotonic() - termination.started_at) * 1000
         log.warning("rank %d: %s, %.0f ms after %s; health: %s; decision: %s", self.rank, where, elapsed_ms,
                     termination.cause, report.summary(), decision.describe())
+        # where and why this rank stopped (the agreed step, an unhealthy peer, a store that did
+        # not answer) belongs to the record of the decision
+        decision = Decision(decision.action, decision.exit_code, (where, *decision.reasons))
         if decision.action is Action.SAVE_THEN_EXIT:
             decision = self._save(trainer, checkpoint, termination, step, decision)
         else:
@@ -166,7 +171,7 @@ class TerminationExecutor:
             log.exception("rank %d: emergency snapshot failed; exiting with %d (state NOT saved)", self.rank, code)
             return Decision(Action.EXIT_WITHOUT_SAVE, code,
                             (*decision.reasons, f"snapshot failed: {type(exc).__name__}: {exc}"))
-        log.warning("rank %d: emergency snapshot of step %d committed in %.2f s (%s); exiting with %d",
+        log.warning("rank %d: emergency snapshot of step %d committed in %.3f s (%s); exiting with %d",
                     self.rank, step, time.monotonic() - started, info, decision.exit_code)
         return decision
 

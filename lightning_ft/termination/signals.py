@@ -116,9 +116,13 @@ class SignalListener:
     def _watch(self) -> None:
         reader = self._reader
         wanted = {int(s) for s in self.signals}
+        # Owning the wakeup fd, every signal and the stop sentinel arrive on the socket: block
+        # on it (a thread that wakes 10 times a second competes with training for the GIL and
+        # the CPU). Without it, the recorded flag must be polled.
+        timeout = None if self._owns_wakeup_fd else _POLL_INTERVAL_S
         while not self._stopping:
             try:
-                ready, _, _ = select.select([reader], [], [], _POLL_INTERVAL_S)
+                ready, _, _ = select.select([reader], [], [], timeout)
             except (OSError, ValueError):  # socket closed under us during uninstall
                 return
             now = time.monotonic()
