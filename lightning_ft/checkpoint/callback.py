@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import deque
 from typing import Any
@@ -14,8 +15,10 @@ from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._validation import require_bool, require_number
 from lightning_ft.checkpoint import snapshot_format as fmt
 from lightning_ft.checkpoint.identity import state_dict_fingerprint
+from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadResult, resolve_durable_settings
 from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due, steps_between_snapshots
-from lightning_ft.checkpoint.resume import agree_on_step
+from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory, gather_steps
+from lightning_ft.checkpoint.tiers import flush_fits, persist_due, persist_interval_steps
 from lightning_ft.checkpoint.store import (
     RUN_ID_ENV_VARS,
     SnapshotInfo,
@@ -74,6 +77,20 @@ class EmergencyCheckpoint(pl.Callback):
             the next save could not overwrite an old snapshot (before the first ``keep_last``
             snapshots exist). Costs one state-size of shared memory and a one-off allocation at
             a step boundary, and makes the first emergency save as fast as later ones.
+        persist_to: the durable tier: a directory (local or shared filesystem) or an fsspec URL
+            (``s3://bucket/prefix``, needs ``pip install 'lightning-ft[s3]'``); default
+            ``$LIGHTNING_FT_PERSIST_TO``; None: memory only. Committed snapshots are copied there
+            in the background (training never waits for an upload), a step counts only once
+            every rank's copy is verified, and resume falls back to it when memory lacks the step.
+            Needs a run id.
+        persist_every_n_seconds: about how often a snapshot is copied durably (default
+            ``$LIGHTNING_FT_PERSIST_EVERY_SECONDS`` or 60; 0: every snapshot). Converted to a
+            power-of-two multiple of the snapshot interval in steps, so all ranks copy the same steps.
+        persist_max_mib_per_second: upload bandwidth bound per rank (default
+            ``$LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND`` or 512; <= 0: unbounded).
+        persist_keep_last: complete durable steps kept (default ``$LIGHTNING_FT_PERSIST_KEEP_LAST`` or 2).
+        storage_options: fsspec options for ``persist_to`` (e.g. ``{"endpoint_url": ...}``; default
+            ``$LIGHTNING_FT_PERSIST_STORAGE_OPTIONS`` as JSON). Credentials come from the usual places.
 
     Supported strategies: single device and DDP (replicated state). Not a ``Checkpoint``
     subclass, so it works with ``enable_checkpointing=False``.
@@ -81,7 +98,9 @@ class EmergencyCheckpoint(pl.Callback):
 
     def __init__(self, every_n_steps: int | None = None, every_n_seconds: float | None = None,
                  keep_last: int = 2, root: str | None = None, run_id: str | None = None,
-                 auto_resume: bool = True, preallocate: bool = True) -> None:
+                 auto_resume: bool = True, preallocate: bool = True, persist_to: str | None = None,
+                 persist_every_n_seconds: float | None = None, persist_max_mib_per_second: float | None = None,
+                 persist_keep_last: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
         require_number("every_n_steps", every_n_steps, integer=True, allow_none=True)
         require_number("every_n_seconds", every_n_seconds, allow_none=True)
         if every_n_seconds is not None:
@@ -107,6 +126,20 @@ class EmergencyCheckpoint(pl.Callback):
         self._seconds_per_step: float | None = None
         #: (step, wall-clock time it was taken) of the snapshot the last fit() resumed from
         self.resumed_from: tuple[int, float] | None = None
+        #: the tier the last fit() resumed from ("memory", "durable") and why
+        self.resumed_tier: tuple[str, str] | None = None
+        self.durable_settings = resolve_durable_settings(persist_to, persist_every_n_seconds,
+                                                         persist_max_mib_per_second, persist_keep_last, storage_options)
+        self._durable: DurableTier | None = None
+        if self.durable_settings is not None:
+            if self._configured_run_id is None:
+                log.warning("EmergencyCheckpoint: persist_to=%s is ignored: no run id is set (%s), so durable copies "
+                            "could never be told apart from another job's", self.durable_settings.url,
+                            ", ".join(RUN_ID_ENV_VARS))
+            else:
+                self._durable = DurableTier.from_settings(self.durable_settings, self._configured_run_id)
+        self._persister: DurablePersister | None = None
+        self._segment: str | None = None
         skip_unused_batch_hooks(self)
 
     # ------------------------------------------------------------------ public API
@@ -140,6 +173,34 @@ class EmergencyCheckpoint(pl.Callback):
                  store.rank, reason, step, seconds, info.nbytes / 2**20)
         return info
 
+    @property
+    def durable(self) -> DurableTier | None:
+        """The durable tier (None: memory only)."""
+        return self._durable
+
+    @property
+    def persister(self) -> DurablePersister | None:
+        """This rank's background uploader (created at ``setup`` when a durable tier is set)."""
+        return self._persister
+
+    def flush_durable(self, info: SnapshotInfo, world_size: int, budget_left_s: float) -> tuple[str, str]:
+        """Make ``info`` durable within ``budget_left_s`` when the measured upload rate says it fits
+        (SIGTERM path, this rank only). Returns (the tier that now holds the state, why)."""
+        persister = self._persister
+        if persister is None or self._segment is None:
+            return "memory", "no durable tier"
+        fits, why = flush_fits(info.nbytes, persister.measured_bytes_per_second, budget_left_s)
+        if not fits:
+            return "memory", why
+        result: UploadResult | None = persister.flush(info, self._segment, world_size,
+                                                      time.monotonic() + budget_left_s)
+        if result is None:
+            return "memory", f"durable copy of step {info.step} did not finish ({why})"
+        if result.complete:
+            return "durable", f"step {info.step} complete in durable storage ({why})"
+        return "memory+shard", (f"this rank's shard of step {info.step} is durable; the step is complete once "
+                                f"every rank's shard is ({why})")
+
     def estimated_save_seconds(self) -> float | None:
         """Slowest of the last few ``save_now`` durations (conservative for budget decisions);
         None before the first snapshot."""
@@ -154,6 +215,8 @@ class EmergencyCheckpoint(pl.Callback):
         if store.configured_run_id is None and not _no_run_id_warned:
             _no_run_id_warned = True
             log.warning(no_run_id_message(store.run_dir))
+        if self._durable is not None and self._persister is None:
+            self._persister = DurablePersister(self._durable, store.hold, store.release, store.rank)
         if not self._replicated(trainer):
             log.warning("EmergencyCheckpoint supports single-device and DDP strategies; with %s each rank's "
                         "snapshot holds only what dump_checkpoint returns on that rank and auto-resume is off",
@@ -161,6 +224,11 @@ class EmergencyCheckpoint(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.resumed_from = None
+        self.resumed_tier = None
+        if self._durable is not None:
+            # one token per stretch of training, the same on every rank: shards of one step written
+            # by different stretches (the step trained again after a failure) never combine
+            self._segment = f"{gather_steps([random.getrandbits(62)])[0][0]:016x}"
         if self.auto_resume:
             self._auto_resume(trainer)
 
@@ -168,6 +236,9 @@ class EmergencyCheckpoint(pl.Callback):
         # Snapshots past the step we (re)started from belong to an abandoned history; leaving
         # them would make the next restart jump onto it.
         self._get_store(trainer).discard_newer_than(trainer.global_step)
+        if self._durable is not None and trainer.global_rank == 0:
+            newer = [s for s in self._durable.complete_steps() if s > trainer.global_step]
+            self._durable.drop_manifests(newer)
         for optimizer in trainer.optimizers:
             if hasattr(getattr(optimizer, "_optimizer", optimizer), "consolidate_state_dict"):
                 log.warning("sharded optimizer %s: dump_checkpoint runs a collective; save_now() is not "
@@ -188,7 +259,8 @@ class EmergencyCheckpoint(pl.Callback):
             interval = steps_between_snapshots(self.every_n_seconds, self._seconds_per_step)
         if snapshot_due(step, self._last_saved_step, self.every_n_steps, interval):
             try:
-                self.save_now(trainer, reason="periodic")
+                info = self.save_now(trainer, reason="periodic")
+                self._maybe_persist(trainer, info)
             except Exception:
                 # A failed periodic snapshot (e.g. shm full) must not kill training; the next
                 # one may succeed and the error is visible in the log.
@@ -205,6 +277,14 @@ class EmergencyCheckpoint(pl.Callback):
             self._store.close()
 
     # ------------------------------------------------------------------ internals
+    def _maybe_persist(self, trainer: pl.Trainer, info: SnapshotInfo) -> None:
+        if self._persister is None or self._segment is None or self.durable_settings is None:
+            return
+        every = persist_interval_steps(self.durable_settings.every_n_seconds, self._seconds_per_step or 0.0,
+                                       self.every_n_steps or 1)
+        if persist_due(info.step, every):
+            self._persister.offer(info, self._segment, trainer.world_size)
+
     def _get_store(self, trainer: pl.Trainer) -> SnapshotStore:
         rank = trainer.global_rank
         if self._store is None or self._store.rank != rank:
@@ -265,7 +345,8 @@ class EmergencyCheckpoint(pl.Callback):
         else:
             scan = store.scan(include_peers=True, expect=expect)
             local, skipped = scan.readable, scan.foreign
-        step = agree_on_step(local, store.rank)
+        choice = agree_across_tiers(local, self._durable, store.rank)
+        step = choice.step
         loaded_step = connector._loaded_checkpoint.get("global_step") if connector._loaded_checkpoint else None
         resumes = step is not None and (loaded_step is None or loaded_step < step)
         if skipped:
@@ -280,6 +361,8 @@ class EmergencyCheckpoint(pl.Callback):
             log.info("rank %d: keeping ckpt_path=%s (step %d); newest snapshot is step %d",
                      store.rank, given, loaded_step, step)
             return
+        bring_into_memory(choice, self._durable, store)
+        self.resumed_tier = (choice.tier, choice.reason)
         info = store.find(step, include_peers=True, expect=expect)
         if info is None:
             raise RuntimeError(f"rank {store.rank}: snapshot at step {step} vanished or broke after the ranks "

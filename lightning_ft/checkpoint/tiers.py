@@ -33,6 +33,8 @@ class ShardMarker:
     rank: int
     world_size: int
     nbytes: int
+    #: sha256 (hex) of the shard's bytes as uploaded and read back
+    checksum: str = ""
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,8 @@ class Completion:
     step: int
     segment: str
     world_size: int
-    #: rank -> shard size in bytes
-    shards: tuple[tuple[int, int], ...]
+    #: (rank, shard size in bytes, sha256 hex), one per rank in rank order
+    shards: tuple[tuple[int, int, str], ...]
 
 
 def complete_steps(markers: Iterable[ShardMarker]) -> dict[int, Completion]:
@@ -64,7 +66,8 @@ def complete_steps(markers: Iterable[ShardMarker]) -> dict[int, Completion]:
         world = worlds.pop()
         if world < 1 or set(by_rank) != set(range(world)):
             continue
-        result[step] = Completion(step, segment, world, tuple((r, by_rank[r].nbytes) for r in range(world)))
+        result[step] = Completion(step, segment, world,
+                                  tuple((r, by_rank[r].nbytes, by_rank[r].checksum) for r in range(world)))
     return result
 
 
@@ -279,3 +282,39 @@ def space_shortfall(free_bytes: int, reusable_bytes: int, snapshot_bytes: int, c
     """
     need = snapshot_bytes * copies * max(1, ranks_sharing)
     return max(0, need - free_bytes - reusable_bytes)
+
+
+# ---------------------------------------------------------------------- uploads
+
+
+def bucket_delay(tokens: float, elapsed_s: float, rate: float, burst: float, nbytes: int) -> tuple[float, float]:
+    """Token bucket: (seconds to wait before sending ``nbytes``, tokens left once they are sent).
+
+    ``tokens`` were left after the previous send, ``elapsed_s`` ago; the bucket refills at
+    ``rate`` bytes/s up to ``burst``. A chunk larger than ``burst`` is allowed (after the
+    wait that its size costs), so any chunk size works.
+    """
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    available = min(burst, tokens + max(0.0, elapsed_s) * rate)
+    if available >= nbytes:
+        return 0.0, available - nbytes
+    return (nbytes - available) / rate, 0.0
+
+
+def shard_rank_to_fetch(rank: int, world_size: int) -> int:
+    """Whose shard of a durable step this rank downloads: its own, else rank 0's (the job now has
+    more ranks than the one that wrote the step; DDP ranks hold the same state)."""
+    return rank if 0 <= rank < world_size else 0
+
+
+def upload_decision(busy_with: int | None, offered: int, last_uploaded: int | None) -> str:
+    """What the uploader does with a newly committed snapshot of step ``offered``.
+
+    ``"start"`` (idle), ``"supersede"`` (an upload is running: remember only the newest offer,
+    started when the running one ends; an older waiting offer is dropped, a new snapshot never
+    queues behind old ones), ``"skip"`` (that step is being or was uploaded already).
+    """
+    if offered == busy_with or offered == last_uploaded:
+        return "skip"
+    return "start" if busy_with is None else "supersede"

@@ -1,0 +1,134 @@
+"""The durable tier in one process: upload, markers, manifests, torn and partial steps, retention,
+download into the snapshot root, bad configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadCancelled, resolve_durable_settings
+from lightning_ft.checkpoint.durable_target import LocalDirTarget, open_target
+from lightning_ft.checkpoint.store import SnapshotStore
+
+
+def state(value: float) -> dict:
+    return {"state_dict": {"w": torch.full((64,), value)}, "global_step": int(value)}
+
+
+@pytest.fixture
+def stores(tmp_path):
+    made = [SnapshotStore(tmp_path / "shm", run_id="job", rank=r, keep_last=2) for r in (0, 1)]
+    yield made
+    for s in made:
+        s.close()
+
+
+def tier_at(tmp_path, keep_last=2) -> DurableTier:
+    return DurableTier(LocalDirTarget(str(tmp_path / "durable")), "job", keep_last=keep_last)
+
+
+def test_a_step_is_published_only_when_every_rank_uploaded(tmp_path, stores):
+    tier = tier_at(tmp_path)
+    infos = [s.save(state(10.0), 10) for s in stores]
+    first = tier.upload(infos[0], "seg", world_size=2)
+    assert not first.complete and tier.complete_steps() == []  # rank 1's shard is missing
+    second = tier.upload(infos[1], "seg", world_size=2)
+    assert second.complete and tier.complete_steps() == [10]
+    manifest = json.loads((tmp_path / "durable/job/manifests/step-000000000010.json").read_text())
+    assert [s["rank"] for s in manifest["shards"]] == [0, 1] and manifest["segment"] == "seg"
+
+
+def test_a_shard_without_its_marker_or_a_torn_upload_is_never_a_step(tmp_path, stores):
+    tier = tier_at(tmp_path)
+    info0, info1 = (s.save(state(10.0), 10) for s in stores)
+    tier.upload(info0, "seg", world_size=2)
+    # rank 1 killed after its shard but before its marker; and a torn temp file of a kill mid-write
+    segment_dir = tmp_path / "durable/job/steps/step-000000000010/seg"
+    (segment_dir / "rank1.snap").write_bytes(open(info1.path, "rb").read())
+    (segment_dir / ".tmp-rank1.snap-999-abcd").write_bytes(b"partial")
+    assert tier.complete_steps() == []
+    assert not tier.publish_if_complete(10, "seg")
+    # a marker of another segment never completes it either
+    other = tier.upload(info1, "other", world_size=2)
+    assert not other.complete and tier.complete_steps() == []
+
+
+def test_a_cancelled_upload_leaves_no_marker(tmp_path, stores):
+    tier = tier_at(tmp_path)
+    info = stores[0].save(state(1.0), 1)
+    with pytest.raises(UploadCancelled):
+        tier.upload(info, "seg", world_size=1, deadline=0.0)
+    assert tier.markers(1, "seg") == [] and tier.complete_steps() == []
+
+
+def test_retention_keeps_the_newest_complete_steps(tmp_path, stores):
+    tier = tier_at(tmp_path, keep_last=2)
+    for step in (10, 20, 30):
+        for s in stores:
+            tier.upload(s.save(state(float(step)), step), "seg", world_size=2)
+    assert tier.complete_steps() == [20, 30]
+    assert sorted(os.listdir(tmp_path / "durable/job/steps")) == ["step-000000000020", "step-000000000030"]
+
+
+def test_fetch_downloads_into_an_empty_snapshot_root_and_loads_verified(tmp_path, stores):
+    tier = tier_at(tmp_path)
+    for s in stores:
+        tier.upload(s.save(state(7.0), 7), "seg", world_size=2)
+    fresh = SnapshotStore(tmp_path / "new-node-shm", run_id="job", rank=1)
+    info = tier.fetch_into(7, 1, fresh)
+    loaded = fresh.load(info, expect=fresh.expected_identity())
+    assert torch.equal(loaded["state_dict"]["w"], torch.full((64,), 7.0))
+    # a rank the writing job did not have takes rank 0's shard
+    extra = SnapshotStore(tmp_path / "third-shm", run_id="job", rank=2)
+    assert extra.load(tier.fetch_into(7, 2, extra))["global_step"] == 7
+    # a shard that changed after its manifest was written is refused
+    shard = tmp_path / "durable/job/steps/step-000000000007/seg/rank1.snap"
+    blob = bytearray(shard.read_bytes())
+    blob[-1] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(Exception, match="does not match its manifest"):
+        tier.fetch_into(7, 1, SnapshotStore(tmp_path / "other-shm", run_id="job", rank=1))
+
+
+def test_the_persister_uploads_the_newest_offer_and_holds_the_file(tmp_path, stores):
+    store = stores[0]
+    tier = tier_at(tmp_path)
+    gate, started = threading.Event(), threading.Event()
+    real_upload = tier.upload
+
+    def slow_upload(info, *a, **k):
+        started.set()
+        gate.wait(10)
+        return real_upload(info, *a, **k)
+
+    tier.upload = slow_upload
+    persister = DurablePersister(tier, store.hold, store.release, rank=0)
+    assert persister.offer(store.save(state(1.0), 1), "seg", 1) == "start"
+    assert started.wait(10)
+    for step in (2, 3, 4):
+        info = store.save(state(float(step)), step)
+        assert 1 in store.held_steps()  # the running upload's file is never recycled
+        persister.offer(info, "seg", 1)
+    gate.set()
+    assert persister.wait_idle(20)
+    # steps 2 and 3 were superseded by 4 while 1 was uploading
+    assert tier.complete_steps() == [1, 4] and persister.skipped == 2
+    assert store.held_steps() == set()
+
+
+def test_settings_come_from_the_environment_and_bad_ones_are_clear(tmp_path):
+    env = {"LIGHTNING_FT_PERSIST_TO": str(tmp_path), "LIGHTNING_FT_PERSIST_EVERY_SECONDS": "5",
+           "LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND": "0"}
+    settings = resolve_durable_settings(environ=env)
+    assert (settings.url, settings.every_n_seconds, settings.max_bytes_per_second) == (str(tmp_path), 5.0, None)
+    assert resolve_durable_settings(environ={}) is None
+    with pytest.raises(ValueError, match="LIGHTNING_FT_PERSIST_EVERY_SECONDS"):
+        resolve_durable_settings(environ={**env, "LIGHTNING_FT_PERSIST_EVERY_SECONDS": "soon"})
+    with pytest.raises(ValueError, match="persist_keep_last"):
+        resolve_durable_settings(str(tmp_path), keep_last=0, environ={})
+    with pytest.raises(ValueError, match="nosuchscheme"):
+        open_target("nosuchscheme://bucket/x")
