@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from proc_utils import REPO_ROOT, ProcessSet
+from proc_utils import REPO_ROOT, ProcessSet, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
 from ft_cluster import Cluster  # noqa: E402
@@ -74,6 +74,10 @@ def resumed_steps(cluster: Cluster) -> list[int]:
     return [cluster.starts(n)[0]["step"] for n in "AB"]
 
 
+def wait_until(predicate, timeout: float) -> bool:
+    return wait_for(predicate, timeout, interval=0.1)
+
+
 def manifest_steps(directory: Path, run_id: str) -> list[int]:
     return sorted(int(p.stem.split("-")[1]) for p in (directory / run_id / "manifests").glob("step-*.json"))
 
@@ -104,3 +108,46 @@ def sigterm_then_resume_on_new_nodes(launch, tmp_path: Path, persist_to: str, en
 @pytest.mark.timeout(150)
 def test_a_sigterm_flush_survives_the_loss_of_every_nodes_memory(launch, tmp_path):
     sigterm_then_resume_on_new_nodes(launch, tmp_path, str(tmp_path / "durable"), {})
+
+
+@pytest.mark.timeout(150)
+def test_a_sigterm_flush_to_s3_survives_the_loss_of_every_nodes_memory(launch, tmp_path, s3_server):
+    # reached as a user's job reaches S3: an s3:// URL, endpoint and credentials from the environment
+    sigterm_then_resume_on_new_nodes(launch, tmp_path, f"s3://lightning-ft-test/{tmp_path.name}", s3_server)
+
+
+@pytest.mark.timeout(150)
+def test_after_kill_9_of_every_process_resume_from_the_newest_complete_durable_step(launch, tmp_path):
+    # A state of ~2 MiB uploaded at 4 MiB/s per rank: uploads are in flight, superseded and cut
+    # by the kill; steps are complete only where both ranks' markers made it.
+    run_id, durable = "durable-b", tmp_path / "durable"
+    env = durable_env(str(durable), LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND="4")
+    big = ["--hidden", "8192"]
+    first = Cluster(launch("first"), tmp_path / "first", "2:2", run_id=run_id)
+    first.start(["A", "B"], ["--max-steps", "400", *TRAIN, *big], **env)
+    assert wait_until(lambda: manifest_steps(durable, run_id), 60), first.logs()
+    first.wait_for_step(max(manifest_steps(durable, run_id)) + 10, 60)
+    for name in ("A", "B"):
+        first.kill(name, signal.SIGKILL)
+    assert first.wait(["A", "B"], 20) == {"A": -9, "B": -9}
+    newest = max(manifest_steps(durable, run_id))
+    wipe_memory(first)
+
+    # (c) a partial newer step: rank 0's shard and marker only, plus a torn upload of rank 1
+    partial_step = newest + 1000
+    complete_dir = next((durable / run_id / "steps" / f"step-{newest:012d}").iterdir())
+    partial_dir = durable / run_id / "steps" / f"step-{partial_step:012d}" / complete_dir.name
+    partial_dir.mkdir(parents=True)
+    shutil.copy(complete_dir / "rank0.snap", partial_dir / "rank0.snap")
+    marker = json.loads((complete_dir / "rank0.done.json").read_text())
+    (partial_dir / "rank0.done.json").write_text(json.dumps({**marker, "step": partial_step}))
+    (partial_dir / ".tmp-rank1.snap-4242-deadbeef").write_bytes(b"torn")
+
+    second = Cluster(launch("second"), tmp_path / "second", "2:2", run_id=run_id)
+    second.start(["A", "B"], ["--max-steps", str(newest + 5), *TRAIN, *big],
+                 **durable_env(str(durable), LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND="0"))
+    results = finish(second, 90)
+    assert resumed_steps(second) == [newest, newest], second.logs()
+    assert all(r["step"] == newest + 5 for r in results)
+    assert "from the durable tier" in second.procs["A"].log(), second.logs()
+    assert partial_step not in manifest_steps(durable, run_id)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import random
+import secrets
 import time
 from collections import deque
 from typing import Any
@@ -227,8 +227,9 @@ class EmergencyCheckpoint(pl.Callback):
         self.resumed_tier = None
         if self._durable is not None:
             # one token per stretch of training, the same on every rank: shards of one step written
-            # by different stretches (the step trained again after a failure) never combine
-            self._segment = f"{gather_steps([random.getrandbits(62)])[0][0]:016x}"
+            # by different stretches (the step trained again after a failure) never combine.
+            # secrets, not random: seed_everything makes `random` repeat the token in every run
+            self._segment = f"{gather_steps([secrets.randbits(62)])[0][0]:016x}"
         if self.auto_resume:
             self._auto_resume(trainer)
 

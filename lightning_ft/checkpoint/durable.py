@@ -130,12 +130,15 @@ class _Sha256Reader:
 
     def __iter__(self):
         offset = 0
-        tokens, last = float(CHUNK_BYTES), time.monotonic()
+        # chunks of at most 1/8 s of the bandwidth bound, and a burst of one chunk: the rate holds
+        # within a fraction of a second, also for files smaller than a default chunk
+        chunk_bytes = CHUNK_BYTES if not self.rate else max(64 << 10, min(CHUNK_BYTES, int(self.rate / 8)))
+        tokens, last = float(chunk_bytes), time.monotonic()
         while offset < self.nbytes:
-            n = min(CHUNK_BYTES, self.nbytes - offset)
+            n = min(chunk_bytes, self.nbytes - offset)
             if self.rate:
                 now = time.monotonic()
-                wait, tokens = bucket_delay(tokens, now - last, self.rate, float(CHUNK_BYTES), n)
+                wait, tokens = bucket_delay(tokens, now - last, self.rate, float(chunk_bytes), n)
                 last = now + wait
                 if wait:
                     time.sleep(wait)
