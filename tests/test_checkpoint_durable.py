@@ -4,6 +4,7 @@ download into the snapshot root, bad configuration."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 
@@ -132,3 +133,51 @@ def test_settings_come_from_the_environment_and_bad_ones_are_clear(tmp_path):
         resolve_durable_settings(str(tmp_path), keep_last=0, environ={})
     with pytest.raises(ValueError, match="nosuchscheme"):
         open_target("nosuchscheme://bucket/x")
+
+
+# ---------------------------------------------------------------------- inside a real Trainer
+
+
+def _fit(max_steps, callbacks, ckpt_path=None, plugins=None):
+    import lightning.pytorch as pl
+    from ckpt_helpers import make_module, trainer_kwargs
+
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=max_steps, callbacks=callbacks, plugins=plugins or []))
+    trainer.fit(make_module(0), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_auto_resume_and_mem_latest_take_a_durable_step_when_memory_is_empty(tmp_path, caplog):
+    from ckpt_helpers import resume_probe
+
+    from lightning_ft import EmergencyCheckpoint
+    from lightning_ft.checkpoint import MemoryCheckpointIO
+
+    durable = str(tmp_path / "durable")
+    first = EmergencyCheckpoint(every_n_steps=5, root=str(tmp_path / "shm1"), run_id="t", persist_to=durable,
+                                persist_every_n_seconds=0)
+    _fit(12, [first])
+    assert first.persister.wait_idle(20)
+    assert first.durable.complete_steps() == [5, 10]
+
+    # a new node: an empty snapshot root, the durable tier from the environment
+    probe = resume_probe()
+    with caplog.at_level(logging.INFO, logger="lightning_ft"):
+        trainer = _fit(13, [EmergencyCheckpoint(root=str(tmp_path / "shm2"), run_id="t", persist_to=durable), probe])
+    assert probe.start_step == 10 and trainer.global_step == 13
+    assert "resume step 10 from the durable tier" in caplog.text
+
+    probe = resume_probe()
+    io = MemoryCheckpointIO(root=str(tmp_path / "shm3"), run_id="t", persist_to=durable)
+    trainer = _fit(11, [probe], ckpt_path="mem://latest", plugins=[io])
+    assert probe.start_step == 10 and trainer.global_step == 11
+
+
+def test_the_durable_tier_is_off_without_a_run_id(tmp_path, monkeypatch, caplog):
+    from lightning_ft import EmergencyCheckpoint
+
+    for key in ("LIGHTNING_FT_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    with caplog.at_level(logging.WARNING):
+        callback = EmergencyCheckpoint(root=str(tmp_path / "shm"), persist_to=str(tmp_path / "durable"))
+    assert callback.durable is None and "persist_to" in caplog.text
