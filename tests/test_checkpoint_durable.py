@@ -181,3 +181,29 @@ def test_the_durable_tier_is_off_without_a_run_id(tmp_path, monkeypatch, caplog)
     with caplog.at_level(logging.WARNING):
         callback = EmergencyCheckpoint(root=str(tmp_path / "shm"), persist_to=str(tmp_path / "durable"))
     assert callback.durable is None and "persist_to" in caplog.text
+
+
+def test_a_too_small_shm_is_reported_before_the_first_save_with_the_fix(tmp_path, small_tmpfs, caplog):
+    import lightning.pytorch as pl
+    from ckpt_helpers import make_module, trainer_kwargs
+
+    from lightning_ft import EmergencyCheckpoint
+
+    tiny = small_tmpfs("shm", "64k")  # a container's /dev/shm, scaled down
+    callback = EmergencyCheckpoint(every_n_steps=2, root=str(tiny), run_id="t")
+    with caplog.at_level(logging.ERROR, logger="lightning_ft"):
+        trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[callback]))
+        trainer.fit(make_module(0, hidden=512))
+    first_error = next(r for r in caplog.records if r.levelno >= logging.ERROR)
+    assert "LIGHTNING_FT_SNAPSHOT_DIR" in first_error.getMessage() and "MiB missing" in first_error.getMessage()
+    # reported before the first save was tried (that save then fails and is logged after it)
+    assert "periodic snapshot" not in first_error.getMessage()
+    assert trainer.global_step == 3  # training goes on
+
+
+def test_enough_room_is_not_reported(tmp_path, caplog):
+    from lightning_ft import EmergencyCheckpoint
+
+    with caplog.at_level(logging.ERROR, logger="lightning_ft"):
+        _fit(3, [EmergencyCheckpoint(every_n_steps=2, root=str(tmp_path / "shm"), run_id="t")])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections import deque
@@ -18,7 +19,14 @@ from lightning_ft.checkpoint.identity import state_dict_fingerprint
 from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadResult, resolve_durable_settings
 from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due, steps_between_snapshots
 from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory, gather_steps
-from lightning_ft.checkpoint.tiers import flush_fits, persist_due, persist_interval_steps
+from lightning_ft.checkpoint.store import ENV_SNAPSHOT_DIR
+from lightning_ft.checkpoint.tiers import (
+    flush_fits,
+    persist_due,
+    persist_interval_steps,
+    snapshot_copies,
+    space_shortfall,
+)
 from lightning_ft.checkpoint.store import (
     RUN_ID_ENV_VARS,
     SnapshotInfo,
@@ -140,6 +148,7 @@ class EmergencyCheckpoint(pl.Callback):
                 self._durable = DurableTier.from_settings(self.durable_settings, self._configured_run_id)
         self._persister: DurablePersister | None = None
         self._segment: str | None = None
+        self._space_checked = False
         skip_unused_batch_hooks(self)
 
     # ------------------------------------------------------------------ public API
@@ -255,6 +264,9 @@ class EmergencyCheckpoint(pl.Callback):
             sample = (now - self._clock[0]) / (step - self._clock[1])
             prev = self._seconds_per_step
             self._seconds_per_step = sample if prev is None else _EMA * sample + (1 - _EMA) * prev
+        if not self._space_checked and step >= 1:
+            self._space_checked = True
+            self._check_space(trainer)
         interval = None
         if self.every_n_seconds is not None and self._seconds_per_step is not None:
             interval = steps_between_snapshots(self.every_n_seconds, self._seconds_per_step)
@@ -293,6 +305,37 @@ class EmergencyCheckpoint(pl.Callback):
                 self._store.close()
             self._store = SnapshotStore(self.root, self._configured_run_id, rank, self.keep_last)
         return self._store
+
+    def space_problem(self, trainer: pl.Trainer) -> str | None:
+        """Why the snapshot root cannot hold this run's snapshots (None: it can), from free space
+        (statvfs) vs the snapshot size x the copies one rank keeps x the ranks of this host."""
+        store = self._get_store(trainer)
+        nbytes = fmt.encode(trainer._checkpoint_connector.dump_checkpoint(weights_only=False),
+                            check_loadable=False).file_size
+        stats = os.statvfs(store.root)
+        free = stats.f_bavail * stats.f_frsize
+        reusable = sum(info.nbytes for info in store.list())
+        copies = snapshot_copies(self.keep_last, self.preallocate, self._persister is not None)
+        ranks = max(1, int(getattr(trainer, "num_devices", 1) or 1))
+        missing = space_shortfall(free, reusable, nbytes, copies, ranks)
+        if not missing:
+            return None
+        return (f"snapshot root {store.root} has {free / 2**20:.1f} MiB free but rank {store.rank} needs "
+                f"{nbytes / 2**20:.1f} MiB x {copies} snapshot files x {ranks} rank(s) on this host "
+                f"({missing / 2**20:.1f} MiB missing); snapshots will fail. Fix: point {ENV_SNAPSHOT_DIR} "
+                f"(or root=) to a local-disk directory with room, enlarge /dev/shm (containers default to "
+                f"64 MiB: docker --shm-size, a Kubernetes memory emptyDir), or lower keep_last/preallocate")
+
+    def _check_space(self, trainer: pl.Trainer) -> None:
+        # before the first save: a full tmpfs otherwise shows up as a failed snapshot at the
+        # worst moment (SIGTERM)
+        try:
+            problem = self.space_problem(trainer)
+        except OSError as exc:
+            log.warning("rank %d: could not check the snapshot root's free space: %s", trainer.global_rank, exc)
+            return
+        if problem is not None:
+            log.error("rank %d: %s", trainer.global_rank, problem)
 
     def _ensure_spare(self, trainer: pl.Trainer) -> None:
         # Runs at step >= 1 so the optimizer state exists and the size estimate is right.
