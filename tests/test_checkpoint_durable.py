@@ -207,3 +207,26 @@ def test_enough_room_is_not_reported(tmp_path, caplog):
     with caplog.at_level(logging.ERROR, logger="lightning_ft"):
         _fit(3, [EmergencyCheckpoint(every_n_steps=2, root=str(tmp_path / "shm"), run_id="t")])
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_over_s3_with_storage_options_a_cancelled_upload_leaves_no_object(tmp_path, stores, s3_server):
+    import uuid
+
+    options = {"endpoint_url": s3_server["AWS_ENDPOINT_URL"], "key": "testing", "secret": "testing"}
+    target = open_target(f"s3://lightning-ft-test/unit-{uuid.uuid4().hex[:8]}", options)
+    tier = DurableTier(target, "job")
+    import time
+
+    # 4 MiB at 8 MiB/s in 1 MiB chunks: the deadline passes after a few chunks were written
+    big = stores[0].save({"state_dict": {"w": torch.zeros(1 << 20)}, "global_step": 2}, 2)
+    tier.max_bytes_per_second = 8 << 20
+    with pytest.raises(UploadCancelled):
+        tier.upload(big, "seg", world_size=2, deadline=time.monotonic() + 0.2)
+    tier.max_bytes_per_second = None
+    assert target.size(tier.shard_path(2, "seg", 0)) is None and tier.markers(2, "seg") == []
+    infos = [s.save(state(3.0), 3) for s in stores]
+    for info in infos:
+        tier.upload(info, "seg", world_size=2)
+    assert tier.complete_steps() == [3]
+    fresh = SnapshotStore(tmp_path / "new-shm", run_id="job", rank=0)
+    assert fresh.load(tier.fetch_into(3, 0, fresh))["global_step"] == 3

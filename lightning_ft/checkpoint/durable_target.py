@@ -8,7 +8,8 @@ are relative, ``/``-separated.
   ``rename`` (atomic within a directory) and ``fsync`` the directory, so a reader sees the
   whole object or nothing.
 * :class:`FsspecTarget`: one ``put`` of the whole object (``open("wb")`` streams a multipart
-  upload on S3; the object exists only once the upload completed), so no reader sees a part.
+  upload on S3; the object exists only once the upload completed, and an interrupted write
+  aborts it), so no reader sees a part.
 """
 
 from __future__ import annotations
@@ -165,10 +166,20 @@ class FsspecTarget(DurableTarget):
 
     def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> int:
         written = 0
-        with self.fs.open(self._full(path), "wb") as f:
+        f = self.fs.open(self._full(path), "wb")
+        try:
             for chunk in chunks:
                 f.write(chunk)
                 written += len(chunk)
+        except BaseException:
+            # not `with`: closing a buffered fsspec file commits what was written so far (a
+            # partial object); discard aborts the multipart upload and nothing appears
+            try:
+                f.discard()
+            finally:
+                f.closed = True  # keeps close() and __del__ from committing the part
+            raise
+        f.close()
         self.fs.invalidate_cache(self._full(path).rsplit("/", 1)[0])
         return written
 
