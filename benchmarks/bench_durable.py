@@ -88,7 +88,7 @@ def run_size(size_mib: int, repeats: int, scratch: Path) -> dict:
     store = SnapshotStore(shm_root, run_id="bench", rank=0, keep_last=2)
     tier = DurableTier(LocalDirTarget(str(scratch / "durable")), "bench", keep_last=2,
                        max_bytes_per_second=None)
-    persister = DurablePersister(tier, store.hold, store.release, rank=0)
+    persister = DurablePersister(tier, lambda: store, rank=0)
     result: dict = {"size_mib": size_mib}
     try:
         step = 0

@@ -107,7 +107,7 @@ def test_the_persister_uploads_the_newest_offer_and_holds_the_file(tmp_path, sto
         return real_upload(info, *a, **k)
 
     tier.upload = slow_upload
-    persister = DurablePersister(tier, store.hold, store.release, rank=0)
+    persister = DurablePersister(tier, lambda: store, rank=0)
     assert persister.offer(store.save(state(1.0), 1), "seg", 1) == "start"
     assert started.wait(10)
     for step in (2, 3, 4):

@@ -225,7 +225,7 @@ class EmergencyCheckpoint(pl.Callback):
             _no_run_id_warned = True
             log.warning(no_run_id_message(store.run_dir))
         if self._durable is not None and self._persister is None:
-            self._persister = DurablePersister(self._durable, store.hold, store.release, store.rank)
+            self._persister = DurablePersister(self._durable, lambda: self._get_store(trainer), store.rank)
         if not self._replicated(trainer):
             log.warning("EmergencyCheckpoint supports single-device and DDP strategies; with %s each rank's "
                         "snapshot holds only what dump_checkpoint returns on that rank and auto-resume is off",

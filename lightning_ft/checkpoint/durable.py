@@ -27,6 +27,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,7 +120,11 @@ def _step_name(step: int) -> str:
 
 
 class _Sha256Reader:
-    """Reads a committed snapshot file in chunks, hashing as it goes, paced by a token bucket."""
+    """Reads a committed snapshot file in chunks, hashing as it goes, paced by a token bucket.
+
+    A chunk is hashed on a helper thread while the target writes it (hashlib and file writes
+    release the GIL), so the copy costs about max(hash, write) instead of their sum.
+    """
 
     def __init__(self, fd: int, nbytes: int, max_bytes_per_second: float | None, deadline: float | None) -> None:
         self.fd = fd
@@ -134,22 +139,28 @@ class _Sha256Reader:
         # within a fraction of a second, also for files smaller than a default chunk
         chunk_bytes = CHUNK_BYTES if not self.rate else max(64 << 10, min(CHUNK_BYTES, int(self.rate / 8)))
         tokens, last = float(chunk_bytes), time.monotonic()
-        while offset < self.nbytes:
-            n = min(chunk_bytes, self.nbytes - offset)
-            if self.rate:
-                now = time.monotonic()
-                wait, tokens = bucket_delay(tokens, now - last, self.rate, float(chunk_bytes), n)
-                last = now + wait
-                if wait:
-                    time.sleep(wait)
-            if self.deadline is not None and time.monotonic() > self.deadline:
-                raise UploadCancelled(f"deadline passed after {offset} of {self.nbytes} bytes")
-            chunk = os.pread(self.fd, n, offset)
-            if len(chunk) != n:
-                raise OSError(f"snapshot file shrank while it was uploaded ({offset + len(chunk)} < {self.nbytes})")
-            self.digest.update(chunk)
-            offset += n
-            yield chunk
+        hashing: Future | None = None
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_ft-sha256") as hasher:
+            while offset < self.nbytes:
+                n = min(chunk_bytes, self.nbytes - offset)
+                if self.rate:
+                    now = time.monotonic()
+                    wait, tokens = bucket_delay(tokens, now - last, self.rate, float(chunk_bytes), n)
+                    last = now + wait
+                    if wait:
+                        time.sleep(wait)
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    raise UploadCancelled(f"deadline passed after {offset} of {self.nbytes} bytes")
+                chunk = os.pread(self.fd, n, offset)
+                if len(chunk) != n:
+                    raise OSError(f"snapshot file shrank while it was uploaded ({offset + len(chunk)} < {self.nbytes})")
+                if hashing is not None:
+                    hashing.result()  # in order: one chunk hashed at a time
+                hashing = hasher.submit(self.digest.update, chunk)
+                offset += n
+                yield chunk
+            if hashing is not None:
+                hashing.result()
 
 
 @dataclass(frozen=True)
@@ -221,17 +232,19 @@ class DurableTier:
         finally:
             os.close(fd)
         checksum = reader.digest.hexdigest()
-        self._verify(shard, nbytes, checksum)
+        self._verify(shard, nbytes, checksum, read_back=self.target.read_back_verifies)
         marker = ShardMarker(info.step, segment, info.rank, world_size, nbytes, checksum)
         self.target.write(self.marker_path(info.step, segment, info.rank), [json.dumps(marker.__dict__).encode()])
         seconds = time.monotonic() - start
         complete = self.publish_if_complete(info.step, segment)
         return UploadResult(info.step, nbytes, seconds, complete)
 
-    def _verify(self, path: str, nbytes: int, checksum: str) -> None:
+    def _verify(self, path: str, nbytes: int, checksum: str, read_back: bool) -> None:
         size = self.target.size(path)
         if size != nbytes:
             raise OSError(f"{self.target.describe(path)} has {size} bytes after the upload, expected {nbytes}")
+        if not read_back:
+            return
         digest = hashlib.sha256()
         for chunk in self.target.read_chunks(path, CHUNK_BYTES):
             digest.update(chunk)
@@ -266,7 +279,7 @@ class DurableTier:
                 "shards": [{"rank": r, "nbytes": n, "sha256": c} for r, n, c in completion.shards]}
         # every rank that sees completion writes the same bytes: a race between them is harmless
         self.target.write(self.manifest_path(step), [json.dumps(body, sort_keys=True).encode()])
-        log.info("durable: step %d complete (%d shards of segment %s) -> %s", step, completion.world_size, segment,
+        log.debug("durable: step %d complete (%d shards of segment %s) -> %s", step, completion.world_size, segment,
                  self.target.describe(self.manifest_path(step)))
         self.apply_retention()
         return True
@@ -354,15 +367,16 @@ class DurablePersister:
     root, held and released by this process's store; see the README for the trade-off.
     """
 
-    def __init__(self, tier: DurableTier, store_hold: Callable[[int], None], store_release: Callable[[int], None],
-                 rank: int, emit: Callable[..., None] | None = None) -> None:
+    def __init__(self, tier: DurableTier, snapshot_store: Callable[[], SnapshotStore], rank: int,
+                 emit: Callable[..., None] | None = None) -> None:
         self.tier = tier
-        self._hold = store_hold
-        self._release = store_release
+        # the store that writes this rank's snapshots now (it changes when a recovery changes the
+        # rank); a hold is released on the store it was taken on
+        self._snapshot_store = snapshot_store
         self.rank = rank
         self._emit = emit or (lambda *a, **k: None)
         self._cv = threading.Condition()
-        self._pending: tuple[SnapshotInfo, str, int, int] | None = None  # (info, segment, world, open fd)
+        self._pending: tuple[SnapshotInfo, str, int, int, SnapshotStore] | None = None  # + open fd, holder
         self._busy: int | None = None
         self._thread: threading.Thread | None = None
         self.last_durable_step: int | None = None
@@ -385,13 +399,14 @@ class DurablePersister:
             except (OSError, fmt.SnapshotError) as exc:
                 log.warning("rank %d: snapshot of step %d not copied durably: %s", self.rank, info.step, exc)
                 return "skip"
-            self._hold(info.step)
+            holder = self._snapshot_store()
+            holder.hold(info.step)
             if self._pending is not None:
                 log.debug("rank %d: durable copy of step %d superseded by step %d", self.rank,
                           self._pending[0].step, info.step)
                 self._drop_pending()
                 self.skipped += 1
-            self._pending = (info, segment, world_size, fd)
+            self._pending = (info, segment, world_size, fd, holder)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="lightning_ft-persist")
                 self._thread.start()
@@ -400,10 +415,10 @@ class DurablePersister:
 
     def _drop_pending(self) -> None:
         """Forget the waiting offer (caller holds the lock)."""
-        info, _, _, fd = self._pending
+        info, _, _, fd, holder = self._pending
         self._pending = None
         os.close(fd)
-        self._release(info.step)
+        holder.release(info.step)
 
     def _run(self) -> None:
         while True:
@@ -415,13 +430,13 @@ class DurablePersister:
                 pending, self._pending = self._pending, None
                 self._busy = pending[0].step
             try:
-                info, segment, world_size, fd = pending
+                info, segment, world_size, fd, holder = pending
                 self._upload(info, segment, world_size, deadline=None, fd=fd)
             finally:
                 with self._cv:
                     self._busy = None
                     self._cv.notify_all()
-                self._release(pending[0].step)
+                holder.release(info.step)
 
     def _upload(self, info: SnapshotInfo, segment: str, world_size: int, deadline: float | None,
                 fd: int | None = None) -> UploadResult | None:
@@ -473,11 +488,12 @@ class DurablePersister:
             if self.last_uploaded_step == info.step:
                 return UploadResult(info.step, info.nbytes, 0.0, self.last_durable_step == info.step)
             self._busy = info.step
-            self._hold(info.step)
+            holder = self._snapshot_store()
+            holder.hold(info.step)
         try:
             return self._upload(info, segment, world_size, deadline)
         finally:
             with self._cv:
                 self._busy = None
                 self._cv.notify_all()
-            self._release(info.step)
+            holder.release(info.step)

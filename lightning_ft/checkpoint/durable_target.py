@@ -29,6 +29,11 @@ class DurableTarget:
     """Durable storage for snapshot shards, markers and manifests (relative ``/``-separated paths)."""
 
     url: str
+    #: whether an upload is read back and its sha256 compared before its marker is written. A
+    #: local directory's read-back comes from the page cache right after fsync and proves
+    #: nothing more than the size check; an object store's read-back checks what the server
+    #: stored. Every download is checked against the manifest's sha256 either way.
+    read_back_verifies: bool = True
 
     def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> int:
         """Store ``chunks`` as the object ``path``, all or nothing; returns the bytes written."""
@@ -61,6 +66,8 @@ class DurableTarget:
 
 class LocalDirTarget(DurableTarget):
     """A directory (local disk or a shared filesystem), created with mode 0700."""
+
+    read_back_verifies = False
 
     def __init__(self, directory: str) -> None:
         self.directory = os.path.abspath(directory)
