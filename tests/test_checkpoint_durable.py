@@ -230,3 +230,22 @@ def test_over_s3_with_storage_options_a_cancelled_upload_leaves_no_object(tmp_pa
     assert tier.complete_steps() == [3]
     fresh = SnapshotStore(tmp_path / "new-shm", run_id="job", rank=0)
     assert fresh.load(tier.fetch_into(3, 0, fresh))["global_step"] == 3
+
+
+def test_flush_waits_for_the_running_upload_then_copies_the_newest_or_reports_it_did_not(tmp_path, stores):
+    import time
+
+    store = stores[0]
+    tier = tier_at(tmp_path)
+    persister = DurablePersister(tier, lambda: store, rank=0)
+    persister.offer(store.save(state(1.0), 1), "seg", 1)
+    queued = store.save(state(2.0), 2)
+    persister.offer(queued, "seg", 1)
+    newest = store.save(state(3.0), 3)
+    result = persister.flush(newest, "seg", 1, deadline=time.monotonic() + 20)
+    assert result is not None and result.complete and persister.last_durable_step == 3
+    assert 3 in tier.complete_steps() and 2 not in tier.complete_steps()  # the queued offer was dropped
+    assert store.held_steps() == set()
+    # no time left: not durable, and said so
+    assert persister.flush(store.save(state(4.0), 4), "seg", 1, deadline=time.monotonic() - 1) is None
+    assert 4 not in tier.complete_steps() and store.held_steps() == set()
