@@ -249,3 +249,18 @@ def test_flush_waits_for_the_running_upload_then_copies_the_newest_or_reports_it
     # no time left: not durable, and said so
     assert persister.flush(store.save(state(4.0), 4), "seg", 1, deadline=time.monotonic() - 1) is None
     assert 4 not in tier.complete_steps() and store.held_steps() == set()
+
+
+def test_an_unlistable_durable_storage_is_unknown_not_empty(tmp_path, monkeypatch):
+    from lightning_ft.checkpoint.resume import agree_across_tiers
+
+    tier = tier_at(tmp_path)
+
+    def broken(path):
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(tier.target, "list", broken)
+    assert tier.complete_steps(attempts=2) is None
+    choice = agree_across_tiers([4], tier, rank=0)
+    assert (choice.step, choice.tier) == (4, "memory")
+    assert not choice.durable_listed_everywhere and "could not list" in choice.reason

@@ -149,6 +149,8 @@ class EmergencyCheckpoint(pl.Callback):
         self._persister: DurablePersister | None = None
         self._segment: str | None = None
         self._space_checked = False
+        # newer durable steps may be dropped as an abandoned timeline only when every rank could list them
+        self._durable_listed_everywhere = False
         skip_unused_batch_hooks(self)
 
     # ------------------------------------------------------------------ public API
@@ -234,6 +236,7 @@ class EmergencyCheckpoint(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.resumed_from = None
         self.resumed_tier = None
+        self._durable_listed_everywhere = False
         if self._durable is not None:
             # one token per stretch of training, the same on every rank: shards of one step written
             # by different stretches (the step trained again after a failure) never combine.
@@ -246,9 +249,11 @@ class EmergencyCheckpoint(pl.Callback):
         # Snapshots past the step we (re)started from belong to an abandoned history; leaving
         # them would make the next restart jump onto it.
         self._get_store(trainer).discard_newer_than(trainer.global_step)
-        if self._durable is not None and trainer.global_rank == 0:
-            newer = [s for s in self._durable.complete_steps() if s > trainer.global_step]
-            self._durable.drop_manifests(newer)
+        if self._durable is not None and trainer.global_rank == 0 and self._durable_listed_everywhere:
+            # Only after an agreement in which every rank listed the durable steps: a listing
+            # that failed on one rank must never make rank 0 delete the job's durable progress.
+            listed = self._durable.complete_steps()
+            self._durable.drop_manifests([s for s in listed or [] if s > trainer.global_step])
         for optimizer in trainer.optimizers:
             if hasattr(getattr(optimizer, "_optimizer", optimizer), "consolidate_state_dict"):
                 log.warning("sharded optimizer %s: dump_checkpoint runs a collective; save_now() is not "
@@ -390,6 +395,7 @@ class EmergencyCheckpoint(pl.Callback):
             scan = store.scan(include_peers=True, expect=expect)
             local, skipped = scan.readable, scan.foreign
         choice = agree_across_tiers(local, self._durable, store.rank)
+        self._durable_listed_everywhere = choice.durable_listed_everywhere
         step = choice.step
         loaded_step = connector._loaded_checkpoint.get("global_step") if connector._loaded_checkpoint else None
         resumes = step is not None and (loaded_step is None or loaded_step < step)

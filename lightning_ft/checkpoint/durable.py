@@ -305,13 +305,18 @@ class DurableTier:
                 result[step] = completion
         return result
 
-    def complete_steps(self) -> list[int]:
-        """Complete durable steps, ascending; [] when the target cannot be read (logged)."""
-        try:
-            return sorted(self.complete())
-        except OSError as exc:
-            log.warning("durable storage %s cannot be listed: %s", self.target.url, exc)
-            return []
+    def complete_steps(self, attempts: int = 3) -> list[int] | None:
+        """Complete durable steps, ascending; None when the target cannot be listed (after
+        ``attempts`` tries half a second apart; logged): unknown is not "nothing there"."""
+        for attempt in range(attempts):
+            try:
+                return sorted(self.complete())
+            except OSError as exc:
+                log.warning("durable storage %s cannot be listed (attempt %d of %d): %s", self.target.url,
+                            attempt + 1, attempts, exc)
+                if attempt + 1 < attempts:
+                    time.sleep(0.5)
+        return None
 
     def fetch_into(self, step: int, rank: int, store: SnapshotStore) -> SnapshotInfo:
         """Download the shard of ``step`` this rank needs, check size and sha256 against the manifest,

@@ -72,8 +72,16 @@ def agree_across_tiers(local_steps: Sequence[int], durable: DurableTier | None, 
         return ResumeChoice(step, "memory" if step is not None else "none",
                             "the newest step every rank holds in memory" if step is not None else "no snapshot")
     memory = gather_steps(local_steps)
-    stored = gather_steps(durable.complete_steps())
+    listed = durable.complete_steps()
+    # -1: this rank could not list the durable storage (steps are >= 0)
+    stored = gather_steps([-1] if listed is None else listed)
+    unreachable = [r for r, steps in enumerate(stored) if -1 in steps]
+    stored = [[s for s in steps if s >= 0] for steps in stored]
     choice = choose_resume_source(memory, stored, rank if len(memory) > 1 else 0)
+    if unreachable:
+        choice = ResumeChoice(choice.step, choice.tier,
+                              f"{choice.reason}; rank(s) {unreachable} could not list the durable storage",
+                              durable_listed_everywhere=False)
     if choice.step is not None:
         log.info("rank %s: resume step %d from the %s tier: %s", rank, choice.step, choice.tier, choice.reason)
     else:

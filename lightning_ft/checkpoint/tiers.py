@@ -125,6 +125,8 @@ class ResumeChoice:
     step: int | None
     tier: str  # "memory" | "durable" | "none"
     reason: str
+    #: every rank could list the durable storage (so what it lacks is really not there)
+    durable_listed_everywhere: bool = True
 
 
 def _newest(steps: Iterable[int]) -> str:
