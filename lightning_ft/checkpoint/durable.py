@@ -22,19 +22,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
+import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_ft._validation import require_number
 from lightning_ft.checkpoint import snapshot_format as fmt
-from lightning_ft.checkpoint.durable_target import DurableTarget, open_target, storage_options_from_env
-from lightning_ft.checkpoint.files import open_snapshot_file
+from lightning_ft.checkpoint.durable_target import DurableTarget, FileRanges, open_target, storage_options_from_env
+from lightning_ft.checkpoint.files import close_map, open_snapshot_file
 from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore
 from lightning_ft.checkpoint.tiers import (
     Completion,
@@ -119,11 +120,14 @@ def _step_name(step: int) -> str:
     return f"step-{step:012d}"
 
 
-class _Sha256Reader:
-    """Reads a committed snapshot file in chunks, hashing as it goes, paced by a token bucket.
+class _ShardSource(FileRanges):
+    """A committed snapshot file as the source of one upload: paced ranges, hashed as they go.
 
-    A chunk is hashed on a helper thread while the target writes it (hashlib and file writes
-    release the GIL), so the copy costs about max(hash, write) instead of their sum.
+    Ranges are at most 1/8 s of the bandwidth bound in size, paced by a token bucket (a burst
+    of one range). A helper thread hashes each range handed out (reading a read-only map of the
+    file) while the target copies it (a directory: ``sendfile``, kernel to kernel; fsspec: the
+    mapped bytes) and fsyncs, so an upload costs about max(hash, copy + fsync) rather than
+    their sum; hashlib, ``sendfile`` and writes release the GIL.
     """
 
     def __init__(self, fd: int, nbytes: int, max_bytes_per_second: float | None, deadline: float | None) -> None:
@@ -132,15 +136,23 @@ class _Sha256Reader:
         self.rate = max_bytes_per_second
         self.deadline = deadline
         self.digest = hashlib.sha256()
+        self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self._view = memoryview(self._map)
+        self._hashing: threading.Thread | None = None
 
-    def __iter__(self):
+    def view(self, offset: int, length: int) -> memoryview:
+        return self._view[offset:offset + length]
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
         offset = 0
-        # chunks of at most 1/8 s of the bandwidth bound, and a burst of one chunk: the rate holds
-        # within a fraction of a second, also for files smaller than a default chunk
         chunk_bytes = CHUNK_BYTES if not self.rate else max(64 << 10, min(CHUNK_BYTES, int(self.rate / 8)))
         tokens, last = float(chunk_bytes), time.monotonic()
-        hashing: Future | None = None
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_ft-sha256") as hasher:
+        # the hash follows the copy through a queue and never gates it: the copy (and the fsync
+        # after it) overlaps hashing instead of waiting for each range's hash
+        released: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        hashing = threading.Thread(target=self._hash, args=(released,), name="lightning_ft-sha256", daemon=True)
+        hashing.start()
+        try:
             while offset < self.nbytes:
                 n = min(chunk_bytes, self.nbytes - offset)
                 if self.rate:
@@ -151,16 +163,30 @@ class _Sha256Reader:
                         time.sleep(wait)
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     raise UploadCancelled(f"deadline passed after {offset} of {self.nbytes} bytes")
-                chunk = os.pread(self.fd, n, offset)
-                if len(chunk) != n:
-                    raise OSError(f"snapshot file shrank while it was uploaded ({offset + len(chunk)} < {self.nbytes})")
-                if hashing is not None:
-                    hashing.result()  # in order: one chunk hashed at a time
-                hashing = hasher.submit(self.digest.update, chunk)
+                released.put((offset, n))
+                yield offset, n
                 offset += n
-                yield chunk
-            if hashing is not None:
-                hashing.result()
+        finally:
+            released.put(None)
+            self._hashing = hashing
+
+    def _hash(self, released: queue.SimpleQueue) -> None:
+        while (item := released.get()) is not None:
+            self.digest.update(self.view(*item))
+
+    def hexdigest(self) -> str:
+        """The sha256 of every range handed out (waits for the hash to catch up)."""
+        self._hashing.join()
+        return self.digest.hexdigest()
+
+    def close(self) -> None:
+        if self._hashing is not None:
+            self._hashing.join()  # it reads the map
+        try:
+            self._view.release()
+        except BufferError:
+            pass  # a slice is still referenced somewhere; the map goes with the last reference
+        close_map(self._map)
 
 
 @dataclass(frozen=True)
@@ -185,6 +211,8 @@ class DurableTier:
         self.run_id = run_id
         self.keep_last = keep_last
         self.max_bytes_per_second = max_bytes_per_second
+        #: (step, time.monotonic()) of the last manifest this process wrote: when a step became durable
+        self.last_published: tuple[int, float] | None = None
 
     @classmethod
     def from_settings(cls, settings: DurableSettings, run_id: str) -> DurableTier:
@@ -226,12 +254,15 @@ class DurableTier:
             nbytes = header.file_size
             if st.st_size < nbytes:
                 raise fmt.SnapshotError(f"{info.path} is shorter than its header says")
-            reader = _Sha256Reader(fd, nbytes, self.max_bytes_per_second, deadline)
+            source = _ShardSource(fd, nbytes, self.max_bytes_per_second, deadline)
             shard = self.shard_path(info.step, segment, info.rank)
-            self.target.write(shard, reader)
+            try:
+                self.target.write(shard, source)
+                checksum = source.hexdigest()
+            finally:
+                source.close()
         finally:
             os.close(fd)
-        checksum = reader.digest.hexdigest()
         self._verify(shard, nbytes, checksum, read_back=self.target.read_back_verifies)
         marker = ShardMarker(info.step, segment, info.rank, world_size, nbytes, checksum)
         self.target.write(self.marker_path(info.step, segment, info.rank), [json.dumps(marker.__dict__).encode()])
@@ -279,6 +310,7 @@ class DurableTier:
                 "shards": [{"rank": r, "nbytes": n, "sha256": c} for r, n, c in completion.shards]}
         # every rank that sees completion writes the same bytes: a race between them is harmless
         self.target.write(self.manifest_path(step), [json.dumps(body, sort_keys=True).encode()])
+        self.last_published = (step, time.monotonic())
         log.debug("durable: step %d complete (%d shards of segment %s) -> %s", step, completion.world_size, segment,
                  self.target.describe(self.manifest_path(step)))
         self.apply_retention()

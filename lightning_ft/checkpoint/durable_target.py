@@ -17,12 +17,30 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from lightning_ft.checkpoint.files import make_private_dir
 
 ENV_PERSIST_STORAGE_OPTIONS = "LIGHTNING_FT_PERSIST_STORAGE_OPTIONS"
+
+
+class FileRanges:
+    """Part of a local file to store, as ``(offset, length)`` ranges (``ranges()`` may pace,
+    hash or cancel as it goes); a target may copy them kernel-side from ``fd`` or write the
+    mapped bytes ``view(offset, length)``."""
+
+    fd: int
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        raise NotImplementedError
+
+    def view(self, offset: int, length: int) -> memoryview:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for offset, length in self.ranges():
+            yield self.view(offset, length)
 
 
 class DurableTarget:
@@ -35,7 +53,7 @@ class DurableTarget:
     #: stored. Every download is checked against the manifest's sha256 either way.
     read_back_verifies: bool = True
 
-    def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> int:
+    def write(self, path: str, chunks: Iterable[bytes | memoryview] | FileRanges) -> int:
         """Store ``chunks`` as the object ``path``, all or nothing; returns the bytes written."""
         raise NotImplementedError
 
@@ -86,7 +104,7 @@ class LocalDirTarget(DurableTarget):
         for directory in reversed(missing):
             make_private_dir(directory, "durable directory")
 
-    def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> int:
+    def write(self, path: str, chunks: Iterable[bytes | memoryview] | FileRanges) -> int:
         full = self._full(path)
         self._make_parents(full)
         # the temp name never matches what readers list (see DurableTier): a torn write is ignored
@@ -95,9 +113,20 @@ class LocalDirTarget(DurableTarget):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-                    written += len(chunk)
+                if isinstance(chunks, FileRanges):
+                    for offset, length in chunks.ranges():
+                        # kernel to kernel: no copy through this process
+                        done = 0
+                        while done < length:
+                            sent = os.sendfile(f.fileno(), chunks.fd, offset + done, length - done)
+                            if sent == 0:
+                                raise OSError(f"source file ended after {offset + done} bytes")
+                            done += sent
+                        written += length
+                else:
+                    for chunk in chunks:
+                        f.write(chunk)
+                        written += len(chunk)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, full)
@@ -171,7 +200,7 @@ class FsspecTarget(DurableTarget):
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
-    def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> int:
+    def write(self, path: str, chunks: Iterable[bytes | memoryview] | FileRanges) -> int:
         written = 0
         f = self.fs.open(self._full(path), "wb")
         try:
