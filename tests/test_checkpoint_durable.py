@@ -264,3 +264,24 @@ def test_an_unlistable_durable_storage_is_unknown_not_empty(tmp_path, monkeypatc
     choice = agree_across_tiers([4], tier, rank=0)
     assert (choice.step, choice.tier) == (4, "memory")
     assert not choice.durable_listed_everywhere and "could not list" in choice.reason
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_a_held_file_is_never_overwritten_by_later_snapshots(tmp_path, keep_last):
+    from lightning_ft.checkpoint import snapshot_format as fmt
+
+    store = SnapshotStore(tmp_path / "shm", run_id="job", rank=0, keep_last=keep_last)
+    first = store.save(state(1.0), 1)
+    fd = os.open(first.path, os.O_RDONLY)  # what the uploader has open
+    store.hold(1)
+    try:
+        for step in (2, 3, 4):  # keep_last=1 would turn the replaced file into the next write's spare
+            store.save(state(float(step)), step)
+        header = fmt.Header.unpack(os.pread(fd, fmt.HEADER_SIZE, 0))
+        assert header.step == 1
+        blob = os.pread(fd, header.file_size, 0)
+        fmt.verify(blob, len(blob))  # still the intact snapshot of step 1
+    finally:
+        store.release(1)
+        os.close(fd)
+        store.close()
