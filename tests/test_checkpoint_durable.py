@@ -285,3 +285,20 @@ def test_a_held_file_is_never_overwritten_by_later_snapshots(tmp_path, keep_last
         store.release(1)
         os.close(fd)
         store.close()
+
+
+def test_a_failed_download_is_an_error_naming_the_rank(tmp_path, stores, monkeypatch):
+    from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory
+
+    tier = tier_at(tmp_path)
+    tier.upload(stores[0].save(state(5.0), 5), "seg", world_size=1)
+    fresh = SnapshotStore(tmp_path / "new-shm", run_id="job", rank=0)
+    choice = agree_across_tiers([], tier, rank=0)
+    assert (choice.step, choice.tier) == (5, "durable")
+
+    def unreachable(*a, **k):
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(tier, "fetch_into", unreachable)
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] could not get step 5"):
+        bring_into_memory(choice, tier, fresh)

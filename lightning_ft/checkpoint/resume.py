@@ -90,8 +90,27 @@ def agree_across_tiers(local_steps: Sequence[int], durable: DurableTier | None, 
 
 
 def bring_into_memory(choice: ResumeChoice, durable: DurableTier | None, store: SnapshotStore) -> None:
-    """After :func:`agree_across_tiers`: download this rank's durable shard when the choice says so."""
+    """After :func:`agree_across_tiers`: download this rank's durable shard when the choice says so.
+
+    Collective with a durable tier (every rank calls it after the same agreement): the ranks
+    then tell each other whether they have the step, so a failed download on one rank stops
+    every rank with the same error instead of leaving the others waiting in the next collective.
+    """
+    error: Exception | None = None
     if choice.tier == "durable" and choice.step is not None:
-        if durable is None:
-            raise RuntimeError("resume from the durable tier without a durable tier configured")
-        durable.fetch_into(choice.step, store.rank, store)
+        try:
+            if durable is None:
+                raise RuntimeError("resume from the durable tier without a durable tier configured")
+            durable.fetch_into(choice.step, store.rank, store)
+        except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised
+            log.error("rank %d: cannot download durable step %s: %s: %s", store.rank, choice.step,
+                      type(exc).__name__, exc)
+            error = exc
+    if durable is None:
+        if error is not None:
+            raise error
+        return
+    failed = [r for r, flags in enumerate(gather_steps([0 if error is None else 1])) if flags and flags[0]]
+    if failed:
+        raise RuntimeError(f"rank(s) {failed} could not get step {choice.step} from durable storage "
+                           f"({durable.target.url}); no rank resumes (see those ranks' logs)") from error
