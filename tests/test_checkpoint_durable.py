@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 
 import pytest
@@ -302,3 +303,13 @@ def test_a_failed_download_is_an_error_naming_the_rank(tmp_path, stores, monkeyp
     monkeypatch.setattr(tier, "fetch_into", unreachable)
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] could not get step 5"):
         bring_into_memory(choice, tier, fresh)
+
+
+def test_garbage_or_renamed_manifests_are_ignored(tmp_path, stores):
+    tier = tier_at(tmp_path)
+    for s in stores:
+        tier.upload(s.save(state(10.0), 10), "seg", world_size=2)
+    manifests = tmp_path / "durable/job/manifests"
+    (manifests / "step-000000000099.json").write_text("{not json")
+    shutil.copy(manifests / "step-000000000010.json", manifests / "step-000000000050.json")  # renamed
+    assert tier.complete_steps() == [10]

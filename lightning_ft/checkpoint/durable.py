@@ -282,24 +282,28 @@ class DurableTier:
         if digest.hexdigest() != checksum:
             raise OSError(f"{self.target.describe(path)}: read back with another checksum than was uploaded")
 
-    def markers(self, step: int, segment: str) -> list[ShardMarker]:
-        """The valid done markers of one (step, segment); unreadable ones are ignored."""
-        found = []
-        directory = self._segment_dir(step, segment)
+    def _json_records(self, directory: str, pattern: re.Pattern, what: str,
+                      parse: Callable[[dict], Any]) -> Iterator[tuple[re.Match, Any]]:
+        """(name match, parsed record) of every JSON file in ``directory`` whose name matches
+        ``pattern``; one that cannot be read or parsed is logged and skipped (never trusted)."""
         for name in self.target.list(directory):
-            m = _MARKER.match(name)
+            m = pattern.match(name)
             if not m:
                 continue
+            path = f"{directory}/{name}"
             try:
-                raw = json.loads(self.target.read(f"{directory}/{name}"))
-                marker = ShardMarker(int(raw["step"]), str(raw["segment"]), int(raw["rank"]), int(raw["world_size"]),
-                                     int(raw["nbytes"]), str(raw["checksum"]))
+                yield m, parse(json.loads(self.target.read(path)))
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("ignoring durable marker %s: %s", self.target.describe(f"{directory}/{name}"), exc)
-                continue
-            if (marker.step, marker.segment, marker.rank) == (step, segment, int(m.group(1))):
-                found.append(marker)
-        return found
+                log.warning("ignoring durable %s %s: %s", what, self.target.describe(path), exc)
+
+    def markers(self, step: int, segment: str) -> list[ShardMarker]:
+        """The valid done markers of one (step, segment); unreadable ones are ignored."""
+        def parse(raw: dict) -> ShardMarker:
+            return ShardMarker(int(raw["step"]), str(raw["segment"]), int(raw["rank"]), int(raw["world_size"]),
+                               int(raw["nbytes"]), str(raw["checksum"]))
+
+        return [marker for m, marker in self._json_records(self._segment_dir(step, segment), _MARKER, "marker", parse)
+                if (marker.step, marker.segment, marker.rank) == (step, segment, int(m.group(1)))]
 
     def publish_if_complete(self, step: int, segment: str) -> bool:
         """Write the manifest of ``step`` if every rank of ``segment`` has its marker; then apply retention."""
@@ -319,22 +323,15 @@ class DurableTier:
     # ------------------------------------------------------------------ reading
     def complete(self) -> dict[int, Completion]:
         """Complete durable steps by step, read from the manifests only (unreadable ones ignored)."""
+        def parse(raw: dict) -> Completion:
+            shards = tuple((int(s["rank"]), int(s["nbytes"]), str(s["sha256"])) for s in raw["shards"])
+            return Completion(int(raw["step"]), str(raw["segment"]), int(raw["world_size"]), shards)
+
         result = {}
-        directory = f"{self.run_id}/manifests"
-        for name in self.target.list(directory):
-            m = _MANIFEST.match(name)
-            if not m:
-                continue
-            try:
-                raw = json.loads(self.target.read(f"{directory}/{name}"))
-                step = int(raw["step"])
-                shards = tuple((int(s["rank"]), int(s["nbytes"]), str(s["sha256"])) for s in raw["shards"])
-                completion = Completion(step, str(raw["segment"]), int(raw["world_size"]), shards)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("ignoring durable manifest %s: %s", self.target.describe(f"{directory}/{name}"), exc)
-                continue
-            if step == int(m.group(1)) and [s[0] for s in shards] == list(range(completion.world_size)):
-                result[step] = completion
+        for m, completion in self._json_records(f"{self.run_id}/manifests", _MANIFEST, "manifest", parse):
+            ranks = [shard[0] for shard in completion.shards]
+            if completion.step == int(m.group(1)) and ranks == list(range(completion.world_size)):
+                result[completion.step] = completion
         return result
 
     def complete_steps(self, attempts: int = 3) -> list[int] | None:
