@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _EMA = 0.3  # weight of the newest step-time sample
 _SKIPPED_SHOWN = 3  # skipped snapshots named in the auto-resume warning
+_PEER_MARKERS_WAIT_S = 2.0  # SIGTERM flush: how long to look for the peers' markers of the stop step
 _no_run_id_warned = False  # the "set a run id" warning is given once per process
 
 
@@ -203,11 +204,18 @@ class EmergencyCheckpoint(pl.Callback):
         fits, why = flush_fits(info.nbytes, persister.measured_bytes_per_second, budget_left_s)
         if not fits:
             return "memory", why
-        result: UploadResult | None = persister.flush(info, self._segment, world_size,
-                                                      time.monotonic() + budget_left_s)
+        deadline = time.monotonic() + budget_left_s
+        result: UploadResult | None = persister.flush(info, self._segment, world_size, deadline)
         if result is None:
             return "memory", f"durable copy of step {info.step} did not finish ({why})"
-        if result.complete:
+        # the peers flush the same stop step at the same time: their markers usually follow
+        # within moments, and then this rank's record can say "durable" truthfully
+        wait_until = min(deadline, time.monotonic() + _PEER_MARKERS_WAIT_S)
+        complete = result.complete
+        while not complete and time.monotonic() < wait_until:
+            time.sleep(0.05)
+            complete = persister.tier.publish_if_complete(info.step, self._segment)
+        if complete:
             return "durable", f"step {info.step} complete in durable storage ({why})"
         return "memory+shard", (f"this rank's shard of step {info.step} is durable; the step is complete once "
                                 f"every rank's shard is ({why})")
