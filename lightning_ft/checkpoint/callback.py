@@ -150,6 +150,7 @@ class EmergencyCheckpoint(pl.Callback):
         self._persister: DurablePersister | None = None
         self._segment: str | None = None
         self._space_checked = False
+        self._estimated_bytes: int | None = None
         # newer durable steps may be dropped as an abandoned timeline only when every rank could list them
         self._durable_listed_everywhere = False
         skip_unused_batch_hooks(self)
@@ -245,6 +246,7 @@ class EmergencyCheckpoint(pl.Callback):
         self.resumed_from = None
         self.resumed_tier = None
         self._durable_listed_everywhere = False
+        self._space_checked, self._estimated_bytes = False, None  # once per fit: the model may differ
         if self._durable is not None:
             # one token per stretch of training, the same on every rank: shards of one step written
             # by different stretches (the step trained again after a failure) never combine.
@@ -319,12 +321,21 @@ class EmergencyCheckpoint(pl.Callback):
             self._store = SnapshotStore(self.root, self._configured_run_id, rank, self.keep_last)
         return self._store
 
+    def _snapshot_bytes(self, trainer: pl.Trainer) -> int:
+        """Size of this rank's snapshot file: the last one's, else estimated once (dump_checkpoint
+        runs the on_save_checkpoint hooks, so the room check and the spare share one estimate)."""
+        if self._last_snapshot is not None:
+            return self._last_snapshot.nbytes
+        if self._estimated_bytes is None:
+            self._estimated_bytes = fmt.encode(trainer._checkpoint_connector.dump_checkpoint(weights_only=False),
+                                               check_loadable=False).file_size
+        return self._estimated_bytes
+
     def space_problem(self, trainer: pl.Trainer) -> str | None:
         """Why the snapshot root cannot hold this run's snapshots (None: it can), from free space
         (statvfs) vs the snapshot size x the copies one rank keeps x the ranks of this host."""
         store = self._get_store(trainer)
-        nbytes = fmt.encode(trainer._checkpoint_connector.dump_checkpoint(weights_only=False),
-                            check_loadable=False).file_size
+        nbytes = self._snapshot_bytes(trainer)
         stats = os.statvfs(store.root)
         free = stats.f_bavail * stats.f_frsize
         reusable = sum(info.nbytes for info in store.list())
@@ -356,11 +367,7 @@ class EmergencyCheckpoint(pl.Callback):
         store = self._get_store(trainer)
         if not store.spare_needed():
             return
-        if self._last_snapshot is not None:
-            nbytes = self._last_snapshot.nbytes
-        else:
-            nbytes = fmt.encode(trainer._checkpoint_connector.dump_checkpoint(weights_only=False),
-                                check_loadable=False).file_size
+        nbytes = self._snapshot_bytes(trainer)
         try:
             store.preallocate(nbytes)
         except OSError as exc:
