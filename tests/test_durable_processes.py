@@ -5,7 +5,8 @@ environment only (``LIGHTNING_FT_PERSIST_TO``), state surviving the loss of ever
     stop step and ends with the weights of an uninterrupted run; (b) kill -9 of every process,
     memory wiped: resume from the newest complete durable step; (c) a partial step (a shard
     without its marker, a torn upload) is never loaded; (d) = (a) against a local S3 server
-    (moto) reached through s3fs exactly as a user's job would.
+    (moto) reached through s3fs exactly as a user's job would; (e) a hot spare steps in while
+    uploads are in flight.
 """
 
 from __future__ import annotations
@@ -174,3 +175,27 @@ def test_after_kill_9_of_every_process_resume_from_the_newest_complete_durable_s
     assert all(r["step"] == newest + 5 for r in results)
     assert "from the durable tier" in second.procs["A"].log(), second.logs()
     assert partial_step not in manifest_steps(durable, run_id)
+
+
+@pytest.mark.timeout(120)
+def test_a_hot_spare_steps_in_while_uploads_are_in_flight(launch, tmp_path):
+    # ~2 MiB of state at 4 MiB/s per rank: when an active is killed, uploads of the old round are
+    # usually still running; the spare steps in (in-process recovery), training goes on, and
+    # durable steps keep completing in the new round with the new world.
+    run_id, durable = "durable-e", tmp_path / "durable"
+    cluster = Cluster(launch("spare"), tmp_path / "spare", "2:3", run_id=run_id)
+    cluster.start(["A", "B", "C"], ["--max-steps", "80", *TRAIN, "--hidden", "8192"],
+                  **durable_env(str(durable), LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND="4"))
+    cluster.wait_for_step(30, 60)
+    actives = cluster.active_names()
+    spare = next(n for n in "ABC" if n not in actives)
+    cluster.kill(actives[1], signal.SIGKILL)
+    survivors = [actives[0], spare]
+    assert cluster.wait(survivors, 90) == {n: 0 for n in survivors}, cluster.logs()
+    results = [cluster.result(n) for n in survivors]
+    assert all(r["trained"] and r["step"] == 80 for r in results), results
+    assert results[0]["weights"] == pytest.approx(results[1]["weights"], rel=1e-6, abs=1e-7)
+    newest = max(manifest_steps(durable, run_id))
+    assert newest > 30  # completed after the recovery
+    manifest = json.loads((durable / run_id / "manifests" / f"step-{newest:012d}.json").read_text())
+    assert manifest["world_size"] == 2 and [s["rank"] for s in manifest["shards"]] == [0, 1]
