@@ -93,3 +93,52 @@ def small_tmpfs(tmp_path):
     finally:
         for path in mounted:
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (``moto_server`` from ``moto[server]``) on 127.0.0.1 with a free
+    port for the whole session, killed (by pid) at session end. Yields the environment a job
+    needs to reach it the way a user's job reaches S3 (``AWS_ENDPOINT_URL`` and credentials);
+    the bucket ``lightning-ft-test`` exists. If moto is not installed the tests fail with the
+    install command (never skipped)."""
+    import shutil
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    server = Path(sys.executable).with_name("moto_server")
+    if not server.exists():
+        server = shutil.which("moto_server")
+    if not server:
+        pytest.fail("no moto_server for the S3 tests: pip install 'moto[server]' s3fs (the dev extra)", pytrace=False)
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"moto_server did not start:\n{log_path.read_text()}", pytrace=False)
+                time.sleep(0.1)
+        env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+        import s3fs
+
+        s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing").mkdir("lightning-ft-test")
+        yield env
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)

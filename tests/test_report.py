@@ -225,3 +225,13 @@ def test_a_hang_counts_the_time_the_step_was_stuck_as_lost():
     failure = summarize(events).failures[0]
     assert failure.failure_step == 42 and failure.steps_redone == 2
     assert failure.lost_seconds == pytest.approx(61.0)
+
+
+def test_a_stopped_run_says_which_tier_holds_the_state():
+    events = [ev(0, "node0", "join"),
+              ev(1, "node0", "termination_decision", step=30, action="save_then_exit", exit_code=81, tier="durable"),
+              ev(1, "node1", "termination_decision", step=30, action="save_then_exit", exit_code=81,
+                 tier="memory+shard")]
+    summary = summarize(events)
+    assert summary.status == "stopped"
+    assert "state held by: durable/memory+shard" in format_report(summary)

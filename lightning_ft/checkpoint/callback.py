@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import time
 from collections import deque
 from typing import Any
@@ -13,10 +15,12 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._validation import require_bool, require_number
 from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadResult, resolve_durable_settings
 from lightning_ft.checkpoint.identity import state_dict_fingerprint
 from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due, steps_between_snapshots
-from lightning_ft.checkpoint.resume import agree_on_step
+from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory, gather_steps
 from lightning_ft.checkpoint.store import (
+    ENV_SNAPSHOT_DIR,
     RUN_ID_ENV_VARS,
     SnapshotInfo,
     SnapshotStore,
@@ -25,11 +29,19 @@ from lightning_ft.checkpoint.store import (
     resolve_root,
     resolve_run_id,
 )
+from lightning_ft.checkpoint.tiers import (
+    flush_fits,
+    persist_due,
+    persist_interval_steps,
+    snapshot_copies,
+    space_shortfall,
+)
 
 log = logging.getLogger(__name__)
 
 _EMA = 0.3  # weight of the newest step-time sample
 _SKIPPED_SHOWN = 3  # skipped snapshots named in the auto-resume warning
+_PEER_MARKERS_WAIT_S = 2.0  # SIGTERM flush: how long to look for the peers' markers of the stop step
 _no_run_id_warned = False  # the "set a run id" warning is given once per process
 
 
@@ -74,6 +86,20 @@ class EmergencyCheckpoint(pl.Callback):
             the next save could not overwrite an old snapshot (before the first ``keep_last``
             snapshots exist). Costs one state-size of shared memory and a one-off allocation at
             a step boundary, and makes the first emergency save as fast as later ones.
+        persist_to: the durable tier: a directory (local or shared filesystem) or an fsspec URL
+            (``s3://bucket/prefix``, needs ``pip install 'lightning-ft[s3]'``); default
+            ``$LIGHTNING_FT_PERSIST_TO``; None: memory only. Committed snapshots are copied there
+            in the background (training never waits for an upload), a step counts only once
+            every rank's copy is verified, and resume falls back to it when memory lacks the step.
+            Needs a run id.
+        persist_every_n_seconds: about how often a snapshot is copied durably (default
+            ``$LIGHTNING_FT_PERSIST_EVERY_SECONDS`` or 60; 0: every snapshot). Converted to a
+            power-of-two multiple of the snapshot interval in steps, so all ranks copy the same steps.
+        persist_max_mib_per_second: upload bandwidth bound per rank (default
+            ``$LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND`` or 512; <= 0: unbounded).
+        persist_keep_last: complete durable steps kept (default ``$LIGHTNING_FT_PERSIST_KEEP_LAST`` or 2).
+        storage_options: fsspec options for ``persist_to`` (e.g. ``{"endpoint_url": ...}``; default
+            ``$LIGHTNING_FT_PERSIST_STORAGE_OPTIONS`` as JSON). Credentials come from the usual places.
 
     Supported strategies: single device and DDP (replicated state). Not a ``Checkpoint``
     subclass, so it works with ``enable_checkpointing=False``.
@@ -81,7 +107,9 @@ class EmergencyCheckpoint(pl.Callback):
 
     def __init__(self, every_n_steps: int | None = None, every_n_seconds: float | None = None,
                  keep_last: int = 2, root: str | None = None, run_id: str | None = None,
-                 auto_resume: bool = True, preallocate: bool = True) -> None:
+                 auto_resume: bool = True, preallocate: bool = True, persist_to: str | None = None,
+                 persist_every_n_seconds: float | None = None, persist_max_mib_per_second: float | None = None,
+                 persist_keep_last: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
         require_number("every_n_steps", every_n_steps, integer=True, allow_none=True)
         require_number("every_n_seconds", every_n_seconds, allow_none=True)
         if every_n_seconds is not None:
@@ -107,6 +135,24 @@ class EmergencyCheckpoint(pl.Callback):
         self._seconds_per_step: float | None = None
         #: (step, wall-clock time it was taken) of the snapshot the last fit() resumed from
         self.resumed_from: tuple[int, float] | None = None
+        #: the tier the last fit() resumed from ("memory", "durable") and why
+        self.resumed_tier: tuple[str, str] | None = None
+        self.durable_settings = resolve_durable_settings(persist_to, persist_every_n_seconds,
+                                                         persist_max_mib_per_second, persist_keep_last, storage_options)
+        self._durable: DurableTier | None = None
+        if self.durable_settings is not None:
+            if self._configured_run_id is None:
+                log.warning("EmergencyCheckpoint: persist_to=%s is ignored: no run id is set (%s), so durable copies "
+                            "could never be told apart from another job's", self.durable_settings.url,
+                            ", ".join(RUN_ID_ENV_VARS))
+            else:
+                self._durable = DurableTier.from_settings(self.durable_settings, self._configured_run_id)
+        self._persister: DurablePersister | None = None
+        self._segment: str | None = None
+        self._space_checked = False
+        self._estimated_bytes: int | None = None
+        # newer durable steps may be dropped as an abandoned timeline only when every rank could list them
+        self._durable_listed_everywhere = False
         skip_unused_batch_hooks(self)
 
     # ------------------------------------------------------------------ public API
@@ -140,6 +186,41 @@ class EmergencyCheckpoint(pl.Callback):
                  store.rank, reason, step, seconds, info.nbytes / 2**20)
         return info
 
+    @property
+    def durable(self) -> DurableTier | None:
+        """The durable tier (None: memory only)."""
+        return self._durable
+
+    @property
+    def persister(self) -> DurablePersister | None:
+        """This rank's background uploader (created at ``setup`` when a durable tier is set)."""
+        return self._persister
+
+    def flush_durable(self, info: SnapshotInfo, world_size: int, budget_left_s: float) -> tuple[str, str]:
+        """Make ``info`` durable within ``budget_left_s`` when the measured upload rate says it fits
+        (SIGTERM path, this rank only). Returns (the tier that now holds the state, why)."""
+        persister = self._persister
+        if persister is None or self._segment is None:
+            return "memory", "no durable tier"
+        fits, why = flush_fits(info.nbytes, persister.measured_bytes_per_second, budget_left_s)
+        if not fits:
+            return "memory", why
+        deadline = time.monotonic() + budget_left_s
+        result: UploadResult | None = persister.flush(info, self._segment, world_size, deadline)
+        if result is None:
+            return "memory", f"durable copy of step {info.step} did not finish ({why})"
+        # the peers flush the same stop step at the same time: their markers usually follow
+        # within moments, and then this rank's record can say "durable" truthfully
+        wait_until = min(deadline, time.monotonic() + _PEER_MARKERS_WAIT_S)
+        complete = result.complete
+        while not complete and time.monotonic() < wait_until:
+            time.sleep(0.05)
+            complete = persister.tier.publish_if_complete(info.step, self._segment)
+        if complete:
+            return "durable", f"step {info.step} complete in durable storage ({why})"
+        return "memory+shard", (f"this rank's shard of step {info.step} is durable; the step is complete once "
+                                f"every rank's shard is ({why})")
+
     def estimated_save_seconds(self) -> float | None:
         """Slowest of the last few ``save_now`` durations (conservative for budget decisions);
         None before the first snapshot."""
@@ -154,6 +235,8 @@ class EmergencyCheckpoint(pl.Callback):
         if store.configured_run_id is None and not _no_run_id_warned:
             _no_run_id_warned = True
             log.warning(no_run_id_message(store.run_dir))
+        if self._durable is not None and self._persister is None:
+            self._persister = DurablePersister(self._durable, lambda: self._get_store(trainer), store.rank)
         if not self._replicated(trainer):
             log.warning("EmergencyCheckpoint supports single-device and DDP strategies; with %s each rank's "
                         "snapshot holds only what dump_checkpoint returns on that rank and auto-resume is off",
@@ -161,6 +244,14 @@ class EmergencyCheckpoint(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.resumed_from = None
+        self.resumed_tier = None
+        self._durable_listed_everywhere = False
+        self._space_checked, self._estimated_bytes = False, None  # once per fit: the model may differ
+        if self._durable is not None:
+            # one token per stretch of training, the same on every rank: shards of one step written
+            # by different stretches (the step trained again after a failure) never combine.
+            # secrets, not random: seed_everything makes `random` repeat the token in every run
+            self._segment = f"{gather_steps([secrets.randbits(62)])[0][0]:016x}"
         if self.auto_resume:
             self._auto_resume(trainer)
 
@@ -168,6 +259,11 @@ class EmergencyCheckpoint(pl.Callback):
         # Snapshots past the step we (re)started from belong to an abandoned history; leaving
         # them would make the next restart jump onto it.
         self._get_store(trainer).discard_newer_than(trainer.global_step)
+        if self._durable is not None and trainer.global_rank == 0 and self._durable_listed_everywhere:
+            # Only after an agreement in which every rank listed the durable steps: a listing
+            # that failed on one rank must never make rank 0 delete the job's durable progress.
+            listed = self._durable.complete_steps()
+            self._durable.drop_manifests([s for s in listed or [] if s > trainer.global_step])
         for optimizer in trainer.optimizers:
             if hasattr(getattr(optimizer, "_optimizer", optimizer), "consolidate_state_dict"):
                 log.warning("sharded optimizer %s: dump_checkpoint runs a collective; save_now() is not "
@@ -183,12 +279,16 @@ class EmergencyCheckpoint(pl.Callback):
             sample = (now - self._clock[0]) / (step - self._clock[1])
             prev = self._seconds_per_step
             self._seconds_per_step = sample if prev is None else _EMA * sample + (1 - _EMA) * prev
+        if not self._space_checked and step >= 1:
+            self._space_checked = True
+            self._check_space(trainer)
         interval = None
         if self.every_n_seconds is not None and self._seconds_per_step is not None:
             interval = steps_between_snapshots(self.every_n_seconds, self._seconds_per_step)
         if snapshot_due(step, self._last_saved_step, self.every_n_steps, interval):
             try:
-                self.save_now(trainer, reason="periodic")
+                info = self.save_now(trainer, reason="periodic")
+                self._maybe_persist(trainer, info)
             except Exception:
                 # A failed periodic snapshot (e.g. shm full) must not kill training; the next
                 # one may succeed and the error is visible in the log.
@@ -205,6 +305,14 @@ class EmergencyCheckpoint(pl.Callback):
             self._store.close()
 
     # ------------------------------------------------------------------ internals
+    def _maybe_persist(self, trainer: pl.Trainer, info: SnapshotInfo) -> None:
+        if self._persister is None or self._segment is None or self.durable_settings is None:
+            return
+        every = persist_interval_steps(self.durable_settings.every_n_seconds, self._seconds_per_step or 0.0,
+                                       self.every_n_steps or 1)
+        if persist_due(info.step, every):
+            self._persister.offer(info, self._segment, trainer.world_size)
+
     def _get_store(self, trainer: pl.Trainer) -> SnapshotStore:
         rank = trainer.global_rank
         if self._store is None or self._store.rank != rank:
@@ -213,17 +321,53 @@ class EmergencyCheckpoint(pl.Callback):
             self._store = SnapshotStore(self.root, self._configured_run_id, rank, self.keep_last)
         return self._store
 
+    def _snapshot_bytes(self, trainer: pl.Trainer) -> int:
+        """Size of this rank's snapshot file: the last one's, else estimated once (dump_checkpoint
+        runs the on_save_checkpoint hooks, so the room check and the spare share one estimate)."""
+        if self._last_snapshot is not None:
+            return self._last_snapshot.nbytes
+        if self._estimated_bytes is None:
+            self._estimated_bytes = fmt.encode(trainer._checkpoint_connector.dump_checkpoint(weights_only=False),
+                                               check_loadable=False).file_size
+        return self._estimated_bytes
+
+    def space_problem(self, trainer: pl.Trainer) -> str | None:
+        """Why the snapshot root cannot hold this run's snapshots (None: it can), from free space
+        (statvfs) vs the snapshot size x the copies one rank keeps x the ranks of this host."""
+        store = self._get_store(trainer)
+        nbytes = self._snapshot_bytes(trainer)
+        stats = os.statvfs(store.root)
+        free = stats.f_bavail * stats.f_frsize
+        reusable = sum(info.nbytes for info in store.list())
+        copies = snapshot_copies(self.keep_last, self.preallocate, self._persister is not None)
+        ranks = max(1, int(getattr(trainer, "num_devices", 1) or 1))
+        missing = space_shortfall(free, reusable, nbytes, copies, ranks)
+        if not missing:
+            return None
+        return (f"snapshot root {store.root} has {free / 2**20:.1f} MiB free but rank {store.rank} needs "
+                f"{nbytes / 2**20:.1f} MiB x {copies} snapshot files x {ranks} rank(s) on this host "
+                f"({missing / 2**20:.1f} MiB missing); snapshots will fail. Fix: point {ENV_SNAPSHOT_DIR} "
+                f"(or root=) to a local-disk directory with room, enlarge /dev/shm (containers default to "
+                f"64 MiB: docker --shm-size, a Kubernetes memory emptyDir), or lower keep_last/preallocate")
+
+    def _check_space(self, trainer: pl.Trainer) -> None:
+        # before the first save: a full tmpfs otherwise shows up as a failed snapshot at the
+        # worst moment (SIGTERM)
+        try:
+            problem = self.space_problem(trainer)
+        except OSError as exc:
+            log.warning("rank %d: could not check the snapshot root's free space: %s", trainer.global_rank, exc)
+            return
+        if problem is not None:
+            log.error("rank %d: %s", trainer.global_rank, problem)
+
     def _ensure_spare(self, trainer: pl.Trainer) -> None:
         # Runs at step >= 1 so the optimizer state exists and the size estimate is right.
         self._check_spare = False
         store = self._get_store(trainer)
         if not store.spare_needed():
             return
-        if self._last_snapshot is not None:
-            nbytes = self._last_snapshot.nbytes
-        else:
-            nbytes = fmt.encode(trainer._checkpoint_connector.dump_checkpoint(weights_only=False),
-                                check_loadable=False).file_size
+        nbytes = self._snapshot_bytes(trainer)
         try:
             store.preallocate(nbytes)
         except OSError as exc:
@@ -265,7 +409,9 @@ class EmergencyCheckpoint(pl.Callback):
         else:
             scan = store.scan(include_peers=True, expect=expect)
             local, skipped = scan.readable, scan.foreign
-        step = agree_on_step(local, store.rank)
+        choice = agree_across_tiers(local, self._durable, store.rank)
+        self._durable_listed_everywhere = choice.durable_listed_everywhere
+        step = choice.step
         loaded_step = connector._loaded_checkpoint.get("global_step") if connector._loaded_checkpoint else None
         resumes = step is not None and (loaded_step is None or loaded_step < step)
         if skipped:
@@ -280,6 +426,8 @@ class EmergencyCheckpoint(pl.Callback):
             log.info("rank %d: keeping ckpt_path=%s (step %d); newest snapshot is step %d",
                      store.rank, given, loaded_step, step)
             return
+        bring_into_memory(choice, self._durable, store)
+        self.resumed_tier = (choice.tier, choice.reason)
         info = store.find(step, include_peers=True, expect=expect)
         if info is None:
             raise RuntimeError(f"rank {store.rank}: snapshot at step {step} vanished or broke after the ranks "

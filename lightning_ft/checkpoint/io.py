@@ -15,7 +15,8 @@ from lightning.pytorch.strategies import Strategy
 from lightning_ft._validation import require_number
 from lightning_ft.checkpoint.identity import ExpectedIdentity, identity_mismatch, state_dict_fingerprint
 from lightning_ft.checkpoint.policy import parse_mem_url, pick_disk_checkpoint
-from lightning_ft.checkpoint.resume import agree_on_step
+from lightning_ft.checkpoint.durable import DurableTier, resolve_durable_settings
+from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory
 from lightning_ft.checkpoint.snapshot_format import SnapshotError
 from lightning_ft.checkpoint.store import (
     RUN_ID_ENV_VARS,
@@ -66,6 +67,9 @@ class MemoryCheckpointIO(CheckpointIO):
         replicated: ranks hold identical state (DDP), so a rank may load a peer rank's snapshot
             from the same host. Set False for sharded strategies.
         fallback_dir: directory whose newest ``*.ckpt`` is used when no snapshot exists.
+        persist_to, storage_options: the durable tier to resume from when memory lacks the step
+            (default ``$LIGHTNING_FT_PERSIST_TO``; see ``EmergencyCheckpoint``): ``mem://latest``
+            takes the newest step every rank can get from memory or durable storage.
 
     ``save_checkpoint("mem://...")`` through ``Trainer.save_checkpoint`` only runs on global
     rank 0 (Lightning's rule); per-rank snapshots come from ``EmergencyCheckpoint``.
@@ -73,7 +77,8 @@ class MemoryCheckpointIO(CheckpointIO):
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None, root: str | None = None,
                  run_id: str | None = None, keep_last: int = 2, replicated: bool = True,
-                 fallback_dir: str | os.PathLike | None = None) -> None:
+                 fallback_dir: str | os.PathLike | None = None, persist_to: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         require_number("keep_last", keep_last, integer=True, minimum=1, inclusive=True)
         if checkpoint_io is not None and not isinstance(checkpoint_io, CheckpointIO):
@@ -87,6 +92,9 @@ class MemoryCheckpointIO(CheckpointIO):
         self.replicated = replicated
         self.fallback_dir = None if fallback_dir is None else os.fspath(fallback_dir)
         self._store: SnapshotStore | None = None
+        settings = resolve_durable_settings(persist_to, storage_options=storage_options)
+        self.durable = (DurableTier.from_settings(settings, self._configured_run_id)
+                        if settings is not None and self._configured_run_id is not None and replicated else None)
 
     @property
     def store(self) -> SnapshotStore:
@@ -121,7 +129,9 @@ class MemoryCheckpointIO(CheckpointIO):
                      "belong to this job; set one that stays the same across restarts of the job")
         if spec == "latest":
             scan = store.scan(include_peers=self.replicated, expect=expect)
-            step = agree_on_step(scan.readable, store.rank)
+            choice = agree_across_tiers(scan.readable, self.durable, store.rank)
+            bring_into_memory(choice, self.durable, store)
+            step = choice.step
             if step is None:
                 why = no_run_id if store.configured_run_id is None else "; ".join(
                     f"step {info.step} skipped: {reason}" for info, reason in scan.foreign[:3])

@@ -34,17 +34,19 @@ class WritePlan:
     delete_after_commit: list[int]
 
 
-def plan_write(existing: Iterable[int], step: int, keep_last: int) -> WritePlan:
+def plan_write(existing: Iterable[int], step: int, keep_last: int, held: Iterable[int] = ()) -> WritePlan:
     """Decide which committed snapshot (if any) can be overwritten in place for ``step``.
 
     Recycling a file that is about to be pruned anyway keeps its shared-memory pages
     allocated, which makes the copy ~3x faster than writing a fresh tmpfs file (page
     allocation dominates). A file is only recycled if another committed snapshot stays
-    valid during the write, so a crash mid-write never leaves zero snapshots.
+    valid during the write, so a crash mid-write never leaves zero snapshots. ``held``
+    steps are being read by someone else (the durable tier's upload): they may be removed
+    (the reader keeps its open file) but never overwritten.
     """
     existing = sorted(set(existing))
     doomed = snapshots_to_delete([*existing, step], keep_last, protect=step)
-    candidates = sorted(set(doomed) | ({step} & set(existing)))
+    candidates = sorted((set(doomed) | ({step} & set(existing))) - set(held))
     recycle = None
     for cand in candidates:
         if any(s != cand for s in existing):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,10 @@ import torch.distributed as dist
 from lightning_ft.checkpoint.identity import ExpectedIdentity
 from lightning_ft.checkpoint.policy import choose_resume_step
 from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.checkpoint.tiers import ResumeChoice, choose_resume_source
+
+if TYPE_CHECKING:
+    from lightning_ft.checkpoint.durable import DurableTier
 
 log = logging.getLogger(__name__)
 
@@ -53,3 +58,59 @@ def agree_on_step(local_steps: Sequence[int], rank: int | None = None) -> int | 
 def agree_resume_step(store: SnapshotStore, include_peers: bool, expect: ExpectedIdentity | None = None) -> int | None:
     """Newest step with an intact snapshot (fitting ``expect``) readable by every rank (None if there is none)."""
     return agree_on_step(store.readable_steps(include_peers=include_peers, expect=expect), store.rank)
+
+
+def agree_across_tiers(local_steps: Sequence[int], durable: DurableTier | None, rank: int) -> ResumeChoice:
+    """The step every rank resumes from and where this rank gets it (collective without a durable
+    tier: one gather, as :func:`agree_on_step`; with one: two gathers, memory and durable steps).
+
+    Every rank of a job must pass a durable tier or none (the setting is per job). Logs one line
+    saying which tier and why.
+    """
+    if durable is None:
+        step = agree_on_step(local_steps, rank)
+        return ResumeChoice(step, "memory" if step is not None else "none",
+                            "the newest step every rank holds in memory" if step is not None else "no snapshot")
+    memory = gather_steps(local_steps)
+    listed = durable.complete_steps()
+    # -1: this rank could not list the durable storage (steps are >= 0)
+    stored = gather_steps([-1] if listed is None else listed)
+    unreachable = [r for r, steps in enumerate(stored) if -1 in steps]
+    stored = [[s for s in steps if s >= 0] for steps in stored]
+    choice = choose_resume_source(memory, stored, rank if len(memory) > 1 else 0)
+    if unreachable:
+        choice = ResumeChoice(choice.step, choice.tier,
+                              f"{choice.reason}; rank(s) {unreachable} could not list the durable storage",
+                              durable_listed_everywhere=False)
+    if choice.step is not None:
+        log.info("rank %s: resume step %d from the %s tier: %s", rank, choice.step, choice.tier, choice.reason)
+    else:
+        log.info("rank %s: nothing to resume from: %s", rank, choice.reason)
+    return choice
+
+
+def bring_into_memory(choice: ResumeChoice, durable: DurableTier | None, store: SnapshotStore) -> None:
+    """After :func:`agree_across_tiers`: download this rank's durable shard when the choice says so.
+
+    Collective with a durable tier (every rank calls it after the same agreement): the ranks
+    then tell each other whether they have the step, so a failed download on one rank stops
+    every rank with the same error instead of leaving the others waiting in the next collective.
+    """
+    error: Exception | None = None
+    if choice.tier == "durable" and choice.step is not None:
+        try:
+            if durable is None:
+                raise RuntimeError("resume from the durable tier without a durable tier configured")
+            durable.fetch_into(choice.step, store.rank, store)
+        except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised
+            log.error("rank %d: cannot download durable step %s: %s: %s", store.rank, choice.step,
+                      type(exc).__name__, exc)
+            error = exc
+    if durable is None:
+        if error is not None:
+            raise error
+        return
+    failed = [r for r, flags in enumerate(gather_steps([0 if error is None else 1])) if flags and flags[0]]
+    if failed:
+        raise RuntimeError(f"rank(s) {failed} could not get step {choice.step} from durable storage "
+                           f"({durable.target.url}); no rank resumes (see those ranks' logs)") from error

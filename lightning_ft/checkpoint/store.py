@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -208,7 +209,30 @@ class SnapshotStore:
         # load would decode it at the first save of each store only (see fmt.encode).
         self._loadable_checked = False
         self._reported: set[tuple[str, str]] = set()
+        # steps whose file another thread reads (the durable upload): never overwritten in place
+        self._held: dict[int, int] = {}
+        self._held_lock = threading.Lock()
         self.remove_stale_temp_files()
+
+    def hold(self, step: int) -> None:
+        """Keep this rank's file of ``step`` from being recycled for a newer snapshot until
+        :meth:`release` (it may still be removed: an open reader keeps its data)."""
+        with self._held_lock:
+            self._held[step] = self._held.get(step, 0) + 1
+
+    def release(self, step: int) -> None:
+        """Undo one :meth:`hold`."""
+        with self._held_lock:
+            count = self._held.get(step, 0) - 1
+            if count > 0:
+                self._held[step] = count
+            else:
+                self._held.pop(step, None)
+
+    def held_steps(self) -> set[int]:
+        """Steps currently held by readers of this process."""
+        with self._held_lock:
+            return set(self._held)
 
     def expected_identity(self, model: str | None = None, rank: int | None = None) -> ExpectedIdentity:
         """What a resume through this store accepts: its run id (none: nothing), ``model`` and ``rank`` if given."""
@@ -470,7 +494,8 @@ class SnapshotStore:
         self._make_dirs()  # checks both directories, so the listing below need not
         self._maps.drop_stale(self.rank_dir)
         existing = {info.step: info for info in self._list_files(self.rank_dir, self.rank)}
-        plan = plan_write(existing, step, self.keep_last)
+        held = self.held_steps()
+        plan = plan_write(existing, step, self.keep_last, held=held)
         tmp = self._temp_path(step)
         final = self._final_path(step)
         fd, source = self._open_write_target(existing[plan.recycle] if plan.recycle is not None else None, tmp, step)
@@ -508,7 +533,7 @@ class SnapshotStore:
         committed = len((set(existing) - {plan.recycle}) | {step})
         for old in plan.delete_after_commit:
             committed -= 1
-            if self._spare is None and spare_needed(committed, self.keep_last):
+            if self._spare is None and old not in held and spare_needed(committed, self.keep_last):
                 # keep_last=1: the replaced snapshot becomes the next write's target
                 self._spare = self._spare_path()
                 os.rename(existing[old].path, self._spare)

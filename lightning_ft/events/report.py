@@ -249,6 +249,10 @@ def _final_status(timeline: Sequence[TimelineEntry]) -> tuple[str, str, int | No
             detail += f" after step {max(steps)}"
         if codes:
             detail += f", exit code {'/'.join(codes)}"
+        tiers = sorted({str(e.fields["tier"]) for e in decisions if e.fields.get("tier") not in (None, "none")})
+        if tiers:
+            # where the saved state is: "durable" on some rank means the step is complete there
+            detail += f", state held by: {'/'.join(tiers)}"
         reason = next((str(e.fields["reason"]) for e in stops if e.fields.get("reason")), "")
         return "stopped", detail + (f": {reason}" if reason and not decisions else ""), max(steps) if steps else None
     return "incomplete", "no 'finished' event: the run is still going, or was killed", None

@@ -148,14 +148,17 @@ class TerminationExecutor:
         # where and why this rank stopped (the agreed step, an unhealthy peer, a store that did
         # not answer) belongs to the record of the decision
         decision = Decision(decision.action, decision.exit_code, (where, *decision.reasons))
+        tier = "none"
         if decision.action is Action.SAVE_THEN_EXIT:
             decision = self._save(trainer, checkpoint, termination, step, decision)
+            if decision.action is Action.SAVE_THEN_EXIT:
+                decision, tier = self._flush_durable(checkpoint, termination, decision)
         else:
             log.warning("rank %d: exiting with %d without a snapshot", self.rank, decision.exit_code)
         code = decision.exit_code
         termination.exit_code_if_killed = code
         self.events.emit(ev.TERMINATION_DECISION, step=step, action=decision.action.value, exit_code=code,
-                         reasons=list(decision.reasons),
+                         tier=tier, reasons=list(decision.reasons),
                          seconds_since_signal=round(time.monotonic() - termination.started_at, 6))
         self._write_exit_record(code, decision, step)
         return code, decision
@@ -174,6 +177,29 @@ class TerminationExecutor:
         log.warning("rank %d: emergency snapshot of step %d committed in %.3f s (%s); exiting with %d",
                     self.rank, step, time.monotonic() - started, info, decision.exit_code)
         return decision
+
+    def _flush_durable(self, checkpoint: EmergencyCheckpoint, termination: Termination,
+                       decision: Decision) -> tuple[Decision, str]:
+        """After the committed memory save: copy it durably if that fits the grace budget left.
+
+        The exit code stays the memory save's (81): it is true whatever the flush does, and a
+        forced exit during the flush reports it too. The tier holding the state goes into the
+        reasons (exit record) and the event.
+        """
+        info = checkpoint.last_snapshot
+        termination.exit_code_if_killed = decision.exit_code  # the memory save committed
+        if info is None or checkpoint.persister is None:
+            return decision, "memory"
+        left = budget_left(grace_s=self.grace_seconds, signal_time=termination.started_at,
+                           now=time.monotonic(), exit_reserve_s=self.exit_reserve_seconds)
+        started = time.monotonic()
+        try:
+            tier, why = checkpoint.flush_durable(info, self.world_size, left)
+        except Exception as exc:  # noqa: BLE001 - the memory save stands; the flush is a bonus
+            tier, why = "memory", f"durable flush failed: {type(exc).__name__}: {exc}"
+        log.warning("rank %d: state of step %d held by tier %s after %.3f s: %s", self.rank, info.step, tier,
+                    time.monotonic() - started, why)
+        return Decision(decision.action, decision.exit_code, (*decision.reasons, f"tier {tier}: {why}")), tier
 
     def _await_report(self, termination: Termination) -> HealthReport:
         # NodeHealthCheck returns by its deadline; the slack only covers thread start-up.

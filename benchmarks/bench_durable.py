@@ -1,0 +1,215 @@
+"""Durable tier: time training is blocked per checkpoint, time to durable, compute slowdown while persisting.
+
+For a checkpoint of ``size`` MiB (parameters + two Adam moments as CPU float32 tensors), one
+process, one rank, everything in the same run (ratios are the result; this 2-core machine is
+shared, absolute times mean little):
+
+* blocked per checkpoint (median of ``--repeats``, steady state):
+    ours      ``SnapshotStore.save`` into /dev/shm (the oldest file recycled) + ``DurablePersister.offer``
+    sync      ``TorchCheckpointIO.save_checkpoint`` to a directory on /work's disk: what Lightning's
+              ``ModelCheckpoint`` runs at every save (``trainer.save_checkpoint`` after ``dump_checkpoint``)
+    async     ``AsyncCheckpointIO(TorchCheckpointIO()).save_checkpoint``: returns after cloning the tensors
+              (each save waits for the previous one before the clock starts)
+* time to durable: from the save call until the step's manifest is written in a directory on
+  /work's disk (memory save + upload with sha256 + fsync + size check + marker + manifest) vs a
+  raw sequential write of the same number of bytes from memory with ``fsync``
+  (``dd conv=fsync``-style); also the upload alone (time to durable minus the memory save);
+* compute while persisting: a fixed single-threaded matmul loop alone vs while uploads run
+  (bandwidth bound: the default 512 MiB/s).
+
+Usage: ``.venv/bin/python benchmarks/bench_durable.py [--sizes 100,1024] [--repeats 5] [--no-write]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+from lightning_ft.checkpoint.durable import DEFAULT_MAX_MIB_PER_SECOND, DurablePersister, DurableTier
+from lightning_ft.checkpoint.durable_target import LocalDirTarget
+from lightning_ft.checkpoint.store import SnapshotStore, default_root
+
+HERE = Path(__file__).resolve().parent
+SECTION = "## Durable tier (issue 12)"
+MiB = 1 << 20
+
+
+def make_state(size_mib: int) -> dict:
+    numel = size_mib * MiB // 3 // 4
+    params = {f"w{i}": torch.randn(numel // 4) for i in range(4)}
+    moments = [{"exp_avg": torch.randn(numel // 4), "exp_avg_sq": torch.rand(numel // 4), "step": torch.tensor(1.0)}
+               for _ in range(4)]
+    return {"state_dict": params, "optimizer_states": [{"state": dict(enumerate(moments)), "param_groups": []}],
+            "global_step": 0}
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def raw_write_fsync(path: Path, nbytes: int) -> float:
+    block = os.urandom(MiB) * 4
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, block[: min(len(block), left)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds
+
+
+def compute_loop(iterations: int = 400) -> float:
+    a = torch.randn(256, 256)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        a = torch.tanh(a @ a * 0.01)
+    return time.perf_counter() - start
+
+
+def run_size(size_mib: int, repeats: int, scratch: Path) -> dict:
+    state = make_state(size_mib)
+    shm_root = Path(default_root()) / f"bench-durable-{os.getpid()}"
+    store = SnapshotStore(shm_root, run_id="bench", rank=0, keep_last=2)
+    tier = DurableTier(LocalDirTarget(str(scratch / "durable")), "bench", keep_last=2,
+                       max_bytes_per_second=None)
+    persister = DurablePersister(tier, lambda: store, rank=0)
+    result: dict = {"size_mib": size_mib}
+    try:
+        step = 0
+
+        def save_and_offer() -> None:
+            nonlocal step
+            step += 1
+            state["global_step"] = step
+            info = store.save(state, step)
+            persister.offer(info, "bench", 1)
+
+        # warm-up: files to recycle exist (steady state of periodic snapshots)
+        for _ in range(2):
+            save_and_offer()
+            persister.wait_idle(600)
+        ours, durable = [], []
+        for _ in range(repeats):
+            start = time.monotonic()
+            save_and_offer()
+            ours.append(time.monotonic() - start)
+            persister.wait_idle(600)
+            published = tier.last_published
+            assert published is not None and published[0] == step, "the step did not become durable"
+            durable.append(published[1] - start)  # the manifest was written (retention runs after)
+        result["ours_blocked"] = statistics.median(ours)
+        result["to_durable"] = statistics.median(durable)
+        result["upload_mib_s"] = (persister.measured_bytes_per_second or 0) / MiB
+        nbytes = store.list()[0].nbytes
+        result["raw_fsync"] = statistics.median(raw_write_fsync(scratch / "raw.bin", nbytes) for _ in range(repeats))
+
+        disk = scratch / "ckpt"
+        disk.mkdir()
+        sync_io = TorchCheckpointIO()
+        result["sync_blocked"] = statistics.median(
+            timed(lambda: sync_io.save_checkpoint(state, disk / "sync.ckpt")) for _ in range(repeats))
+        async_io = AsyncCheckpointIO(TorchCheckpointIO())
+        blocked = []
+        for i in range(repeats):
+            blocked.append(timed(lambda: async_io.save_checkpoint(state, disk / f"async{i % 2}.ckpt")))
+            async_io.teardown()  # waits for the save: the next one starts from idle
+        result["async_blocked"] = statistics.median(blocked)
+
+        # compute alone vs while persisting (uploads back to back at the default bandwidth bound)
+        result["compute_alone"] = statistics.median(compute_loop() for _ in range(3))
+        persister.tier.max_bytes_per_second = DEFAULT_MAX_MIB_PER_SECOND * MiB
+        stop = threading.Event()
+
+        def keep_uploading() -> None:
+            while not stop.is_set():
+                save_and_offer()
+                persister.wait_idle(600)
+
+        uploader = threading.Thread(target=keep_uploading, daemon=True)
+        uploader.start()
+        time.sleep(0.2)
+        result["compute_persisting"] = statistics.median(compute_loop() for _ in range(3))
+        stop.set()
+        uploader.join(600)
+    finally:
+        persister.wait_idle(600)
+        store.close()
+        shutil.rmtree(shm_root, ignore_errors=True)
+    return result
+
+
+def render(results: list[dict], load: tuple[float, float]) -> str:
+    lines = [SECTION, "",
+             "`python benchmarks/bench_durable.py` (one process, one rank; checkpoint = parameters + two Adam",
+             "moments as CPU float32; durable target and Lightning's files on /work's disk; median of the",
+             f"repeats; load average {load[0]:.1f} before, {load[1]:.1f} after; 2 shared cores).", "",
+             "Time training is blocked per checkpoint:", "",
+             "| state | ours (memory save + offer) | `ModelCheckpoint` sync save | `AsyncCheckpointIO` | sync / ours | async / ours |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['size_mib']} MiB | {r['ours_blocked']:.3f} s | {r['sync_blocked']:.3f} s | "
+                     f"{r['async_blocked']:.3f} s | {r['sync_blocked'] / r['ours_blocked']:.1f}x | "
+                     f"{r['async_blocked'] / r['ours_blocked']:.1f}x |")
+    lines += ["", "Time from the save call to durable (manifest written) vs a raw write + fsync of the same bytes:", "",
+              "| state | to durable | raw write + fsync | ratio | upload alone / raw | upload rate |",
+              "|---|---|---|---|---|---|"]
+    for r in results:
+        upload = r["to_durable"] - r["ours_blocked"]
+        lines.append(f"| {r['size_mib']} MiB | {r['to_durable']:.3f} s | {r['raw_fsync']:.3f} s | "
+                     f"{r['to_durable'] / r['raw_fsync']:.2f}x | {upload / r['raw_fsync']:.2f}x | "
+                     f"{r['upload_mib_s']:.0f} MiB/s |")
+    lines += ["", "A single-threaded compute loop alone vs while another thread takes snapshots and uploads them back to back "
+              f"(bandwidth bound {DEFAULT_MAX_MIB_PER_SECOND:.0f} MiB/s):", "",
+              "| state | alone | while persisting | slowdown |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['size_mib']} MiB | {r['compute_alone']:.3f} s | {r['compute_persisting']:.3f} s | "
+                     f"{(r['compute_persisting'] / r['compute_alone'] - 1) * 100:+.0f} % |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100,1024", help="state sizes in MiB")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-write", action="store_true", help="print only; do not update RESULTS.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
+    scratch = Path(tempfile.mkdtemp(prefix="bench-durable-", dir=HERE))
+    try:
+        results = []
+        for size in args.sizes.split(","):
+            run_dir = scratch / size
+            run_dir.mkdir()
+            results.append(run_size(int(size), args.repeats, run_dir))
+            shutil.rmtree(run_dir, ignore_errors=True)
+            print(results[-1], flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    text = render(results, (load_before, os.getloadavg()[0]))
+    print(text)
+    if not args.no_write:
+        from bench_snapshot import write_results
+
+        print("updated", write_results(text, SECTION))
+
+
+if __name__ == "__main__":
+    main()

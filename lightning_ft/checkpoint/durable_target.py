@@ -1,0 +1,277 @@
+"""Where durable copies go: a local/shared directory or an fsspec URL (``s3://bucket/prefix``).
+
+:class:`DurableTarget` is the whole I/O surface the durable tier needs (write a whole object
+atomically, read, size, list, delete); decisions live in :mod:`.tiers`. Paths given to a target
+are relative, ``/``-separated.
+
+* :class:`LocalDirTarget`: write to a temporary name in the same directory, ``fsync``, then
+  ``rename`` (atomic within a directory) and ``fsync`` the directory, so a reader sees the
+  whole object or nothing.
+* :class:`FsspecTarget`: one ``put`` of the whole object (``open("wb")`` streams a multipart
+  upload on S3; the object exists only once the upload completed, and an interrupted write
+  aborts it), so no reader sees a part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from lightning_ft.checkpoint.files import make_private_dir
+
+ENV_PERSIST_STORAGE_OPTIONS = "LIGHTNING_FT_PERSIST_STORAGE_OPTIONS"
+
+
+class FileRanges:
+    """Part of a local file to store, as ``(offset, length)`` ranges (``ranges()`` may pace,
+    hash or cancel as it goes); a target may copy them kernel-side from ``fd`` or write the
+    mapped bytes ``view(offset, length)``."""
+
+    fd: int
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        raise NotImplementedError
+
+    def view(self, offset: int, length: int) -> memoryview:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for offset, length in self.ranges():
+            yield self.view(offset, length)
+
+
+class DurableTarget:
+    """Durable storage for snapshot shards, markers and manifests (relative ``/``-separated paths)."""
+
+    url: str
+    #: whether an upload is read back and its sha256 compared before its marker is written. A
+    #: local directory's read-back comes from the page cache right after fsync and proves
+    #: nothing more than the size check; an object store's read-back checks what the server
+    #: stored. Every download is checked against the manifest's sha256 either way.
+    read_back_verifies: bool = True
+
+    def write(self, path: str, chunks: Iterable[bytes | memoryview] | FileRanges) -> int:
+        """Store ``chunks`` as the object ``path``, all or nothing; returns the bytes written."""
+        raise NotImplementedError
+
+    def read(self, path: str) -> bytes:
+        """The whole object (FileNotFoundError if it is not there)."""
+        raise NotImplementedError
+
+    def read_chunks(self, path: str, chunk_bytes: int) -> Iterable[bytes]:
+        """The object in chunks (for hashing without holding it twice)."""
+        raise NotImplementedError
+
+    def size(self, path: str) -> int | None:
+        """Size in bytes, None if the object does not exist."""
+        raise NotImplementedError
+
+    def list(self, path: str) -> list[str]:
+        """Names directly inside the directory/prefix ``path`` (empty if there is none)."""
+        raise NotImplementedError
+
+    def delete(self, path: str) -> None:
+        """Remove an object or a whole directory/prefix; one already gone is fine."""
+        raise NotImplementedError
+
+    def describe(self, path: str) -> str:
+        """``path`` as a user would write it (for messages)."""
+        return f"{self.url.rstrip('/')}/{path}"
+
+
+class LocalDirTarget(DurableTarget):
+    """A directory (local disk or a shared filesystem), created with mode 0700."""
+
+    read_back_verifies = False
+
+    def __init__(self, directory: str) -> None:
+        self.directory = os.path.abspath(directory)
+        self.url = self.directory
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+
+    def _full(self, path: str) -> str:
+        return os.path.join(self.directory, *path.split("/"))
+
+    def _make_parents(self, full: str) -> None:
+        parent = os.path.dirname(full)
+        missing = []
+        while not os.path.isdir(parent) and parent != self.directory:
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        for directory in reversed(missing):
+            make_private_dir(directory, "durable directory")
+
+    def write(self, path: str, chunks: Iterable[bytes | memoryview] | FileRanges) -> int:
+        full = self._full(path)
+        self._make_parents(full)
+        # the temp name never matches what readers list (see DurableTier): a torn write is ignored
+        tmp = os.path.join(os.path.dirname(full), f".tmp-{os.path.basename(full)}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        written = 0
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                if isinstance(chunks, FileRanges):
+                    for offset, length in chunks.ranges():
+                        # kernel to kernel: no copy through this process
+                        done = 0
+                        while done < length:
+                            sent = os.sendfile(f.fileno(), chunks.fd, offset + done, length - done)
+                            if sent == 0:
+                                raise OSError(f"source file ended after {offset + done} bytes")
+                            done += sent
+                        written += length
+                else:
+                    for chunk in chunks:
+                        f.write(chunk)
+                        written += len(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, full)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        dfd = os.open(os.path.dirname(full), os.O_RDONLY)
+        try:
+            os.fsync(dfd)  # the rename itself survives a power loss
+        finally:
+            os.close(dfd)
+        return written
+
+    def read(self, path: str) -> bytes:
+        with open(self._full(path), "rb") as f:
+            return f.read()
+
+    def read_chunks(self, path: str, chunk_bytes: int) -> Iterable[bytes]:
+        with open(self._full(path), "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                yield chunk
+
+    def size(self, path: str) -> int | None:
+        try:
+            return os.stat(self._full(path)).st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, path: str) -> list[str]:
+        try:
+            return os.listdir(self._full(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def delete(self, path: str) -> None:
+        import shutil
+
+        full = self._full(path)
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full, ignore_errors=True)
+        else:
+            try:
+                os.unlink(full)
+            except FileNotFoundError:
+                pass
+
+
+class FsspecTarget(DurableTarget):
+    """Any fsspec filesystem (``s3://bucket/prefix`` through s3fs); credentials and endpoint come
+    from the usual places (environment, ``~/.aws``, ``storage_options``)."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        try:
+            import fsspec
+        except ImportError as exc:
+            raise ValueError(f"persist_to={url!r} needs fsspec: pip install 'lightning-ft[s3]' "
+                             "(or pip install fsspec s3fs)") from exc
+        protocol = url.split("://", 1)[0]
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            hint = " pip install s3fs" if protocol in ("s3", "s3a") else ""
+            raise ValueError(f"persist_to={url!r}: fsspec cannot open the {protocol!r} scheme ({exc}).{hint}") from exc
+        self.url = url
+        self.fs = fs
+        self.root = root.rstrip("/")
+
+    def _full(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def write(self, path: str, chunks: Iterable[bytes | memoryview] | FileRanges) -> int:
+        written = 0
+        f = self.fs.open(self._full(path), "wb")
+        try:
+            for chunk in chunks:
+                f.write(chunk)
+                written += len(chunk)
+        except BaseException:
+            # not `with`: closing a buffered fsspec file commits what was written so far (a
+            # partial object); discard aborts the multipart upload and nothing appears
+            try:
+                f.discard()
+            finally:
+                f.closed = True  # keeps close() and __del__ from committing the part
+            raise
+        f.close()
+        self.fs.invalidate_cache(self._full(path).rsplit("/", 1)[0])
+        return written
+
+    def read(self, path: str) -> bytes:
+        return self.fs.cat_file(self._full(path))
+
+    def read_chunks(self, path: str, chunk_bytes: int) -> Iterable[bytes]:
+        with self.fs.open(self._full(path), "rb", block_size=chunk_bytes) as f:
+            while chunk := f.read(chunk_bytes):
+                yield chunk
+
+    def size(self, path: str) -> int | None:
+        try:
+            return int(self.fs.info(self._full(path))["size"])
+        except FileNotFoundError:
+            return None
+
+    def list(self, path: str) -> list[str]:
+        full = self._full(path)
+        self.fs.invalidate_cache(full)  # other ranks write here; a cached listing would be stale
+        try:
+            entries = self.fs.ls(full, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != full})
+
+    def delete(self, path: str) -> None:
+        full = self._full(path)
+        try:
+            self.fs.rm(full, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(full.rsplit("/", 1)[0])
+
+
+def storage_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``$LIGHTNING_FT_PERSIST_STORAGE_OPTIONS`` (a JSON object), else ``{}``."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_PERSIST_STORAGE_OPTIONS)
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{ENV_PERSIST_STORAGE_OPTIONS} must be a JSON object, got {raw!r} ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{ENV_PERSIST_STORAGE_OPTIONS} must be a JSON object, got {raw!r}")
+    return value
+
+
+def open_target(url: str, storage_options: Mapping[str, Any] | None = None) -> DurableTarget:
+    """A directory path (or ``file://``) -> :class:`LocalDirTarget`; ``<scheme>://`` -> :class:`FsspecTarget`."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"persist_to must be a directory or an fsspec URL, got {url!r}")
+    if url.startswith("file://"):
+        return LocalDirTarget(url[len("file://"):])
+    if "://" not in url:
+        return LocalDirTarget(url)
+    return FsspecTarget(url, storage_options)

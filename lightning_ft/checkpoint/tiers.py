@@ -1,0 +1,322 @@
+"""Pure decisions about the checkpoint tiers: memory -> a peer's copy -> durable storage.
+
+No I/O, no clocks, no torch.distributed: callers read the world into plain values (steps,
+markers, sizes, measured seconds), ask, and perform the answer. Covered by unit tests on
+plain values (``tests/test_checkpoint_tiers.py``).
+
+Vocabulary:
+
+* a *shard* is one rank's snapshot file of one step, copied verbatim to durable storage;
+* a *segment* is one stretch of training between two resumes, named by a random token rank 0
+  broadcasts when ``fit()`` starts. Shards of one step written by different segments (a step
+  trained again after a failure) are never combined into one durable step;
+* a durable step is *complete* when every rank ``0..world_size-1`` of one segment has a done
+  marker for it (written only after its shard was uploaded and verified); the job-level
+  manifest of the step is written after that, and only manifests are read on resume.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+# ---------------------------------------------------------------------- durable completeness
+
+
+@dataclass(frozen=True)
+class ShardMarker:
+    """What a done marker says: this rank's shard of ``step`` (written by ``segment``) is durable."""
+
+    step: int
+    segment: str
+    rank: int
+    world_size: int
+    nbytes: int
+    #: sha256 (hex) of the shard's bytes as uploaded and read back
+    checksum: str = ""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A durable step whose every shard is durable: the segment that wrote them and its world size."""
+
+    step: int
+    segment: str
+    world_size: int
+    #: (rank, shard size in bytes, sha256 hex), one per rank in rank order
+    shards: tuple[tuple[int, int, str], ...]
+
+
+def complete_steps(markers: Iterable[ShardMarker]) -> dict[int, Completion]:
+    """Steps whose shards of one segment cover ranks ``0..W-1`` with one agreed world size ``W``.
+
+    Markers of different segments never combine (a step trained twice after a failure may hold
+    other bytes). When several segments completed the same step, the greatest segment token
+    wins, so every caller picks the same one.
+    """
+    groups: dict[tuple[int, str], dict[int, ShardMarker]] = {}
+    for marker in markers:
+        groups.setdefault((marker.step, marker.segment), {})[marker.rank] = marker
+    result: dict[int, Completion] = {}
+    for (step, segment), by_rank in sorted(groups.items()):
+        worlds = {m.world_size for m in by_rank.values()}
+        if len(worlds) != 1:
+            continue
+        world = worlds.pop()
+        if world < 1 or set(by_rank) != set(range(world)):
+            continue
+        result[step] = Completion(step, segment, world,
+                                  tuple((r, by_rank[r].nbytes, by_rank[r].checksum) for r in range(world)))
+    return result
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """What to remove from durable storage, in this order: manifests first, then shard directories."""
+
+    manifests: list[int] = field(default_factory=list)
+    #: whole step directories (every segment in them)
+    step_dirs: list[int] = field(default_factory=list)
+    #: (step, segment) directories of kept steps that the step's manifest does not name
+    segment_dirs: list[tuple[int, str]] = field(default_factory=list)
+
+
+def plan_durable_retention(manifests: Mapping[int, str], step_dirs: Iterable[int],
+                           segments_of_kept: Mapping[int, Iterable[str]], keep_last: int) -> RetentionPlan:
+    """Keep the newest ``keep_last`` complete steps (``manifests``: step -> segment) and what they name.
+
+    * manifests beyond the newest ``keep_last`` go (never the newest one: ``keep_last >= 1``);
+    * a step directory goes when it is older than the newest complete step and no kept manifest
+      names it: a torn or abandoned upload (a rank killed mid-upload, a step of a timeline
+      abandoned by a resume). Newer incomplete steps stay: their uploads may be in flight;
+    * in a kept step's directory, segments its manifest does not name go (the same step
+      uploaded by a segment that never completed it).
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    complete = sorted(manifests)
+    if not complete:
+        return RetentionPlan()
+    kept = set(complete[-keep_last:])
+    newest = complete[-1]
+    drop_manifests = [s for s in complete if s not in kept]
+    drop_dirs = sorted(s for s in set(step_dirs) if s < newest and s not in kept)
+    drop_segments = sorted((s, seg) for s in kept for seg in segments_of_kept.get(s, ()) if seg != manifests[s])
+    return RetentionPlan(drop_manifests, drop_dirs, drop_segments)
+
+
+def abandoned_manifests(manifests: Mapping[int, str], resumed_step: int, current_segment: str) -> list[int]:
+    """Complete steps newer than the step training resumed from, written by another segment.
+
+    They belong to a timeline the job left (it resumed from an older state, e.g. an explicit
+    ``ckpt_path``); keeping them would make the next restart jump onto that timeline.
+    """
+    return sorted(s for s, seg in manifests.items() if s > resumed_step and seg != current_segment)
+
+
+# ---------------------------------------------------------------------- resume: which tier
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The step every rank resumes from, where this rank gets it, and why (for the log line)."""
+
+    step: int | None
+    tier: str  # "memory" | "durable" | "none"
+    reason: str
+    #: every rank could list the durable storage (so what it lacks is really not there)
+    durable_listed_everywhere: bool = True
+
+
+def _newest(steps: Iterable[int]) -> str:
+    steps = list(steps)
+    return f"step {max(steps)}" if steps else "nothing"
+
+
+def choose_resume_source(memory_per_rank: Sequence[Iterable[int]], durable_per_rank: Sequence[Iterable[int]],
+                         rank: int) -> ResumeChoice:
+    """The newest step every rank can get, from its memory tier (own or a peer's copy) or durably.
+
+    ``memory_per_rank[r]``: steps rank ``r`` can read from memory (its own directory and peers'
+    on its host); ``durable_per_rank[r]``: complete durable steps rank ``r`` can list (a rank
+    that cannot reach the durable storage reports none). Every rank calls this with the same
+    all-gathered input, so all choose the same step; each then takes it from its own memory
+    when it has it (cheapest), else from durable storage.
+    """
+    if len(memory_per_rank) != len(durable_per_rank) or not memory_per_rank:
+        raise ValueError("memory_per_rank and durable_per_rank must have one entry per rank")
+    memory = [set(m) for m in memory_per_rank]
+    durable = [set(d) for d in durable_per_rank]
+    common = set.intersection(*(m | d for m, d in zip(memory, durable)))
+    mine_mem, mine_dur = memory[rank], durable[rank]
+    if not common:
+        detail = f"memory here holds {_newest(mine_mem)}, durable storage {_newest(mine_dur)}"
+        if any(memory) or any(durable):
+            return ResumeChoice(None, "none", f"no step every rank can get ({detail})")
+        return ResumeChoice(None, "none", "no snapshot in memory or durable storage")
+    step = max(common)
+    in_memory_everywhere = set.intersection(*memory) if memory else set()
+    if step in mine_mem:
+        why = ("the newest step every rank holds in memory" if step in in_memory_everywhere
+               else "the newest step every rank can get (some ranks take it from durable storage)")
+        newer_durable = [s for s in mine_dur if s > step]
+        extra = f"; durable storage has newer {max(newer_durable)} but not every rank can get it" \
+            if newer_durable else ""
+        return ResumeChoice(step, "memory", f"{why}{extra}")
+    return ResumeChoice(step, "durable",
+                        f"the newest step every rank can get; memory here holds {_newest(mine_mem)} "
+                        f"(an empty memory tier means a new node or a lost /dev/shm)")
+
+
+# ---------------------------------------------------------------------- schedules
+
+
+def power_of_two_at_least(value: float) -> int:
+    """Smallest power of two >= ``value`` (1 for anything <= 1)."""
+    if value <= 1:
+        return 1
+    return 1 << math.ceil(math.log2(value))
+
+
+def snapshot_interval_for_budget(save_seconds: float, seconds_per_step: float, budget: float) -> int:
+    """Steps between in-memory snapshots so that saving costs at most ``budget`` of training time.
+
+    The smallest power of two ``n`` with ``save_seconds <= budget * n * seconds_per_step``: a
+    save blocks training for ``save_seconds`` once every ``n`` steps. Powers of two let ranks
+    whose estimates differ still share snapshot steps (the larger interval is a multiple of
+    the smaller), and the ranks agree on the largest one anyway (see ``calibration_due``).
+    """
+    if budget <= 0:
+        raise ValueError(f"budget must be > 0, got {budget}")
+    if seconds_per_step <= 0 or save_seconds <= 0:
+        return 1
+    return power_of_two_at_least(save_seconds / (budget * seconds_per_step))
+
+
+def daly_interval_seconds(cost_seconds: float, mtbf_seconds: float) -> float:
+    """Daly's optimal checkpoint interval (compute time between checkpoints) for cost ``C`` and MTBF ``M``.
+
+    ``sqrt(2CM) * (1 + sqrt(C/2M)/3 + C/(18M)) - C`` for ``C < 2M``, else ``M`` (Daly 2006, the
+    higher-order refinement of Young's ``sqrt(2CM)``). Never below ``2C``, so a durable copy
+    is never due before the previous one could finish.
+    """
+    if mtbf_seconds <= 0:
+        raise ValueError(f"mtbf_seconds must be > 0, got {mtbf_seconds}")
+    c, m = max(cost_seconds, 0.0), float(mtbf_seconds)
+    if c >= 2 * m:
+        return max(m, 2 * c)
+    t = math.sqrt(2 * c * m) * (1 + math.sqrt(c / (2 * m)) / 3 + c / (18 * m)) - c
+    return max(t, 2 * c)
+
+
+def persist_interval_steps(interval_seconds: float, seconds_per_step: float, base_steps: int = 1) -> int:
+    """Steps between durable copies: ``base_steps`` times a power of two covering ``interval_seconds``.
+
+    ``base_steps`` is the explicit ``every_n_steps`` of the memory tier (1 otherwise), so a
+    durable step is always a multiple of it; ranks agree on the largest value.
+    """
+    if base_steps < 1:
+        raise ValueError(f"base_steps must be >= 1, got {base_steps}")
+    if seconds_per_step <= 0:
+        return base_steps
+    return base_steps * power_of_two_at_least(interval_seconds / (seconds_per_step * base_steps))
+
+
+#: steps after the start of a fit at which ranks agree on their intervals (one small collective each)
+FIRST_CALIBRATION = 8
+
+
+def calibration_due(step: int, start_step: int) -> bool:
+    """Whether ``step`` is a calibration point of a fit that started at ``start_step``.
+
+    Offsets 8, 16, 32, 64, ...: early enough that the first snapshot comes soon, then ever
+    rarer (about log2(steps) small collectives over a whole run) while the measured step and
+    save times settle. Every rank reaches the same global steps, so all calibrate together.
+    """
+    offset = step - start_step
+    return offset >= FIRST_CALIBRATION and offset & (offset - 1) == 0
+
+
+def persist_due(step: int, persist_every: int | None) -> bool:
+    """A durable copy is due at ``step`` (a step every rank snapshots, so shards line up)."""
+    return persist_every is not None and persist_every >= 1 and step > 0 and step % persist_every == 0
+
+
+# ---------------------------------------------------------------------- SIGTERM: flush or not
+
+
+def flush_fits(nbytes: int, measured_bytes_per_second: float | None, budget_left_s: float,
+               safety_factor: float = 1.5) -> tuple[bool, str]:
+    """Whether a durable copy of ``nbytes`` fits into what is left of the grace period, and why.
+
+    Unmeasured (no upload finished yet in this process): try, bounded by the deadline (the
+    upload is cancelled when the time is up and the step is then not durable).
+    """
+    if budget_left_s <= 0:
+        return False, f"no time left for a durable copy ({budget_left_s:.2f} s)"
+    if not measured_bytes_per_second:
+        return True, f"upload speed not measured yet; trying within {budget_left_s:.1f} s"
+    needed = nbytes / measured_bytes_per_second * safety_factor
+    if needed > budget_left_s:
+        return False, (f"a durable copy would not fit: needs ~{needed:.2f} s at the measured "
+                       f"{measured_bytes_per_second / 2**20:.0f} MiB/s (x{safety_factor:g}), "
+                       f"{budget_left_s:.2f} s left")
+    return True, f"durable copy needs ~{needed:.2f} s, {budget_left_s:.2f} s left"
+
+
+# ---------------------------------------------------------------------- is the memory tier big enough
+
+
+def snapshot_copies(keep_last: int, preallocate: bool, persisting: bool) -> int:
+    """Snapshot files one rank can hold at once in its root: the kept ones, the spare, and
+    (durable tier on) the one being uploaded plus the one waiting for it."""
+    return keep_last + (1 if preallocate else 0) + (2 if persisting else 0)
+
+
+def space_shortfall(free_bytes: int, reusable_bytes: int, snapshot_bytes: int, copies: int,
+                    ranks_sharing: int = 1) -> int:
+    """Bytes missing for ``copies`` snapshots of ``snapshot_bytes`` per rank (0: it fits).
+
+    ``reusable_bytes``: what this run's existing snapshot files there already occupy (they are
+    overwritten or pruned, so they count as room); ``ranks_sharing``: ranks of this host
+    writing into the same filesystem.
+    """
+    need = snapshot_bytes * copies * max(1, ranks_sharing)
+    return max(0, need - free_bytes - reusable_bytes)
+
+
+# ---------------------------------------------------------------------- uploads
+
+
+def bucket_delay(tokens: float, elapsed_s: float, rate: float, burst: float, nbytes: int) -> tuple[float, float]:
+    """Token bucket: (seconds to wait before sending ``nbytes``, tokens left once they are sent).
+
+    ``tokens`` were left after the previous send, ``elapsed_s`` ago; the bucket refills at
+    ``rate`` bytes/s up to ``burst``. A chunk larger than ``burst`` is allowed (after the
+    wait that its size costs), so any chunk size works.
+    """
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    available = min(burst, tokens + max(0.0, elapsed_s) * rate)
+    if available >= nbytes:
+        return 0.0, available - nbytes
+    return (nbytes - available) / rate, 0.0
+
+
+def shard_rank_to_fetch(rank: int, world_size: int) -> int:
+    """Whose shard of a durable step this rank downloads: its own, else rank 0's (the job now has
+    more ranks than the one that wrote the step; DDP ranks hold the same state)."""
+    return rank if 0 <= rank < world_size else 0
+
+
+def upload_decision(busy_with: int | None, offered: int, last_uploaded: int | None) -> str:
+    """What the uploader does with a newly committed snapshot of step ``offered``.
+
+    ``"start"`` (idle), ``"supersede"`` (an upload is running: remember only the newest offer,
+    started when the running one ends; an older waiting offer is dropped, a new snapshot never
+    queues behind old ones), ``"skip"`` (that step is being or was uploaded already).
+    """
+    if offered == busy_with or offered == last_uploaded:
+        return "skip"
+    return "start" if busy_with is None else "supersede"

@@ -1,0 +1,315 @@
+"""The durable tier in one process: upload, markers, manifests, torn and partial steps, retention,
+download into the snapshot root, bad configuration."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+
+from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadCancelled, resolve_durable_settings
+from lightning_ft.checkpoint.durable_target import LocalDirTarget, open_target
+from lightning_ft.checkpoint.store import SnapshotStore
+
+
+def state(value: float) -> dict:
+    return {"state_dict": {"w": torch.full((64,), value)}, "global_step": int(value)}
+
+
+@pytest.fixture
+def stores(tmp_path):
+    made = [SnapshotStore(tmp_path / "shm", run_id="job", rank=r, keep_last=2) for r in (0, 1)]
+    yield made
+    for s in made:
+        s.close()
+
+
+def tier_at(tmp_path, keep_last=2) -> DurableTier:
+    return DurableTier(LocalDirTarget(str(tmp_path / "durable")), "job", keep_last=keep_last)
+
+
+def test_a_step_is_published_only_when_every_rank_uploaded(tmp_path, stores):
+    tier = tier_at(tmp_path)
+    infos = [s.save(state(10.0), 10) for s in stores]
+    first = tier.upload(infos[0], "seg", world_size=2)
+    assert not first.complete and tier.complete_steps() == []  # rank 1's shard is missing
+    second = tier.upload(infos[1], "seg", world_size=2)
+    assert second.complete and tier.complete_steps() == [10]
+    manifest = json.loads((tmp_path / "durable/job/manifests/step-000000000010.json").read_text())
+    assert [s["rank"] for s in manifest["shards"]] == [0, 1] and manifest["segment"] == "seg"
+
+
+def test_a_shard_without_its_marker_or_a_torn_upload_is_never_a_step(tmp_path, stores):
+    tier = tier_at(tmp_path)
+    info0, info1 = (s.save(state(10.0), 10) for s in stores)
+    tier.upload(info0, "seg", world_size=2)
+    # rank 1 killed after its shard but before its marker; and a torn temp file of a kill mid-write
+    segment_dir = tmp_path / "durable/job/steps/step-000000000010/seg"
+    (segment_dir / "rank1.snap").write_bytes(open(info1.path, "rb").read())
+    (segment_dir / ".tmp-rank1.snap-999-abcd").write_bytes(b"partial")
+    assert tier.complete_steps() == []
+    assert not tier.publish_if_complete(10, "seg")
+    # a marker of another segment never completes it either
+    other = tier.upload(info1, "other", world_size=2)
+    assert not other.complete and tier.complete_steps() == []
+
+
+def test_a_cancelled_upload_leaves_no_marker(tmp_path, stores):
+    tier = tier_at(tmp_path)
+    info = stores[0].save(state(1.0), 1)
+    with pytest.raises(UploadCancelled):
+        tier.upload(info, "seg", world_size=1, deadline=0.0)
+    assert tier.markers(1, "seg") == [] and tier.complete_steps() == []
+
+
+def test_retention_keeps_the_newest_complete_steps(tmp_path, stores):
+    tier = tier_at(tmp_path, keep_last=2)
+    for step in (10, 20, 30):
+        for s in stores:
+            tier.upload(s.save(state(float(step)), step), "seg", world_size=2)
+    assert tier.complete_steps() == [20, 30]
+    assert sorted(os.listdir(tmp_path / "durable/job/steps")) == ["step-000000000020", "step-000000000030"]
+
+
+def test_fetch_downloads_into_an_empty_snapshot_root_and_loads_verified(tmp_path, stores):
+    tier = tier_at(tmp_path)
+    for s in stores:
+        tier.upload(s.save(state(7.0), 7), "seg", world_size=2)
+    fresh = SnapshotStore(tmp_path / "new-node-shm", run_id="job", rank=1)
+    info = tier.fetch_into(7, 1, fresh)
+    loaded = fresh.load(info, expect=fresh.expected_identity())
+    assert torch.equal(loaded["state_dict"]["w"], torch.full((64,), 7.0))
+    # a rank the writing job did not have takes rank 0's shard
+    extra = SnapshotStore(tmp_path / "third-shm", run_id="job", rank=2)
+    assert extra.load(tier.fetch_into(7, 2, extra))["global_step"] == 7
+    # a shard that changed after its manifest was written is refused
+    shard = tmp_path / "durable/job/steps/step-000000000007/seg/rank1.snap"
+    blob = bytearray(shard.read_bytes())
+    blob[-1] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(Exception, match="does not match its manifest"):
+        tier.fetch_into(7, 1, SnapshotStore(tmp_path / "other-shm", run_id="job", rank=1))
+
+
+def test_the_persister_uploads_the_newest_offer_and_holds_the_file(tmp_path, stores):
+    store = stores[0]
+    tier = tier_at(tmp_path)
+    gate, started = threading.Event(), threading.Event()
+    real_upload = tier.upload
+
+    def slow_upload(info, *a, **k):
+        started.set()
+        gate.wait(10)
+        return real_upload(info, *a, **k)
+
+    tier.upload = slow_upload
+    persister = DurablePersister(tier, lambda: store, rank=0)
+    assert persister.offer(store.save(state(1.0), 1), "seg", 1) == "start"
+    assert started.wait(10)
+    for step in (2, 3, 4):
+        info = store.save(state(float(step)), step)
+        assert 1 in store.held_steps()  # the running upload's file is never recycled
+        persister.offer(info, "seg", 1)
+    gate.set()
+    assert persister.wait_idle(20)
+    # steps 2 and 3 were superseded by 4 while 1 was uploading
+    assert tier.complete_steps() == [1, 4] and persister.skipped == 2
+    assert store.held_steps() == set()
+
+
+def test_settings_come_from_the_environment_and_bad_ones_are_clear(tmp_path):
+    env = {"LIGHTNING_FT_PERSIST_TO": str(tmp_path), "LIGHTNING_FT_PERSIST_EVERY_SECONDS": "5",
+           "LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND": "0"}
+    settings = resolve_durable_settings(environ=env)
+    assert (settings.url, settings.every_n_seconds, settings.max_bytes_per_second) == (str(tmp_path), 5.0, None)
+    assert resolve_durable_settings(environ={}) is None
+    with pytest.raises(ValueError, match="LIGHTNING_FT_PERSIST_EVERY_SECONDS"):
+        resolve_durable_settings(environ={**env, "LIGHTNING_FT_PERSIST_EVERY_SECONDS": "soon"})
+    with pytest.raises(ValueError, match="persist_keep_last"):
+        resolve_durable_settings(str(tmp_path), keep_last=0, environ={})
+    with pytest.raises(ValueError, match="nosuchscheme"):
+        open_target("nosuchscheme://bucket/x")
+
+
+# ---------------------------------------------------------------------- inside a real Trainer
+
+
+def _fit(max_steps, callbacks, ckpt_path=None, plugins=None):
+    import lightning.pytorch as pl
+    from ckpt_helpers import make_module, trainer_kwargs
+
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=max_steps, callbacks=callbacks, plugins=plugins or []))
+    trainer.fit(make_module(0), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_auto_resume_and_mem_latest_take_a_durable_step_when_memory_is_empty(tmp_path, caplog):
+    from ckpt_helpers import resume_probe
+
+    from lightning_ft import EmergencyCheckpoint
+    from lightning_ft.checkpoint import MemoryCheckpointIO
+
+    durable = str(tmp_path / "durable")
+    first = EmergencyCheckpoint(every_n_steps=5, root=str(tmp_path / "shm1"), run_id="t", persist_to=durable,
+                                persist_every_n_seconds=0)
+    _fit(12, [first])
+    assert first.persister.wait_idle(20)
+    assert first.durable.complete_steps() == [5, 10]
+
+    # a new node: an empty snapshot root, the durable tier from the environment
+    probe = resume_probe()
+    with caplog.at_level(logging.INFO, logger="lightning_ft"):
+        trainer = _fit(13, [EmergencyCheckpoint(root=str(tmp_path / "shm2"), run_id="t", persist_to=durable), probe])
+    assert probe.start_step == 10 and trainer.global_step == 13
+    assert "resume step 10 from the durable tier" in caplog.text
+
+    probe = resume_probe()
+    io = MemoryCheckpointIO(root=str(tmp_path / "shm3"), run_id="t", persist_to=durable)
+    trainer = _fit(11, [probe], ckpt_path="mem://latest", plugins=[io])
+    assert probe.start_step == 10 and trainer.global_step == 11
+
+
+def test_the_durable_tier_is_off_without_a_run_id(tmp_path, monkeypatch, caplog):
+    from lightning_ft import EmergencyCheckpoint
+
+    for key in ("LIGHTNING_FT_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    with caplog.at_level(logging.WARNING):
+        callback = EmergencyCheckpoint(root=str(tmp_path / "shm"), persist_to=str(tmp_path / "durable"))
+    assert callback.durable is None and "persist_to" in caplog.text
+
+
+def test_a_too_small_shm_is_reported_before_the_first_save_with_the_fix(tmp_path, small_tmpfs, caplog):
+    import lightning.pytorch as pl
+    from ckpt_helpers import make_module, trainer_kwargs
+
+    from lightning_ft import EmergencyCheckpoint
+
+    tiny = small_tmpfs("shm", "64k")  # a container's /dev/shm, scaled down
+    callback = EmergencyCheckpoint(every_n_steps=2, root=str(tiny), run_id="t")
+    with caplog.at_level(logging.ERROR, logger="lightning_ft"):
+        trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[callback]))
+        trainer.fit(make_module(0, hidden=512))
+    first_error = next(r for r in caplog.records if r.levelno >= logging.ERROR)
+    assert "LIGHTNING_FT_SNAPSHOT_DIR" in first_error.getMessage() and "MiB missing" in first_error.getMessage()
+    # reported before the first save was tried (that save then fails and is logged after it)
+    assert "periodic snapshot" not in first_error.getMessage()
+    assert trainer.global_step == 3  # training goes on
+
+
+def test_enough_room_is_not_reported(tmp_path, caplog):
+    from lightning_ft import EmergencyCheckpoint
+
+    with caplog.at_level(logging.ERROR, logger="lightning_ft"):
+        _fit(3, [EmergencyCheckpoint(every_n_steps=2, root=str(tmp_path / "shm"), run_id="t")])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_over_s3_with_storage_options_a_cancelled_upload_leaves_no_object(tmp_path, stores, s3_server):
+    import uuid
+
+    options = {"endpoint_url": s3_server["AWS_ENDPOINT_URL"], "key": "testing", "secret": "testing"}
+    target = open_target(f"s3://lightning-ft-test/unit-{uuid.uuid4().hex[:8]}", options)
+    tier = DurableTier(target, "job")
+    import time
+
+    # 4 MiB at 8 MiB/s in 1 MiB chunks: the deadline passes after a few chunks were written
+    big = stores[0].save({"state_dict": {"w": torch.zeros(1 << 20)}, "global_step": 2}, 2)
+    tier.max_bytes_per_second = 8 << 20
+    with pytest.raises(UploadCancelled):
+        tier.upload(big, "seg", world_size=2, deadline=time.monotonic() + 0.2)
+    tier.max_bytes_per_second = None
+    assert target.size(tier.shard_path(2, "seg", 0)) is None and tier.markers(2, "seg") == []
+    infos = [s.save(state(3.0), 3) for s in stores]
+    for info in infos:
+        tier.upload(info, "seg", world_size=2)
+    assert tier.complete_steps() == [3]
+    fresh = SnapshotStore(tmp_path / "new-shm", run_id="job", rank=0)
+    assert fresh.load(tier.fetch_into(3, 0, fresh))["global_step"] == 3
+
+
+def test_flush_waits_for_the_running_upload_then_copies_the_newest_or_reports_it_did_not(tmp_path, stores):
+    import time
+
+    store = stores[0]
+    tier = tier_at(tmp_path)
+    persister = DurablePersister(tier, lambda: store, rank=0)
+    persister.offer(store.save(state(1.0), 1), "seg", 1)
+    queued = store.save(state(2.0), 2)
+    persister.offer(queued, "seg", 1)
+    newest = store.save(state(3.0), 3)
+    result = persister.flush(newest, "seg", 1, deadline=time.monotonic() + 20)
+    assert result is not None and result.complete and persister.last_durable_step == 3
+    assert 3 in tier.complete_steps() and 2 not in tier.complete_steps()  # the queued offer was dropped
+    assert store.held_steps() == set()
+    # no time left: not durable, and said so
+    assert persister.flush(store.save(state(4.0), 4), "seg", 1, deadline=time.monotonic() - 1) is None
+    assert 4 not in tier.complete_steps() and store.held_steps() == set()
+
+
+def test_an_unlistable_durable_storage_is_unknown_not_empty(tmp_path, monkeypatch):
+    from lightning_ft.checkpoint.resume import agree_across_tiers
+
+    tier = tier_at(tmp_path)
+
+    def broken(path):
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(tier.target, "list", broken)
+    assert tier.complete_steps(attempts=2) is None
+    choice = agree_across_tiers([4], tier, rank=0)
+    assert (choice.step, choice.tier) == (4, "memory")
+    assert not choice.durable_listed_everywhere and "could not list" in choice.reason
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_a_held_file_is_never_overwritten_by_later_snapshots(tmp_path, keep_last):
+    from lightning_ft.checkpoint import snapshot_format as fmt
+
+    store = SnapshotStore(tmp_path / "shm", run_id="job", rank=0, keep_last=keep_last)
+    first = store.save(state(1.0), 1)
+    fd = os.open(first.path, os.O_RDONLY)  # what the uploader has open
+    store.hold(1)
+    try:
+        for step in (2, 3, 4):  # keep_last=1 would turn the replaced file into the next write's spare
+            store.save(state(float(step)), step)
+        header = fmt.Header.unpack(os.pread(fd, fmt.HEADER_SIZE, 0))
+        assert header.step == 1
+        blob = os.pread(fd, header.file_size, 0)
+        fmt.verify(blob, len(blob))  # still the intact snapshot of step 1
+    finally:
+        store.release(1)
+        os.close(fd)
+        store.close()
+
+
+def test_a_failed_download_is_an_error_naming_the_rank(tmp_path, stores, monkeypatch):
+    from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory
+
+    tier = tier_at(tmp_path)
+    tier.upload(stores[0].save(state(5.0), 5), "seg", world_size=1)
+    fresh = SnapshotStore(tmp_path / "new-shm", run_id="job", rank=0)
+    choice = agree_across_tiers([], tier, rank=0)
+    assert (choice.step, choice.tier) == (5, "durable")
+
+    def unreachable(*a, **k):
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(tier, "fetch_into", unreachable)
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] could not get step 5"):
+        bring_into_memory(choice, tier, fresh)
+
+
+def test_garbage_or_renamed_manifests_are_ignored(tmp_path, stores):
+    tier = tier_at(tmp_path)
+    for s in stores:
+        tier.upload(s.save(state(10.0), 10), "seg", world_size=2)
+    manifests = tmp_path / "durable/job/manifests"
+    (manifests / "step-000000000099.json").write_text("{not json")
+    shutil.copy(manifests / "step-000000000010.json", manifests / "step-000000000050.json")  # renamed
+    assert tier.complete_steps() == [10]
