@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import pytest
 
