@@ -65,24 +65,15 @@ def exit_now(code: int) -> NoReturn:
 
 
 def run_with_timeout(fn: Callable[[], object], timeout_s: float, what: str) -> bool:
-    """Run ``fn`` in a daemon thread; True if it finished (without raising) in time."""
-    outcome: list[bool] = []
+    """Run ``fn`` in a daemon thread; True if it finished (without raising) in time.
 
-    def _target() -> None:
-        try:
-            fn()
-            outcome.append(True)
-        except Exception as exc:
-            log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
-            outcome.append(False)
-
-    thread = threading.Thread(target=_target, name="lightning-ft-bounded", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        log.warning("%s did not finish within %.2f s; going on without it", what, timeout_s)
-        return False
-    return bool(outcome and outcome[0])
+    :func:`call_with_timeout` for callers that only need to know whether it worked; what
+    went wrong is logged as a warning.
+    """
+    outcome = call_with_timeout(fn, timeout_s, what, unanswered="going on without it")
+    if not outcome.ok:
+        log.warning("%s", outcome.problem)
+    return outcome.ok
 
 
 class BoundedCall:
@@ -99,13 +90,15 @@ class BoundedCall:
         return self.problem is None
 
 
-def call_with_timeout(fn: Callable[[], object], timeout_s: float, what: str) -> BoundedCall:
+def call_with_timeout(fn: Callable[[], object], timeout_s: float, what: str,
+                      unanswered: str = "the store does not answer") -> BoundedCall:
     """Run ``fn`` in a daemon thread and wait at most ``timeout_s`` for its value.
 
     For store calls on a thread that must not stall (a frozen store answers nothing and a
     TCPStore client waits for its op timeout, minutes). A call that does not return in time
     keeps running in its thread and its late result is dropped; ``problem`` says what went
-    wrong, in words fit for a log line and a decision's reasons.
+    wrong, in words fit for a log line and a decision's reasons (``unanswered`` is the
+    remark on a call that did not return in time).
     """
     box: list[BoundedCall] = []
 
@@ -120,7 +113,7 @@ def call_with_timeout(fn: Callable[[], object], timeout_s: float, what: str) -> 
     thread.join(timeout_s)
     if box:
         return box[0]
-    return BoundedCall(problem=f"{what} did not finish within {timeout_s:g} s (the store does not answer)")
+    return BoundedCall(problem=f"{what} did not finish within {timeout_s:g} s ({unanswered})")
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:

@@ -232,9 +232,9 @@ class BoundedStore:
             return lambda *args: self._call(name, *args)
         return getattr(self.raw, name)
 
-    def clone(self) -> "BoundedStore":
-        """Another connection to the same store (torch's ``TCPStore.clone``), bounded alike."""
-        return BoundedStore(self._call("clone"), self.bound)
+    def clone(self, bound: float | None = None) -> "BoundedStore":
+        """Another connection to the same store (torch's ``TCPStore.clone``), bounded alike or by ``bound``."""
+        return BoundedStore(self._call("clone"), self.bound if bound is None else bound)
 
 
 def raw_store(store: Any) -> Any:

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from dataclasses import dataclass, field
@@ -134,8 +133,8 @@ class RoundRuntime:
     def start_watchdog(self, session: Session, hang: HangSettings, global_step: Callable[[], int | None]) -> None:
         """Watch this round from a thread with its own store connection (see :class:`RoundWatchdog`)."""
         result, events, keys = self.result, session.events, session.keys
-        clone = session.store.clone()
-        clone.set_timeout(datetime.timedelta(seconds=WATCHDOG_STORE_TIMEOUT))
+        # a connection of its own whose every call is bounded more tightly than the session's
+        clone = session.store.clone(WATCHDOG_STORE_TIMEOUT)
         round_values = session.round_values(result, clone)
 
         def on_trigger(detector: str, reason: str, stalled: tuple[int, ...]) -> None:
@@ -160,7 +159,7 @@ class RoundRuntime:
             clock=self.clock, hang_detection=hang.enabled, hang_floor=hang.floor, hang_factor=hang.safety_factor,
             dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,
             break_group=transport.abort if transport is not None else (lambda: 0),
-            poll_interval=hang.watchdog_interval, store_timeout=WATCHDOG_STORE_TIMEOUT)
+            poll_interval=hang.watchdog_interval)
         self.watchdog.start()
 
     def stop_watchdog(self) -> RoundWatchdog | None:

@@ -18,8 +18,7 @@ from typing import Any, Mapping
 
 from lightning_ft._validation import require, require_bool, require_number
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousSettings, RendezvousTimeouts
-from lightning_ft.rendezvous.store import STORE_OP_TIMEOUT
-from lightning_ft.rendezvous.store import Endpoint, parse_endpoint
+from lightning_ft.rendezvous.store import STORE_OP_TIMEOUT, Endpoint, parse_endpoint
 from lightning_ft.schema.signing import SecretError, read_secret
 from lightning_ft.strategy.decisions import merge_setting, parse_nnodes
 

@@ -122,7 +122,7 @@ class RoundWatchdog:
                  round_id: int, rank: int, world_size: int, clock: StepClock, hang_detection: bool,
                  hang_floor: float, hang_factor: float, dead_after: float,
                  on_trigger: Callable[[str, str, tuple[int, ...]], None], break_group: Callable[[], int],
-                 poll_interval: float = 0.2, progress_interval: float = 1.0, store_timeout: float = 5.0) -> None:
+                 poll_interval: float = 0.2, progress_interval: float = 1.0) -> None:
         self.round_values = round_values
         self.rdzv_store = rdzv_store
         self.round_key = round_key
@@ -138,8 +138,6 @@ class RoundWatchdog:
         self.on_trigger = on_trigger
         self.break_group = break_group
         self.poll_interval = poll_interval
-        #: longest a poll may wait on the store before the rank decides without it
-        self.store_timeout = store_timeout
         # Peers read a rank's progress only once their own progress is overdue (>= hang_floor),
         # so publishing it every poll is wasted store traffic, which competes with training for
         # the CPU when the store shares the machine; fresh within progress_interval suffices.
@@ -173,36 +171,17 @@ class RoundWatchdog:
 
     def _run(self) -> None:
         # Every poll talks to the store, and a frozen store (its host SIGSTOPped, a dead
-        # machine whose TCP connection is still open) answers nothing -- a TCPStore call then
-        # blocks for good. So each poll runs in a helper thread and is waited for at most
-        # ``store_timeout``; while one is stuck no new one starts, and once this rank is
-        # overdue the group is broken without the store's help.
-        stuck: threading.Thread | None = None
+        # machine whose TCP connection is still open) answers nothing. The stores given here
+        # bound each call (a ``BoundedStore``: StoreUnresponsiveError after its bound, and at
+        # once while an earlier call is stuck), so a poll fails instead of blocking; once this
+        # rank is overdue the group is broken without the store's help.
         while not self._stop.wait(self.poll_interval):
-            if stuck is not None:
-                if not stuck.is_alive():
-                    stuck = None
-                elif self.triggered is not None:  # fired, then stuck telling the store: break anyway
-                    self.break_group()
+            try:
+                if self._poll():
                     return
-                elif self._overdue_without_store("the rendezvous store does not answer "
-                                                 f"(a call is stuck for more than {self.store_timeout:g}s)"):
-                    return
-                continue
-            outcome: list = []
-            poller = threading.Thread(target=self._poll_into, args=(outcome,), daemon=True,
-                                      name="lightning_ft-round-watchdog-poll")
-            poller.start()
-            poller.join(self.store_timeout)
-            if poller.is_alive():
-                stuck = poller
-                continue
-            if outcome and outcome[0] is True:
-                return
-            if outcome and isinstance(outcome[0], BaseException):
-                exc = outcome[0]
+            except Exception as exc:  # noqa: BLE001 - judged here: the store failed or froze
                 if self.triggered is not None:
-                    return  # it fired; only telling the store failed (the group is broken already)
+                    return  # it fired; only telling the store failed (_trigger broke the group)
                 # Without the store nobody can be blamed; but a rank that cannot progress must
                 # not wait for the process-group timeout either: once it is overdue, break the
                 # group (the recovery path then finds out whether the store is gone for good).
@@ -211,12 +190,6 @@ class RoundWatchdog:
                                                f"{(str(exc).splitlines() or [''])[0][:200]})"):
                     return
                 log.debug("round watchdog: store call failed (%s); still watching", exc)
-
-    def _poll_into(self, outcome: list) -> None:
-        try:
-            outcome.append(self._poll())
-        except Exception as exc:  # noqa: BLE001 - judged by _run
-            outcome.append(exc)
 
     def _overdue_without_store(self, why: str) -> bool:
         if self.triggered is not None or self._stop.is_set() or not self.hang_detection:
