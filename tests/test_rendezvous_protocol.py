@@ -21,7 +21,7 @@ from lightning_ft.rendezvous import (
     ParticipantInfo,
     RendezvousSettings,
 )
-from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys, encode_slot
+from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys, encode_coordinator, encode_slot
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -248,6 +248,26 @@ def test_coordinator_takeover_when_first_arrival_dies(tcp_store):
     finally:
         stop(rdzvs)
     # the round completed, and the dead coordinator (heartbeat silent too) got no place in it
+    assert len(results) == 2 and all(r.round == 0 for r in results)
+    assert sorted(r.rank for r in results) == [0, 1] and all(r.world_size == 2 for r in results)
+
+
+def test_a_takeover_from_a_slow_coordinator_still_excludes_the_dead_one_it_replaced(tcp_store):
+    """The dead first arrival was replaced by a coordinator that then stalled (a loaded machine)
+    and was replaced in turn: the last takeover still judges the dead one and gives it no place.
+    Here the stalled one never arrived in the round, so the chain in the coordinator key is all
+    that names the dead one as a suspect."""
+    keys = RunKeys("job")
+    dead = ParticipantInfo(addr="dead", pid=2, local_id=0)
+    tcp_store.add(keys.arrived(0), 1)
+    tcp_store.set(keys.slot(0), encode_slot(0, dead))
+    tcp_store.add(keys.written(0), 1)
+    tcp_store.compare_set(keys.coordinator(0), "", encode_coordinator("stalled:3:0", (dead.participant_id,)))
+    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(2)]
+    try:
+        results = join_all(rdzvs)
+    finally:
+        stop(rdzvs)
     assert len(results) == 2 and all(r.round == 0 for r in results)
     assert sorted(r.rank for r in results) == [0, 1] and all(r.world_size == 2 for r in results)
 

@@ -54,8 +54,10 @@ from lightning_ft.schema.run import (
     CloseReason,
     RunKeys,
     Slot,
+    decode_coordinator,
     decode_last_actives,
     decode_ready,
+    encode_coordinator,
     decode_slot,
     decode_slot_rank,
     encode_last_actives,
@@ -301,7 +303,7 @@ class BarrierRendezvous:
         self._write_slot(round_id, index, withdrawn=False)
         log.debug("%s took slot %d of round %d", self.participant_id, index, round_id)
         if index == 0:
-            store.compare_set(keys.coordinator(round_id), "", self.participant_id)
+            store.compare_set(keys.coordinator(round_id), "", encode_coordinator(self.participant_id))
         try:
             return self._await_round(round_id, index)
         except (RendezvousGracefulExitError, ParticipantExcludedError):
@@ -374,12 +376,15 @@ class BarrierRendezvous:
             return False
         if now - watch.since < self.settings.dead_after:
             return False
-        holder = self._get_or_empty(self.keys.coordinator(round_id))
-        won = self.store.compare_set(self.keys.coordinator(round_id), holder, self.participant_id)
-        if won.decode() == self.participant_id:
+        value = self._get_or_empty(self.keys.coordinator(round_id))
+        holder, earlier = decode_coordinator(value)
+        replaced = tuple(dict.fromkeys(p for p in (holder, *earlier) if p and p != self.participant_id))
+        mine = encode_coordinator(self.participant_id, replaced)
+        won = self.store.compare_set(self.keys.coordinator(round_id), value, mine)
+        if won.decode() == mine:
             log.info("%s took over coordinating round %d from %r (silent for %.1fs)",
                      self.participant_id, round_id, holder, now - watch.since)
-            watch.replaced = holder
+            watch.replaced = replaced
             return True
         watch.since = now
         return False
@@ -525,14 +530,14 @@ class _CoordinatorWatch:
     since: float
     beat: int = -1
     next_check: float = 0.0
-    #: the participant whose coordination this one took over ("" if none)
-    replaced: str = ""
+    #: the coordinators this one took over from: the silent one, and those it had replaced
+    replaced: tuple[str, ...] = ()
 
 
 class _Coordinator:
     """Decides one round: reads the slots, asks the pure decision, writes the result."""
 
-    def __init__(self, rendezvous: BarrierRendezvous, round_id: int, replaces: str = "") -> None:
+    def __init__(self, rendezvous: BarrierRendezvous, round_id: int, replaces: tuple[str, ...] = ()) -> None:
         self.rdzv = rendezvous
         self.store = rendezvous.store
         self.keys = rendezvous.keys
@@ -544,17 +549,18 @@ class _Coordinator:
         self._heartbeats_seen: dict[str, tuple[int | None, float]] = {}
         self._dead: set[str] = set()
         # a coordinator this one took over from fell silent; if its heartbeat is silent too it
-        # is dead, and must not get a place in the round it failed to decide
-        self._suspects: set[str] = {replaces} if replaces else set()
+        # is dead, and must not get a place in the round it failed to decide. The same for the
+        # ones it had replaced: a takeover from a slow coordinator still judges the dead one.
+        self._suspects: set[str] = set(replaces)
         self._unwritten_since: float | None = None
         self._last_reason = ""
         log.debug("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,
                  round_id, len(self.previous_actives))
 
     def still_mine(self) -> bool:
-        holder = self.store.get(self.keys.coordinator(self.round_id)).decode() \
+        value = self.store.get(self.keys.coordinator(self.round_id)).decode() \
             if self.store.check([self.keys.coordinator(self.round_id)]) else ""
-        return holder in ("", self.rdzv.participant_id)
+        return decode_coordinator(value)[0] in ("", self.rdzv.participant_id)
 
     def _read_previous_actives(self) -> tuple[str, ...]:
         raw = self.rdzv.values.get(self.keys.last_actives)

@@ -197,6 +197,21 @@ class Ready(NamedTuple):
     decision: str
 
 
+def encode_coordinator(participant_id: str, replaced: tuple[str, ...] = ()) -> str:
+    """Who coordinates a round, followed by every coordinator it took over from, directly or not.
+
+    A takeover from a live but slow coordinator must keep suspecting the silent one that one
+    had replaced: the chain travels with the key, not in one process's memory.
+    """
+    return SEP.join((participant_id, *replaced))
+
+
+def decode_coordinator(raw: str) -> tuple[str, tuple[str, ...]]:
+    """``(holder, replaced)`` of a coordinator value ("" -> nobody)."""
+    holder, *replaced = raw.split(SEP) if raw else [""]
+    return holder, tuple(replaced)
+
+
 def encode_ready(world_size: int, standby: int, seconds: float, decision: str) -> str:
     return f"{world_size},{standby},{seconds:.4f},{decision}"
 
