@@ -234,19 +234,25 @@ def test_extra_participant_gets_clear_error_and_job_goes_on(tcp_store):
     assert sorted(r.rank for r in results) == [-1, 0, 1]
 
 
-def test_coordinator_takeover_when_first_arrival_dies(tcp_store):
+def join_after_a_dead_first_arrival(tcp_store, coordinator_value) -> list:
+    """The first arrival took slot 0, wrote it, and died; the coordinator key holds
+    ``coordinator_value(dead_participant_id)``. Two live participants join; their results."""
     keys = RunKeys("job")
-    # the first arrival took slot 0, wrote it, claimed coordination, then died
     dead = ParticipantInfo(addr="dead", pid=2, local_id=0)
     tcp_store.add(keys.arrived(0), 1)
     tcp_store.set(keys.slot(0), encode_slot(0, dead))
     tcp_store.add(keys.written(0), 1)
-    tcp_store.compare_set(keys.coordinator(0), "", dead.participant_id)
+    tcp_store.compare_set(keys.coordinator(0), "", coordinator_value(dead.participant_id))
     rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(2)]
     try:
-        results = join_all(rdzvs)
+        return join_all(rdzvs)
     finally:
         stop(rdzvs)
+
+
+def test_coordinator_takeover_when_first_arrival_dies(tcp_store):
+    # the dead first arrival had claimed coordination too
+    results = join_after_a_dead_first_arrival(tcp_store, lambda dead: dead)
     # the round completed, and the dead coordinator (heartbeat silent too) got no place in it
     assert len(results) == 2 and all(r.round == 0 for r in results)
     assert sorted(r.rank for r in results) == [0, 1] and all(r.world_size == 2 for r in results)
@@ -257,17 +263,7 @@ def test_a_takeover_from_a_slow_coordinator_still_excludes_the_dead_one_it_repla
     and was replaced in turn: the last takeover still judges the dead one and gives it no place.
     Here the stalled one never arrived in the round, so the chain in the coordinator key is all
     that names the dead one as a suspect."""
-    keys = RunKeys("job")
-    dead = ParticipantInfo(addr="dead", pid=2, local_id=0)
-    tcp_store.add(keys.arrived(0), 1)
-    tcp_store.set(keys.slot(0), encode_slot(0, dead))
-    tcp_store.add(keys.written(0), 1)
-    tcp_store.compare_set(keys.coordinator(0), "", encode_coordinator("stalled:3:0", (dead.participant_id,)))
-    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(2)]
-    try:
-        results = join_all(rdzvs)
-    finally:
-        stop(rdzvs)
+    results = join_after_a_dead_first_arrival(tcp_store, lambda dead: encode_coordinator("stalled:3:0", (dead,)))
     assert len(results) == 2 and all(r.round == 0 for r in results)
     assert sorted(r.rank for r in results) == [0, 1] and all(r.world_size == 2 for r in results)
 
