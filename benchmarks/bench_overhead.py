@@ -54,7 +54,7 @@ def plain_snapshots(args) -> list[str]:
 
 
 def ft_snapshots(args) -> list[str]:
-    # 0: no EmergencyCheckpoint of the script's own; the strategy adds its default (every 30 s)
+    # 0: no EmergencyCheckpoint of the script's own; the strategy adds its default (snapshots within 0.5 % of step time)
     return ["--snapshot-every", str(args.snapshot_every)] if args.snapshot_every else ["--no-snapshots"]
 
 
@@ -144,7 +144,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--snapshot-every", type=int, default=50,
                         help="ddp_ft: EmergencyCheckpoint every N steps (a worst case); 0 = the strategy's "
-                             "default configuration (a snapshot every 30 s)")
+                             "default configuration (snapshots within 0.5 %% of step time)")
     parser.add_argument("--with-spare", action="store_true", help="also measure ddp_ft with a hot spare")
     parser.add_argument("--control", action="store_true",
                         help="also run plain ddp a second time per round (A/A noise floor)")

@@ -28,8 +28,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from lightning_ft.rendezvous import BarrierRendezvous, ParticipantInfo, RendezvousSettings  # noqa: E402
 from lightning_ft.rendezvous.barrier import _Coordinator  # noqa: E402
-from lightning_ft.rendezvous.keys import StoreKeys  # noqa: E402
-from lightning_ft.rendezvous.participant import encode_slot  # noqa: E402
+from lightning_ft.schema.run import encode_slot  # noqa: E402
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
 
@@ -107,12 +106,14 @@ def reread(slots: int, repeats: int) -> dict[str, float]:
     server = new_server()
     store = clients(server, 1)[0]
     settings = RendezvousSettings(run_id="reread", min_nodes=slots, max_nodes=slots)
-    keys = StoreKeys("reread")
+    rdzv = BarrierRendezvous(store, settings, ParticipantInfo("reader", 1))
+    keys = rdzv.keys
+    # slots as participants write them: sealed under their key (a no-op without a job secret)
     store.multi_set(keys.slot_keys(slots),
-                    [encode_slot(0, ParticipantInfo(f"node{i}", 1000 + i, infra_rank=i)) for i in range(slots)])
+                    [rdzv.signer.seal(key, encode_slot(0, ParticipantInfo(f"node{i}", 1000 + i, infra_rank=i)))
+                     for i, key in enumerate(keys.slot_keys(slots))])
     store.add(keys.arrived(0), slots)
     store.add(keys.written(0), slots)
-    rdzv = BarrierRendezvous(store, settings, ParticipantInfo("reader", 1))
     coordinator = _Coordinator(rdzv, 0)
     raw_keys = keys.slot_keys(slots)
     timings: dict[str, list[float]] = {"raw multi_get": [], "re-read (cold decode)": [], "re-read (warm)": []}

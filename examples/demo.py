@@ -223,7 +223,11 @@ class Demo:
 
         event = self.wait_until("waiting for the recovery", recovered, 0.1)
         restored = latest_restored_step(self.events_dir)
-        self.say(f"recovered: training continues from the snapshot of step {restored} "
+        # the survivor may have finished the step it was in before the kill landed: say the step
+        # the failure was detected at, as the report does
+        detected = [e.get("step") for e in read_events(self.events_dir) if e.get("event") == "failure_detected"]
+        at = f"failure detected at step {max(detected)}; " if detected and None not in detected else ""
+        self.say(f"recovered: {at}training continues from the snapshot of step {restored} "
                  f"({time.monotonic() - killed_at:.1f} s after the kill, first step done {event.get('step')})")
 
         survivors = {name: proc for name, proc in self.participants().items() if name != victim}
@@ -255,9 +259,10 @@ class Demo:
         print(f"\n{line}\n  (printed by {name}, rank 0 at the end)\n", flush=True)
         print(format_report(summary), flush=True)
         lost = summary.failures[0]
+        goodput = "" if summary.goodput is None else f" (goodput {100 * summary.goodput:.1f} %)"
         print(f"\nOK: the run lost {victim} at step {lost.failure_step}, recovered in "
-              f"{lost.lost_seconds:.1f} s redoing {lost.steps_redone} step(s), and finished all "
-              f"{self.args.max_steps} steps; {time.monotonic() - self.started:.1f} s in total.", flush=True)
+              f"{lost.recovery_seconds:.1f} s redoing {lost.steps_redone} step(s), and finished all "
+              f"{self.args.max_steps} steps{goodput}; {time.monotonic() - self.started:.1f} s in total.", flush=True)
         if self.args.keep:
             print(f"Logs: {self.run_dir}/*.log; timeline again: lightning-ft report {self.events_dir}", flush=True)
         return 0

@@ -34,7 +34,7 @@ NUM_CLASSES = 3
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="finetune_mlp.py", description=__doc__.split("\n\n")[0])
-    common.add_training_args(parser, max_steps=300, batch_size=32, lr=3e-3, snapshot_every=20)
+    common.add_training_args(parser, max_steps=300, batch_size=32, lr=3e-3)
     model = parser.add_argument_group("model and data")
     model.add_argument("--hidden", type=common.positive_int, default=64, help="hidden width (default 64)")
     model.add_argument("--pretrain-steps", type=common.non_negative_int, default=300,

@@ -35,7 +35,7 @@ SHARED = 0.3  # weight of the chain all sources share
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="finetune_transformer.py", description=__doc__.split("\n\n")[0])
-    common.add_training_args(parser, max_steps=200, batch_size=32, lr=3e-3, snapshot_every=10)
+    common.add_training_args(parser, max_steps=200, batch_size=32, lr=3e-3)
     model = parser.add_argument_group("model and data")
     model.add_argument("--seq-len", type=common.positive_int, default=24, help="tokens per sequence (default 24)")
     model.add_argument("--d-model", type=common.positive_int, default=32,

@@ -148,18 +148,22 @@ def _fit(max_steps, callbacks, ckpt_path=None, plugins=None):
     return trainer
 
 
-def test_auto_resume_and_mem_latest_take_a_durable_step_when_memory_is_empty(tmp_path, caplog):
+def test_auto_resume_and_mem_latest_take_a_durable_step_when_memory_is_empty(tmp_path, caplog, monkeypatch):
     from ckpt_helpers import resume_probe
 
     from lightning_ft import EmergencyCheckpoint
     from lightning_ft.checkpoint import MemoryCheckpointIO
+    from lightning_ft.events import read_events
 
+    monkeypatch.setenv("LIGHTNING_FT_EVENTS_DIR", str(tmp_path / "events"))
     durable = str(tmp_path / "durable")
     first = EmergencyCheckpoint(every_n_steps=5, root=str(tmp_path / "shm1"), run_id="t", persist_to=durable,
                                 persist_every_n_seconds=0)
     _fit(12, [first])
     assert first.persister.wait_idle(20)
     assert first.durable.complete_steps() == [5, 10]
+    uploads = [e for e in read_events(tmp_path / "events") if e["event"] == "durable_upload"]
+    assert [(e["step"], e["complete"]) for e in uploads] == [(5, True), (10, True)] and uploads[0]["bytes"] > 0
 
     # a new node: an empty snapshot root, the durable tier from the environment
     probe = resume_probe()

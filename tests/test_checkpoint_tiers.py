@@ -6,15 +6,24 @@ import pytest
 
 from lightning_ft.checkpoint.policy import plan_write
 from lightning_ft.checkpoint.tiers import (
+    Schedule,
+    ScheduleProposal,
     ShardMarker,
+    agree_schedule,
     bucket_delay,
+    calibration_due,
     choose_resume_source,
     complete_steps,
+    daly_interval_seconds,
+    default_persist_seconds,
+    durable_copy_seconds,
     flush_fits,
     persist_due,
     persist_interval_steps,
     plan_durable_retention,
+    propose_schedule,
     shard_rank_to_fetch,
+    snapshot_interval_for_budget,
     space_shortfall,
     upload_decision,
 )
@@ -121,3 +130,61 @@ def test_shard_to_fetch_and_space_shortfall():
     assert shard_rank_to_fetch(1, 2) == 1 and shard_rank_to_fetch(3, 2) == 0
     assert space_shortfall(free_bytes=100, reusable_bytes=0, snapshot_bytes=40, copies=3) == 20
     assert space_shortfall(free_bytes=100, reusable_bytes=40, snapshot_bytes=40, copies=3) == 0
+
+
+def test_the_budget_interval_keeps_saves_within_the_share_of_training_time():
+    # a 1.2 ms save, 3.4 ms steps, 0.5 %: at least 70.6 steps -> 128 (a power of two)
+    assert snapshot_interval_for_budget(0.0012, 0.0034, 0.005) == 128
+    # a 150 ms save (1 GiB) and 1 s steps: 30 steps -> 32; saving then costs 0.47 %
+    every = snapshot_interval_for_budget(0.15, 1.0, 0.005)
+    assert every == 32 and 0.15 / (every * 1.0) <= 0.005
+    assert snapshot_interval_for_budget(0.0001, 1.0, 0.005) == 1  # cheaper than the budget per step
+    with pytest.raises(ValueError):
+        snapshot_interval_for_budget(0.1, 1.0, 0)
+
+
+def test_daly_interval_and_the_durable_default():
+    # C = 1 s, M = 4 h: Young's sqrt(2CM) = 169.7 s; Daly's higher-order terms and "- C" give 169.0 s
+    assert daly_interval_seconds(1.0, 14400) == pytest.approx(169.04, abs=0.01)
+    assert daly_interval_seconds(100.0, 10.0) == 200.0  # C >= 2M: M, but never below 2C
+    assert default_persist_seconds(1.0, 14400) == daly_interval_seconds(1.0, 14400)
+    assert durable_copy_seconds(2**30, None, 512 * 2**20) == pytest.approx(2.0)  # the bound until measured
+    assert durable_copy_seconds(2**30, 2**29, 512 * 2**20) == pytest.approx(2.0)
+    assert durable_copy_seconds(2**30, None, None) == pytest.approx(1.0)
+
+
+def test_calibration_steps_are_8_16_32_after_the_start():
+    assert [s for s in range(0, 200) if calibration_due(s, 0)] == [8, 16, 32, 64, 128]
+    assert [s for s in range(100, 150) if calibration_due(s, 100)] == [108, 116, 132]
+
+
+def test_ranks_agree_on_one_schedule_whatever_each_measured():
+    fast = propose_schedule(seconds_per_step=0.004, save_seconds=0.001, every_n_steps=None, every_n_seconds=None,
+                            max_overhead=0.005, persist_seconds=None)
+    slow = propose_schedule(seconds_per_step=0.004, save_seconds=0.003, every_n_steps=None, every_n_seconds=None,
+                            max_overhead=0.005, persist_seconds=None)
+    assert (fast.budget_steps, slow.budget_steps) == (64, 256)
+    # the budget: the largest (no rank over budget); a rank without a measurement has no say
+    assert agree_schedule([fast, slow, ScheduleProposal()], None) == Schedule(256, None)
+    # every_n_seconds: the smallest window (no rank's loss window longer than asked)
+    windows = [propose_schedule(seconds_per_step=sps, save_seconds=0.001, every_n_steps=None, every_n_seconds=1.0,
+                                max_overhead=0.005, persist_seconds=None) for sps in (0.01, 0.03)]
+    assert [w.window_steps for w in windows] == [64, 32] and [w.budget_steps for w in windows] == [0, 0]
+    assert agree_schedule(windows, None).snapshot_interval == 32
+    assert agree_schedule([ScheduleProposal()], None) == Schedule(None, None)
+
+
+def test_durable_copies_fall_on_steps_every_rank_snapshots():
+    # budget interval 256, durable wanted every 0.5 s = 128 steps: raised to 256
+    proposal = propose_schedule(seconds_per_step=0.004, save_seconds=0.003, every_n_steps=None, every_n_seconds=None,
+                                max_overhead=0.005, persist_seconds=0.5)
+    assert proposal.persist_steps == 128 and agree_schedule([proposal], None) == Schedule(256, 256)
+    # with every_n_steps=5: a multiple of 5 by a power of two, the largest of the ranks
+    a = propose_schedule(seconds_per_step=0.1, save_seconds=None, every_n_steps=5, every_n_seconds=None,
+                         max_overhead=0.005, persist_seconds=6)
+    b = propose_schedule(seconds_per_step=0.2, save_seconds=None, every_n_steps=5, every_n_seconds=None,
+                         max_overhead=0.005, persist_seconds=6)
+    assert (a.budget_steps, a.persist_steps, b.persist_steps) == (0, 80, 40)
+    assert agree_schedule([a, b], 5) == Schedule(None, 80)
+    assert propose_schedule(seconds_per_step=None, save_seconds=0.1, every_n_steps=None, every_n_seconds=None,
+                            max_overhead=0.005, persist_seconds=1) == ScheduleProposal()

@@ -13,6 +13,7 @@ from ckpt_helpers import make_module, matches_snapshot, resume_probe, tensors_eq
 from lightning_ft import EmergencyCheckpoint
 from lightning_ft.checkpoint import MemoryCheckpointIO, SnapshotError, SnapshotStore
 from lightning_ft.checkpoint import callback as callback_module
+from lightning_ft.events import read_events
 
 
 def fit(max_steps: int, callbacks: list, seed: int = 0, ckpt_path=None, plugins=None, hidden: int = 16,
@@ -146,6 +147,30 @@ def test_every_n_seconds_takes_snapshots(root):
     fit(12, [EmergencyCheckpoint(every_n_seconds=1e-9, root=root, run_id="sec", keep_last=3)])
     # an interval below one step time means every step once the step time is measured
     assert [i.step for i in SnapshotStore(root=root, run_id="sec", rank=0).list()] == [12, 11, 10]
+
+
+def test_the_overhead_budget_schedule_measures_the_save_then_snapshots_within_the_budget(root, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("LIGHTNING_FT_EVENTS_DIR", str(tmp_path / "events"))
+    callback = EmergencyCheckpoint(root=root, run_id="budget", keep_last=5, max_overhead=1.0)
+    fit(40, [callback])
+    schedule = callback.schedule
+    # the first snapshot at step 8 measures the save; then every interval the budget allows,
+    # agreed at the calibration steps 8, 16, 32 (a 100 % budget: about one save per step's time)
+    assert schedule is not None and schedule.snapshot_interval >= 1 and schedule.persist_every is None
+    steps = sorted(i.step for i in SnapshotStore(root=root, run_id="budget", rank=0).list())
+    assert 40 - schedule.snapshot_interval < steps[-1] <= 40 and all(s >= 8 for s in steps)
+    events = [e for e in read_events(tmp_path / "events") if e["event"] == "snapshot_schedule"]
+    assert events and events[0]["step"] == 8 and events[0]["save_seconds"] > 0
+    # a tiny budget: one snapshot, at step 8, and none after it within 40 steps
+    fit(40, [tiny := EmergencyCheckpoint(root=root, run_id="tiny", max_overhead=1e-6)])
+    assert [i.step for i in SnapshotStore(root=root, run_id="tiny", rank=0).list()] == [8]
+    assert tiny.schedule.snapshot_interval >= 64
+
+
+def test_no_schedule_means_no_periodic_snapshots(root):
+    fit(20, [EmergencyCheckpoint(root=root, run_id="none")])
+    assert SnapshotStore(root=root, run_id="none", rank=0).list() == []
 
 
 def test_works_with_checkpointing_disabled_and_defaults(monkeypatch, tmp_path):

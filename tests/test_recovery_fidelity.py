@@ -28,7 +28,7 @@ from fidelity import Moment, Run, final_checkpoints, metric_points, metric_rows,
 pytestmark = [pytest.mark.multiprocess]
 
 SNAPSHOTS_EVERY_40 = ["--snapshot-every", "40", "--pg-timeout", "60", "--hang-floor", "10"]
-DEFAULT_SCHEDULE = ["--pg-timeout", "60", "--hang-floor", "10"]
+NO_PERIODIC_SNAPSHOTS = ["--ft-option", "snapshot_max_overhead=null", "--pg-timeout", "60", "--hang-floor", "10"]
 
 
 def sleep_at(step: int, seconds: float = 0.5, what: str = "step") -> list[str]:
@@ -96,9 +96,9 @@ def test_a_redone_modelcheckpoint_step_neither_hangs_nor_differs(processes, tmp_
 
 
 def test_a_kill_before_the_first_snapshot_restores_everything_from_the_start(processes, tmp_path, references):
-    # the default schedule (every 30 s) has taken no periodic snapshot at step 130: weights,
-    # optimizer, schedulers and step all come from the start of the round, on every participant
-    run = run_ft(processes, tmp_path, [*DEFAULT_SCHEDULE, *sleep_at(130)], Moment("step", 130))
+    # no periodic snapshots: weights, optimizer, schedulers and step all come from the start
+    # of the round, on every participant
+    run = run_ft(processes, tmp_path, [*NO_PERIODIC_SNAPSHOTS, *sleep_at(130)], Moment("step", 130))
     assert_recovered(run, restored=0)
     assert_equal_to(run, references(0))
 

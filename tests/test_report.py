@@ -26,7 +26,7 @@ def recovered_run() -> list[dict]:
         ev(1.0, "node1", "round_complete", round=0, rank=1, world=2, standby=False),
         ev(1.0, "node2", "round_complete", round=0, rank=None, world=2, standby=True),
         ev(5.0, "node0", "failure_detected", round=0, error="Connection closed by peer", detector="collective",
-           step=42),
+           step=42, step_seconds=0.25),
         ev(5.1, "node2", "failure_detected", round=0, error="heartbeat lost", detector="watch", step=41),
         ev(5.2, "node0", "round_open", round=1),
         ev(5.5, "node0", "round_complete", round=1, rank=0, world=2, standby=False),
@@ -52,9 +52,13 @@ def test_recovered_run_summary():
     failure = summary.failures[0]
     assert failure.round == 0 and failure.detected_by == ("node0", "node2")
     assert failure.failure_step == 42 and failure.restored_step == 40 and failure.steps_redone == 2
-    assert failure.lost_seconds == pytest.approx(1.5)
+    # lost = detection and recovery (1.5 s) + the 2 redone steps at the failed round's 0.25 s per step
+    assert failure.recovery_seconds == pytest.approx(1.5) and failure.redone_seconds == pytest.approx(0.5)
+    assert failure.lost_seconds == pytest.approx(2.0)
     assert failure.recovered
     assert summary.duration == pytest.approx(9.0)
+    # training from the first completed round (no group_formed here) at +1.0 s to the finish at +9.0 s
+    assert summary.training_seconds == pytest.approx(8.0) and summary.goodput == pytest.approx(0.75)
     assert [e.event for e in summary.timeline] == [e["event"] for e in events]
     assert summary.timeline[0].seconds == 0.0
 
@@ -63,7 +67,9 @@ def test_report_text_has_timeline_and_summary():
     text = format_report(summarize(recovered_run()))
     assert "+5.00s  node0  failure_detected" in text
     assert "error=Connection closed by peer" in text
-    assert "lost time 1.50 s; failure step 42, restored step 40, steps redone 2" in text
+    assert "lost time 2.00 s = detection and recovery 1.50 s + redone work 0.50 s" in text
+    assert "failure step 42, restored step 40, steps redone 2" in text
+    assert "goodput       75.0 % (lost 2.00 s of 8.00 s of training)" in text
     assert "spares used   node2" in text
     assert "FINISHED" in text
     assert "node2          standby -> active" in text
@@ -106,7 +112,9 @@ def test_two_failures_in_different_rounds_are_separate():
     assert [f.round for f in summary.failures] == [0, 1]
     second = summary.failures[1]
     assert (second.failure_step, second.restored_step, second.steps_redone) == (50, 48, 2)
-    assert second.lost_seconds == pytest.approx(1.6)
+    # no step time in this incident's events: the run's median (0.25 s) prices its 2 redone steps
+    assert second.lost_seconds == pytest.approx(1.6 + 0.5)
+    assert summary.lost_seconds == pytest.approx(2.0 + 2.1)
     assert summary.failures[0].restored_step == 40  # not confused by the second recovery
     assert summary.rounds == 3
 
@@ -224,7 +232,9 @@ def test_a_hang_counts_the_time_the_step_was_stuck_as_lost():
     ]
     failure = summarize(events).failures[0]
     assert failure.failure_step == 42 and failure.steps_redone == 2
-    assert failure.lost_seconds == pytest.approx(61.0)
+    # no step time anywhere: the redone work is unknown and the lost time is the recovery alone
+    assert failure.lost_seconds == pytest.approx(61.0) and failure.redone_seconds is None
+    assert "redone work unknown (no step time)" in format_report(summarize(events))
 
 
 def test_a_stopped_run_says_which_tier_holds_the_state():

@@ -17,7 +17,7 @@ from lightning_ft._validation import require_bool, require_number
 from lightning_ft.checkpoint import snapshot_format as fmt
 from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadResult, resolve_durable_settings
 from lightning_ft.checkpoint.identity import state_dict_fingerprint
-from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due, steps_between_snapshots
+from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due
 from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory, gather_steps
 from lightning_ft.checkpoint.store import (
     ENV_SNAPSHOT_DIR,
@@ -30,12 +30,20 @@ from lightning_ft.checkpoint.store import (
     resolve_run_id,
 )
 from lightning_ft.checkpoint.tiers import (
+    FIRST_CALIBRATION,
+    Schedule,
+    ScheduleProposal,
+    agree_schedule,
+    calibration_due,
+    durable_copy_seconds,
     flush_fits,
     persist_due,
-    persist_interval_steps,
+    propose_schedule,
     snapshot_copies,
     space_shortfall,
 )
+from lightning_ft.events import NullEventLog, open_event_log
+from lightning_ft.events import names as ev
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +79,15 @@ class EmergencyCheckpoint(pl.Callback):
 
     Args:
         every_n_steps: snapshot when ``global_step % every_n_steps == 0``.
-        every_n_seconds: snapshot about every so many seconds. The interval is converted to a
-            power-of-two number of steps from this rank's measured step time, so ranks pick
-            common steps without talking to each other.
+        every_n_seconds: snapshot about every so many seconds: a power-of-two number of steps
+            from the measured step time, agreed by all ranks (the smallest) at the calibration
+            steps 8, 16, 32, ... after the start of training (one small collective each).
+        max_overhead: without ``every_n_steps``/``every_n_seconds``: snapshot as often as keeps the
+            measured save time within this share of training time (e.g. 0.005: 0.5 %), a
+            power-of-two number of steps agreed by all ranks (the largest) at the calibration
+            steps; the first snapshot is taken at the first calibration step (step 8 of a fit) to
+            measure the save. None (default): no periodic snapshots without a schedule; the
+            ``ddp_ft`` strategy's own ``EmergencyCheckpoint`` uses 0.005.
         keep_last: snapshots kept per rank (>= 1). With >= 2 the oldest file is overwritten in
             place by the next snapshot, which is ~3x faster than a fresh tmpfs file.
         root: snapshot root (default ``$LIGHTNING_FT_SNAPSHOT_DIR`` or ``/dev/shm/lightning_ft-<uid>``).
@@ -93,8 +107,12 @@ class EmergencyCheckpoint(pl.Callback):
             every rank's copy is verified, and resume falls back to it when memory lacks the step.
             Needs a run id.
         persist_every_n_seconds: about how often a snapshot is copied durably (default
-            ``$LIGHTNING_FT_PERSIST_EVERY_SECONDS`` or 60; 0: every snapshot). Converted to a
-            power-of-two multiple of the snapshot interval in steps, so all ranks copy the same steps.
+            ``$LIGHTNING_FT_PERSIST_EVERY_SECONDS``, else Daly's interval for the measured copy
+            time and ``persist_mtbf_seconds``; 0: every snapshot). Converted to a power-of-two
+            multiple of the snapshot interval in steps and agreed at the calibration steps, so all
+            ranks copy the same steps.
+        persist_mtbf_seconds: the job's mean time between failures assumed for that default
+            (``$LIGHTNING_FT_MTBF_SECONDS``, else 4 h).
         persist_max_mib_per_second: upload bandwidth bound per rank (default
             ``$LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND`` or 512; <= 0: unbounded).
         persist_keep_last: complete durable steps kept (default ``$LIGHTNING_FT_PERSIST_KEEP_LAST`` or 2).
@@ -109,9 +127,11 @@ class EmergencyCheckpoint(pl.Callback):
                  keep_last: int = 2, root: str | None = None, run_id: str | None = None,
                  auto_resume: bool = True, preallocate: bool = True, persist_to: str | None = None,
                  persist_every_n_seconds: float | None = None, persist_max_mib_per_second: float | None = None,
-                 persist_keep_last: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
+                 persist_keep_last: int | None = None, storage_options: dict[str, Any] | None = None,
+                 max_overhead: float | None = None, persist_mtbf_seconds: float | None = None) -> None:
         require_number("every_n_steps", every_n_steps, integer=True, allow_none=True)
         require_number("every_n_seconds", every_n_seconds, allow_none=True)
+        require_number("max_overhead", max_overhead, allow_none=True)
         if every_n_seconds is not None:
             every_n_seconds = float(every_n_seconds)
         require_number("keep_last", keep_last, integer=True, minimum=1, inclusive=True)
@@ -119,6 +139,7 @@ class EmergencyCheckpoint(pl.Callback):
         require_bool("preallocate", preallocate)
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
+        self.max_overhead = max_overhead
         self.keep_last = keep_last
         self.root = resolve_root(root)
         ensure_writable_root(self.root)
@@ -133,12 +154,18 @@ class EmergencyCheckpoint(pl.Callback):
         self._last_snapshot: SnapshotInfo | None = None
         self._clock: tuple[float, int] | None = None  # (time, global_step) at the last step change
         self._seconds_per_step: float | None = None
+        #: the schedule all ranks agreed on at the last calibration step (None: not yet in this fit)
+        self.schedule: Schedule | None = None
+        self._train_start_step = 0
+        self._calibrated_step: int | None = None
+        self._events: Any = NullEventLog()
         #: (step, wall-clock time it was taken) of the snapshot the last fit() resumed from
         self.resumed_from: tuple[int, float] | None = None
         #: the tier the last fit() resumed from ("memory", "durable") and why
         self.resumed_tier: tuple[str, str] | None = None
         self.durable_settings = resolve_durable_settings(persist_to, persist_every_n_seconds,
-                                                         persist_max_mib_per_second, persist_keep_last, storage_options)
+                                                         persist_max_mib_per_second, persist_keep_last, storage_options,
+                                                         mtbf_seconds=persist_mtbf_seconds)
         self._durable: DurableTier | None = None
         if self.durable_settings is not None:
             if self._configured_run_id is None:
@@ -235,8 +262,10 @@ class EmergencyCheckpoint(pl.Callback):
         if store.configured_run_id is None and not _no_run_id_warned:
             _no_run_id_warned = True
             log.warning(no_run_id_message(store.run_dir))
+        self._events = getattr(trainer.strategy, "event_log", None) or open_event_log(f"rank{store.rank}")
         if self._durable is not None and self._persister is None:
-            self._persister = DurablePersister(self._durable, lambda: self._get_store(trainer), store.rank)
+            self._persister = DurablePersister(self._durable, lambda: self._get_store(trainer), store.rank,
+                                               emit=lambda event, **fields: self._events.emit(event, **fields))
         if not self._replicated(trainer):
             log.warning("EmergencyCheckpoint supports single-device and DDP strategies; with %s each rank's "
                         "snapshot holds only what dump_checkpoint returns on that rank and auto-resume is off",
@@ -270,6 +299,9 @@ class EmergencyCheckpoint(pl.Callback):
                             "collective-free with it", type(optimizer).__name__)
         self._clock = (time.perf_counter(), trainer.global_step)
         self._check_spare = True
+        # every rank of a (re)started fit calibrates at the same steps from here, survivors and
+        # a spare alike; until the first calibration only every_n_steps applies
+        self._train_start_step, self._calibrated_step, self.schedule = trainer.global_step, None, None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -282,17 +314,17 @@ class EmergencyCheckpoint(pl.Callback):
         if not self._space_checked and step >= 1:
             self._space_checked = True
             self._check_space(trainer)
-        interval = None
-        if self.every_n_seconds is not None and self._seconds_per_step is not None:
-            interval = steps_between_snapshots(self.every_n_seconds, self._seconds_per_step)
+        if self._calibrates() and step != self._calibrated_step and calibration_due(step, self._train_start_step):
+            self._calibrated_step = step
+            first = None
+            if self._budget_schedule() and step - self._train_start_step == FIRST_CALIBRATION:
+                first = self._periodic_save(trainer, step, persist=False)  # measures the save the budget needs
+            self._calibrate(trainer, step)
+            if first is not None:
+                self._maybe_persist(trainer, first)
+        interval = self.schedule.snapshot_interval if self.schedule is not None else None
         if snapshot_due(step, self._last_saved_step, self.every_n_steps, interval):
-            try:
-                info = self.save_now(trainer, reason="periodic")
-                self._maybe_persist(trainer, info)
-            except Exception:
-                # A failed periodic snapshot (e.g. shm full) must not kill training; the next
-                # one may succeed and the error is visible in the log.
-                log.exception("rank %d: periodic snapshot at step %d failed", trainer.global_rank, step)
+            self._periodic_save(trainer, step, persist=True)
         if self.preallocate and self._check_spare and step >= 1:
             self._ensure_spare(trainer)
         if self._clock is None or step != self._clock[1]:
@@ -305,11 +337,64 @@ class EmergencyCheckpoint(pl.Callback):
             self._store.close()
 
     # ------------------------------------------------------------------ internals
+    def _periodic_save(self, trainer: pl.Trainer, step: int, persist: bool) -> SnapshotInfo | None:
+        try:
+            info = self.save_now(trainer, reason="periodic")
+            if persist:
+                self._maybe_persist(trainer, info)
+            return info
+        except Exception:
+            # A failed periodic snapshot (e.g. shm full) must not kill training; the next
+            # one may succeed and the error is visible in the log.
+            log.exception("rank %d: periodic snapshot at step %d failed", trainer.global_rank, step)
+            return None
+
+    def _budget_schedule(self) -> bool:
+        return bool(self.max_overhead) and self.every_n_steps is None and self.every_n_seconds is None
+
+    def _calibrates(self) -> bool:
+        """Whether ranks agree on a schedule at the calibration steps (every_n_steps alone needs no agreement)."""
+        return self.every_n_seconds is not None or self._budget_schedule() or self._persister is not None
+
+    def _persist_seconds(self, trainer: pl.Trainer) -> float | None:
+        if self._persister is None or self.durable_settings is None:
+            return None
+        nbytes = self._snapshot_bytes(trainer)
+        copy = durable_copy_seconds(nbytes, self._persister.measured_bytes_per_second,
+                                    self.durable_settings.max_bytes_per_second)
+        return self.durable_settings.interval_seconds(copy)
+
+    def _calibrate(self, trainer: pl.Trainer, step: int) -> None:
+        """Agree with every rank on the schedule (collective: every rank calls it at the same step)."""
+        save_seconds = self.estimated_save_seconds()
+        proposal = propose_schedule(seconds_per_step=self._seconds_per_step, save_seconds=save_seconds,
+                                    every_n_steps=self.every_n_steps, every_n_seconds=self.every_n_seconds,
+                                    max_overhead=self.max_overhead, persist_seconds=self._persist_seconds(trainer))
+        rows = gather_steps(proposal.as_list())
+        schedule = agree_schedule([ScheduleProposal(*row) for row in rows], self.every_n_steps)
+        changed, self.schedule = schedule != self.schedule, schedule
+        if not changed or trainer.global_rank != 0:
+            return
+        sps = self._seconds_per_step or 0.0
+        fields = dict(step=step, snapshot_every_n_steps=schedule.snapshot_interval or self.every_n_steps,
+                      persist_every_n_steps=schedule.persist_every, seconds_per_step=round(sps, 6),
+                      save_seconds=None if save_seconds is None else round(save_seconds, 6))
+        self._events.emit(ev.SNAPSHOT_SCHEDULE, **fields)
+        every = fields["snapshot_every_n_steps"]
+        share = f", a save {save_seconds:.3f} s = {100 * save_seconds / (every * sps):.2f} % of training time" \
+            if every and sps and save_seconds else ""
+        durable = f"; durable copies every {schedule.persist_every} steps" if schedule.persist_every else ""
+        log.info("EmergencyCheckpoint: at step %d, snapshots every %s steps (%.2f s%s)%s", step, every,
+                 (every or 0) * sps, share, durable)
+
     def _maybe_persist(self, trainer: pl.Trainer, info: SnapshotInfo) -> None:
         if self._persister is None or self._segment is None or self.durable_settings is None:
             return
-        every = persist_interval_steps(self.durable_settings.every_n_seconds, self._seconds_per_step or 0.0,
-                                       self.every_n_steps or 1)
+        if self.schedule is not None:
+            every = self.schedule.persist_every
+        else:
+            # before the first calibration only "every snapshot" needs no agreement
+            every = self.every_n_steps if self.durable_settings.every_n_seconds == 0 else None
         if persist_due(info.step, every):
             self._persister.offer(info, self._segment, trainer.world_size)
 

@@ -38,14 +38,17 @@ from lightning_ft.checkpoint.durable_target import DurableTarget, FileRanges, op
 from lightning_ft.checkpoint.files import close_map, open_snapshot_file
 from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore
 from lightning_ft.checkpoint.tiers import (
+    DEFAULT_MTBF_SECONDS,
     Completion,
     ShardMarker,
     bucket_delay,
     complete_steps,
+    default_persist_seconds,
     plan_durable_retention,
     shard_rank_to_fetch,
     upload_decision,
 )
+from lightning_ft.events import names as ev
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +56,8 @@ ENV_PERSIST_TO = "LIGHTNING_FT_PERSIST_TO"
 ENV_PERSIST_EVERY_SECONDS = "LIGHTNING_FT_PERSIST_EVERY_SECONDS"
 ENV_PERSIST_MAX_MIB_PER_SECOND = "LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND"
 ENV_PERSIST_KEEP_LAST = "LIGHTNING_FT_PERSIST_KEEP_LAST"
+ENV_MTBF_SECONDS = "LIGHTNING_FT_MTBF_SECONDS"
 
-DEFAULT_PERSIST_EVERY_SECONDS = 60.0
 DEFAULT_MAX_MIB_PER_SECOND = 512.0
 DEFAULT_PERSIST_KEEP_LAST = 2
 CHUNK_BYTES = 4 << 20
@@ -73,10 +76,18 @@ class DurableSettings:
     """Where and how often snapshots are copied durably (see :func:`resolve_durable_settings`)."""
 
     url: str
-    every_n_seconds: float = DEFAULT_PERSIST_EVERY_SECONDS
+    #: seconds between durable copies; None: Daly's interval from the measured copy time and ``mtbf_seconds``
+    every_n_seconds: float | None = None
     max_bytes_per_second: float | None = DEFAULT_MAX_MIB_PER_SECOND * 2**20
     keep_last: int = DEFAULT_PERSIST_KEEP_LAST
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    mtbf_seconds: float = DEFAULT_MTBF_SECONDS
+
+    def interval_seconds(self, copy_seconds: float) -> float:
+        """Seconds between durable copies: the setting, else Daly's interval for ``copy_seconds``."""
+        if self.every_n_seconds is not None:
+            return self.every_n_seconds
+        return default_persist_seconds(copy_seconds, self.mtbf_seconds)
 
 
 def _env_float(env: Mapping[str, str], key: str) -> float | None:
@@ -92,7 +103,8 @@ def _env_float(env: Mapping[str, str], key: str) -> float | None:
 def resolve_durable_settings(persist_to: str | os.PathLike | None = None, every_n_seconds: float | None = None,
                              max_mib_per_second: float | None = None, keep_last: int | None = None,
                              storage_options: Mapping[str, Any] | None = None,
-                             environ: Mapping[str, str] | None = None) -> DurableSettings | None:
+                             environ: Mapping[str, str] | None = None,
+                             mtbf_seconds: float | None = None) -> DurableSettings | None:
     """Arguments win, else ``LIGHTNING_FT_PERSIST_*``; None when no ``persist_to`` is set anywhere.
 
     ``max_mib_per_second <= 0`` means unbounded.
@@ -102,8 +114,10 @@ def resolve_durable_settings(persist_to: str | os.PathLike | None = None, every_
     if url is None:
         return None
     every = every_n_seconds if every_n_seconds is not None else _env_float(env, ENV_PERSIST_EVERY_SECONDS)
-    every = DEFAULT_PERSIST_EVERY_SECONDS if every is None else every
-    require_number("persist_every_n_seconds", every, minimum=0, inclusive=True)
+    require_number("persist_every_n_seconds", every, minimum=0, inclusive=True, allow_none=True)
+    mtbf = mtbf_seconds if mtbf_seconds is not None else _env_float(env, ENV_MTBF_SECONDS)
+    mtbf = DEFAULT_MTBF_SECONDS if mtbf is None else mtbf
+    require_number("persist_mtbf_seconds", mtbf, minimum=0)
     rate = max_mib_per_second if max_mib_per_second is not None else _env_float(env, ENV_PERSIST_MAX_MIB_PER_SECOND)
     rate = DEFAULT_MAX_MIB_PER_SECOND if rate is None else rate
     require_number("persist_max_mib_per_second", rate, minimum=float("-inf"))
@@ -113,7 +127,8 @@ def resolve_durable_settings(persist_to: str | os.PathLike | None = None, every_
         keep = int(keep)
     require_number("persist_keep_last", keep, integer=True, minimum=1, inclusive=True)
     options = dict(storage_options) if storage_options is not None else storage_options_from_env(env)
-    return DurableSettings(url, float(every), rate * 2**20 if rate > 0 else None, keep, options)
+    return DurableSettings(url, None if every is None else float(every), rate * 2**20 if rate > 0 else None, keep,
+                           options, float(mtbf))
 
 
 def _step_name(step: int) -> str:
@@ -480,12 +495,13 @@ class DurablePersister:
             self.failures += 1
             log.warning("rank %d: durable copy of step %d failed (not durable): %s: %s", self.rank, info.step,
                         type(exc).__name__, exc)
+            self._emit(ev.DURABLE_FAILED, step=info.step, error=f"{type(exc).__name__}: {exc}")
             return None
         self.last_uploaded_step = info.step
         self.measured_bytes_per_second = result.nbytes / max(result.seconds, 1e-6)
         if result.complete:
             self.last_durable_step = info.step
-        self._emit("durable_upload", step=info.step, bytes=result.nbytes, seconds=round(result.seconds, 4),
+        self._emit(ev.DURABLE_UPLOAD, step=info.step, bytes=result.nbytes, seconds=round(result.seconds, 4),
                    complete=result.complete)
         log.debug("rank %d: shard of step %d durable in %.3f s (%.1f MiB/s)%s", self.rank, info.step,
                   result.seconds, self.measured_bytes_per_second / 2**20, "; step complete" if result.complete else "")

@@ -21,6 +21,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lightning_ft.checkpoint.policy import steps_between_snapshots
+
 # ---------------------------------------------------------------------- durable completeness
 
 
@@ -225,6 +227,90 @@ def persist_interval_steps(interval_seconds: float, seconds_per_step: float, bas
 
 #: steps after the start of a fit at which ranks agree on their intervals (one small collective each)
 FIRST_CALIBRATION = 8
+
+#: share of training time periodic in-memory snapshots may cost (the ``ddp_ft`` strategy's default schedule)
+DEFAULT_SNAPSHOT_OVERHEAD = 0.005
+#: mean time between failures of a whole job assumed for the durable tier's Daly interval
+DEFAULT_MTBF_SECONDS = 4 * 3600.0
+
+
+@dataclass(frozen=True)
+class ScheduleProposal:
+    """One rank's view of the snapshot schedule, from its own measurements (0: no opinion).
+
+    Integers, so ranks exchange them as one small tensor (see :func:`agree_schedule`).
+    """
+
+    #: steps between snapshots so that saving stays within the overhead budget
+    budget_steps: int = 0
+    #: steps that fit into ``every_n_seconds`` (a power of two, rounded down)
+    window_steps: int = 0
+    #: steps between durable copies
+    persist_steps: int = 0
+
+    def as_list(self) -> list[int]:
+        return [self.budget_steps, self.window_steps, self.persist_steps]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What every rank uses until the next calibration point."""
+
+    #: steps between periodic snapshots from ``every_n_seconds`` or the overhead budget (None: neither)
+    snapshot_interval: int | None
+    #: steps between durable copies (None: no durable tier); every durable step is a snapshot step
+    persist_every: int | None
+
+
+def propose_schedule(*, seconds_per_step: float | None, save_seconds: float | None, every_n_steps: int | None,
+                     every_n_seconds: float | None, max_overhead: float | None,
+                     persist_seconds: float | None) -> ScheduleProposal:
+    """This rank's proposal: the overhead budget applies only without an explicit schedule
+    (``every_n_steps``/``every_n_seconds``); ``persist_seconds`` None means no durable tier."""
+    if not seconds_per_step or seconds_per_step <= 0:
+        return ScheduleProposal()
+    budget = 0
+    if max_overhead and every_n_steps is None and every_n_seconds is None and save_seconds is not None:
+        budget = snapshot_interval_for_budget(save_seconds, seconds_per_step, max_overhead)
+    window = steps_between_snapshots(every_n_seconds, seconds_per_step) if every_n_seconds else 0
+    persist = 0
+    if persist_seconds is not None:
+        persist = persist_interval_steps(persist_seconds, seconds_per_step, every_n_steps or 1)
+    return ScheduleProposal(budget, window, persist)
+
+
+def agree_schedule(proposals: Sequence[ScheduleProposal], every_n_steps: int | None) -> Schedule:
+    """The schedule every rank adopts from every rank's proposal (each rank runs this on the same input).
+
+    * ``every_n_seconds``: the smallest window interval, so no rank's loss window exceeds it;
+    * the overhead budget: the largest budget interval, so no rank's saves exceed the budget;
+    * durable copies: the largest interval, raised to a multiple of the snapshot interval (both
+      are powers of two, or multiples of ``every_n_steps`` by a power of two) so every durable
+      step is a step every rank snapshots.
+    """
+    windows = [p.window_steps for p in proposals if p.window_steps > 0]
+    budgets = [p.budget_steps for p in proposals if p.budget_steps > 0]
+    interval = min(windows) if windows else max(budgets) if budgets else None
+    persists = [p.persist_steps for p in proposals if p.persist_steps > 0]
+    persist = max(persists) if persists else None
+    if persist is not None and every_n_steps is None and interval is not None:
+        persist = max(persist, interval)
+    return Schedule(interval, persist)
+
+
+def durable_copy_seconds(nbytes: int, measured_bytes_per_second: float | None,
+                         max_bytes_per_second: float | None) -> float:
+    """Expected time of one durable copy: measured rate, else the bandwidth bound, else 1 GiB/s."""
+    rate = measured_bytes_per_second or max_bytes_per_second or float(2**30)
+    return nbytes / rate
+
+
+def default_persist_seconds(copy_seconds: float, mtbf_seconds: float) -> float:
+    """Seconds between durable copies when the user set none: Daly's interval for a checkpoint
+    cost of one durable copy. The copy runs in the background, so counting all of it as cost
+    makes the interval longer than a strict optimum (less contention, a few more steps at risk
+    when a whole job is lost at once)."""
+    return daly_interval_seconds(copy_seconds, mtbf_seconds)
 
 
 def calibration_due(step: int, start_step: int) -> bool:

@@ -19,7 +19,8 @@ event                          fields
 ``snapshot_received``          round, step, from_rank, bytes, seconds
 ``restored``                   round, step (global step training resumes from)
 ``failure_detected``           round, step (training had reached), error, detector (``collective`` | ``hang`` |
-                               ``rendezvous``), stalled (ranks blamed by the hang detector), stuck_seconds
+                               ``rendezvous``), stalled (ranks blamed by the hang detector), stuck_seconds,
+                               step_seconds (median step of the failed round; prices the redone steps)
 ``decision``                   round, kind (:class:`~lightning_ft.strategy.decisions.FailureKind`),
                                action (``recover`` | ``raise`` | ``no_restart``), reason
 ``round_open``                 round (the new round), after (the failed round), reason
@@ -32,7 +33,8 @@ event                          fields
                                as unhealthy, exit 82, and its peers recover without it)
 ``stopped``                    round, reason (SIGTERM path or another deliberate stop; a participant
                                stopped while waiting in the rendezvous exits 143)
-``finished``                   round, rank, step, seconds (fit completed and the exit barrier passed)
+``finished``                   round, rank, step, seconds (fit completed and the exit barrier passed),
+                               step_seconds (median step of the last round)
 =============================  ==================================================================
 
 The SIGTERM path (``GracefulTermination``):
@@ -46,9 +48,19 @@ The SIGTERM path (``GracefulTermination``):
 ``unhealthy_exit``             exit_code, reasons, step, seconds_since_signal
 =============================  ==================================================================
 
+Snapshots (``EmergencyCheckpoint``, any strategy):
+
+=============================  ==================================================================
+``snapshot_schedule``          step, snapshot_every_n_steps, persist_every_n_steps, seconds_per_step,
+                               save_seconds (rank 0, when the ranks agree on a new schedule)
+``durable_upload``             step, bytes, seconds, complete (this rank's shard is durable; ``complete``:
+                               every rank's shard of the step is, and its manifest is written)
+``durable_failed``             step, error (a durable copy failed; the step is not durable)
+=============================  ==================================================================
+
 Lost time of a recovery = ``first_step_after_recovery.t - failure_detected.t`` (re-forming)
-plus the steps trained after the snapshot that was restored (``failure`` step minus
-``restored.step``, times the step time).
+plus the steps trained again: the failure step minus ``restored.step``, times the step time
+(``failure_detected.step_seconds``, the median step of the failed round).
 """
 
 from __future__ import annotations
@@ -80,11 +92,17 @@ STOP_AGREED = "stop_agreed"
 TERMINATION_DECISION = "termination_decision"
 UNHEALTHY_EXIT = "unhealthy_exit"
 
+# snapshots
+SNAPSHOT_SCHEDULE = "snapshot_schedule"
+DURABLE_UPLOAD = "durable_upload"
+DURABLE_FAILED = "durable_failed"
+
 STRATEGY_EVENTS = (JOIN, ROUND_COMPLETE, GROUP_FORMED, SNAPSHOT_PLAN, SNAPSHOT_SENT, SNAPSHOT_RECEIVED, RESTORED,
                    FAILURE_DETECTED, DECISION, ROUND_OPEN, FIRST_STEP_AFTER_RECOVERY, REPLICA_PUBLISHED,
                    REPLICA_RECEIVED, SPARE_EXIT, NO_RESTART, NODE_FAULT, STOPPED, FINISHED)
 TERMINATION_EVENTS = (TERMINATION_SIGNAL, HEALTH_REPORT, STOP_AGREED, TERMINATION_DECISION, UNHEALTHY_EXIT)
-ALL_EVENTS = STRATEGY_EVENTS + TERMINATION_EVENTS
+SNAPSHOT_EVENTS = (SNAPSHOT_SCHEDULE, DURABLE_UPLOAD, DURABLE_FAILED)
+ALL_EVENTS = STRATEGY_EVENTS + TERMINATION_EVENTS + SNAPSHOT_EVENTS
 
 #: a participant whose log ends with one of these left on its own terms
 EXIT_EVENTS = (FINISHED, SPARE_EXIT, NO_RESTART, NODE_FAULT, STOPPED, TERMINATION_DECISION, UNHEALTHY_EXIT)

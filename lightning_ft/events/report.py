@@ -13,10 +13,18 @@ What the summary counts (event names are those the ``ddp_ft`` strategy emits):
 * failures: ``failure_detected`` events, one incident per round (every survivor reports
   the same failure; they share the round that failed);
 * per failure: the step training had reached, the step restored from (``restored``),
-  steps redone (the difference), and the lost time: first detection to the first
-  ``first_step_after_recovery`` (the event's own ``seconds_since_failure`` when the
-  wall clocks of different hosts make the difference meaningless), plus, for a hang, how
-  long the step had been stuck when it was detected (``stuck_seconds``);
+  steps redone (the difference), and the lost time, the sum of
+
+  - detection and recovery: first detection to the first ``first_step_after_recovery`` (the
+    event's own ``seconds_since_failure`` when the wall clocks of different hosts make the
+    difference meaningless), plus, for a hang, how long the step had been stuck when it was
+    detected (``stuck_seconds``);
+  - redone work: the steps redone times the step time (``step_seconds`` of the failure, the
+    median step of the failed round; else the median of every step time the run reported);
+
+* goodput: 1 - lost time / training time, where training time runs from the first process
+  group (``group_formed``; else the first completed round) to the end of the run (the last
+  ``finished``, else the last event);
 * spares used: participants that were standby in one round and active in a later one;
 * final status: ``no_restart``, else ``finished``, else ``stopped`` (the SIGTERM path:
   ``stopped``/``termination_decision``/``unhealthy_exit``), else ``incomplete`` (still
@@ -67,7 +75,12 @@ class FailureSummary:
     failure_step: int | None  # step training had reached when the failure was detected
     restored_step: int | None
     steps_redone: int | None
-    lost_seconds: float | None  # detection (for a hang: when the step got stuck) -> first step after recovery
+    #: detection (for a hang: when the step got stuck) -> first step after recovery
+    recovery_seconds: float | None
+    #: steps_redone x the step time (None: no step time known)
+    redone_seconds: float | None
+    #: recovery_seconds + redone_seconds (the recovery alone when the step time is unknown)
+    lost_seconds: float | None
     recovered: bool
 
 
@@ -93,6 +106,12 @@ class RunSummary:
     status_detail: str
     final_step: int | None
     timeline: tuple[TimelineEntry, ...] = field(repr=False)
+    #: first process group -> end of the run (None: no round trained)
+    training_seconds: float | None = None
+    #: the failures' lost time, summed
+    lost_seconds: float = 0.0
+    #: 1 - lost_seconds / training_seconds (None: no training time)
+    goodput: float | None = None
 
 
 # ---------------------------------------------------------------------- pure decisions
@@ -176,6 +195,12 @@ def _first_after(timeline: Sequence[TimelineEntry], event: str, start: float, en
     return next((e for e in timeline if e.event == event and start <= e.seconds < end), None)
 
 
+def _run_step_seconds(timeline: Sequence[TimelineEntry]) -> float | None:
+    """Median of every step time the run's processes reported (the fallback price of a redone step)."""
+    values = sorted(v for e in timeline if (v := _number(e.fields.get("step_seconds"))) is not None and v > 0)
+    return values[len(values) // 2] if values else None
+
+
 def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[TimelineEntry],
                        until: float) -> FailureSummary:
     detected_at = incident[0].seconds
@@ -195,6 +220,10 @@ def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[Timelin
         if lost is not None and stuck:
             lost += max(stuck)
     errors = [str(e.fields["error"]) for e in incident if e.fields.get("error")]
+    redone_steps = (failure_step - restored_step) if failure_step is not None and restored_step is not None else None
+    step_seconds = next((v for e in incident if (v := _number(e.fields.get("step_seconds"))) is not None and v > 0),
+                        None) or _run_step_seconds(timeline)
+    redone = max(redone_steps, 0) * step_seconds if redone_steps is not None and step_seconds is not None else None
     return FailureSummary(
         round=_int(incident[0].fields.get("round")),
         detected_at=detected_at,
@@ -202,10 +231,23 @@ def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[Timelin
         error=errors[0] if errors else "",
         failure_step=failure_step,
         restored_step=restored_step,
-        steps_redone=(failure_step - restored_step) if failure_step is not None and restored_step is not None else None,
-        lost_seconds=lost,
+        steps_redone=redone_steps,
+        recovery_seconds=lost,
+        redone_seconds=redone,
+        lost_seconds=None if lost is None else lost + (redone or 0.0),
         recovered=first_step is not None,
     )
+
+
+def _training_seconds(timeline: Sequence[TimelineEntry]) -> float | None:
+    start = next((e.seconds for e in timeline if e.event == ev.GROUP_FORMED), None)
+    if start is None:
+        start = next((e.seconds for e in timeline if e.event == ev.ROUND_COMPLETE), None)
+    if start is None:
+        return None
+    finished = [e.seconds for e in timeline if e.event == ev.FINISHED]
+    end = max(finished) if finished else timeline[-1].seconds
+    return end - start if end > start else None
 
 
 def _participants(timeline: Sequence[TimelineEntry]) -> tuple[ParticipantSummary, ...]:
@@ -273,6 +315,8 @@ def summarize(events: Iterable[Any]) -> RunSummary:
     rounds = {r for r in (_int(e.fields.get("round")) for e in timeline if e.event == ev.ROUND_COMPLETE)
               if r is not None}
     status, detail, final_step = _final_status(timeline)
+    training = _training_seconds(timeline)
+    lost = sum(f.lost_seconds for f in failures if f.lost_seconds is not None)
     return RunSummary(
         duration=timeline[-1].seconds if timeline else 0.0,
         participants=participants,
@@ -284,6 +328,9 @@ def summarize(events: Iterable[Any]) -> RunSummary:
         status_detail=detail,
         final_step=final_step,
         timeline=timeline,
+        training_seconds=training,
+        lost_seconds=lost,
+        goodput=None if not training else max(0.0, 1.0 - lost / training),
     )
 
 
@@ -392,10 +439,17 @@ def format_summary(summary: RunSummary) -> list[str]:
         lines.append(f"    #{n}{in_round} at +{f.detected_at:.2f}s, detected by {', '.join(f.detected_by)}"
                      + (f": {_short(f.error)}" if f.error else ""))
         if f.recovered:
-            lines.append(f"       lost time {_fmt_seconds(f.lost_seconds)}; failure step {_fmt_opt(f.failure_step)}, "
-                         f"restored step {_fmt_opt(f.restored_step)}, steps redone {_fmt_opt(f.steps_redone)}")
+            redone = "redone work unknown (no step time)" if f.redone_seconds is None else \
+                f"redone work {_fmt_seconds(f.redone_seconds)}"
+            lines.append(f"       lost time {_fmt_seconds(f.lost_seconds)} = detection and recovery "
+                         f"{_fmt_seconds(f.recovery_seconds)} + {redone}")
+            lines.append(f"       failure step {_fmt_opt(f.failure_step)}, restored step {_fmt_opt(f.restored_step)}, "
+                         f"steps redone {_fmt_opt(f.steps_redone)}")
         else:
             lines.append("       not recovered (no first step after recovery)")
+    if summary.goodput is not None:
+        lines.append(f"  goodput       {100 * summary.goodput:.1f} % (lost {summary.lost_seconds:.2f} s of "
+                     f"{summary.training_seconds:.2f} s of training)")
     lines.append(f"  spares used   {', '.join(summary.spares_used) or 'none'}")
     if summary.spares_exited:
         lines.append(f"  spares exited unused  {', '.join(summary.spares_exited)}")

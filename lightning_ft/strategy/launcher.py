@@ -73,9 +73,11 @@ def add_default_callbacks(trainer: Any, settings: StrategySettings) -> None:
     if first_callback_of_type(trainer, EmergencyCheckpoint) is None:
         trainer.callbacks.append(EmergencyCheckpoint(every_n_steps=settings.snapshot_every_n_steps,
                                                      every_n_seconds=settings.snapshot_every_n_seconds,
+                                                     max_overhead=settings.snapshot_max_overhead,
                                                      run_id=settings.run_id))
-        log.info("ddp_ft: added EmergencyCheckpoint(every_n_steps=%s, every_n_seconds=%s) for recovery",
-                 settings.snapshot_every_n_steps, settings.snapshot_every_n_seconds)
+        log.info("ddp_ft: added EmergencyCheckpoint(every_n_steps=%s, every_n_seconds=%s, max_overhead=%s) for "
+                 "recovery", settings.snapshot_every_n_steps, settings.snapshot_every_n_seconds,
+                 settings.snapshot_max_overhead)
     if settings.graceful_termination and first_callback_of_type(trainer, GracefulTermination) is None:
         trainer.callbacks.append(GracefulTermination())
         log.info("ddp_ft: added GracefulTermination() for the SIGTERM path")
@@ -275,7 +277,8 @@ class FaultTolerantLauncher(_Launcher):
                          timeout + 1.0, f"ddp_ft: exit barrier of round {result.round} (bound {timeout:.0f}s)")
         step = strategy.trainer.global_step if strategy.trainer is not None else None
         session.events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=step,
-                            seconds=round(time.monotonic() - start, 4))
+                            seconds=round(time.monotonic() - start, 4),
+                            step_seconds=strategy.round.clock.median_seconds() if strategy.round else None)
         session.rendezvous.shutdown(job_finished=True, reason=f"round {result.round} completed fit()")
         destroy_process_group()
         log.info("ddp_ft: fit() finished in round %d as rank %d at step %s", result.round, result.rank, step)

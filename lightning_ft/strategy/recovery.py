@@ -157,7 +157,7 @@ class FailureHandler:
         error_text = f"{type(exc).__name__}: {first_line(exc)}"
         if detector not in ("hang", "deadlock"):  # the watchdog reported it already, when it fired
             session.events.emit(ev.FAILURE_DETECTED, round=result.round, step=step, error=error_text,
-                                detector=detector, stalled=[])
+                                detector=detector, stalled=[], step_seconds=runtime.clock.median_seconds())
         log.warning("ddp_ft: round %d failed at step %s (%s, detected by %s): %s", result.round, step, kind.value,
                     detector, error_text)
         runtime.retire_group()  # nothing may wait on the broken group from here on (see retire_group)

@@ -143,7 +143,7 @@ class RoundRuntime:
                 # the step had been stuck, which the report counts as lost time
                 began = self.clock.in_flight_since
                 events.emit(ev.FAILURE_DETECTED, round=result.round, step=global_step(), error=reason,
-                            detector=detector, stalled=list(stalled),
+                            detector=detector, stalled=list(stalled), step_seconds=self.clock.median_seconds(),
                             stuck_seconds=None if began is None else round(time.monotonic() - began, 3))
             if detector in ("hang", "deadlock"):
                 round_values.put_if_absent(VERDICT_KEY, encode_verdict(detector, reason))

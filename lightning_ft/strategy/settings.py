@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from lightning_ft._validation import require, require_bool, require_number
+from lightning_ft.checkpoint.tiers import DEFAULT_SNAPSHOT_OVERHEAD
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousSettings, RendezvousTimeouts
 from lightning_ft.rendezvous.store import STORE_OP_TIMEOUT, Endpoint, parse_endpoint
 from lightning_ft.schema.signing import SecretError, read_secret
@@ -104,7 +105,8 @@ class StrategySettings:
     segment: int = 1
     events_dir: str | None = None
     snapshot_every_n_steps: int | None = None
-    snapshot_every_n_seconds: float | None = 30.0
+    snapshot_every_n_seconds: float | None = None
+    snapshot_max_overhead: float | None = DEFAULT_SNAPSHOT_OVERHEAD
     graceful_termination: bool = True
     replication_factor: int = 1
     replica_max_bytes: int = 256 * 2**20
@@ -139,6 +141,7 @@ _OWN_DURATIONS = ("init_timeout", "exit_barrier_timeout", "connect_timeout", "st
 def resolve_settings(*, endpoint: str | None, run_id: str | None, min_nodes: int | None, max_nodes: int | None,
                      domain_id: str | None, is_store_host: bool | None, infra_rank: int | None, segment: int,
                      events_dir: Any, snapshot_every_n_steps: int | None, snapshot_every_n_seconds: float | None,
+                     snapshot_max_overhead: float | None,
                      graceful_termination: bool, replication_factor: int, replica_max_bytes: int,
                      hang_detection: bool, hang_timeout_floor: float, hang_safety_factor: float,
                      watchdog_interval: float, max_failures_without_progress: int, max_recoveries: int | None,
@@ -161,6 +164,7 @@ def resolve_settings(*, endpoint: str | None, run_id: str | None, min_nodes: int
     _number("max_recoveries", max_recoveries, integer=True, inclusive=True, allow_none=True)
     _number("snapshot_every_n_steps", snapshot_every_n_steps, integer=True, allow_none=True)
     _number("snapshot_every_n_seconds", snapshot_every_n_seconds, allow_none=True)
+    _number("snapshot_max_overhead", snapshot_max_overhead, allow_none=True)
     for name, value in (("hang_detection", hang_detection), ("graceful_termination", graceful_termination)):
         require_bool(name, value, error=StrategyConfigError, prefix=_PREFIX)
     require(is_store_host in (None, True, False), "is_store_host", "True, False or None", is_store_host,
@@ -172,6 +176,7 @@ def resolve_settings(*, endpoint: str | None, run_id: str | None, min_nodes: int
         is_store_host=is_store_host, infra_rank=infra_rank, segment=segment,
         events_dir=None if events_dir is None else os.fspath(events_dir),
         snapshot_every_n_steps=snapshot_every_n_steps, snapshot_every_n_seconds=snapshot_every_n_seconds,
+        snapshot_max_overhead=snapshot_max_overhead,
         graceful_termination=graceful_termination, replication_factor=replication_factor,
         replica_max_bytes=replica_max_bytes, max_failures_without_progress=max_failures_without_progress,
         max_recoveries=max_recoveries, pg_timeout=timeout,

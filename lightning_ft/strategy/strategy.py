@@ -52,6 +52,7 @@ from lightning_ft._logging import ensure_log_output
 from lightning_ft.checkpoint.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.replication import ReplicaPublisher
 from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.checkpoint.tiers import DEFAULT_SNAPSHOT_OVERHEAD
 from lightning_ft.checkpoint.transfer import exchange_snapshots
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
@@ -93,8 +94,10 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         infra_rank: the scheduler's node index (default from SLURM/JobSet variables).
         segment: actives come in whole groups of this many participants of one domain.
         events_dir: run directory of the event log (default ``$LIGHTNING_FT_EVENTS_DIR``).
-        snapshot_every_n_steps, snapshot_every_n_seconds: schedule of the
-            ``EmergencyCheckpoint`` the strategy adds when the Trainer has none.
+        snapshot_every_n_steps, snapshot_every_n_seconds, snapshot_max_overhead: schedule of the
+            ``EmergencyCheckpoint`` the strategy adds when the Trainer has none. By default
+            (neither steps nor seconds) a snapshot as often as keeps the measured save time
+            within ``snapshot_max_overhead`` (0.5 %) of training time; the first at step 8.
         graceful_termination: add a ``GracefulTermination`` (default probes) when the Trainer
             has none, so SIGTERM takes the SIGTERM path (stop step, snapshot, exit 81)
             instead of Lightning's handling, which exits 0 without saving.
@@ -139,7 +142,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         segment: int = 1,
         events_dir: str | os.PathLike | None = None,
         snapshot_every_n_steps: int | None = None,
-        snapshot_every_n_seconds: float | None = 30.0,
+        snapshot_every_n_seconds: float | None = None,
+        snapshot_max_overhead: float | None = DEFAULT_SNAPSHOT_OVERHEAD,
         graceful_termination: bool = True,
         replication_factor: int = 1,
         replica_max_bytes: int = 256 * 2**20,
@@ -166,6 +170,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             endpoint=endpoint, run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, domain_id=domain_id,
             is_store_host=is_store_host, infra_rank=infra_rank, segment=segment, events_dir=events_dir,
             snapshot_every_n_steps=snapshot_every_n_steps, snapshot_every_n_seconds=snapshot_every_n_seconds,
+            snapshot_max_overhead=snapshot_max_overhead,
             graceful_termination=graceful_termination, replication_factor=replication_factor,
             replica_max_bytes=replica_max_bytes, hang_detection=hang_detection,
             hang_timeout_floor=hang_timeout_floor, hang_safety_factor=hang_safety_factor,

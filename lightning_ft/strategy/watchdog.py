@@ -69,6 +69,12 @@ class StepClock:
         with self._lock:
             return list(self._durations)
 
+    def median_seconds(self) -> float | None:
+        """Median of the recent step durations of this round (None before the second step):
+        the step time the report prices redone steps with."""
+        durations = sorted(self.durations())
+        return round(durations[len(durations) // 2], 6) if durations else None
+
 
 # where a thread waits inside a collective: torch.distributed's Python functions, DDP's buffer
 # sync, and backward (DDP's gradient all-reduce completes inside it)

@@ -82,7 +82,9 @@ def main() -> int:
                              "a run resumed mid-epoch trains on exactly the batches an uninterrupted one would")
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--snapshot-every", type=int, default=10,
+                        help="EmergencyCheckpoint(every_n_steps=N); 0: none of the script's own, so ddp_ft adds "
+                             "its default (the overhead-budget schedule)")
     parser.add_argument("--no-snapshots", action="store_true")
     parser.add_argument("--graceful", action="store_true", help="add GracefulTermination (no health probes)")
     parser.add_argument("--checkpoint-dir", default=None, help="baseline: ModelCheckpoint + resume from last")
@@ -184,7 +186,7 @@ def main() -> int:
     callbacks: list[pl.Callback] = [Recorder()]
     if args.graceful:
         callbacks.append(GracefulTermination(probes=[]))
-    if not args.no_snapshots:
+    if not args.no_snapshots and args.snapshot_every > 0:
         callbacks.append(EmergencyCheckpoint(every_n_steps=args.snapshot_every))
     ckpt_path = None
     if args.checkpoint_dir:
