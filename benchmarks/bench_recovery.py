@@ -89,7 +89,7 @@ def run_baseline(args, root: Path) -> dict:
         while True:
             steps = {int(p.name.split("-")[1].split(".")[0]): _read_jsonl(p) for p in out.glob("steps-*.jsonl")}
             ready = [pid for pid, recs in steps.items() if recs and recs[-1]["step"] >= args.kill_at]
-            for agent in procs.procs:
+            for agent in procs.procs.values():
                 workers.update(child_pids(agent.pid))
             if ready:
                 break
@@ -101,11 +101,11 @@ def run_baseline(args, root: Path) -> dict:
         kill_time = time.time()
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + args.baseline_timeout
-        while time.monotonic() < deadline and any(p.popen.poll() is None for p in procs.procs):
-            for agent in procs.procs:
+        while time.monotonic() < deadline and any(p.popen.poll() is None for p in procs.procs.values()):
+            for agent in procs.procs.values():
                 workers.update(child_pids(agent.pid))
             time.sleep(0.2)
-        codes = {p.name: p.popen.poll() for p in procs.procs}
+        codes = {p.name: p.popen.poll() for p in procs.procs.values()}
         workers.update(_worker_pids(out))
         records = []
         for path in out.glob("steps-*.jsonl"):
@@ -114,7 +114,7 @@ def run_baseline(args, root: Path) -> dict:
         first = first_step_after(records, kill_time, pids_before=before)
         starts = [json.loads(line) for p in out.glob("start-*.jsonl") for line in p.read_text().splitlines()]
         resumed = max(s["step"] for s in starts)
-        restarts = sum(p.log().count("failed (exitcode") for p in procs.procs)  # worker failures seen
+        restarts = sum(p.log().count("failed (exitcode") for p in procs.procs.values())  # worker failures seen
         finished = all(code == 0 for code in codes.values())
         if first is None:
             # torchrun's restarted workers never trained (on this machine: a gloo connect race

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning_ft
 from lightning_ft import ExitCode
@@ -41,3 +42,21 @@ def test_the_fault_matrix_names_only_tests_that_exist():
     for module, name in cited:
         source = (tests / f"test_{module}.py").read_text()
         assert f"def {name}" in source or f"def {name.rstrip('_')}" in source, (module, name)
+
+
+def test_every_benchmark_script_imports():
+    # the benchmarks are run by hand; a refactor that breaks their imports would otherwise show
+    # only when someone re-measures
+    code = """
+import importlib.util, pathlib, sys
+bench = pathlib.Path("benchmarks")
+sys.path.insert(0, str(bench))
+for path in sorted(bench.glob("bench_*.py")):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    print(path.stem)
+"""
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.split()) == len(list((repo / "benchmarks").glob("bench_*.py")))

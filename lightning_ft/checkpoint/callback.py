@@ -38,6 +38,7 @@ from lightning_ft.checkpoint.tiers import (
     durable_copy_seconds,
     flush_fits,
     persist_due,
+    persist_interval_steps,
     propose_schedule,
     snapshot_copies,
     space_shortfall,
@@ -109,8 +110,9 @@ class EmergencyCheckpoint(pl.Callback):
         persist_every_n_seconds: about how often a snapshot is copied durably (default
             ``$LIGHTNING_FT_PERSIST_EVERY_SECONDS``, else Daly's interval for the measured copy
             time and ``persist_mtbf_seconds``; 0: every snapshot). Converted to a power-of-two
-            multiple of the snapshot interval in steps and agreed at the calibration steps, so all
-            ranks copy the same steps.
+            multiple of the snapshot interval in steps, agreed at the calibration steps with a
+            budget or ``every_n_seconds`` schedule so all ranks copy the same steps (with
+            ``every_n_steps`` each rank's own multiple).
         persist_mtbf_seconds: the job's mean time between failures assumed for that default
             (``$LIGHTNING_FT_MTBF_SECONDS``, else 4 h).
         persist_max_mib_per_second: upload bandwidth bound per rank (default
@@ -353,8 +355,11 @@ class EmergencyCheckpoint(pl.Callback):
         return bool(self.max_overhead) and self.every_n_steps is None and self.every_n_seconds is None
 
     def _calibrates(self) -> bool:
-        """Whether ranks agree on a schedule at the calibration steps (every_n_steps alone needs no agreement)."""
-        return self.every_n_seconds is not None or self._budget_schedule() or self._persister is not None
+        """Whether ranks agree on a schedule at the calibration steps. Only settings of the code
+        decide (every rank runs the same), never the environment: a rank that skipped the
+        collective its peers entered would desynchronise the group. every_n_steps needs no
+        agreement."""
+        return self.every_n_seconds is not None or self._budget_schedule()
 
     def _persist_seconds(self, trainer: pl.Trainer) -> float | None:
         if self._persister is None or self.durable_settings is None:
@@ -392,9 +397,13 @@ class EmergencyCheckpoint(pl.Callback):
             return
         if self.schedule is not None:
             every = self.schedule.persist_every
+        elif self._calibrates():
+            every = None  # the first agreement is still to come
         else:
-            # before the first calibration only "every snapshot" needs no agreement
-            every = self.every_n_steps if self.durable_settings.every_n_seconds == 0 else None
+            # every_n_steps: this rank's own power-of-two multiple of it (ranks whose estimates
+            # differ still share the larger interval's steps)
+            every = persist_interval_steps(self._persist_seconds(trainer) or 0.0, self._seconds_per_step or 0.0,
+                                           self.every_n_steps or 1)
         if persist_due(info.step, every):
             self._persister.offer(info, self._segment, trainer.world_size)
 
