@@ -14,6 +14,7 @@ them with apt when ``slurmctld`` is missing (root and Debian's package index are
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -44,6 +45,10 @@ def missing_commands() -> list[str]:
     return [name for name in COMMANDS if shutil.which(name) is None]
 
 
+_INSTALL_LOCK = Path(tempfile.gettempdir()) / "lightning_ft-slurm-install.lock"
+_DPKG_LOCK_WAIT_S = 300
+
+
 def ensure_installed(log: Path) -> None:
     """Install Debian's slurm-wlm and munge with apt-get unless their commands are all there."""
     if not missing_commands():
@@ -54,10 +59,17 @@ def ensure_installed(log: Path) -> None:
     if shutil.which("apt-get") is None:
         raise SlurmUnavailable("SLURM is not installed and there is no apt-get to install slurm-wlm and munge")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "-q", *PACKAGES]
-    with open(log, "ab") as out:
+    # apt waits for another dpkg user (e.g. unattended upgrades on a fresh machine) instead of failing
+    wait_for_dpkg = ["-o", f"DPkg::Lock::Timeout={_DPKG_LOCK_WAIT_S}"]
+    install = ["apt-get", *wait_for_dpkg, "install", "-y", "-q", *PACKAGES]
+    # one installer at a time among this machine's test processes (pytest-xdist workers): the
+    # second one finds the commands there once the first is done
+    with open(_INSTALL_LOCK, "a") as lock, open(log, "ab") as out:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not missing_commands():
+            return
         # a fresh machine may have no package index yet: read it once, then try again
-        for attempt in (install, ["apt-get", "update", "-q"], install):
+        for attempt in (install, ["apt-get", *wait_for_dpkg, "update", "-q"], install):
             try:
                 code = subprocess.run(attempt, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       env=env, timeout=900).returncode
