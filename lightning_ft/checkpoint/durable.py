@@ -43,7 +43,7 @@ from lightning_ft.checkpoint.tiers import (
     ShardMarker,
     bucket_delay,
     complete_steps,
-    default_persist_seconds,
+    daly_interval_seconds,
     plan_durable_retention,
     shard_rank_to_fetch,
     upload_decision,
@@ -84,10 +84,13 @@ class DurableSettings:
     mtbf_seconds: float = DEFAULT_MTBF_SECONDS
 
     def interval_seconds(self, copy_seconds: float) -> float:
-        """Seconds between durable copies: the setting, else Daly's interval for ``copy_seconds``."""
+        """Seconds between durable copies: the setting, else Daly's interval for a checkpoint cost
+        of one durable copy (``copy_seconds``). The copy runs in the background, so counting all
+        of it as cost makes the interval longer than a strict optimum (less contention, a few
+        more steps at risk when a whole job is lost at once)."""
         if self.every_n_seconds is not None:
             return self.every_n_seconds
-        return default_persist_seconds(copy_seconds, self.mtbf_seconds)
+        return daly_interval_seconds(copy_seconds, self.mtbf_seconds)
 
 
 def _env_float(env: Mapping[str, str], key: str) -> float | None:

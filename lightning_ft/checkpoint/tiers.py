@@ -305,13 +305,6 @@ def durable_copy_seconds(nbytes: int, measured_bytes_per_second: float | None,
     return nbytes / rate
 
 
-def default_persist_seconds(copy_seconds: float, mtbf_seconds: float) -> float:
-    """Seconds between durable copies when the user set none: Daly's interval for a checkpoint
-    cost of one durable copy. The copy runs in the background, so counting all of it as cost
-    makes the interval longer than a strict optimum (less contention, a few more steps at risk
-    when a whole job is lost at once)."""
-    return daly_interval_seconds(copy_seconds, mtbf_seconds)
-
 
 def calibration_due(step: int, start_step: int) -> bool:
     """Whether ``step`` is a calibration point of a fit that started at ``start_step``.
