@@ -8,12 +8,13 @@ import logging
 import os
 import shutil
 import threading
+import zlib
 
 import pytest
 import torch
 
 from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadCancelled, resolve_durable_settings
-from lightning_ft.checkpoint.durable_target import LocalDirTarget, open_target
+from lightning_ft.checkpoint.durable_target import FileRanges, LocalDirTarget, open_target
 from lightning_ft.checkpoint.store import SnapshotStore
 
 
@@ -80,6 +81,11 @@ def test_fetch_downloads_into_an_empty_snapshot_root_and_loads_verified(tmp_path
     tier = tier_at(tmp_path)
     for s in stores:
         tier.upload(s.save(state(7.0), 7), "seg", world_size=2)
+    # the manifest names each shard's CRC-32 (an independent computation of it here)
+    manifest = json.loads((tmp_path / "durable/job/manifests/step-000000000007.json").read_text())
+    shard_bytes = (tmp_path / "durable/job/steps/step-000000000007/seg/rank1.snap").read_bytes()
+    assert manifest["shards"][1] == {"rank": 1, "nbytes": len(shard_bytes),
+                                     "checksum": f"crc32:{zlib.crc32(shard_bytes):08x}"}
     fresh = SnapshotStore(tmp_path / "new-node-shm", run_id="job", rank=1)
     info = tier.fetch_into(7, 1, fresh)
     loaded = fresh.load(info, expect=fresh.expected_identity())
@@ -317,3 +323,61 @@ def test_garbage_or_renamed_manifests_are_ignored(tmp_path, stores):
     (manifests / "step-000000000099.json").write_text("{not json")
     shutil.copy(manifests / "step-000000000010.json", manifests / "step-000000000050.json")  # renamed
     assert tier.complete_steps() == [10]
+
+
+class _Ranges(FileRanges):
+    """A plain file as a FileRanges source (what _ShardSource is, without pacing or hashing)."""
+
+    def __init__(self, path, chunk_bytes):
+        import mmap
+
+        self.fd = os.open(path, os.O_RDONLY)
+        self.nbytes = os.fstat(self.fd).st_size
+        self.chunk_bytes = chunk_bytes
+        self._map = mmap.mmap(self.fd, self.nbytes, prot=mmap.PROT_READ)
+
+    def ranges(self):
+        for offset in range(0, self.nbytes, self.chunk_bytes):
+            yield offset, min(self.chunk_bytes, self.nbytes - offset)
+
+    def view(self, offset, length):
+        return memoryview(self._map)[offset:offset + length]
+
+
+@pytest.mark.parametrize("nbytes", [100, 4096, 3 * 65536 + 8, 5 * 65536])
+@pytest.mark.parametrize("direct_refused", [False, True])
+def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monkeypatch, caplog, nbytes,
+                                                                 direct_refused):
+    """Block-aligned ranges go with O_DIRECT (on this ext4 tmp_path), the tail and a refusing
+    filesystem through sendfile; the stored object is the same bytes either way."""
+    from lightning_ft.checkpoint import durable_target
+
+    if direct_refused:
+        real_fcntl = durable_target.fcntl.fcntl
+
+        def refuse(fd, cmd, arg=0):
+            if cmd == durable_target.fcntl.F_SETFL and arg & os.O_DIRECT:
+                raise OSError(22, "Invalid argument")
+            return real_fcntl(fd, cmd, arg)
+
+        monkeypatch.setattr(durable_target.fcntl, "fcntl", refuse)
+    payload = os.urandom(nbytes)
+    src = tmp_path / "src.bin"
+    src.write_bytes(payload)
+    target = LocalDirTarget(str(tmp_path / "durable"))
+    with caplog.at_level(logging.DEBUG, logger="lightning_ft.checkpoint.durable_target"):
+        assert target.write("run/a.snap", _Ranges(src, 65536)) == nbytes
+    assert (tmp_path / "durable" / "run" / "a.snap").read_bytes() == payload
+    assert os.listdir(tmp_path / "durable" / "run") == ["a.snap"]
+    direct = 0 if direct_refused or os.statvfs(tmp_path).f_bsize > durable_target.DIRECT_ALIGN else (
+        nbytes - nbytes % durable_target.DIRECT_ALIGN)
+    assert f"copied {nbytes} bytes" in caplog.text and f"({direct} with direct I/O)" in caplog.text
+
+
+def test_upload_ranges_are_whole_64_kib_blocks_at_any_bandwidth_bound():
+    from lightning_ft.checkpoint.durable import CHUNK_BYTES, range_bytes
+
+    assert range_bytes(None) == CHUNK_BYTES == range_bytes(512 * 2**20)
+    for rate in (1.0, 300_000.0, 10.5 * 2**20, 33.3 * 2**20):
+        n = range_bytes(rate)
+        assert n % 65536 == 0 and 65536 <= n <= max(65536, rate / 8)

@@ -35,7 +35,7 @@ class ShardMarker:
     rank: int
     world_size: int
     nbytes: int
-    #: sha256 (hex) of the shard's bytes as uploaded and read back
+    #: the shard's checksum as uploaded (``crc32:<hex>``, see durable.ShardChecksum)
     checksum: str = ""
 
 
@@ -46,7 +46,7 @@ class Completion:
     step: int
     segment: str
     world_size: int
-    #: (rank, shard size in bytes, sha256 hex), one per rank in rank order
+    #: (rank, shard size in bytes, checksum), one per rank in rank order
     shards: tuple[tuple[int, int, str], ...]
 
 
