@@ -344,15 +344,45 @@ class _Ranges(FileRanges):
         return memoryview(self._map)[offset:offset + length]
 
 
+def _direct_io_works(directory) -> bool:
+    """Whether this filesystem takes one 4 KiB O_DIRECT write from a page-aligned buffer."""
+    import mmap
+
+    buf = mmap.mmap(-1, 4096)
+    fd = os.open(directory / "probe", os.O_WRONLY | os.O_CREAT)
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        return os.pwrite(fd, buf, 0) == 4096
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(directory / "probe")
+        buf.close()
+
+
 @pytest.mark.parametrize("nbytes", [100, 4096, 3 * 65536 + 8, 5 * 65536])
-@pytest.mark.parametrize("direct_refused", [False, True])
+@pytest.mark.parametrize("refused_at", [None, "fcntl", "write"])
 def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monkeypatch, caplog, nbytes,
-                                                                 direct_refused):
-    """Block-aligned ranges go with O_DIRECT (on this ext4 tmp_path), the tail and a refusing
-    filesystem through sendfile; the stored object is the same bytes either way."""
+                                                                 refused_at):
+    """Block-aligned ranges go with O_DIRECT (where the filesystem takes it), the tail and a
+    filesystem that refuses it (EINVAL at fcntl, EOPNOTSUPP at the first write) through
+    sendfile; the stored object is the same bytes either way."""
     from lightning_ft.checkpoint import durable_target
 
-    if direct_refused:
+    direct_refused = refused_at is not None
+    if refused_at == "write":
+        real_pwrite = os.pwrite
+
+        def refuse_direct(fd, data, offset):
+            if durable_target.fcntl.fcntl(fd, durable_target.fcntl.F_GETFL) & os.O_DIRECT:
+                raise OSError(95, "Operation not supported")
+            return real_pwrite(fd, data, offset)
+
+        monkeypatch.setattr(os, "pwrite", refuse_direct)
+    if refused_at == "fcntl":
         real_fcntl = durable_target.fcntl.fcntl
 
         def refuse(fd, cmd, arg=0):
@@ -369,8 +399,7 @@ def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monk
         assert target.write("run/a.snap", _Ranges(src, 65536)) == nbytes
     assert (tmp_path / "durable" / "run" / "a.snap").read_bytes() == payload
     assert os.listdir(tmp_path / "durable" / "run") == ["a.snap"]
-    direct = 0 if direct_refused or os.statvfs(tmp_path).f_bsize > durable_target.DIRECT_ALIGN else (
-        nbytes - nbytes % durable_target.DIRECT_ALIGN)
+    direct = 0 if direct_refused or not _direct_io_works(tmp_path) else nbytes - nbytes % durable_target.DIRECT_ALIGN
     assert f"copied {nbytes} bytes" in caplog.text and f"({direct} with direct I/O)" in caplog.text
 
 

@@ -54,13 +54,17 @@ class FileRanges:
 DIRECT_ALIGN = 4096
 
 
+#: how a filesystem says it cannot do direct I/O (at fcntl or at the first write)
+_DIRECT_REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
 def _set_direct(fd: int, on: bool) -> bool:
-    """Turn O_DIRECT on or off for ``fd``; False if the filesystem refuses it (EINVAL)."""
+    """Turn O_DIRECT on or off for ``fd``; False if the filesystem refuses it."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
+        if exc.errno not in _DIRECT_REFUSED:
             raise
         return False
     return True
@@ -69,11 +73,13 @@ def _set_direct(fd: int, on: bool) -> bool:
 def _copy_ranges(fd: int, source: FileRanges, name: str) -> int:
     """Copy ``source``'s ranges to ``fd`` at the same offsets; returns the bytes copied.
 
-    Block-aligned ranges are written with O_DIRECT straight from the source's map: the bytes
-    never enter the page cache, so a multi-GiB shard neither evicts the training job's cached
-    data nor costs a kernel copy plus write-back on a core the training shares (measured in
-    benchmarks/RESULTS.md). A tail shorter than a block, or a filesystem without O_DIRECT
-    (EINVAL), goes through ``sendfile``, kernel to kernel. The caller fsyncs either way.
+    Block-aligned ranges are written with O_DIRECT straight from the source's map: on a block
+    filesystem (ext4, XFS) the bytes bypass the page cache, so a multi-GiB shard neither evicts
+    the training job's cached data nor costs a kernel copy plus write-back on a core the
+    training shares (measured in benchmarks/RESULTS.md); filesystems that accept O_DIRECT but
+    cache anyway (tmpfs, some network filesystems) just get ordinary writes. A tail shorter than
+    a block, or a filesystem that refuses O_DIRECT (EINVAL/EOPNOTSUPP at fcntl or at the first
+    write), goes through ``sendfile``, kernel to kernel. The caller fsyncs either way.
     """
     direct = _set_direct(fd, True)
     written = direct_bytes = 0
@@ -83,9 +89,12 @@ def _copy_ranges(fd: int, source: FileRanges, name: str) -> int:
             aligned = length - length % DIRECT_ALIGN
             try:
                 while done < aligned:
-                    done += os.pwrite(fd, source.view(offset + done, aligned - done), offset + done)
+                    wrote = os.pwrite(fd, source.view(offset + done, aligned - done), offset + done)
+                    if wrote == 0:
+                        raise OSError(f"no progress writing {name} at byte {offset + done}")
+                    done += wrote
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
+                if exc.errno not in _DIRECT_REFUSED:
                     raise
                 log.debug("direct writes to %s refused (%s); copying through the page cache", name, exc)
             direct_bytes += done
@@ -110,8 +119,8 @@ class DurableTarget:
 
     url: str
     #: whether an upload is read back and its checksum compared before its marker is written. A
-    #: local directory's read-back comes from the page cache right after fsync and proves
-    #: nothing more than the size check; an object store's read-back checks what the server
+    #: local directory's read-back right after fsync checks the same kernel's view of the file
+    #: and proves little more than the size check; an object store's read-back checks what the server
     #: stored. Every download is checked against the manifest's checksum either way.
     read_back_verifies: bool = True
 
@@ -182,8 +191,10 @@ class LocalDirTarget(DurableTarget):
                         f.write(chunk)
                         written += len(chunk)
             os.fsync(fd)
-            os.close(fd)
-            fd = -1
+            # the fd is released even when close reports an error (NFS: EIO at close), so it
+            # must not be closed again below (the number may already belong to another thread)
+            closing, fd = fd, -1
+            os.close(closing)
             os.replace(tmp, full)
         except BaseException:
             if fd >= 0:
