@@ -43,7 +43,6 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_ft.checkpoint.durable import DEFAULT_MAX_MIB_PER_SECOND, DurablePersister, DurableTier, shard_checksum
-from lightning_ft.checkpoint import durable_target
 from lightning_ft.checkpoint.durable_target import LocalDirTarget
 from lightning_ft.checkpoint.store import SnapshotStore, default_root
 
@@ -148,7 +147,7 @@ def run_size(size_mib: int, repeats: int, scratch: Path) -> dict:
     state = make_state(size_mib)
     shm_root = Path(default_root()) / f"bench-durable-{os.getpid()}"
     store = SnapshotStore(shm_root, run_id="bench", rank=0, keep_last=2)
-    tier = DurableTier(LocalDirTarget(str(scratch / "durable")), "bench", keep_last=2,
+    tier = DurableTier(LocalDirTarget(str(scratch / "durable"), direct_io=True), "bench", keep_last=2,
                        max_bytes_per_second=None)
     persister = DurablePersister(tier, lambda: store, rank=0)
     result: dict = {"size_mib": size_mib}
@@ -242,12 +241,9 @@ def run_size(size_mib: int, repeats: int, scratch: Path) -> dict:
         # CPU time of one upload, whole machine (/proc/stat: every thread and the kernel's
         # write-back), direct I/O (ours) against the same upload through the page cache
         result["upload_cpu"] = upload_cpu_seconds(tier, info, "cpu-direct")
-        real_set_direct = durable_target._set_direct
-        durable_target._set_direct = lambda fd, on: False
-        try:
-            result["upload_cpu_buffered"] = upload_cpu_seconds(tier, info, "cpu-buffered")
-        finally:
-            durable_target._set_direct = real_set_direct
+        tier.target.direct_io = False
+        result["upload_cpu_buffered"] = upload_cpu_seconds(tier, info, "cpu-buffered")
+        tier.target.direct_io = True
         result["crc_cpu"], result["sha256_cpu"] = checksum_cpu_seconds(info.path)
     finally:
         persister.wait_idle(600)

@@ -364,7 +364,7 @@ def _direct_io_works(directory) -> bool:
 
 
 @pytest.mark.parametrize("nbytes", [100, 4096, 3 * 65536 + 8, 5 * 65536])
-@pytest.mark.parametrize("refused_at", [None, "fcntl", "write"])
+@pytest.mark.parametrize("refused_at", [None, "fcntl", "write", "off"])
 def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monkeypatch, caplog, nbytes,
                                                                  refused_at):
     """Block-aligned ranges go with O_DIRECT (where the filesystem takes it), the tail and a
@@ -372,7 +372,7 @@ def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monk
     sendfile; the stored object is the same bytes either way."""
     from lightning_ft.checkpoint import durable_target
 
-    direct_refused = refused_at is not None
+    direct_refused = refused_at is not None  # "off": LocalDirTarget(direct_io=False)
     if refused_at == "write":
         real_pwrite = os.pwrite
 
@@ -394,7 +394,7 @@ def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monk
     payload = os.urandom(nbytes)
     src = tmp_path / "src.bin"
     src.write_bytes(payload)
-    target = LocalDirTarget(str(tmp_path / "durable"))
+    target = LocalDirTarget(str(tmp_path / "durable"), direct_io=refused_at != "off")
     with caplog.at_level(logging.DEBUG, logger="lightning_ft.checkpoint.durable_target"):
         assert target.write("run/a.snap", _Ranges(src, 65536)) == nbytes
     assert (tmp_path / "durable" / "run" / "a.snap").read_bytes() == payload
@@ -410,3 +410,29 @@ def test_upload_ranges_are_whole_64_kib_blocks_at_any_bandwidth_bound():
     for rate in (1.0, 300_000.0, 10.5 * 2**20, 33.3 * 2**20):
         n = range_bytes(rate)
         assert n % 65536 == 0 and 65536 <= n <= max(65536, rate / 8)
+
+
+def test_direct_io_is_the_default_only_on_a_local_block_filesystem(tmp_path):
+    from lightning_ft.checkpoint.durable_target import filesystem_type
+
+    mountinfo = "\n".join([
+        "22 1 252:1 / / rw,relatime - ext4 /dev/vda rw",
+        "30 22 0:40 / /mnt/nfs rw,relatime - nfs4 server:/export rw,vers=4.2",
+        "31 22 8:17 / /mnt/my\\040disk rw - xfs /dev/sdb1 rw",
+        "32 22 0:41 / /dev/shm rw - tmpfs tmpfs rw",
+        "garbage line",
+    ])
+    assert filesystem_type("/work/run", mountinfo) == "ext4"
+    assert filesystem_type("/mnt/nfs/ckpt", mountinfo) == "nfs4"
+    assert filesystem_type("/mnt/nfs", mountinfo) == "nfs4"
+    assert filesystem_type("/mnt/nfsx/ckpt", mountinfo) == "ext4"  # a prefix of the name is not a parent
+    assert filesystem_type("/mnt/my disk/ckpt", mountinfo) == "xfs"
+    assert filesystem_type("relative", "") is None
+    # real mounts: /dev/shm is tmpfs, where direct I/O saves nothing
+    assert LocalDirTarget(str(tmp_path / "d"), direct_io=True).direct_io
+    if os.path.isdir("/dev/shm"):
+        shm_dir = f"/dev/shm/lightning_ft-test-{os.getpid()}"
+        try:
+            assert not LocalDirTarget(shm_dir).direct_io
+        finally:
+            shutil.rmtree(shm_dir, ignore_errors=True)

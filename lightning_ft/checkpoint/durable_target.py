@@ -19,6 +19,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -70,18 +71,51 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-def _copy_ranges(fd: int, source: FileRanges, name: str) -> int:
+#: filesystems on a local block device, where direct I/O was measured to cut an upload's CPU
+#: (benchmarks/RESULTS.md) and streams at the disk's rate. Elsewhere (NFS, Lustre, FUSE, tmpfs,
+#: overlay, unknown) each direct write may wait for a server round trip or is cached anyway, so
+#: uploads go through the page cache as before.
+DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "ext3", "xfs", "btrfs", "f2fs"})
+
+
+def filesystem_type(path: str, mountinfo: str) -> str | None:
+    """The type of the filesystem mounted at the longest mount point containing ``path``
+    (absolute, symlinks resolved), from ``/proc/self/mountinfo`` text; None if none matches."""
+    best, fstype = -1, None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        # the kernel writes a space, tab, newline or backslash in a mount point as \ooo
+        mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        after = line.split(" - ", 1)[1].split()
+        inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= best and after:
+            best, fstype = len(mount_point), after[0]
+    return fstype
+
+
+def direct_io_default(directory: str) -> bool:
+    """Whether uploads into ``directory`` use direct I/O: only on a local block filesystem."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            fstype = filesystem_type(os.path.realpath(directory), f.read())
+    except OSError:
+        return False
+    return fstype in DIRECT_IO_FILESYSTEMS
+
+
+def _copy_ranges(fd: int, source: FileRanges, name: str, direct_io: bool = True) -> int:
     """Copy ``source``'s ranges to ``fd`` at the same offsets; returns the bytes copied.
 
-    Block-aligned ranges are written with O_DIRECT straight from the source's map: on a block
-    filesystem (ext4, XFS) the bytes bypass the page cache, so a multi-GiB shard neither evicts
-    the training job's cached data nor costs a kernel copy plus write-back on a core the
-    training shares (measured in benchmarks/RESULTS.md); filesystems that accept O_DIRECT but
-    cache anyway (tmpfs, some network filesystems) just get ordinary writes. A tail shorter than
-    a block, or a filesystem that refuses O_DIRECT (EINVAL/EOPNOTSUPP at fcntl or at the first
-    write), goes through ``sendfile``, kernel to kernel. The caller fsyncs either way.
+    With ``direct_io``, block-aligned ranges are written with O_DIRECT straight from the
+    source's map: the bytes bypass the page cache, so a multi-GiB shard neither evicts the
+    training job's cached data nor costs a kernel copy plus write-back on a core the training
+    shares (measured in benchmarks/RESULTS.md). A tail shorter than a block, a filesystem that
+    refuses O_DIRECT (EINVAL/EOPNOTSUPP at fcntl or at the first write), or ``direct_io=False``
+    goes through ``sendfile``, kernel to kernel. The caller fsyncs either way.
     """
-    direct = _set_direct(fd, True)
+    direct = direct_io and _set_direct(fd, True)
     written = direct_bytes = 0
     for offset, length in source.ranges():
         done = 0
@@ -158,10 +192,15 @@ class LocalDirTarget(DurableTarget):
 
     read_back_verifies = False
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, direct_io: bool | None = None) -> None:
+        """``direct_io``: write shards with O_DIRECT; None: when the directory is on a local
+        block filesystem (:data:`DIRECT_IO_FILESYSTEMS`), decided once here."""
         self.directory = os.path.abspath(directory)
         self.url = self.directory
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        self.direct_io = direct_io_default(self.directory) if direct_io is None else bool(direct_io)
+        log.debug("durable directory %s: shards written %s", self.directory,
+                  "with direct I/O" if self.direct_io else "through the page cache")
 
     def _full(self, path: str) -> str:
         return os.path.join(self.directory, *path.split("/"))
@@ -184,7 +223,7 @@ class LocalDirTarget(DurableTarget):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             if isinstance(chunks, FileRanges):
-                written = _copy_ranges(fd, chunks, tmp)
+                written = _copy_ranges(fd, chunks, tmp, self.direct_io)
             else:
                 with os.fdopen(os.dup(fd), "wb") as f:
                     for chunk in chunks:
