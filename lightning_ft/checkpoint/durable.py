@@ -178,11 +178,12 @@ def range_bytes(max_bytes_per_second: float | None) -> int:
 class _ShardSource(FileRanges):
     """A committed snapshot file as the source of one upload: paced ranges, checksummed as they go.
 
-    Ranges are at most 1/8 s of the bandwidth bound in size, paced by a token bucket (a burst
-    of one range). A helper thread checksums each range handed out (reading a read-only map of the
-    file) while the target copies it (a directory: ``sendfile``, kernel to kernel; fsspec: the
-    mapped bytes) and fsyncs, so an upload costs about max(checksum, copy + fsync) rather than
-    their sum; zlib, ``sendfile`` and writes release the GIL.
+    Ranges are at most 1/8 s of the bandwidth bound in size (:func:`range_bytes`), paced by a
+    token bucket (a burst of one range). A helper thread checksums each range handed out
+    (reading a read-only map of the file) while the target copies it (a directory: direct
+    writes from the map or ``sendfile``; fsspec: the mapped bytes) and fsyncs, so an upload
+    costs about max(checksum, copy + fsync) rather than their sum; zlib, ``sendfile`` and
+    writes release the GIL.
     """
 
     def __init__(self, fd: int, nbytes: int, max_bytes_per_second: float | None, deadline: float | None) -> None:
