@@ -9,9 +9,9 @@ Layout under the target (``persist_to``)::
 Protocol (decisions in :mod:`.tiers`): each rank uploads its shard (temp name + rename, or one
 put), checks its size (an object store's is read back and its checksum compared), then writes
 its done marker (rank, step, segment, world size, bytes, CRC-32). Whoever then sees every rank's
-marker of one segment writes the step's manifest; readers read only manifests, so a partial step is never seen. Retention
-(:func:`.tiers.plan_durable_retention`) keeps the newest ``keep_last`` complete steps and never
-removes what the newest manifest names.
+marker of one segment writes the step's manifest; readers read only manifests, so a partial
+step is never seen. Retention (:func:`.tiers.plan_durable_retention`) keeps the newest
+``keep_last`` complete steps and never removes what the newest manifest names.
 
 Shards are downloaded into the local snapshot root (``SnapshotStore.write_bytes``: format and
 run id checked) and then loaded by the ordinary verified loader (restricted unpickler).
