@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,8 +66,11 @@ class ProcessSet:
         for proc in self.procs.values():
             proc.signal_group(signal.SIGKILL)
             proc.signal(signal.SIGKILL)
+        # one bound for all of them (was 10 s each): the caller's exit must not wait longer
+        # than that however many processes a loaded machine is slow to reap
+        deadline = time.monotonic() + 10
         for proc in self.procs.values():
             try:
-                proc.popen.wait(timeout=10)
+                proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass

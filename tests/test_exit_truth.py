@@ -18,7 +18,7 @@ import pytest
 from proc_utils import REPO_ROOT, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from ft_cluster import Cluster  # noqa: E402
+from ft_cluster import Cluster, in_order, ordered_start, release  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -94,10 +94,15 @@ def test_full_shm_on_the_spare_that_receives_the_snapshot_is_a_node_fault(proces
     cluster = Cluster(processes, tmp_path, "2:4")
     cluster.out.mkdir(parents=True)
     cluster.start_store()
-    args = ["--max-steps", "400", "--hidden", "256", *SLOW]
+    # roles by arrival whatever the load: A and B form round 0, then C queues as the first
+    # spare, then D (a slow start of B once made C active and the test meaningless)
+    hold = ordered_start(cluster, "AB")
+    args = ["--max-steps", "400", "--hidden", "256", *SLOW, *hold]
     for infra_rank, name in enumerate("ABCD"):  # C is the first spare in line, D the second
         extra = {"LIGHTNING_FT_SNAPSHOT_DIR": str(tiny)} if name == "C" else {}
         cluster.start_participant(name, args, LIGHTNING_FT_INFRA_RANK=str(infra_rank), **extra)
+        in_order(cluster, name, actives="AB")
+    release(hold)
     cluster.wait_for_step(30, 60)
     assert sorted(cluster.active_names()) == ["A", "B"], cluster.logs()
     cluster.kill("A")

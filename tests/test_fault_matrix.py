@@ -11,14 +11,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
 
 import pytest
 
 from proc_utils import REPO_ROOT, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from ft_cluster import Cluster  # noqa: E402
+from ft_cluster import Cluster, in_order, ordered_start, release  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -44,29 +43,6 @@ def four(processes, tmp_path, steps: int, faults: dict[str, str], *extra: str) -
     cluster.wait_for_step(20, 60)
     assert sorted(cluster.active_names()) == ["A", "B"], cluster.logs()
     return cluster
-
-
-def ordered_start(cluster: Cluster, actives: str) -> list[str]:
-    """ft_train arguments that hold the actives' first step until :func:`release`: the spares
-    start one by one after round 0 formed (see :func:`in_order`), which on a loaded machine
-    takes longer than the whole run would."""
-    gate = cluster.root / "hold-first-step"
-    gate.touch()
-    return ["--hold-first-step-while", str(gate)]
-
-
-def release(hold: list[str]) -> None:
-    Path(hold[-1]).unlink()
-
-
-def in_order(cluster: Cluster, name: str, actives: str) -> None:
-    """Roles by arrival, whatever the machine's load: after the last of ``actives`` started,
-    wait until round 0 formed with them; a spare waits until it is standby, so the next one
-    queues behind it."""
-    if name in actives and name != actives[-1]:
-        return
-    for member in (actives if name in actives else name):
-        cluster.wait_for_log(member, "round 0 complete")
 
 
 def three(processes, tmp_path, args: list[str], fault_of_a: str) -> Cluster:

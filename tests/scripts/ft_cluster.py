@@ -180,3 +180,26 @@ def _read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def ordered_start(cluster: Cluster, actives: str) -> list[str]:
+    """ft_train arguments that hold the actives' first step until :func:`release`: the spares
+    start one by one after round 0 formed (see :func:`in_order`), which on a loaded machine
+    takes longer than the whole run would."""
+    gate = cluster.root / "hold-first-step"
+    gate.touch()
+    return ["--hold-first-step-while", str(gate)]
+
+
+def release(hold: list[str]) -> None:
+    Path(hold[-1]).unlink()
+
+
+def in_order(cluster: Cluster, name: str, actives: str) -> None:
+    """Roles by arrival, whatever the machine's load: after the last of ``actives`` started,
+    wait until round 0 formed with them; a spare waits until it is standby, so the next one
+    queues behind it."""
+    if name in actives and name != actives[-1]:
+        return
+    for member in (actives if name in actives else name):
+        cluster.wait_for_log(member, "round 0 complete")
