@@ -19,6 +19,7 @@ Every process it starts is killed (by pid) when it ends, also on Ctrl-C or a tim
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import re
 import shutil
@@ -285,6 +286,11 @@ def _raise_keyboard_interrupt(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # `kill -USR1 <pid>` prints where every thread of the demo is (to see a demo that hangs)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Ctrl-C stops the demo even when it was started with SIGINT ignored (Python then leaves
+    # it ignored): a background job of a non-interactive shell, or a test runner's worker
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     run_dir = Path(tempfile.mkdtemp(prefix="lightning_ft_demo_"))
     shm_parent = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # snapshots live in shared memory
     shm_dir = Path(tempfile.mkdtemp(prefix="lightning_ft_demo_", dir=shm_parent))

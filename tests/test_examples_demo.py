@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 import sys
 
 import pytest
@@ -87,7 +88,14 @@ def test_demo_interrupted_kills_everything_it_started(tmp_path):
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         # the demo waits at most 10 s for the processes it SIGKILLed, then removes its
         # directories; 20 s was once too short at a load average of 10
-        assert proc.wait(timeout=40) == 130
+        try:
+            code = proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # the demo prints every thread's stack
+            time.sleep(2)
+            pytest.fail("the demo did not end within 40 s of Ctrl-C; its output and stacks:\n"
+                        + (tmp_path / "demo.out").read_text())
+        assert code == 130
     finally:
         stop_demo(proc)
         out.close()
