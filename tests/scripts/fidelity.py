@@ -37,10 +37,10 @@ class Moment:
     step: int = 0
     batch: int | None = None
 
-    def matches(self, name: str, record: dict) -> bool:
-        # before setup the rank is not known: the target is the participant that will be rank 0
-        rank_ok = name == "A" if self.ev == "setup" else record.get("rank") == 0
-        return (rank_ok and record.get("ev") == self.ev and record.get("step", 0) >= self.step
+    def matches(self, record: dict) -> bool:
+        # by arrival, not by name: on a loaded machine a slow A becomes the spare (B and C train),
+        # and DataModule.setup already runs after the rendezvous, so its record carries the rank
+        return (record.get("rank") == 0 and record.get("ev") == self.ev and record.get("step", 0) >= self.step
                 and (self.batch is None or record.get("batch") == self.batch))
 
 
@@ -119,6 +119,8 @@ def wait_for_moment(root: Path, procs: dict[str, Any], moment: Moment, timeout: 
     deadline = time.monotonic() + timeout
     offsets: dict[str, int] = {}
     while time.monotonic() < deadline:
+        # polled before reading: what a process wrote before it exited is read in this pass
+        all_exited = all(p.popen.poll() is not None for p in procs.values())
         for name, proc in procs.items():
             path = root / "out" / f"progress-{proc.pid}.jsonl"
             if not path.exists():
@@ -133,9 +135,9 @@ def wait_for_moment(root: Path, procs: dict[str, Any], moment: Moment, timeout: 
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if moment.matches(name, record):
+                if moment.matches(record):
                     return name
-        if all(p.popen.poll() is not None for p in procs.values()):
+        if all_exited:
             break
         time.sleep(0.005)
     raise TimeoutError(f"{moment} was not reached")
