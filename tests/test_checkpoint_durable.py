@@ -13,6 +13,7 @@ import zlib
 import pytest
 import torch
 
+from lightning_ft.checkpoint import snapshot_format as fmt
 from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadCancelled, resolve_durable_settings
 from lightning_ft.checkpoint.durable_target import FileRanges, LocalDirTarget, open_target
 from lightning_ft.checkpoint.store import SnapshotStore
@@ -81,11 +82,13 @@ def test_fetch_downloads_into_an_empty_snapshot_root_and_loads_verified(tmp_path
     tier = tier_at(tmp_path)
     for s in stores:
         tier.upload(s.save(state(7.0), 7), "seg", world_size=2)
-    # the manifest names each shard's CRC-32 (an independent computation of it here)
+    # the manifest names each shard's snapshot header CRC-32 (an independent computation here),
+    # which differs between ranks (their identities differ)
     manifest = json.loads((tmp_path / "durable/job/manifests/step-000000000007.json").read_text())
     shard_bytes = (tmp_path / "durable/job/steps/step-000000000007/seg/rank1.snap").read_bytes()
+    assert manifest["shards"][0]["checksum"] != manifest["shards"][1]["checksum"]
     assert manifest["shards"][1] == {"rank": 1, "nbytes": len(shard_bytes),
-                                     "checksum": f"crc32:{zlib.crc32(shard_bytes):08x}"}
+                                     "checksum": f"snapshot-crc32:{zlib.crc32(shard_bytes[:fmt.HEADER_FIELDS_SIZE]):08x}"}
     fresh = SnapshotStore(tmp_path / "new-node-shm", run_id="job", rank=1)
     info = tier.fetch_into(7, 1, fresh)
     loaded = fresh.load(info, expect=fresh.expected_identity())
@@ -98,8 +101,40 @@ def test_fetch_downloads_into_an_empty_snapshot_root_and_loads_verified(tmp_path
     blob = bytearray(shard.read_bytes())
     blob[-1] ^= 0xFF
     shard.write_bytes(bytes(blob))
-    with pytest.raises(Exception, match="does not match its manifest"):
+    with pytest.raises(Exception, match="does not match its manifest: data checksum mismatch"):
         tier.fetch_into(7, 1, SnapshotStore(tmp_path / "other-shm", run_id="job", rank=1))
+    # so is another snapshot of the same step in its place (a rerun's): its header differs
+    other = SnapshotStore(tmp_path / "rerun-shm", run_id="job", rank=1)
+    shutil.copyfile(other.save(state(7.0), 7).path, shard)
+    with pytest.raises(Exception, match="does not match its manifest: size or header checksum"):
+        tier.fetch_into(7, 1, SnapshotStore(tmp_path / "other-shm2", run_id="job", rank=1))
+    other.close()
+
+
+class _DamagingDirTarget(LocalDirTarget):
+    """A directory that stores one flipped byte in every shard and says it reads uploads back
+    (what an object store target does): the read back must catch it before a marker exists."""
+
+    read_back_verifies = True
+
+    def write(self, path, chunks):
+        if not path.endswith(".snap"):
+            return super().write(path, chunks)
+        blob = bytearray(b"".join(bytes(c) for c in chunks))
+        blob[len(blob) // 2] ^= 0x01
+        return super().write(path, [bytes(blob)])
+
+
+def test_a_shard_damaged_on_its_way_is_caught_by_the_read_back_and_never_marked(tmp_path, stores):
+    tier = DurableTier(_DamagingDirTarget(str(tmp_path / "durable")), "job")
+    info = stores[0].save({"state_dict": {"w": torch.randn(3 << 18)}, "global_step": 5}, 5)
+    with pytest.raises(OSError, match="damaged when read back after the upload: data checksum mismatch in block"):
+        tier.upload(info, "seg", world_size=1)
+    assert tier.markers(5, "seg") == [] and tier.complete_steps() == []
+    # the same upload undamaged passes the read back
+    clean = DurableTier(LocalDirTarget(str(tmp_path / "durable2")), "job")
+    clean.target.read_back_verifies = True
+    assert clean.upload(info, "seg", world_size=1).complete
 
 
 def test_the_persister_uploads_the_newest_offer_and_holds_the_file(tmp_path, stores):
@@ -322,11 +357,17 @@ def test_garbage_or_renamed_manifests_are_ignored(tmp_path, stores):
     manifests = tmp_path / "durable/job/manifests"
     (manifests / "step-000000000099.json").write_text("{not json")
     shutil.copy(manifests / "step-000000000010.json", manifests / "step-000000000050.json")  # renamed
+    # an earlier build's manifest (CRC-32 over the whole shard) is unreadable, not a step to fetch
+    earlier = json.loads((manifests / "step-000000000010.json").read_text())
+    earlier["step"] = 60
+    for shard in earlier["shards"]:
+        shard["checksum"] = "crc32:0badf00d"
+    (manifests / "step-000000000060.json").write_text(json.dumps(earlier))
     assert tier.complete_steps() == [10]
 
 
 class _Ranges(FileRanges):
-    """A plain file as a FileRanges source (what _ShardSource is, without pacing or hashing)."""
+    """A plain file as a FileRanges source (what _ShardSource is, without pacing)."""
 
     def __init__(self, path, chunk_bytes):
         import mmap

@@ -116,6 +116,38 @@ def test_torn_or_corrupt_snapshot_is_skipped(store, damage, caplog):
     assert store.readable_steps() == [1]
 
 
+def _pieces(blob: bytes, size: int) -> list[bytes]:
+    return [blob[i:i + size] for i in range(0, len(blob), size)]
+
+
+@pytest.mark.parametrize("numel", [0, 5, (1 << 18) + 6, 3 << 18])  # no data, < 1 block, 1 block + 24 B, 3 blocks
+def test_a_snapshot_arriving_in_pieces_is_verified_like_a_whole_one(store, numel):
+    info = store.save({"w": torch.randn(numel), "n": 1}, step=1)
+    with open(info.path, "rb") as f:
+        blob = f.read(info.nbytes)
+    header = fmt.verify(blob, len(blob))
+    for size in (1, 7, 4096, 1 << 20, (1 << 20) + 8, 3 << 20, len(blob)):
+        assert fmt.verify_chunks(_pieces(blob, size), len(blob)) == header
+    damaged = {"flip in the last block": header.data_off + 4 * numel - 1 if numel else None,
+               "flip in the first block": header.data_off + 3 if numel else None,
+               "flip in the metadata": header.meta_off + 2, "flip in the header": 30}
+    for what, offset in damaged.items():
+        if offset is None:
+            continue
+        bad = bytearray(blob)
+        bad[offset] ^= 0x04
+        for size in (4096, 3 << 20):
+            with pytest.raises(SnapshotError):
+                fmt.verify_chunks(_pieces(bytes(bad), size), len(blob))
+                pytest.fail(what)
+    with pytest.raises(SnapshotError, match="torn/truncated"):
+        fmt.verify_chunks(_pieces(blob[:-8] if numel else blob[:100], 4096), len(blob))
+    with pytest.raises(SnapshotError, match="longer than the expected"):
+        fmt.verify_chunks(_pieces(blob + b"\0" * 8, 4096), len(blob))
+    with pytest.raises(SnapshotError, match="torn/truncated"):
+        fmt.verify_chunks(_pieces(blob, 4096), len(blob) + 8)
+
+
 def test_leftover_temp_file_is_ignored_and_cleaned(tmp_path):
     store = SnapshotStore(root=tmp_path, run_id="unit", rank=0)
     store.save({"w": torch.ones(10)}, step=3)

@@ -7,8 +7,9 @@ Layout under the target (``persist_to``)::
     <run_id>/manifests/step-<12 digits>.json                      the step is complete (written last)
 
 Protocol (decisions in :mod:`.tiers`): each rank uploads its shard (temp name + rename, or one
-put), checks its size (an object store's is read back and its checksum compared), then writes
-its done marker (rank, step, segment, world size, bytes, CRC-32). Whoever then sees every rank's
+put), checks its size (an object store's is read back and checked against the snapshot's own
+checksums), then writes its done marker (rank, step, segment, world size, bytes, the CRC-32 of
+the shard's snapshot header). Whoever then sees every rank's
 marker of one segment writes the step's manifest; readers read only manifests, so a partial
 step is never seen. Retention (:func:`.tiers.plan_durable_retention`) keeps the newest
 ``keep_last`` complete steps and never removes what the newest manifest names.
@@ -23,11 +24,9 @@ import json
 import logging
 import mmap
 import os
-import queue
 import re
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +64,7 @@ CHUNK_BYTES = 4 << 20
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _MANIFEST = re.compile(r"^step-(\d+)\.json$")
 _MARKER = re.compile(r"^rank(\d+)\.done\.json$")
+_CHECKSUM_KIND = "snapshot-crc32:"
 
 
 class UploadCancelled(Exception):
@@ -138,33 +138,29 @@ def _step_name(step: int) -> str:
     return f"step-{step:012d}"
 
 
-class ShardChecksum:
-    """Running CRC-32 of a shard's bytes, rendered ``crc32:<8 hex digits>`` in markers and manifests.
+def shard_checksum(header: fmt.Header) -> str:
+    """A shard's checksum in markers and manifests: ``snapshot-crc32:<8 hex digits>``, the CRC-32
+    of its snapshot header's fields (stored in the header, :meth:`.snapshot_format.Header.crc`).
 
-    A CRC, not a cryptographic hash: markers and manifests are not signed, so whoever can write
-    the durable storage can rewrite both, and a digest there can only catch accidental damage (a
-    torn, truncated or misplaced upload, a flipped bit), which is what a CRC is for (object
-    stores check parts the same way). zlib's CRC-32 runs at ~2.7 GB/s here against sha256's
-    ~1.2 GB/s, and the checksum pass is most of an upload's CPU once the copy is direct I/O
-    (benchmarks/RESULTS.md). What is loaded is checked again by the snapshot format's own block
-    sums and read only by the restricted unpickler.
+    A shard is a snapshot file, which checks itself: the header's CRC covers the body's CRC
+    (identity, block-sum table, metadata), and the block sums cover the data. So the header's
+    CRC names one exact snapshot (step, creation time, sizes, content), and a shard is checked
+    against its manifest by comparing it and then verifying the whole file
+    (:func:`.snapshot_format.verify`, block sums at memory speed). An upload never reads the
+    data on the CPU: a CRC over the shard's bytes had been most of a direct upload's CPU and
+    memory traffic competing with training (benchmarks/RESULTS.md). Not a cryptographic digest
+    either way: markers and manifests are not signed, so it catches accidental damage only (a
+    torn, truncated, stale or misplaced upload, a flipped bit); what is loaded is read only by
+    the restricted unpickler.
     """
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: bytes | memoryview) -> None:
-        self.value = zlib.crc32(data, self.value)  # releases the GIL for large buffers
-
-    def hexdigest(self) -> str:
-        return f"crc32:{self.value:08x}"
+    return f"{_CHECKSUM_KIND}{header.crc():08x}"
 
 
-def shard_checksum(data: bytes | memoryview) -> str:
-    """The checksum string of a whole shard held in memory."""
-    checksum = ShardChecksum()
-    checksum.update(data)
-    return checksum.hexdigest()
+def _checked_checksum(raw: Any) -> str:
+    """A checksum read from a marker or manifest; another kind (an earlier build's) is unreadable."""
+    if not (isinstance(raw, str) and raw.startswith(_CHECKSUM_KIND)):
+        raise ValueError(f"checksum {raw!r} is not a {_CHECKSUM_KIND}... value")
+    return raw
 
 
 def range_bytes(max_bytes_per_second: float | None) -> int:
@@ -176,14 +172,11 @@ def range_bytes(max_bytes_per_second: float | None) -> int:
 
 
 class _ShardSource(FileRanges):
-    """A committed snapshot file as the source of one upload: paced ranges, checksummed as they go.
+    """A committed snapshot file as the source of one upload: paced ranges of a read-only map.
 
     Ranges are at most 1/8 s of the bandwidth bound in size (:func:`range_bytes`), paced by a
-    token bucket (a burst of one range). A helper thread checksums each range handed out
-    (reading a read-only map of the file) while the target copies it (a directory: direct
-    writes from the map or ``sendfile``; fsspec: the mapped bytes) and fsyncs, so an upload
-    costs about max(checksum, copy + fsync) rather than their sum; zlib, ``sendfile`` and
-    writes release the GIL.
+    token bucket (a burst of one range). The target copies them (a directory: direct writes
+    from the map or ``sendfile``; fsspec: the mapped bytes); nothing here reads the data.
     """
 
     def __init__(self, fd: int, nbytes: int, max_bytes_per_second: float | None, deadline: float | None) -> None:
@@ -191,10 +184,8 @@ class _ShardSource(FileRanges):
         self.nbytes = nbytes
         self.rate = max_bytes_per_second
         self.deadline = deadline
-        self.digest = ShardChecksum()
         self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         self._view = memoryview(self._map)
-        self._hashing: threading.Thread | None = None
 
     def view(self, offset: int, length: int) -> memoryview:
         return self._view[offset:offset + length]
@@ -203,41 +194,20 @@ class _ShardSource(FileRanges):
         offset = 0
         chunk_bytes = range_bytes(self.rate)
         tokens, last = float(chunk_bytes), time.monotonic()
-        # the hash follows the copy through a queue and never gates it: the copy (and the fsync
-        # after it) overlaps hashing instead of waiting for each range's hash
-        released: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
-        hashing = threading.Thread(target=self._hash, args=(released,), name="lightning_ft-checksum", daemon=True)
-        hashing.start()
-        try:
-            while offset < self.nbytes:
-                n = min(chunk_bytes, self.nbytes - offset)
-                if self.rate:
-                    now = time.monotonic()
-                    wait, tokens = bucket_delay(tokens, now - last, self.rate, float(chunk_bytes), n)
-                    last = now + wait
-                    if wait:
-                        time.sleep(wait)
-                if self.deadline is not None and time.monotonic() > self.deadline:
-                    raise UploadCancelled(f"deadline passed after {offset} of {self.nbytes} bytes")
-                released.put((offset, n))
-                yield offset, n
-                offset += n
-        finally:
-            released.put(None)
-            self._hashing = hashing
-
-    def _hash(self, released: queue.SimpleQueue) -> None:
-        while (item := released.get()) is not None:
-            self.digest.update(self.view(*item))
-
-    def hexdigest(self) -> str:
-        """The checksum of every range handed out (waits for the checksum pass to catch up)."""
-        self._hashing.join()
-        return self.digest.hexdigest()
+        while offset < self.nbytes:
+            n = min(chunk_bytes, self.nbytes - offset)
+            if self.rate:
+                now = time.monotonic()
+                wait, tokens = bucket_delay(tokens, now - last, self.rate, float(chunk_bytes), n)
+                last = now + wait
+                if wait:
+                    time.sleep(wait)
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise UploadCancelled(f"deadline passed after {offset} of {self.nbytes} bytes")
+            yield offset, n
+            offset += n
 
     def close(self) -> None:
-        if self._hashing is not None:
-            self._hashing.join()  # it reads the map
         try:
             self._view.release()
         except BufferError:
@@ -310,11 +280,11 @@ class DurableTier:
             nbytes = header.file_size
             if st.st_size < nbytes:
                 raise fmt.SnapshotError(f"{info.path} is shorter than its header says")
+            checksum = shard_checksum(header)
             source = _ShardSource(fd, nbytes, self.max_bytes_per_second, deadline)
             shard = self.shard_path(info.step, segment, info.rank)
             try:
                 self.target.write(shard, source)
-                checksum = source.hexdigest()
             finally:
                 source.close()
         finally:
@@ -332,11 +302,12 @@ class DurableTier:
             raise OSError(f"{self.target.describe(path)} has {size} bytes after the upload, expected {nbytes}")
         if not read_back:
             return
-        digest = ShardChecksum()
-        for chunk in self.target.read_chunks(path, CHUNK_BYTES):
-            digest.update(chunk)
-        if digest.hexdigest() != checksum:
-            raise OSError(f"{self.target.describe(path)}: read back with another checksum than was uploaded")
+        try:
+            header = fmt.verify_chunks(self.target.read_chunks(path, CHUNK_BYTES), nbytes)
+        except fmt.SnapshotError as exc:
+            raise OSError(f"{self.target.describe(path)}: damaged when read back after the upload: {exc}") from None
+        if shard_checksum(header) != checksum:
+            raise OSError(f"{self.target.describe(path)}: read back as another snapshot than was uploaded")
 
     def _json_records(self, directory: str, pattern: re.Pattern, what: str,
                       parse: Callable[[dict], Any]) -> Iterator[tuple[re.Match, Any]]:
@@ -356,7 +327,7 @@ class DurableTier:
         """The valid done markers of one (step, segment); unreadable ones are ignored."""
         def parse(raw: dict) -> ShardMarker:
             return ShardMarker(int(raw["step"]), str(raw["segment"]), int(raw["rank"]), int(raw["world_size"]),
-                               int(raw["nbytes"]), str(raw["checksum"]))
+                               int(raw["nbytes"]), _checked_checksum(raw["checksum"]))
 
         return [marker for m, marker in self._json_records(self._segment_dir(step, segment), _MARKER, "marker", parse)
                 if (marker.step, marker.segment, marker.rank) == (step, segment, int(m.group(1)))]
@@ -380,7 +351,7 @@ class DurableTier:
     def complete(self) -> dict[int, Completion]:
         """Complete durable steps by step, read from the manifests only (unreadable ones ignored)."""
         def parse(raw: dict) -> Completion:
-            shards = tuple((int(s["rank"]), int(s["nbytes"]), str(s["checksum"])) for s in raw["shards"])
+            shards = tuple((int(s["rank"]), int(s["nbytes"]), _checked_checksum(s["checksum"])) for s in raw["shards"])
             return Completion(int(raw["step"]), str(raw["segment"]), int(raw["world_size"]), shards)
 
         result = {}
@@ -414,9 +385,12 @@ class DurableTier:
         path = self.shard_path(step, completion.segment, source)
         start = time.monotonic()
         blob = self.target.read(path)
-        if len(blob) != nbytes or shard_checksum(blob) != checksum:
-            raise fmt.SnapshotError(f"{self.target.describe(path)} does not match its manifest (size or checksum)")
-        info = store.write_bytes(blob)
+        try:
+            if len(blob) != nbytes or shard_checksum(fmt.Header.unpack(blob)) != checksum:
+                raise fmt.SnapshotError("size or header checksum")
+            info = store.write_bytes(blob)  # verifies the whole file (block sums) and the run id
+        except fmt.SnapshotError as exc:
+            raise fmt.SnapshotError(f"{self.target.describe(path)} does not match its manifest: {exc}") from None
         log.info("rank %d: downloaded durable step %d (rank %d's shard, %.1f MiB) in %.2f s from %s", rank, step,
                  source, nbytes / 2**20, time.monotonic() - start, self.target.describe(path))
         return info

@@ -34,7 +34,7 @@ import struct
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -55,6 +55,8 @@ _PREFIX = struct.Struct("<8sII")
 # data_len, block_size, nblocks, body_crc
 _HEADER = struct.Struct("<8sIIqdQQQQQQQQI")
 _HEADER_CRC = struct.Struct("<I")
+#: bytes of the header's fields, followed by their CRC-32 (then zero padding up to HEADER_SIZE)
+HEADER_FIELDS_SIZE = _HEADER.size
 
 
 class SnapshotError(Exception):
@@ -82,6 +84,11 @@ class Header:
     @property
     def sums_off(self) -> int:
         return self.meta_off - 8 * self.nblocks
+
+    def crc(self) -> int:
+        """CRC-32 of the header's fields: the value stored right after them (it names one exact
+        snapshot: its step, creation time, sizes and, through the body CRC, its content)."""
+        return zlib.crc32(self.pack()[: _HEADER.size])
 
     def pack(self) -> bytes:
         raw = _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, self.step, self.created, self.file_size, self.ident_len,
@@ -419,6 +426,53 @@ def verify(buf: Any, actual_size: int) -> Header:
     """Check a whole snapshot held in ``buf`` (mmap or bytes); raise SnapshotError with the reason."""
     header = check_body(buf, actual_size)
     check_data(buf, header)
+    return header
+
+
+def verify_chunks(chunks: Iterable[Any], expected_size: int) -> Header:
+    """Check a whole snapshot that arrives in pieces of any size (a read back from an object
+    store) against ``expected_size`` and its own checksums, holding its body and less than one
+    chunk plus one block of its data at a time; raise SnapshotError with the reason."""
+    body = bytearray()
+    header: Header | None = None
+    stored = torch.empty(0, dtype=torch.int64)
+    pending = bytearray()
+    checked_blocks = total = 0
+    for chunk in chunks:
+        total += len(memoryview(chunk))
+        if total > expected_size:
+            raise SnapshotError(f"longer than the expected {expected_size} bytes")
+        if header is None:
+            body += chunk
+            if len(body) < HEADER_SIZE or len(body) < Header.unpack(body).data_off:
+                continue
+            header = check_body(body, expected_size)
+            pending = body[header.data_off:]
+            del body[header.data_off:]
+            stored = torch.frombuffer(bytearray(body[header.sums_off: header.meta_off]), dtype=torch.int64) \
+                if header.nblocks else stored
+        else:
+            pending += chunk
+        whole = len(pending) // header.block_size
+        last = total == header.file_size and len(pending) > whole * header.block_size
+        n = whole + last
+        if n:
+            if checked_blocks + n > header.nblocks:
+                raise SnapshotError("more data than the header's block table covers")
+            done = min(len(pending), n * header.block_size)
+            computed = block_sums(frombuffer_u8(pending, 0, done), header.block_size)
+            expected = stored[checked_blocks: checked_blocks + n]
+            if not torch.equal(expected, computed):
+                bad = checked_blocks + int((expected != computed).nonzero()[0, 0])
+                raise SnapshotError(f"data checksum mismatch in block {bad}")
+            checked_blocks += n
+            del computed
+            pending = pending[done:]  # a new buffer: the old one may still be exported to torch
+    if header is None:
+        raise SnapshotError(f"ends after {total} bytes, inside its header or metadata (torn/truncated)")
+    if total != header.file_size or total != expected_size or checked_blocks != header.nblocks:
+        raise SnapshotError(f"ends after {total} bytes; {expected_size} expected, {header.file_size} recorded in "
+                            f"the header (torn/truncated)")
     return header
 
 

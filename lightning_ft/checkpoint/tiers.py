@@ -35,7 +35,7 @@ class ShardMarker:
     rank: int
     world_size: int
     nbytes: int
-    #: the shard's checksum as uploaded (``crc32:<hex>``, see durable.ShardChecksum)
+    #: the shard's checksum (``snapshot-crc32:<hex>``: its snapshot header's CRC, see durable.shard_checksum)
     checksum: str = ""
 
 
