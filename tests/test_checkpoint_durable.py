@@ -284,10 +284,23 @@ def test_flush_waits_for_the_running_upload_then_copies_the_newest_or_reports_it
     store = stores[0]
     tier = tier_at(tmp_path)
     persister = DurablePersister(tier, lambda: store, rank=0)
+    # step 1's upload runs until the flush started (so step 2's offer is queued, whatever the load)
+    gate, started = threading.Event(), threading.Event()
+    real_upload = tier.upload
+
+    def first_upload_held(info, *a, **k):
+        if info.step == 1:
+            started.set()
+            assert gate.wait(20)
+        return real_upload(info, *a, **k)
+
+    tier.upload = first_upload_held
     persister.offer(store.save(state(1.0), 1), "seg", 1)
+    assert started.wait(20)
     queued = store.save(state(2.0), 2)
     persister.offer(queued, "seg", 1)
     newest = store.save(state(3.0), 3)
+    threading.Timer(0.3, gate.set).start()  # the flush below waits for the running upload
     result = persister.flush(newest, "seg", 1, deadline=time.monotonic() + 20)
     assert result is not None and result.complete and persister.last_durable_step == 3
     assert 3 in tier.complete_steps() and 2 not in tier.complete_steps()  # the queued offer was dropped

@@ -116,6 +116,29 @@ def test_torn_or_corrupt_snapshot_is_skipped(store, damage, caplog):
     assert store.readable_steps() == [1]
 
 
+@pytest.mark.parametrize("pipeline_min", [0, 1 << 62])  # helper thread following the copy / one pass after it
+def test_the_sums_that_follow_the_copy_equal_a_pass_after_it(store, monkeypatch, pipeline_min):
+    monkeypatch.setattr(fmt, "PIPELINE_MIN_BYTES", pipeline_min)
+    monkeypatch.setattr(fmt, "_PIECE_BYTES", 3 << 18)  # 768 KiB: pieces end inside blocks
+    base = torch.randn(1200, 700)
+    state = {"big": torch.randn(1 << 20), "odd": torch.randn(5), "t": base.t(), "half": torch.randn(777_777).half(),
+             "ints": torch.arange(300_001), "bool": torch.rand(99) > 0.5, "empty": torch.empty(0), "tail": torch.ones(3)}
+    enc = fmt.encode(state)
+    assert enc.data_len % fmt.BLOCK_SIZE  # the last block is partial
+    got = torch.randint(0, 255, (enc.data_len,), dtype=torch.uint8)  # a recycled file's old bytes
+    reference = got.clone()
+    sums = fmt.copy_and_sum(enc, got)
+    fmt.copy_tensors(enc, reference)  # the same bytes; alignment gaps keep the old content
+    assert torch.equal(got, reference)
+    assert torch.equal(sums, fmt.block_sums(reference))
+    # and through the store: saved, recycled, verified, loaded
+    for step in (1, 2, 3):
+        state["odd"] += 1
+        info = store.save(state, step)
+    assert store.verify(info) is None
+    assert tensors_equal(store.load(info), state)
+
+
 def _pieces(blob: bytes, size: int) -> list[bytes]:
     return [blob[i:i + size] for i in range(0, len(blob), size)]
 

@@ -233,6 +233,8 @@ def test_sigterm_to_a_waiting_spare_withdraws_it_and_training_goes_on(processes,
     cluster.start(["A", "B", "C"], ["--max-steps", "80", *SLOW])
     cluster.wait_for_step(10, 45)
     spare = next(n for n in "ABC" if n not in cluster.active_names())
+    # waiting, not still starting: on a loaded machine the spare may still be importing torch
+    cluster.wait_for_log(spare, "standby in round")
     cluster.kill(spare, signal.SIGTERM)
     # stopped by SIGTERM, nothing of its own to save: 143 (a spare that was simply not needed exits 0)
     assert cluster.wait([spare], 15) == {spare: 143}, cluster.logs()
@@ -314,7 +316,9 @@ def test_under_torchrun_the_new_worker_receives_the_snapshot(processes, tmp_path
             return any(r and r[-1]["step"] >= step for r in map(_read_jsonl, out.glob("steps-*.jsonl")))
 
         assert wait_for(lambda: reached(25), 60), processes.dump_logs()
-        victim = next(n for n in ("B", "A") if child_pids(agents[n].pid))  # an active node (C may be the spare)
+        # an active node that does not host the store (A, started first, hosts it and is active;
+        # B or C, whichever arrived after round 0 closed, is the spare)
+        victim = next(n for n in ("B", "C") if child_pids(agents[n].pid))
         for agent in agents.values():
             workers.update(child_pids(agent.pid))
         victim_workers = child_pids(agents[victim].pid)

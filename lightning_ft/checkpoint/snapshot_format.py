@@ -30,7 +30,9 @@ import io
 import json
 import math
 import pickle
+import queue
 import struct
+import threading
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -358,6 +360,73 @@ def copy_tensors(enc: Encoded, data: torch.Tensor) -> None:
         dst = data[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape)
         # copy_ reads any strides / device, so non-contiguous and CUDA tensors need no temp copy
         dst.copy_(tensor.detach())
+
+
+#: data regions at least this large are summed on a helper thread that follows the copy
+PIPELINE_MIN_BYTES = 64 << 20
+#: a large contiguous tensor is copied in pieces of this many bytes, so the sums can follow it
+_PIECE_BYTES = 16 << 20
+
+
+def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """:func:`copy_tensors` into ``data``, then the :func:`block_sums` of ``data``.
+
+    For a large data region a helper thread sums every block as soon as the copy has passed it,
+    so a save costs about the copy rather than the copy plus a second pass over the memory (the
+    training thread waits for both; a second core is idle meanwhile). Tensors are laid out at
+    ascending offsets, so a block below the copy's progress is final (alignment gaps are
+    never written). Both passes release the GIL. The helper is always joined before this
+    returns or raises: it reads ``data``, whose map the caller may close right after.
+    """
+    if enc.data_len < PIPELINE_MIN_BYTES:
+        copy_tensors(enc, data)
+        return block_sums(data, block_size)
+    words = data.view(torch.int64)
+    per_block = block_size // 8
+    nblocks = -(-enc.data_len // block_size)
+    sums = torch.empty(nblocks, dtype=torch.int64)
+    progress: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    failure: list[BaseException] = []
+
+    def follow() -> None:
+        done = 0  # blocks summed
+        try:
+            while (upto := progress.get()) is not None:
+                whole = min(upto // block_size, nblocks) if upto < enc.data_len else nblocks
+                if whole > done:
+                    end = min(whole * per_block, words.numel())
+                    if whole * block_size <= enc.data_len:
+                        torch.sum(words[done * per_block: end].view(-1, per_block), dim=1, out=sums[done:whole])
+                    else:  # the last block is partial
+                        sums[done:whole] = block_sums(data[done * block_size:], block_size)
+                    done = whole
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the saving thread
+            failure.append(exc)
+
+    helper = threading.Thread(target=follow, name="lightning_ft-block-sums", daemon=True)
+    helper.start()
+    try:
+        for tensor, offset in enc.tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if not nbytes:
+                continue
+            src = tensor.detach()
+            if nbytes <= _PIECE_BYTES or not src.is_contiguous():
+                data[offset: offset + nbytes].view(src.dtype).view(src.shape).copy_(src)
+                progress.put(offset + nbytes)
+                continue
+            flat_src, flat_dst = src.reshape(-1), data[offset: offset + nbytes].view(src.dtype)
+            step = _PIECE_BYTES // src.element_size()
+            for start in range(0, flat_src.numel(), step):
+                flat_dst[start: start + step].copy_(flat_src[start: start + step])
+                progress.put(offset + min(nbytes, (start + step) * src.element_size()))
+        progress.put(enc.data_len)
+    finally:
+        progress.put(None)
+        helper.join()
+    if failure:
+        raise failure[0]
+    return sums
 
 
 def block_sums(data: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:

@@ -512,8 +512,7 @@ class SnapshotStore:
             # for a fresh file it would zero every page up front and then fault anyway.
             key, mm = self._maps.map(fd, size, populate=recycled)
             data = fmt.frombuffer_u8(mm, enc.data_off, enc.data_len)
-            fmt.copy_tensors(enc, data)
-            sums = fmt.block_sums(data)
+            sums = fmt.copy_and_sum(enc, data)
             del data
             head = fmt.finish(enc, step, time.time(), sums)
             mm[: len(head)] = head
