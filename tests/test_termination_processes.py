@@ -129,7 +129,7 @@ def test_torchrun_sigterm_stops_every_rank_at_the_same_step(target, processes, w
         assert len(reported) == 2, agent.log()[-3000:]
 
     if target == "rank1":  # rerun: resumes at the stop step with identical weights and optimizer state
-        resume = processes.start("torchrun-resume", torchrun_argv(*run.args("--max-steps", str(step + 2))))
+        processes.start("torchrun-resume", torchrun_argv(*run.args("--max-steps", str(step + 2))))
         assert processes.wait_all(timeout=60)["torchrun-resume"] == 0, processes.dump_logs()
         starts = {r: run.marker("start", r) for r in (0, 1)}
         stop_digest = run.marker("stop", 0)["digest"]
