@@ -119,6 +119,7 @@ def test_torn_or_corrupt_snapshot_is_skipped(store, damage, caplog):
 @pytest.mark.parametrize("pipeline_min", [0, 1 << 62])  # helper thread following the copy / one pass after it
 def test_the_sums_that_follow_the_copy_equal_a_pass_after_it(store, monkeypatch, pipeline_min):
     monkeypatch.setattr(fmt, "PIPELINE_MIN_BYTES", pipeline_min)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the helper runs only then
     monkeypatch.setattr(fmt, "_PIECE_BYTES", 3 << 18)  # 768 KiB: pieces end inside blocks
     base = torch.randn(1200, 700)
     state = {"big": torch.randn(1 << 20), "odd": torch.randn(5), "t": base.t(), "half": torch.randn(777_777).half(),
@@ -137,6 +138,49 @@ def test_the_sums_that_follow_the_copy_equal_a_pass_after_it(store, monkeypatch,
         info = store.save(state, step)
     assert store.verify(info) is None
     assert tensors_equal(store.load(info), state)
+
+
+def test_an_interrupted_save_returns_only_after_the_sums_helper_stopped_reading(monkeypatch):
+    # found by review: a KeyboardInterrupt while waiting for the helper left it reading a map
+    # the caller unmaps right after (a segfault); the exception must wait for the helper
+    import mmap
+    import signal
+    import threading
+    import time
+
+    monkeypatch.setattr(fmt, "PIPELINE_MIN_BYTES", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    real = fmt.block_sums
+    helper_done = threading.Event()
+
+    def lagging(data, block_size=fmt.BLOCK_SIZE):  # the helper's last (partial) block, late
+        if threading.current_thread().name != "lightning_ft-block-sums":
+            return real(data, block_size)
+        time.sleep(1.0)
+        try:
+            return real(data, block_size)
+        finally:
+            helper_done.set()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fmt, "block_sums", lagging)
+    previous = signal.signal(signal.SIGUSR2, interrupt)
+    enc = fmt.encode({"w": torch.randn((4 << 20) // 4 + 16)})  # 4 MiB + 64 B: the last block is partial
+    mm = mmap.mmap(-1, enc.file_size)
+    data = fmt.frombuffer_u8(mm, enc.data_off, enc.data_len)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR2))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            fmt.copy_and_sum(enc, data)
+        assert helper_done.is_set()  # it read its last block before the exception reached us
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR2, previous)
+    del data
+    mm.close()
 
 
 def _pieces(blob: bytes, size: int) -> list[bytes]:

@@ -152,10 +152,10 @@ class DurableTarget:
     """Durable storage for snapshot shards, markers and manifests (relative ``/``-separated paths)."""
 
     url: str
-    #: whether an upload is read back and its checksum compared before its marker is written. A
+    #: whether an upload is read back and verified as a snapshot before its marker is written. A
     #: local directory's read-back right after fsync checks the same kernel's view of the file
     #: and proves little more than the size check; an object store's read-back checks what the server
-    #: stored. Every download is checked against the manifest's checksum either way.
+    #: stored. Every download is checked against the manifest and verified whole either way.
     read_back_verifies: bool = True
 
     def write(self, path: str, chunks: Iterable[bytes | memoryview] | FileRanges) -> int:
@@ -167,7 +167,7 @@ class DurableTarget:
         raise NotImplementedError
 
     def read_chunks(self, path: str, chunk_bytes: int) -> Iterable[bytes]:
-        """The object in chunks (for hashing without holding it twice)."""
+        """The object in chunks (to verify it without holding it whole)."""
         raise NotImplementedError
 
     def size(self, path: str) -> int | None:

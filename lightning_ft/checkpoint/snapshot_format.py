@@ -362,7 +362,8 @@ def copy_tensors(enc: Encoded, data: torch.Tensor) -> None:
         dst.copy_(tensor.detach())
 
 
-#: data regions at least this large are summed on a helper thread that follows the copy
+#: data regions at least this large are summed on a helper thread that follows the copy (when
+#: torch runs single-threaded; otherwise its own threads already use every core for both passes)
 PIPELINE_MIN_BYTES = 64 << 20
 #: a large contiguous tensor is copied in pieces of this many bytes, so the sums can follow it
 _PIECE_BYTES = 16 << 20
@@ -371,14 +372,17 @@ _PIECE_BYTES = 16 << 20
 def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """:func:`copy_tensors` into ``data``, then the :func:`block_sums` of ``data``.
 
-    For a large data region a helper thread sums every block as soon as the copy has passed it,
-    so a save costs about the copy rather than the copy plus a second pass over the memory (the
-    training thread waits for both; a second core is idle meanwhile). Tensors are laid out at
-    ascending offsets, so a block below the copy's progress is final (alignment gaps are
-    never written). Both passes release the GIL. The helper is always joined before this
-    returns or raises: it reads ``data``, whose map the caller may close right after.
+    For a large data region, when torch runs on one thread, a helper thread sums the blocks the
+    copy has passed (told every ``_PIECE_BYTES`` or so), so a save costs about the copy rather
+    than the copy plus a second pass over the memory (the training thread waits for both; a
+    second core is idle meanwhile). With more torch threads both passes are parallel already
+    and a helper only competes with them (measured slower). Tensors are laid out at ascending
+    offsets, so a block below the copy's progress is final (alignment gaps are never written).
+    Both passes release the GIL. The helper has always finished before this returns or raises,
+    also when a signal handler raises meanwhile: it reads ``data``, whose map the caller may
+    close right after.
     """
-    if enc.data_len < PIPELINE_MIN_BYTES:
+    if enc.data_len < PIPELINE_MIN_BYTES or torch.get_num_threads() != 1:
         copy_tensors(enc, data)
         return block_sums(data, block_size)
     words = data.view(torch.int64)
@@ -387,6 +391,7 @@ def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE)
     sums = torch.empty(nblocks, dtype=torch.int64)
     progress: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     failure: list[BaseException] = []
+    finished = threading.Event()
 
     def follow() -> None:
         done = 0  # blocks summed
@@ -402,10 +407,13 @@ def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE)
                     done = whole
         except BaseException as exc:  # noqa: BLE001 - re-raised on the saving thread
             failure.append(exc)
+        finally:
+            finished.set()
 
     helper = threading.Thread(target=follow, name="lightning_ft-block-sums", daemon=True)
-    helper.start()
+    posted = 0
     try:
+        helper.start()  # inside the try: start() itself can be interrupted after the thread runs
         for tensor, offset in enc.tensors:
             nbytes = tensor.numel() * tensor.element_size()
             if not nbytes:
@@ -413,20 +421,36 @@ def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE)
             src = tensor.detach()
             if nbytes <= _PIECE_BYTES or not src.is_contiguous():
                 data[offset: offset + nbytes].view(src.dtype).view(src.shape).copy_(src)
-                progress.put(offset + nbytes)
-                continue
-            flat_src, flat_dst = src.reshape(-1), data[offset: offset + nbytes].view(src.dtype)
-            step = _PIECE_BYTES // src.element_size()
-            for start in range(0, flat_src.numel(), step):
-                flat_dst[start: start + step].copy_(flat_src[start: start + step])
-                progress.put(offset + min(nbytes, (start + step) * src.element_size()))
+            else:
+                flat_src, flat_dst = src.reshape(-1), data[offset: offset + nbytes].view(src.dtype)
+                step = _PIECE_BYTES // src.element_size()
+                for start in range(0, flat_src.numel(), step):
+                    flat_dst[start: start + step].copy_(flat_src[start: start + step])
+                    progress.put(offset + min(nbytes, (start + step) * src.element_size()))
+            if offset + nbytes - posted >= _PIECE_BYTES:  # one wake-up per piece, not per tensor
+                posted = offset + nbytes
+                progress.put(posted)
         progress.put(enc.data_len)
     finally:
         progress.put(None)
-        helper.join()
+        _wait_uninterrupted(finished, helper)
     if failure:
         raise failure[0]
     return sums
+
+
+def _wait_uninterrupted(finished: threading.Event, helper: threading.Thread) -> None:
+    """Wait until the helper has finished even if a signal handler raises meanwhile (a second
+    Ctrl-C): it reads a map the caller closes next. Such an exception is raised afterwards (the
+    helper ends after its current sum). A helper whose start() never ran has nothing to wait for."""
+    interrupted: BaseException | None = None
+    while helper.ident is not None and not finished.is_set():
+        try:
+            finished.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def block_sums(data: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
@@ -501,14 +525,16 @@ def verify(buf: Any, actual_size: int) -> Header:
 def verify_chunks(chunks: Iterable[Any], expected_size: int) -> Header:
     """Check a whole snapshot that arrives in pieces of any size (a read back from an object
     store) against ``expected_size`` and its own checksums, holding its body and less than one
-    chunk plus one block of its data at a time; raise SnapshotError with the reason."""
+    chunk plus one block of its data at a time; raise SnapshotError with the reason. Stricter
+    than :func:`verify` on length: the pieces must be exactly ``expected_size`` bytes and end
+    where the header says the snapshot ends (no slack of a recycled file)."""
     body = bytearray()
     header: Header | None = None
     stored = torch.empty(0, dtype=torch.int64)
     pending = bytearray()
     checked_blocks = total = 0
     for chunk in chunks:
-        total += len(memoryview(chunk))
+        total += memoryview(chunk).nbytes
         if total > expected_size:
             raise SnapshotError(f"longer than the expected {expected_size} bytes")
         if header is None:
