@@ -126,6 +126,8 @@ def test_two_failures_with_two_spares(processes, tmp_path):
     assert len(stepped_in) == 1
     pid = int(stepped_in[0].split(":")[1])
     second = next(n for n, p in cluster.procs.items() if p.pid == pid)
+    # the event may come from the survivor before the spare recorded a step of its own (load)
+    assert wait_for(lambda: cluster.steps()[second], 30), cluster.logs()
     reached = max(r["step"] for r in cluster.steps()[second])
     cluster.wait_for_step(reached + 15, 30, among=[second])
     cluster.kill(second)
