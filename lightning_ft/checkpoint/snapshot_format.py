@@ -351,22 +351,34 @@ def encode(obj: Any, run_id: str = "", rank: int = 0, check_loadable: bool = Tru
     return Encoded(identity, meta, pickler.tensors, meta_off, data_off, data_len, nblocks)
 
 
-def copy_tensors(enc: Encoded, data: torch.Tensor) -> None:
-    """Copy every tensor's bytes into ``data`` (a uint8 view of the file's data region)."""
-    for tensor, offset in enc.tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if not nbytes:
-            continue
-        dst = data[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        # copy_ reads any strides / device, so non-contiguous and CUDA tensors need no temp copy
-        dst.copy_(tensor.detach())
-
-
 #: data regions at least this large are summed on a helper thread that follows the copy (when
 #: torch runs single-threaded; otherwise its own threads already use every core for both passes)
 PIPELINE_MIN_BYTES = 64 << 20
 #: a large contiguous tensor is copied in pieces of this many bytes, so the sums can follow it
 _PIECE_BYTES = 16 << 20
+
+
+def copy_tensors(enc: Encoded, data: torch.Tensor, progress: Callable[[int], None] | None = None) -> None:
+    """Copy every tensor's bytes into ``data`` (a uint8 view of the file's data region).
+
+    ``progress(end)``: called whenever every byte of ``data`` below ``end`` is final (after each
+    tensor, and after each ``_PIECE_BYTES`` piece of a large contiguous one)."""
+    for tensor, offset in enc.tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not nbytes:
+            continue
+        src = tensor.detach()
+        if progress is None or nbytes <= _PIECE_BYTES or not src.is_contiguous():
+            # copy_ reads any strides / device, so non-contiguous and CUDA tensors need no temp copy
+            data[offset: offset + nbytes].view(src.dtype).view(src.shape).copy_(src)
+        else:
+            flat_src, flat_dst = src.reshape(-1), data[offset: offset + nbytes].view(src.dtype)
+            step = _PIECE_BYTES // src.element_size()
+            for start in range(0, flat_src.numel(), step):
+                flat_dst[start: start + step].copy_(flat_src[start: start + step])
+                progress(offset + min(nbytes, (start + step) * src.element_size()))
+        if progress is not None:
+            progress(offset + nbytes)
 
 
 def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
@@ -385,8 +397,6 @@ def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE)
     if enc.data_len < PIPELINE_MIN_BYTES or torch.get_num_threads() != 1:
         copy_tensors(enc, data)
         return block_sums(data, block_size)
-    words = data.view(torch.int64)
-    per_block = block_size // 8
     nblocks = -(-enc.data_len // block_size)
     sums = torch.empty(nblocks, dtype=torch.int64)
     progress: queue.SimpleQueue[int | None] = queue.SimpleQueue()
@@ -397,13 +407,9 @@ def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE)
         done = 0  # blocks summed
         try:
             while (upto := progress.get()) is not None:
-                whole = min(upto // block_size, nblocks) if upto < enc.data_len else nblocks
+                whole = nblocks if upto >= enc.data_len else upto // block_size  # the last may be partial
                 if whole > done:
-                    end = min(whole * per_block, words.numel())
-                    if whole * block_size <= enc.data_len:
-                        torch.sum(words[done * per_block: end].view(-1, per_block), dim=1, out=sums[done:whole])
-                    else:  # the last block is partial
-                        sums[done:whole] = block_sums(data[done * block_size:], block_size)
+                    sums[done:whole] = block_sums(data[done * block_size: whole * block_size], block_size)
                     done = whole
         except BaseException as exc:  # noqa: BLE001 - re-raised on the saving thread
             failure.append(exc)
@@ -412,24 +418,16 @@ def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE)
 
     helper = threading.Thread(target=follow, name="lightning_ft-block-sums", daemon=True)
     posted = 0
+
+    def passed(end: int) -> None:
+        nonlocal posted
+        if end - posted >= _PIECE_BYTES:  # one wake-up per piece, not per small tensor
+            posted = end
+            progress.put(end)
+
     try:
         helper.start()  # inside the try: start() itself can be interrupted after the thread runs
-        for tensor, offset in enc.tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            if not nbytes:
-                continue
-            src = tensor.detach()
-            if nbytes <= _PIECE_BYTES or not src.is_contiguous():
-                data[offset: offset + nbytes].view(src.dtype).view(src.shape).copy_(src)
-            else:
-                flat_src, flat_dst = src.reshape(-1), data[offset: offset + nbytes].view(src.dtype)
-                step = _PIECE_BYTES // src.element_size()
-                for start in range(0, flat_src.numel(), step):
-                    flat_dst[start: start + step].copy_(flat_src[start: start + step])
-                    progress.put(offset + min(nbytes, (start + step) * src.element_size()))
-            if offset + nbytes - posted >= _PIECE_BYTES:  # one wake-up per piece, not per tensor
-                posted = offset + nbytes
-                progress.put(posted)
+        copy_tensors(enc, data, passed)
         progress.put(enc.data_len)
     finally:
         progress.put(None)
