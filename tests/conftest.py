@@ -11,6 +11,34 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 from proc_utils import ProcessSet, free_port  # noqa: E402
 
 
+#: modules whose tests take longest (``--durations``): they start first
+LONGEST_MODULES = ("test_recovery_fidelity.py", "test_examples_demo.py", "test_termination_processes.py")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which adds each test's xdist_group to its node id
+def pytest_collection_modifyitems(config, items):
+    """Longest first, so that pytest-xdist's workers end together instead of one of them
+    finishing a long test alone: SLURM scenarios, then the longest modules, then the other
+    tests that start processes, then the rest (a stable sort: modules stay in one piece within
+    each class). xdist hands out groups with more tests first anyway.
+
+    Also a check that xdist honours the groups (a too new pytest makes it ignore them silently)."""
+    if getattr(config.option, "loadgroup", False):
+        ignored = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        if ignored:
+            raise pytest.UsageError(f"pytest-xdist ignored the xdist_group of {ignored[0]} (and {len(ignored) - 1} "
+                                    "more): this pytest is too new for it (pyproject.toml pins pytest < 9.2)")
+
+    def rank(item) -> int:
+        if item.get_closest_marker("slurm"):
+            return 0
+        if item.path.name in LONGEST_MODULES:
+            return 1 + LONGEST_MODULES.index(item.path.name)
+        return 10 if item.get_closest_marker("multiprocess") else 20
+
+    items.sort(key=rank)
+
+
 @pytest.fixture
 def processes(tmp_path):
     """Real processes for a test; all are killed (whole sessions, by pid) at teardown."""

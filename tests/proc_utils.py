@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,6 +17,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "examples"))
 import procs  # noqa: E402  (the demo's process helper; the demo must not import from tests)
 from procs import Proc  # noqa: E402,F401
+
+from prefork import Launcher  # noqa: E402
+
+#: this test process's fork servers (see prefork.py); stopped when it exits
+_LAUNCHER = Launcher(Path(tempfile.mkdtemp(prefix="lightning-ft-prefork-")))
+atexit.register(lambda: (_LAUNCHER.stop(), shutil.rmtree(_LAUNCHER.root, ignore_errors=True)))
 
 
 def free_port() -> int:
@@ -43,7 +52,18 @@ class ProcessSet(procs.ProcessSet):
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
               cwd: str | Path | None = None) -> Proc:
-        return super().start(name, argv, env=env if env is not None else child_env(), cwd=cwd)
+        """Start ``argv`` in a session of its own, its output in ``<log_dir>/<name>.log``: forked
+        from a preloaded interpreter when it runs a Python script or module (prefork.py), else
+        the ordinary way."""
+        env = env if env is not None else child_env()
+        if name not in self.procs:
+            log_path = self.log_dir / f"{name}.log"
+            popen = _LAUNCHER.start(list(map(str, argv)), env, str(cwd or self.cwd), log_path)
+            if popen is not None:
+                proc = Proc(name, popen, log_path)
+                self.procs[name] = proc
+                return proc
+        return super().start(name, argv, env=env, cwd=cwd)
 
     def python(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
         return self.start(name, [sys.executable, *args], env=env)

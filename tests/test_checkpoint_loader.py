@@ -339,9 +339,28 @@ def test_real_lightning_checkpoints_round_trip_through_the_restricted_loader(nam
         assert checkpoint["MixedPrecision"]["scale"] > 0
     assert globals_named(checkpoint) <= {"collections.OrderedDict", "collections.Counter"}, name
     with SnapshotStore(root=tmp_path / "shm", run_id="real", rank=0) as store:
-        store.save(checkpoint, step=checkpoint["global_step"])
+        info = store.save(checkpoint, step=checkpoint["global_step"])
         loaded = store.load(expect=store.expected_identity())
+        # a peer or spare receiving it checks its metadata (tensors as shapes only) and keeps it
+        with SnapshotStore(root=tmp_path / "peer", run_id="real", rank=1) as peer:
+            assert peer.load(peer.write_bytes(store.read_bytes(info)))["global_step"] == checkpoint["global_step"]
     assert tensors_equal(loaded, checkpoint)
+
+
+def test_a_received_snapshot_the_loader_would_refuse_is_never_kept(store, tmp_path):
+    marker = tmp_path / "pwned"
+    meta = pickle.dumps({"state_dict": {}, "x": _RunsCommand(f"touch {marker}")}, protocol=5)
+    with open(write_crafted(store, 7, meta), "rb") as f:
+        blob = f.read()
+    with SnapshotStore(root=tmp_path / "spare", run_id="loader", rank=1) as spare:
+        with pytest.raises(SnapshotError, match=r"received snapshot of step 7: .*posix\.system.*not stored"):
+            spare.write_bytes(blob)
+        assert spare.list() == [] and not marker.exists()
+        # an unknown global too: refused at the door, not first when the spare needs it to resume
+        with open(write_crafted(store, 8, pickle.dumps({"config": UserConfig()}, protocol=5)), "rb") as f:
+            with pytest.raises(SnapshotError, match="UserConfig"):
+                spare.write_bytes(f.read())
+        assert spare.list() == []
 
 
 def test_no_snapshot_path_uses_an_unrestricted_unpickler(tmp_path, monkeypatch):

@@ -15,8 +15,12 @@ files the lost rank wrote after the snapshot into ``checkpoints/.abandoned/``.
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 import sys
 import time
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -36,27 +40,62 @@ def sleep_at(step: int, seconds: float = 0.5, what: str = "step") -> list[str]:
     return [f"--{what}-sleep", str(seconds), "--sleep-from-step", str(step), "--sleep-until-step", str(step)]
 
 
+@dataclass
+class RecordedRun(Run):
+    """A reference run that another pytest-xdist worker made: its processes are gone, their
+    names, pids and exit codes were recorded; its files are read as a Run's."""
+
+    recorded: dict[str, list[int]] = field(default_factory=dict)  # name -> [pid, exit code]
+
+    def codes(self) -> dict[str, int | None]:
+        return {name: code for name, (_, code) in self.recorded.items()}
+
+    def result(self, name: str) -> dict | None:
+        path = self.out / f"result-{self.recorded[name][0]}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def digests(self) -> set[str]:
+        return {r["weights"] for r in map(self.result, self.recorded) if r and r.get("trained")}
+
+    def logs(self) -> str:
+        return f"(a reference run recorded in {self.root})"
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """Lightning's own resume from step S (``None``: a fresh start, i.e. the uninterrupted run),
-    computed once per (S, data loader) for the module."""
+    computed once per (S, data loader) for the session: under pytest-xdist the first worker
+    that needs one makes it in the session's shared directory while the others wait for it."""
     root = tmp_path_factory.mktemp("references")
+    shared = tmp_path_factory.getbasetemp().parent / "fidelity-references" if os.environ.get("PYTEST_XDIST_WORKER") \
+        else root
+    shared.mkdir(exist_ok=True)
     processes = ProcessSet(root)
     cache: dict[tuple[int | None, str], Run] = {}
+
+    def make(resume_step: int | None, data: str, where) -> Run:
+        # the reference needs a snapshot at S: every 40 steps, or every S steps for another S
+        # (snapshots do not change what is trained)
+        every = SNAPSHOTS_EVERY_40 if not resume_step or resume_step % 40 == 0 else \
+            ["--snapshot-every", str(resume_step), *SNAPSHOTS_EVERY_40[2:]]
+        args = [*every, "--tensorboard", "--data", data]
+        if resume_step is None:
+            return run_ft(processes, where, args, None)
+        return run_reference(processes, where, args, resume_step)
 
     def get(resume_step: int | None, data: str = "plain") -> Run:
         key = (resume_step, data)
         if key not in cache:
-            # the reference needs a snapshot at S: every 40 steps, or every S steps for another S
-            # (snapshots do not change what is trained)
-            every = SNAPSHOTS_EVERY_40 if not resume_step or resume_step % 40 == 0 else \
-                ["--snapshot-every", str(resume_step), *SNAPSHOTS_EVERY_40[2:]]
-            args = [*every, "--tensorboard", "--data", data]
-            if resume_step is None:
-                run = run_ft(processes, root / f"uninterrupted-{data}", args, None)
-            else:
-                run = run_reference(processes, root / f"ref-{resume_step}-{data}", args, resume_step)
-            assert set(run.codes().values()) == {0}, run.logs()
+            name = f"uninterrupted-{data}" if resume_step is None else f"ref-{resume_step}-{data}"
+            record = shared / name / "recorded.json"
+            with open(shared / f"{name}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, also if this worker dies
+                if record.exists():
+                    run = RecordedRun(shared / name, recorded=json.loads(record.read_text()))
+                else:
+                    run = make(resume_step, data, shared / name)
+                    assert set(run.codes().values()) == {0}, run.logs()
+                    record.write_text(json.dumps({n: [p.pid, p.popen.poll()] for n, p in run.procs.items()}))
             cache[key] = run
         return cache[key]
 

@@ -8,7 +8,8 @@ variables, expanded per task by the script), which models one node per task.
 
 The time from each scenario's event (kill, scancel, signal) to the job's end state is
 measured and printed after the run (tests/conftest.py). Scenario (c) waits for slurmctld's
-30-s time-limit check, so its job is submitted when the module starts and checked last.
+30-s time-limit check, so its job is submitted when the first scenario of its xdist group
+starts and checked last.
 """
 
 from __future__ import annotations
@@ -28,8 +29,14 @@ import pytest
 from proc_utils import REPO_ROOT, kill_pids, wait_for
 from slurm_cluster import KILL_WAIT, MEASURED, NODE, SlurmCluster, process_environ
 
-# one xdist group: every scenario shares the session's SLURM (one node, one slurmctld)
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
+# Two xdist groups of three scenarios, each on one worker with that worker's own SLURM (the
+# session fixture; two clusters on one host do not share anything but munge's binary): the
+# scenarios that compare weights with the shared uninterrupted run (``reference``), and the
+# others, which run while scenario (c)'s job waits for its time-limit warning. One group of
+# six took ~11 minutes on one worker, the suite's longest chain.
+WITH_REFERENCE = pytest.mark.xdist_group("slurm-reference")
+BESIDE_THE_TIME_LIMIT_JOB = pytest.mark.xdist_group("slurm-time-limit")
 
 DDP_FT_SBATCH = REPO_ROOT / "examples" / "slurm" / "ddp_ft.sbatch"
 TORCHRUN_SBATCH = REPO_ROOT / "examples" / "slurm" / "torchrun.sbatch"
@@ -71,7 +78,7 @@ class Job:
             if time.monotonic() > deadline:
                 raise AssertionError(f"job {self.job_id}: {what} did not happen within {timeout:.0f} s; "
                                      f"job: {info}\n{self.diagnostics()}")
-            time.sleep(0.1)
+            time.sleep(0.25)  # each poll is an scontrol process
 
     def wait_for_end(self, timeout: float) -> dict[str, str]:
         return self.wait_until(lambda i: i.get("JobState") in END_STATES, timeout, "the end")
@@ -221,10 +228,10 @@ def reference(slurm, tmp_path_factory):
     jobs.cancel_all()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def time_limit_job(request, tmp_path_factory):
-    """The job of scenario (c), submitted when the module starts: most of it is waiting for
-    slurmctld's time-limit check, which can as well happen while the other scenarios run.
+@pytest.fixture(scope="module")
+def time_limit_job(slurm, tmp_path_factory):
+    """The job of scenario (c), submitted when the first scenario of its group starts: most of
+    it is waiting for slurmctld's time-limit check, which can as well happen while (e) and (f) run.
 
     ``--time=3``, warning 10 s before: slurmctld checks limits every 30 s and sends the warning
     at the first check within 10 + 30 s of the limit, i.e. 140..170 s after the start; the limit
@@ -235,11 +242,6 @@ def time_limit_job(request, tmp_path_factory):
     Attempt 0 trains slowly enough (200 steps of 1 s) to be still running at the warning
     however fast it starts; the requeued attempt fast.
     """
-    wanted = test_c_time_limit_warning_stops_and_saves_before_the_limit_then_requeue_completes.__name__
-    if not any(item.originalname == wanted for item in request.session.items):
-        yield None
-        return
-    slurm = request.getfixturevalue("slurm")
     jobs = Jobs(slurm, tmp_path_factory.mktemp("slurm-time-limit"))
     job = jobs.submit("time-limit", ["--max-steps", str(TIME_LIMIT_STEPS), "--step-sleep", "1.0",
                                      "--step-sleep-requeued", "0.02"],
@@ -249,7 +251,7 @@ def time_limit_job(request, tmp_path_factory):
     def give_the_rerun_time() -> None:
         # the requeued run would get the same short limit again (and another warning); a real job's rerun
         # has its whole time limit. Raised while the job waits for its restart (>= cred_expire, 5 s).
-        while not stop.wait(0.2):
+        while not stop.wait(0.5):
             if int(job.info().get("Restarts", "0")) >= 1:
                 slurm.run(["scontrol", "update", f"jobid={job.job_id}", "TimeLimit=10"])
                 return
@@ -271,6 +273,7 @@ def ended_after(job: Job, start: float, timeout: float) -> tuple[dict[str, str],
 # ---------------------------------------------------------------------------- scenarios
 
 
+@WITH_REFERENCE
 @pytest.mark.timeout(330)
 def test_a_sigkilled_task_is_replaced_by_the_spare_and_the_job_completes_0(jobs, reference, timings):
     job = jobs.submit("sigkill", TRAIN_ARGS)
@@ -291,6 +294,7 @@ def test_a_sigkilled_task_is_replaced_by_the_spare_and_the_job_completes_0(jobs,
         assert result["weights"] == reference.weights()
 
 
+@WITH_REFERENCE
 @pytest.mark.timeout(390)
 def test_b_scancel_signal_term_stops_at_one_step_with_81_and_slurm_requeues_and_resumes(jobs, reference, timings):
     job = jobs.submit("term-requeue", TRAIN_ARGS)
@@ -320,6 +324,7 @@ def test_b_scancel_signal_term_stops_at_one_step_with_81_and_slurm_requeues_and_
         assert result["weights"] == reference.weights()
 
 
+@WITH_REFERENCE
 @pytest.mark.timeout(390)
 def test_d_unhealthy_node_exits_82_the_job_ends_82_the_epilog_drains_the_node(jobs, slurm, reference, timings):
     job = jobs.submit("unhealthy", TRAIN_ARGS)
@@ -371,6 +376,8 @@ def test_d_unhealthy_node_exits_82_the_job_ends_82_the_epilog_drains_the_node(jo
         assert result["weights"] == reference.weights()
 
 
+@BESIDE_THE_TIME_LIMIT_JOB
+@pytest.mark.usefixtures("time_limit_job")  # submitted now, checked by (c)
 @pytest.mark.timeout(330)
 def test_e_plain_scancel_ends_within_kill_wait_with_a_truthful_code_and_full_is_a_kill(jobs, slurm, timings):
     from lightning_ft.events.report import job_exit_code, summarize
@@ -406,6 +413,8 @@ def test_e_plain_scancel_ends_within_kill_wait_with_a_truthful_code_and_full_is_
     assert not full.events(0, "termination_signal"), full.diagnostics()
 
 
+@BESIDE_THE_TIME_LIMIT_JOB
+@pytest.mark.usefixtures("time_limit_job")  # submitted now, checked by (c)
 @pytest.mark.timeout(390)
 def test_f_torchrun_script_survives_a_killed_node_and_completes_0(jobs, timings):
     # the script asks for one task per node on 3 nodes; this cluster has one node with 3 "nodes" on it
@@ -428,9 +437,10 @@ def test_f_torchrun_script_survives_a_killed_node_and_completes_0(jobs, timings)
 
 
 
+@BESIDE_THE_TIME_LIMIT_JOB
 @pytest.mark.timeout(420)
 def test_c_time_limit_warning_stops_and_saves_before_the_limit_then_requeue_completes(time_limit_job, timings):
-    job = time_limit_job  # submitted when the module started (see the fixture)
+    job = time_limit_job  # submitted when the first scenario of this group started (see the fixture)
     info = job.wait_for_end(360)
     signalled = job.events(0, "termination_signal")
     assert signalled, job.diagnostics()

@@ -273,6 +273,19 @@ class _DataRegion:
         return tensor
 
 
+class _ShapesOnly:
+    """Resolves placeholders to data-less tensors (the ``meta`` device) of the recorded dtype
+    and shape: the metadata is checked without reading or copying the data region."""
+
+    def __init__(self, data_len: int) -> None:
+        self._len = data_len
+
+    def __call__(self, pid: Any) -> torch.Tensor:
+        _, dtype, shape, _, _, is_param, requires_grad = parse_placeholder(pid, self._len)
+        tensor = torch.empty(shape, dtype=dtype, device="meta")
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad) if is_param else tensor
+
+
 def _unpickle(meta: bytes, resolve: Callable[[Any], torch.Tensor]) -> Any:
     try:
         return _Unpickler(io.BytesIO(meta), resolve).load()
@@ -500,17 +513,27 @@ def check_body(buf: Any, actual_size: int) -> Header:
     return header
 
 
+def _stored_sums(body: Any, header: Header) -> torch.Tensor:
+    """The block-sum table of a snapshot whose body passed ``check_body`` (a copy: ``body`` may
+    be a map that goes away)."""
+    if not header.nblocks:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(bytearray(memoryview(body)[header.sums_off: header.meta_off]), dtype=torch.int64)
+
+
+def _check_blocks(header: Header, stored: torch.Tensor, computed: torch.Tensor, first: int = 0) -> None:
+    """Compare the sums of blocks ``first``.. with their stored values; raise SnapshotError
+    naming the first block that differs."""
+    if not torch.equal(stored, computed):
+        bad = first + int((stored != computed).nonzero()[0, 0])
+        start = header.data_off + bad * header.block_size
+        raise SnapshotError(f"data checksum mismatch in block {bad} (bytes {start}..{start + header.block_size})")
+
+
 def check_data(buf: Any, header: Header) -> None:
     """Check the data region against the block sums (call ``check_body`` first)."""
-    mv = memoryview(buf)
-    sums_raw = mv[header.sums_off: header.meta_off]
-    stored = torch.frombuffer(bytearray(sums_raw), dtype=torch.int64) if header.nblocks else \
-        torch.empty(0, dtype=torch.int64)
     computed = block_sums(frombuffer_u8(buf, header.data_off, header.data_len), header.block_size)
-    if not torch.equal(stored, computed):
-        bad = int((stored != computed).nonzero()[0, 0])
-        raise SnapshotError(f"data checksum mismatch in block {bad} (bytes {header.data_off + bad * header.block_size}"
-                            f"..{header.data_off + (bad + 1) * header.block_size})")
+    _check_blocks(header, _stored_sums(buf, header), computed)
 
 
 def verify(buf: Any, actual_size: int) -> Header:
@@ -542,8 +565,7 @@ def verify_chunks(chunks: Iterable[Any], expected_size: int) -> Header:
             header = check_body(body, expected_size)
             pending = body[header.data_off:]
             del body[header.data_off:]
-            stored = torch.frombuffer(bytearray(body[header.sums_off: header.meta_off]), dtype=torch.int64) \
-                if header.nblocks else stored
+            stored = _stored_sums(body, header)
         else:
             pending += chunk
         whole = len(pending) // header.block_size
@@ -554,10 +576,7 @@ def verify_chunks(chunks: Iterable[Any], expected_size: int) -> Header:
                 raise SnapshotError("more data than the header's block table covers")
             done = min(len(pending), n * header.block_size)
             computed = block_sums(frombuffer_u8(pending, 0, done), header.block_size)
-            expected = stored[checked_blocks: checked_blocks + n]
-            if not torch.equal(expected, computed):
-                bad = checked_blocks + int((expected != computed).nonzero()[0, 0])
-                raise SnapshotError(f"data checksum mismatch in block {bad}")
+            _check_blocks(header, stored[checked_blocks: checked_blocks + n], computed, checked_blocks)
             checked_blocks += n
             del computed
             pending = pending[done:]  # a new buffer: the old one may still be exported to torch
@@ -572,6 +591,14 @@ def verify_chunks(chunks: Iterable[Any], expected_size: int) -> Header:
 def read_identity(buf: Any, header: Header) -> SnapshotIdentity:
     """The identity record of a snapshot whose body passed ``check_body``."""
     return decode_identity(bytes(memoryview(buf)[HEADER_SIZE: HEADER_SIZE + header.ident_len]), header.step)
+
+
+def check_metadata(buf: Any, header: Header) -> None:
+    """Unpickle the metadata with the restricted loader, tensors as shapes only; raise
+    SnapshotError if loading this snapshot would be refused (a snapshot received from elsewhere
+    is checked before it is kept, not first when it is needed)."""
+    mv = memoryview(buf)
+    _unpickle(bytes(mv[header.meta_off: header.meta_off + header.meta_len]), _ShapesOnly(header.data_len))
 
 
 def decode(buf: Any, header: Header) -> Any:

@@ -673,13 +673,18 @@ class SnapshotStore:
     def write_bytes(self, blob: bytes | bytearray | memoryview) -> SnapshotInfo:
         """Verify a blob from ``read_bytes`` (possibly another rank/host) and commit it as this
         rank's snapshot of the step recorded inside it. The copy keeps the identity it was taken
-        with (run id, the taking rank, step, model). Raises SnapshotError if it is damaged or
-        belongs to another run than this store's."""
+        with (run id, the taking rank, step, model). Raises SnapshotError if it is damaged,
+        belongs to another run than this store's, or its metadata would be refused when loaded
+        (so a refused snapshot is never kept, offered to peers or chosen to resume from)."""
         header = fmt.verify(blob, len(memoryview(blob)))
         found = fmt.read_identity(blob, header)
         if self.configured_run_id is not None and found.run_id != self.configured_run_id:
             raise SnapshotError(f"received snapshot of step {header.step} belongs to run {found.run_id!r}, not to "
                                 f"{self.configured_run_id!r}; not stored")
+        try:
+            fmt.check_metadata(blob, header)
+        except SnapshotError as exc:
+            raise SnapshotError(f"received snapshot of step {header.step}: {exc}; not stored") from None
         blob = memoryview(blob)[: header.file_size]  # drop any slack of a recycled source file
         self._make_dirs()
         existing = {info.step: info for info in self.list()}

@@ -27,6 +27,8 @@ event                          fields
 ``first_step_after_recovery``  round, step, seconds_since_failure
 ``replica_published``          round, step, bytes (a snapshot put in the store for hot spares)
 ``replica_received``           step, bytes (a hot spare kept a copy)
+``replica_refused``            step, bytes, error (a hot spare dropped a replica that fails the checks of
+                               a received snapshot, e.g. metadata the restricted loader refuses)
 ``spare_exit``                 reason (a hot spare leaves ``fit()``; exit 0)
 ``no_restart``                 round, reason (the job cannot go on; exit 83)
 ``node_fault``                 round, step, error, errno (this node's storage failed, e.g. ENOSPC; it leaves
@@ -79,6 +81,7 @@ ROUND_OPEN = "round_open"
 FIRST_STEP_AFTER_RECOVERY = "first_step_after_recovery"
 REPLICA_PUBLISHED = "replica_published"
 REPLICA_RECEIVED = "replica_received"
+REPLICA_REFUSED = "replica_refused"
 SPARE_EXIT = "spare_exit"
 NO_RESTART = "no_restart"
 NODE_FAULT = "node_fault"
@@ -99,7 +102,7 @@ DURABLE_FAILED = "durable_failed"
 
 STRATEGY_EVENTS = (JOIN, ROUND_COMPLETE, GROUP_FORMED, SNAPSHOT_PLAN, SNAPSHOT_SENT, SNAPSHOT_RECEIVED, RESTORED,
                    FAILURE_DETECTED, DECISION, ROUND_OPEN, FIRST_STEP_AFTER_RECOVERY, REPLICA_PUBLISHED,
-                   REPLICA_RECEIVED, SPARE_EXIT, NO_RESTART, NODE_FAULT, STOPPED, FINISHED)
+                   REPLICA_RECEIVED, REPLICA_REFUSED, SPARE_EXIT, NO_RESTART, NODE_FAULT, STOPPED, FINISHED)
 TERMINATION_EVENTS = (TERMINATION_SIGNAL, HEALTH_REPORT, STOP_AGREED, TERMINATION_DECISION, UNHEALTHY_EXIT)
 SNAPSHOT_EVENTS = (SNAPSHOT_SCHEDULE, DURABLE_UPLOAD, DURABLE_FAILED)
 ALL_EVENTS = STRATEGY_EVENTS + TERMINATION_EVENTS + SNAPSHOT_EVENTS

@@ -163,8 +163,10 @@ class FaultTolerantLauncher(_Launcher):
         """Block until active in a round; ``None`` when this process should leave fit() cleanly."""
         rendezvous = session.rendezvous
         previous_handler = _install_sigterm_raiser()
-        monitor = self._start_spare_monitor(session)
+        monitor = None
         try:
+            # inside: the store can die (or freeze) right here as anywhere else in the rendezvous
+            monitor = self._start_spare_monitor(session)
             while True:
                 result = rendezvous.join_round()
                 self._saw_round = True

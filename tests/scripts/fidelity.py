@@ -165,7 +165,17 @@ def run_reference(processes, root: Path, args: list[str], resume_step: int, *, c
                   knobs: dict[str, str] | None = None, timeout: float = 90.0) -> Run:
     """Lightning's own resume from the snapshot of ``resume_step`` (see the module docstring)."""
     names = NAMES[:2]
-    _, first = _start(processes, root, names, "2:2", args, cli, knobs or {}, tag=f"-{root.name}-1")
+    # the first launch waits at step S+1 (4 s in each of its two accumulated batches, inside the
+    # 10-s hang floor) to be killed there: a test process slow to notice (a loaded machine) must
+    # not let it run on until the snapshot of S has been pruned
+    hold = str(resume_step + 1)
+    if cli is None:
+        first_args = [*args, "--step-sleep", "4", "--sleep-from-step", hold, "--sleep-until-step", hold]
+        first_knobs = knobs or {}
+    else:
+        first_args = args
+        first_knobs = {**(knobs or {}), "LU_STEP_SLEEP": "4", "LU_SLEEP_FROM_STEP": hold, "LU_SLEEP_UNTIL_STEP": hold}
+    _, first = _start(processes, root, names, "2:2", first_args, cli, first_knobs, tag=f"-{root.name}-1")
     reached = Moment("step", resume_step + 1)
     wait_for_moment(root, first, reached, timeout)
     for proc in first.values():  # freeze both first: neither runs a line after the "node loss"
