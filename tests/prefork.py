@@ -155,7 +155,12 @@ class Launcher:
                 return None
             if not server.ready():
                 return None
-            return server.start(argv, env, cwd, log_path)
+            try:
+                return server.start(argv, env, cwd, log_path)
+            except (OSError, ValueError) as exc:  # the server went away: start this one the ordinary way
+                print(f"prefork: {server.socket_path}: {exc}; starting {argv[1:3]} as a fresh interpreter",
+                      file=sys.stderr)
+                return None
 
     def stop(self) -> None:
         with self.lock:
