@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -86,7 +87,7 @@ class ForkedPopen:
             os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 class _Server:

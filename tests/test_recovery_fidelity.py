@@ -54,9 +54,6 @@ class RecordedRun(Run):
         path = self.out / f"result-{self.recorded[name][0]}.json"
         return json.loads(path.read_text()) if path.exists() else None
 
-    def digests(self) -> set[str]:
-        return {r["weights"] for r in map(self.result, self.recorded) if r and r.get("trained")}
-
     def logs(self) -> str:
         return f"(a reference run recorded in {self.root})"
 

@@ -66,7 +66,7 @@ class Run:
         return json.loads(path.read_text()) if path.exists() else None
 
     def digests(self) -> set[str]:
-        return {r["weights"] for r in (self.result(n) for n in self.procs) if r and r.get("trained")}
+        return {r["weights"] for r in map(self.result, self.codes()) if r and r.get("trained")}
 
     def events(self, name: str | None = None) -> list[dict]:
         records = []
