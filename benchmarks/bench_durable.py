@@ -13,6 +13,17 @@ shared, absolute times mean little):
               (each save waits for the previous one before the clock starts)
     dcp       ``torch.distributed.checkpoint.async_save`` (no process group, its default thread
               executor) to a directory on /work's disk: returns after staging a copy of the tensors
+* in a training loop (an MLP whose parameters are a third of the state, Adam, batch 16; a
+  checkpoint every ``LOOP_EVERY`` steps after a step's optimizer update, as the callback does):
+  blocked = the time the training thread spends in the checkpoint's calls; cost = the wall time
+  of the ``LOOP_EVERY`` steps from the checkpoint on minus as many steps without one (what the
+  checkpoint's background work slows training by, on top of the blocked time):
+    ours, background  ``save_in_background`` (parameters and optimizer state copied on a helper
+              thread) + the commit in an optimizer step pre-hook (waits for what is left of the
+              copy) + ``offer``: what ``EmergencyCheckpoint`` does for a periodic snapshot
+    ours, sync        ``SnapshotStore.save`` + ``offer`` (the emergency path)
+    async / sync      ``AsyncCheckpointIO`` / ``TorchCheckpointIO`` as above
+  with torch on one thread (the second core free for background work) and on two (none free);
 * time to durable: from the save call until the step's manifest is written in a directory on
   /work's disk (memory save + upload + fsync + size check + marker + manifest) vs a
   raw sequential write of the same number of bytes from memory with ``fsync``
@@ -45,11 +56,13 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.callback import changed_only_by_optimizer_steps
 from lightning_ft.checkpoint.durable import DEFAULT_MAX_MIB_PER_SECOND, DurablePersister, DurableTier
 from lightning_ft.checkpoint.durable_target import LocalDirTarget
 from lightning_ft.checkpoint.store import SnapshotStore, default_root
 
 HERE = Path(__file__).resolve().parent
+LOOP_EVERY = 4  # training-loop section: a checkpoint every so many steps
 SECTION = "## Durable tier (issue 12)"
 MiB = 1 << 20
 
@@ -140,6 +153,105 @@ def checksum_cpu_seconds(path: str) -> tuple[float, float]:
     start = time.process_time()
     fmt.verify(data, len(data))
     return crc, time.process_time() - start
+
+
+class LoopModel:
+    """An MLP whose parameters are a third of ``size_mib`` (Adam's two moments are the rest)."""
+
+    def __init__(self, size_mib: int) -> None:
+        width = 1024 if size_mib < 512 else 2048
+        layers = max(1, size_mib * MiB // 3 // 4 // (width * width))
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
+        self.batch = torch.randn(16, width)
+        self.step = 0
+        self.train_step()  # the optimizer state exists from here on
+
+    def train_step(self) -> None:
+        self.model(self.batch).square().mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.step += 1
+
+    def checkpoint(self) -> dict:
+        return {"state_dict": self.model.state_dict(), "optimizer_states": [self.optimizer.state_dict()],
+                "global_step": self.step}
+
+
+def loop_costs(size_mib: int, repeats: int, scratch: Path, threads: int) -> dict:
+    """Blocked time and cost per checkpoint inside a training loop (see the module docstring)."""
+    torch.set_num_threads(threads)
+    loop = LoopModel(size_mib)
+    shm_root = Path(default_root()) / f"bench-loop-{os.getpid()}"
+    store = SnapshotStore(shm_root, run_id="bench", rank=0, keep_last=2)
+    tier = DurableTier(LocalDirTarget(str(scratch / "loop-durable"), direct_io=True), "bench", keep_last=2,
+                       max_bytes_per_second=DEFAULT_MAX_MIB_PER_SECOND * MiB)
+    persister = DurablePersister(tier, lambda: store, rank=0)
+    disk = scratch / "loop-ckpt"
+    disk.mkdir(exist_ok=True)
+    sync_io, async_io = TorchCheckpointIO(), AsyncCheckpointIO(TorchCheckpointIO())
+    blocked_in_commit = [0.0]
+
+    def commit(*_: object) -> None:
+        if store.pending_step is not None:
+            start = time.perf_counter()
+            persister.offer(store.commit_pending(), "bench", 1)
+            blocked_in_commit[0] += time.perf_counter() - start
+
+    hook = loop.optimizer.register_step_pre_hook(commit)
+
+    def ours_background() -> None:
+        deferred = changed_only_by_optimizer_steps([loop.optimizer])
+        store.save_in_background(loop.checkpoint(), loop.step, deferred)
+
+    contenders = {
+        "ours_bg": ours_background,
+        "ours_sync": lambda: persister.offer(store.save(loop.checkpoint(), loop.step), "bench", 1),
+        "async": lambda: async_io.save_checkpoint(loop.checkpoint(), disk / f"async{loop.step % 2}.ckpt"),
+        "sync": lambda: sync_io.save_checkpoint(loop.checkpoint(), disk / "sync.ckpt"),
+    }
+    result: dict = {"size_mib": size_mib, "threads": threads}
+    try:
+        for _ in range(2):  # warm-up: snapshot files to recycle exist, as in steady state
+            contenders["ours_sync"]()
+            loop.train_step()
+        persister.wait_idle(600)
+        plain: list[float] = []
+        samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in contenders}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(LOOP_EVERY):
+                loop.train_step()
+            plain.append(time.perf_counter() - start)
+            for name, save in contenders.items():
+                blocked_in_commit[0] = 0.0
+                start = time.perf_counter()
+                save()
+                blocked = time.perf_counter() - start
+                for _ in range(LOOP_EVERY):
+                    loop.train_step()
+                window = time.perf_counter() - start
+                samples[name][0].append(blocked + blocked_in_commit[0])
+                samples[name][1].append(window)
+                # the next contender starts from idle: no upload or write of this one still running
+                commit()
+                persister.wait_idle(600)
+                async_io.teardown()
+        baseline = statistics.median(plain)
+        result["step"] = baseline / LOOP_EVERY
+        for name, (blocked, windows) in samples.items():
+            result[f"{name}_blocked"] = statistics.median(blocked)
+            result[f"{name}_cost"] = statistics.median(windows) - baseline
+    finally:
+        hook.remove()
+        commit()
+        persister.wait_idle(600)
+        async_io.teardown()
+        store.close()
+        shutil.rmtree(shm_root, ignore_errors=True)
+        torch.set_num_threads(1)
+    return result
 
 
 def args_windows(size_mib: int) -> int:
@@ -257,6 +369,7 @@ def run_size(size_mib: int, repeats: int, scratch: Path) -> dict:
 
 
 def render(results: list[dict], load: tuple[float, float]) -> str:
+    full = [r for r in results if "ours_blocked" in r]  # not with --only-loop
     lines = [SECTION, "",
              "`python benchmarks/bench_durable.py` (one process, one rank; checkpoint = parameters + two Adam",
              "moments as CPU float32; durable target and Lightning's files on /work's disk; median of the",
@@ -265,15 +378,32 @@ def render(results: list[dict], load: tuple[float, float]) -> str:
              "| state | ours (memory save + offer) | ours, an upload in flight | `ModelCheckpoint` sync save "
              "| `AsyncCheckpointIO` | DCP `async_save` | sync / ours | async / ours | DCP / ours |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
+    for r in full:
         ours = r["ours_blocked"]
         lines.append(f"| {r['size_mib']} MiB | {ours:.3f} s | {r['ours_blocked_busy']:.3f} s | {r['sync_blocked']:.3f} s | "
                      f"{r['async_blocked']:.3f} s | {r['dcp_blocked']:.3f} s | {r['sync_blocked'] / ours:.1f}x | "
                      f"{r['async_blocked'] / ours:.1f}x | {r['dcp_blocked'] / ours:.1f}x |")
+    loops = [r for result in results for r in result.get("loops", [])]
+    if loops:
+        lines += ["", f"In a training loop (MLP with a third of the state as parameters, Adam, batch 16, a checkpoint every "
+                      f"{LOOP_EVERY} steps): blocked = time in the checkpoint's calls (ours, background: the start plus "
+                      f"the commit before the next optimizer step, which waits for what is left of the copy); cost = "
+                      f"the wall time of the {LOOP_EVERY} steps from the checkpoint on minus as many without one "
+                      f"(includes the background work's slowdown of training):", "",
+                  "| state | torch threads | step | ours, background: blocked / cost | ours, sync: blocked / cost "
+                  "| `AsyncCheckpointIO`: blocked / cost | `ModelCheckpoint` sync: blocked / cost "
+                  "| async / ours (blocked) | sync / ours (blocked) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in loops:
+            ours = r["ours_bg_blocked"]
+            lines.append(f"| {r['size_mib']} MiB | {r['threads']} | {r['step']:.3f} s | {ours:.3f} / {r['ours_bg_cost']:.3f} s "
+                         f"| {r['ours_sync_blocked']:.3f} / {r['ours_sync_cost']:.3f} s "
+                         f"| {r['async_blocked']:.3f} / {r['async_cost']:.3f} s | {r['sync_blocked']:.3f} / "
+                         f"{r['sync_cost']:.3f} s | {r['async_blocked'] / ours:.1f}x | {r['sync_blocked'] / ours:.1f}x |")
     lines += ["", "Time from the save call to durable (manifest written) vs a raw write + fsync of the same bytes:", "",
               "| state | to durable | raw write + fsync | ratio | upload alone / raw | upload rate |",
               "|---|---|---|---|---|---|"]
-    for r in results:
+    for r in full:
         upload = r["to_durable"] - r["ours_blocked"]
         lines.append(f"| {r['size_mib']} MiB | {r['to_durable']:.3f} s | {r['raw_fsync']:.3f} s | "
                      f"{r['to_durable'] / r['raw_fsync']:.2f}x | {upload / r['raw_fsync']:.2f}x | "
@@ -287,7 +417,7 @@ def render(results: list[dict], load: tuple[float, float]) -> str:
               "paid only by a read back or a download):", "",
               "| state | slowdown while uploading | A/A control | windows | upload CPU (direct) | upload CPU "
               "(page cache) | CRC-32 pass | verify (block sums) |", "|---|---|---|---|---|---|---|---|"]
-    for r in results:
+    for r in full:
         lines.append(f"| {r['size_mib']} MiB | {r['slowdown'] * 100:+.1f} % | {r['slowdown_control'] * 100:+.1f} % | "
                      f"{r['windows']} | {r['upload_cpu']:.2f} s | {r['upload_cpu_buffered']:.2f} s | "
                      f"{r['crc_cpu']:.2f} s | {r['verify_cpu']:.2f} s |")
@@ -299,6 +429,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="100,1024", help="state sizes in MiB")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-write", action="store_true", help="print only; do not update RESULTS.md")
+    parser.add_argument("--loop-threads", default="1,2", help="torch threads of the training-loop section (empty: skip it)")
+    parser.add_argument("--only-loop", action="store_true", help="only the training-loop section (print; no write)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
@@ -308,14 +440,17 @@ def main() -> None:
         for size in args.sizes.split(","):
             run_dir = scratch / size
             run_dir.mkdir()
-            results.append(run_size(int(size), args.repeats, run_dir))
+            result = {"size_mib": int(size)} if args.only_loop else run_size(int(size), args.repeats, run_dir)
+            result["loops"] = [loop_costs(int(size), args.repeats, run_dir, int(threads))
+                               for threads in args.loop_threads.split(",") if threads]
+            results.append(result)
             shutil.rmtree(run_dir, ignore_errors=True)
             print(results[-1], flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     text = render(results, (load_before, os.getloadavg()[0]))
     print(text)
-    if not args.no_write:
+    if not args.no_write and not args.only_loop:
         from bench_snapshot import write_results
 
         print("updated", write_results(text, SECTION))

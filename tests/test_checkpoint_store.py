@@ -394,3 +394,47 @@ def test_full_shm_fails_cleanly_and_keeps_older_snapshots(tmp_path, monkeypatch)
         store.save({"w": torch.zeros(10)}, step=2)
     assert [i.step for i in store.list()] == [1] and not any(n.startswith(".tmp") for n in os.listdir(store.rank_dir))
     assert torch.equal(store.load()["w"], torch.ones(10))
+
+
+def _deferred_state() -> dict:
+    return {"weight": torch.randn(64, 64), "exp_avg": torch.randn(1 << 16), "buffer": torch.zeros(4), "step": 3}
+
+
+def _is_big(tensor: torch.Tensor) -> bool:
+    return tensor.numel() > 4
+
+
+def test_a_background_save_holds_the_state_of_its_call_and_is_committed_by_the_next_change(store):
+    state = _deferred_state()
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    store.save_in_background(state, 5, _is_big)
+    assert store.pending_step == 5 and [i.step for i in store.list()] == []  # invisible until committed
+    state["buffer"].add_(1)  # copied before save_in_background returned
+    info = store.commit_pending()
+    assert info.step == 5 and store.pending_step is None and store.commit_pending() is None
+    assert tensors_equal(store.load(info), expected)
+    # any other change to the store commits a pending snapshot first
+    store.save_in_background(state, 6, _is_big)
+    store.save(state, 7)
+    assert [i.step for i in store.list()] == [7, 6]
+    store.save_in_background(state, 8, _is_big)
+    store.close()
+    assert [i.step for i in store.list()] == [8, 7]
+
+
+def test_a_deferred_tensor_changed_before_the_commit_abandons_the_snapshot(store, caplog):
+    state = _deferred_state()
+    store.save(state, 1)
+    store.save_in_background(state, 2, _is_big)
+    state["weight"].mul_(1.0)  # same values, but an in-place change the copy may have raced
+    with pytest.raises(SnapshotError, match=r"step 2 abandoned: 1 of the tensors .*shapes 64x64"):
+        store.commit_pending()
+    assert [i.step for i in store.list()] == [1]
+    assert not [n for n in os.listdir(store.rank_dir) if n.startswith(".tmp-step")]
+    # the same through an implicit commit: logged, and the new save goes on
+    store.save_in_background(state, 3, _is_big)
+    state["exp_avg"].add_(1)
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+        store.save(state, 4)
+    assert "background snapshot of step 3 abandoned before a new snapshot" in caplog.text
+    assert [i.step for i in store.list()] == [4, 1]

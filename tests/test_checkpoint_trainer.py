@@ -381,3 +381,89 @@ def test_a_true_half_precision_run_resumes_through_an_explicit_mem_path(root):
                   precision="bf16-true")
     assert probe.start_step == 6 and trainer.global_step == 8
     assert next(trainer.lightning_module.parameters()).dtype == torch.bfloat16
+
+
+class _RecordAtSteps(pl.Callback):
+    """Copies of the module's and the optimizer's state at the end of the given steps' batches."""
+
+    def __init__(self, steps, change_in_place_at=None) -> None:
+        self.steps, self.change_in_place_at, self.states = set(steps), change_in_place_at, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step in self.steps and step not in self.states:
+            self.states[step] = ({k: v.clone() for k, v in pl_module.state_dict().items()},
+                                 trainer.optimizers[0].state_dict())
+            self.states[step] = tuple(torch.utils._pytree.tree_map(
+                lambda t: t.clone() if isinstance(t, torch.Tensor) else t, s) for s in self.states[step])
+        if step == self.change_in_place_at:
+            with torch.no_grad():
+                next(pl_module.parameters()).mul_(1.0)  # e.g. a weight clamp outside the optimizer
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[int]:
+    """The steps of the snapshots started in the background (SnapshotStore.save_in_background)."""
+    steps = []
+    begin = SnapshotStore.save_in_background
+
+    def spy(self, state, step, defer, reason=""):
+        steps.append(step)
+        return begin(self, state, step, defer, reason)
+
+    monkeypatch.setattr(SnapshotStore, "save_in_background", spy)
+    return steps
+
+
+class _PendingAtBackward(pl.Callback):
+    """global_step -> the store's pending snapshot step when that step's backward finished."""
+
+    def __init__(self, checkpoint: EmergencyCheckpoint) -> None:
+        self.checkpoint, self.seen = checkpoint, {}
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.seen[trainer.global_step] = self.checkpoint.store.pending_step
+
+
+def test_background_snapshots_overlap_the_next_backward_and_hold_their_steps_state(root, started):
+    record = _RecordAtSteps([4, 8])
+    checkpoint = EmergencyCheckpoint(every_n_steps=4, root=root, run_id="bg")
+    probe = _PendingAtBackward(checkpoint)
+    fit(10, [checkpoint, record, probe], hidden=64)
+    assert started == [4, 8]
+    # Lightning runs forward and backward inside optimizer.step(closure): the snapshot is
+    # committed after the closure, not before it (the copy overlaps the next step's work)
+    assert probe.seen[4] == 4 and probe.seen[8] == 8 and probe.seen[5] is None
+    store = SnapshotStore(root=root, run_id="bg", rank=0)
+    for step in (4, 8):
+        snapshot = store.load(store.find(step))
+        module_state, optimizer_state = record.states[step]
+        assert tensors_equal(snapshot["state_dict"], module_state)
+        assert tensors_equal(snapshot["optimizer_states"][0], optimizer_state)
+
+
+def test_the_last_batch_of_an_epoch_or_of_training_is_snapshotted_synchronously(root, started):
+    # Lightning's WeightAveraging copies the average into the parameters through .data in
+    # on_train_end (unseen by version counters): a snapshot still copying then would mix them
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    record = _RecordAtSteps([10])
+    fit(10, [record, WeightAveraging(), EmergencyCheckpoint(every_n_steps=5, root=root, run_id="wa"),
+             EmergencyCheckpoint(every_n_steps=2, root=root, run_id="wa2")])
+    assert started == [2, 4, 6, 8]  # 5 batches per epoch: steps 5 and 10 end one, 10 ends training
+    for run_id in ("wa", "wa2"):
+        store = SnapshotStore(root=root, run_id=run_id, rank=0)
+        snapshot = store.load(store.find(10))
+        assert tensors_equal(snapshot["current_model_state"], record.states[10][0])
+
+
+def test_a_parameter_changed_outside_the_optimizer_abandons_that_snapshot_and_later_ones_are_synchronous(root, caplog):
+    record = _RecordAtSteps([8], change_in_place_at=4)
+    checkpoint = EmergencyCheckpoint(every_n_steps=4, root=root, run_id="bg")
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.callback"):
+        fit(10, [checkpoint, record])
+    assert "background snapshot of step 4 abandoned" in caplog.text
+    assert "copied synchronously from now on" in caplog.text
+    store = SnapshotStore(root=root, run_id="bg", rank=0)
+    assert [i.step for i in store.list()] == [8]
+    assert tensors_equal(store.load(store.find(8))["state_dict"], record.states[8][0])

@@ -25,7 +25,10 @@ SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
 RECEIVE = "lightning_ft.checkpoint.store:SnapshotStore.write_bytes"
 OPEN_ROUND = "lightning_ft.strategy.session:Session.open_round"
 FINISH = "lightning_ft.strategy.launcher:FaultTolerantLauncher._finish_success"
-SAVE = "lightning_ft.checkpoint.store:SnapshotStore.save"
+# a periodic snapshot's background copy runs (its helper thread) / is committed before the next
+# optimizer step's update (the copy may still be running)
+SAVE_COPY = "lightning_ft.checkpoint.snapshot_format:BackgroundCopy._run"
+SAVE_COMMIT = "lightning_ft.checkpoint.store:SnapshotStore.commit_pending"
 
 
 def four(processes, tmp_path, steps: int, faults: dict[str, str], *extra: str) -> Cluster:
@@ -158,9 +161,10 @@ def test_sigterm_to_the_survivor_while_it_opens_the_next_round(processes, tmp_pa
 
 @pytest.mark.timeout(180)
 def test_sigterm_during_a_periodic_snapshot_save(processes, tmp_path):
-    """SIGTERM x snapshot save: the save completes, then the SIGTERM path stops both actives at
-    one agreed step with a committed snapshot (81); the spare stops too (143)."""
-    cluster = three(processes, tmp_path, ["--max-steps", "400", *SLOW], f"term:{SAVE}:3")
+    """SIGTERM x snapshot save (as its background copy is committed): the save completes, then
+    the SIGTERM path stops both actives at one agreed step with a committed snapshot (81); the
+    spare stops too (143)."""
+    cluster = three(processes, tmp_path, ["--max-steps", "400", *SLOW], f"term:{SAVE_COMMIT}:3")
     codes = cluster.wait(["A", "B", "C"], 75)
     assert codes == {"A": 81, "B": 81, "C": 143}, cluster.logs()
     assert faulted(cluster, "A")
@@ -188,9 +192,11 @@ def test_full_shm_on_an_active_writer(processes, tmp_path, small_tmpfs):
 
 @pytest.mark.timeout(120)
 def test_sigstop_during_a_periodic_snapshot_save(processes, tmp_path):
-    """SIGSTOP x snapshot save: the frozen writer's silent heartbeat fails the round; the spare
-    takes its place from the last committed snapshot."""
-    cluster = three(processes, tmp_path, ["--max-steps", "150", *SLOW, "--hang-floor", "60"], f"stop:{SAVE}:3")
+    """SIGSTOP x snapshot save (from its background copy thread, the next step under way): the
+    frozen writer's silent heartbeat fails the round; the spare takes its place from the last
+    committed snapshot."""
+    cluster = three(processes, tmp_path, ["--max-steps", "150", *SLOW, "--hang-floor", "60"],
+                    f"stop:{SAVE_COPY}:3")
     codes = wait_then_kill_frozen(cluster, ["B", "C"], 90, "A")
     assert codes == {"B": 0, "C": 0}, cluster.logs()
     assert faulted(cluster, "A")

@@ -7,9 +7,10 @@ import os
 import secrets
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
@@ -69,6 +70,34 @@ def skipped_snapshots_message(rank: int, skipped: list[tuple[SnapshotInfo, str]]
     return f"rank {rank}: auto-resume skipped snapshots of another job or model: {shown}{more}. {outcome}"
 
 
+def _next_is_a_training_batch(trainer: pl.Trainer) -> bool:
+    """Whether, after this batch's end, the fit loop goes straight on to the next training batch:
+    not the end of the epoch or of training, no stop requested, no validation due. Only then is
+    a background copy safe from other callbacks' epoch, validation and end hooks, which may swap
+    weights through ``.data`` (e.g. Lightning's ``WeightAveraging``), unseen by version counters."""
+    try:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        return not (trainer.should_stop or epoch_loop._is_training_done
+                    or epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+    except Exception:  # noqa: BLE001 - another Lightning version or loop: copy synchronously
+        return False
+
+
+def changed_only_by_optimizer_steps(optimizers: Iterable[torch.optim.Optimizer]) -> Callable[[torch.Tensor], bool]:
+    """Whether a checkpoint tensor is (a view of) a parameter the optimizers update or one of
+    their state tensors: between a batch's end and the next optimizer step only that step changes
+    them. (A parameter no optimizer updates may be changed by anything, e.g. forward.)"""
+    storages = set()
+    for optimizer in optimizers:
+        storages.update(parameter.untyped_storage().data_ptr()
+                        for group in optimizer.param_groups for parameter in group["params"])
+        for state in optimizer.state.values():
+            storages.update(value.untyped_storage().data_ptr() for value in state.values()
+                            if isinstance(value, torch.Tensor))
+    storages.discard(0)  # empty tensors share the null pointer
+    return lambda tensor: tensor.untyped_storage().data_ptr() in storages
+
+
 class EmergencyCheckpoint(pl.Callback):
     """Snapshots the full Lightning checkpoint of each rank into host shared memory.
 
@@ -120,6 +149,14 @@ class EmergencyCheckpoint(pl.Callback):
         persist_keep_last: complete durable steps kept (default ``$LIGHTNING_FT_PERSIST_KEEP_LAST`` or 2).
         storage_options: fsspec options for ``persist_to`` (e.g. ``{"endpoint_url": ...}``; default
             ``$LIGHTNING_FT_PERSIST_STORAGE_OPTIONS`` as JSON). Credentials come from the usual places.
+        background_copy: periodic snapshots copy the parameters and the optimizer state on a
+            helper thread while the next batch's forward and backward run, and commit before the
+            next optimizer step changes them (an optimizer step pre-hook); training blocks only
+            for the rest (buffers, metadata) and for what is left of the copy at that step. The
+            tensors' version counters are checked at the commit: a snapshot whose tensors were
+            changed in place meanwhile (by something other than the optimizer) is abandoned
+            with a warning and later snapshots are copied synchronously. Emergency (``save_now``)
+            snapshots are always synchronous. False: every snapshot is copied synchronously.
 
     Supported strategies: single device and DDP (replicated state). Not a ``Checkpoint``
     subclass, so it works with ``enable_checkpointing=False``.
@@ -130,7 +167,8 @@ class EmergencyCheckpoint(pl.Callback):
                  auto_resume: bool = True, preallocate: bool = True, persist_to: str | None = None,
                  persist_every_n_seconds: float | None = None, persist_max_mib_per_second: float | None = None,
                  persist_keep_last: int | None = None, storage_options: dict[str, Any] | None = None,
-                 max_overhead: float | None = None, persist_mtbf_seconds: float | None = None) -> None:
+                 max_overhead: float | None = None, persist_mtbf_seconds: float | None = None,
+                 background_copy: bool = True) -> None:
         require_number("every_n_steps", every_n_steps, integer=True, allow_none=True)
         require_number("every_n_seconds", every_n_seconds, allow_none=True)
         require_number("max_overhead", max_overhead, allow_none=True)
@@ -139,6 +177,12 @@ class EmergencyCheckpoint(pl.Callback):
         require_number("keep_last", keep_last, integer=True, minimum=1, inclusive=True)
         require_bool("auto_resume", auto_resume)
         require_bool("preallocate", preallocate)
+        require_bool("background_copy", background_copy)
+        self.background_copy = background_copy
+        self._background_off: str | None = None  # why background copies stopped in this fit
+        # (persist?, seconds blocked, of them dump_checkpoint's) of the save not yet committed
+        self._pending: tuple[bool, float, float] | None = None
+        self._step_hooks: list[Any] = []
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.max_overhead = max_overhead
@@ -151,6 +195,7 @@ class EmergencyCheckpoint(pl.Callback):
         self.preallocate = preallocate
         self._check_spare = True
         self._store: SnapshotStore | None = None
+        self._trainer: pl.Trainer | None = None
         self._durations: deque[float] = deque(maxlen=5)
         self._last_saved_step: int | None = None
         self._last_snapshot: SnapshotInfo | None = None
@@ -201,6 +246,7 @@ class EmergencyCheckpoint(pl.Callback):
         No collectives and no barrier, so it is safe when peers are gone or stopping. Call at
         a step boundary (e.g. from a callback hook), not from inside a signal handler.
         """
+        self.commit_pending()
         start = time.perf_counter()
         store = self._get_store(trainer)
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
@@ -208,12 +254,50 @@ class EmergencyCheckpoint(pl.Callback):
         info = store.save(checkpoint, step, reason=reason)
         seconds = time.perf_counter() - start
         self._durations.append(seconds)
-        self._check_spare = True
-        self._last_saved_step = step
-        self._last_snapshot = info
+        self._committed(info)
         log.debug("rank %d: %s snapshot at step %d committed in %.3f s (%.1f MiB)",
-                 store.rank, reason, step, seconds, info.nbytes / 2**20)
+                  store.rank, reason, step, seconds, info.nbytes / 2**20)
         return info
+
+    def commit_pending(self, where: str = "") -> SnapshotInfo | None:
+        """Commit the periodic snapshot still copying in the background, if any (waits for the
+        copy). A snapshot that cannot be committed is abandoned with a logged reason; the older
+        snapshots stand. Called before the next optimizer step and by every other save."""
+        store, pending = self._store, self._pending
+        if store is None or pending is None:
+            return None
+        self._pending = None
+        if store.pending_step is None:
+            return None  # the store committed it itself (e.g. closed)
+        persist, blocked, dumped = pending
+        step = store.pending_step
+        start = time.perf_counter()
+        try:
+            info = store.commit_pending()
+        except fmt.SnapshotError as exc:
+            self._background_off = str(exc)
+            log.warning("rank %d: %s; snapshots of this fit are copied synchronously from now on", store.rank, exc)
+            return None
+        except Exception:
+            log.exception("rank %d: periodic snapshot at step %s failed", store.rank, step)
+            return None
+        if info is None:
+            return None
+        waited = time.perf_counter() - start
+        timing = store.last_timing
+        # what a synchronous save_now of this state would take (the SIGTERM budget's estimate)
+        self._durations.append(dumped + timing.work if timing is not None else blocked + waited)
+        self._committed(info)
+        log.debug("rank %d: periodic snapshot at step %d committed%s: training blocked %.3f s", store.rank, info.step,
+                  f" ({where})" if where else "", blocked + waited)
+        if persist and self._trainer is not None:
+            self._maybe_persist(self._trainer, info)
+        return info
+
+    def _committed(self, info: SnapshotInfo) -> None:
+        self._check_spare = True
+        self._last_saved_step = info.step
+        self._last_snapshot = info
 
     @property
     def durable(self) -> DurableTier | None:
@@ -259,6 +343,7 @@ class EmergencyCheckpoint(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._trainer = trainer
         store = self._get_store(trainer)
         global _no_run_id_warned
         if store.configured_run_id is None and not _no_run_id_warned:
@@ -301,12 +386,15 @@ class EmergencyCheckpoint(pl.Callback):
                             "collective-free with it", type(optimizer).__name__)
         self._clock = (time.perf_counter(), trainer.global_step)
         self._check_spare = True
+        self._background_off = None
+        self._hook_optimizer_steps(trainer)
         # every rank of a (re)started fit calibrates at the same steps from here, survivors and
         # a spare alike; until the first calibration only every_n_steps applies
         self._train_start_step, self._calibrated_step, self.schedule = trainer.global_step, None, None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
+        self.commit_pending("batch end")  # no optimizer step since (gradient accumulation)
         step = trainer.global_step
         now = time.perf_counter()
         if self._clock is not None and step > self._clock[1]:
@@ -326,19 +414,81 @@ class EmergencyCheckpoint(pl.Callback):
                 self._maybe_persist(trainer, first)
         interval = self.schedule.snapshot_interval if self.schedule is not None else None
         if snapshot_due(step, self._last_saved_step, self.every_n_steps, interval):
-            self._periodic_save(trainer, step, persist=True)
-        if self.preallocate and self._check_spare and step >= 1:
+            if self.background_copy and self._background_off is None and _next_is_a_training_batch(trainer):
+                self._start_background_save(trainer, step)
+            else:
+                self._periodic_save(trainer, step, persist=True)
+        if self.preallocate and self._check_spare and step >= 1 and self._pending is None:
             self._ensure_spare(trainer)
         if self._clock is None or step != self._clock[1]:
             # measured after our own save so the snapshot time is not counted as step time
+            # (the wait for a background copy at the next optimizer step is: training waited)
             self._clock = (time.perf_counter(), step)
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.commit_pending("validation")  # e.g. weight averaging swaps parameters in for it
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.commit_pending("end of training")
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # a peer's failure in the next backward leaves parameters and optimizer state as they
+        # were at the snapshot's step (no optimizer step ran), so the snapshot is still whole
+        self.commit_pending("exception")
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.commit_pending("teardown")
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
         if self._store is not None:
             self._store.discard_spare()  # committed snapshots stay; the spare is only for this process
             self._store.close()
 
     # ------------------------------------------------------------------ internals
+    def _hook_optimizer_steps(self, trainer: pl.Trainer) -> None:
+        """Commit a background snapshot before any optimizer step changes what it still copies
+        (every optimizer step, automatic or manual optimization, runs torch's step pre-hooks)."""
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step)
+                             for optimizer in trainer.optimizers]
+
+    def _before_optimizer_step(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Torch's step pre-hook. With a closure (Lightning's automatic optimization: forward and
+        backward run inside ``step``), commit once the closure returned, before the update; else now."""
+        if self._pending is None:
+            return None
+        closure = kwargs.get("closure", args[0] if args else None)
+        if closure is None:
+            self.commit_pending("optimizer step")
+            return None
+
+        def closure_then_commit() -> Any:
+            loss = closure()
+            self.commit_pending("optimizer step")
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_commit}
+        return (closure_then_commit, *args[1:]), kwargs
+
+    def _start_background_save(self, trainer: pl.Trainer, step: int) -> None:
+        """The periodic snapshot of ``step``: parameters and optimizer state copied on a helper
+        thread until :meth:`commit_pending` (the next optimizer step at the latest)."""
+        start = time.perf_counter()
+        store = self._get_store(trainer)
+        try:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            dumped = time.perf_counter() - start
+            deferred = changed_only_by_optimizer_steps(trainer.optimizers)
+            store.save_in_background(checkpoint, step, deferred, reason="periodic")
+        except Exception:
+            log.exception("rank %d: periodic snapshot at step %d failed", trainer.global_rank, step)
+            return
+        self._pending = (True, time.perf_counter() - start, dumped)
+        self._last_saved_step = step  # not due again at this step; the commit makes it the last snapshot
+
     def _periodic_save(self, trainer: pl.Trainer, step: int, persist: bool) -> SnapshotInfo | None:
         try:
             info = self.save_now(trainer, reason="periodic")
@@ -411,6 +561,7 @@ class EmergencyCheckpoint(pl.Callback):
         rank = trainer.global_rank
         if self._store is None or self._store.rank != rank:
             if self._store is not None:
+                self.commit_pending("a new store")
                 self._store.close()
             self._store = SnapshotStore(self.root, self._configured_run_id, rank, self.keep_last)
         return self._store

@@ -33,6 +33,7 @@ import pickle
 import queue
 import struct
 import threading
+import time
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -371,12 +372,14 @@ PIPELINE_MIN_BYTES = 64 << 20
 _PIECE_BYTES = 16 << 20
 
 
-def copy_tensors(enc: Encoded, data: torch.Tensor, progress: Callable[[int], None] | None = None) -> None:
+def copy_tensors(enc: Encoded, data: torch.Tensor, progress: Callable[[int], None] | None = None,
+                 tensors: list[tuple[torch.Tensor, int]] | None = None) -> None:
     """Copy every tensor's bytes into ``data`` (a uint8 view of the file's data region).
 
     ``progress(end)``: called whenever every byte of ``data`` below ``end`` is final (after each
-    tensor, and after each ``_PIECE_BYTES`` piece of a large contiguous one)."""
-    for tensor, offset in enc.tensors:
+    tensor, and after each ``_PIECE_BYTES`` piece of a large contiguous one). ``tensors``: only
+    these ``(tensor, offset)`` pairs of ``enc.tensors`` (default: all)."""
+    for tensor, offset in enc.tensors if tensors is None else tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if not nbytes:
             continue
@@ -448,6 +451,74 @@ def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE)
     if failure:
         raise failure[0]
     return sums
+
+
+class BackgroundCopy:
+    """Copies some of a snapshot's tensors into ``data`` on a helper thread, then sums every
+    block of ``data`` (the tensors copied before it started included).
+
+    For tensors the caller promises not to change until :meth:`wait` (parameters and optimizer
+    state between a batch's end and the next optimizer step), so the copy overlaps the next
+    forward and backward instead of blocking training. The promise is checked: each tensor's
+    version counter (bumped by every in-place torch operation on it or a view of it) is
+    recorded at the start, and :meth:`modified` names the tensors whose counter moved. Writes
+    that bypass autograd's counter (through ``.data`` or numpy) are not seen.
+    """
+
+    def __init__(self, enc: Encoded, data: torch.Tensor, tensors: list[tuple[torch.Tensor, int]]) -> None:
+        self._enc, self._data, self._tensors = enc, data, tensors
+        self._versions = [tensor._version for tensor, _ in tensors]
+        self._sums: torch.Tensor | None = None
+        self._failure: BaseException | None = None
+        self._finished = threading.Event()
+        #: seconds the helper thread took (copy and sums); None until it finished
+        self.seconds: float | None = None
+        self._thread = threading.Thread(target=self._run, name="lightning_ft-snapshot-copy", daemon=True)
+        try:
+            self._thread.start()
+        except BaseException:
+            # start() interrupted (a signal handler raised) after the thread began: it writes
+            # into ``data``, whose map the caller closes next
+            _wait_uninterrupted(self._finished, self._thread)
+            raise
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            copy_tensors(self._enc, self._data, tensors=self._tensors)
+            self._sums = block_sums(self._data)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the caller's thread
+            self._failure = exc
+        finally:
+            self.seconds = time.perf_counter() - start
+            self._finished.set()
+
+    def done(self) -> bool:
+        """Whether the helper has finished (wait() will not block)."""
+        return self._finished.is_set()
+
+    def wait(self) -> torch.Tensor:
+        """The block sums of ``data`` once the helper finished; re-raises its error. Waits
+        through a signal handler's exception (raised afterwards): the caller closes ``data``'s
+        map next."""
+        _wait_uninterrupted(self._finished, self._thread)
+        if self._failure is not None:
+            raise self._failure
+        assert self._sums is not None
+        return self._sums
+
+    def modified(self) -> list[torch.Tensor]:
+        """The tensors changed in place since the copy started (their copy may be torn)."""
+        return [tensor for (tensor, _), version in zip(self._tensors, self._versions) if tensor._version != version]
+
+
+def has_version_counter(tensor: torch.Tensor) -> bool:
+    """Whether in-place changes of ``tensor`` are counted (not an inference tensor)."""
+    try:
+        tensor._version
+    except RuntimeError:
+        return False
+    return True
 
 
 def _wait_uninterrupted(finished: threading.Event, helper: threading.Thread) -> None:

@@ -27,10 +27,11 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_ft._validation import require, require_number
@@ -53,7 +54,7 @@ from lightning_ft.checkpoint.files import (
     snapshot_file_problem,
 )
 from lightning_ft.checkpoint.identity import ExpectedIdentity, SnapshotIdentity, identity_mismatch
-from lightning_ft.checkpoint.policy import plan_write, spare_needed
+from lightning_ft.checkpoint.policy import WritePlan, plan_write, spare_needed
 from lightning_ft.checkpoint.snapshot_format import SnapshotError
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,47 @@ def _renamed(info: SnapshotInfo, header: fmt.Header) -> str | None:
     return f"its file name says step {info.step} but its header says step {header.step} (renamed or planted file)"
 
 
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return "x".join(map(str, tensor.shape)) or "scalar"
+
+
+@dataclass(frozen=True)
+class SaveTiming:
+    """Seconds of the last committed save: the caller blocked, and the work of a synchronous save
+    (the two differ when tensors were copied in the background)."""
+
+    blocked: float
+    work: float
+
+
+@dataclass
+class _PendingSave:
+    """A snapshot written into its temp file, not yet committed (see ``SnapshotStore._begin``)."""
+
+    step: int
+    reason: str
+    created: float
+    started: float  # perf_counter at the save call
+    enc: fmt.Encoded
+    existing: dict[int, SnapshotInfo]
+    plan: WritePlan
+    tmp: str
+    final: str
+    source: str
+    key: Any
+    mm: Any
+    sums: torch.Tensor | None  # block sums when every tensor was copied
+    copier: fmt.BackgroundCopy | None  # else the helper still copying (and summing)
+    begin_seconds: float  # what the caller was blocked for before the commit
+
+
 class SnapshotStore:
     """Snapshots of one rank of one run under ``<root>/<run_id>/rank<rank>``.
 
@@ -205,6 +247,9 @@ class SnapshotStore:
         self._maps = WritableMaps()
         self._spare: str | None = None  # our preallocated file, if any
         self._saving = False
+        self._pending: _PendingSave | None = None  # a background save not yet committed
+        #: timing of the last committed save (None: none yet)
+        self.last_timing: SaveTiming | None = None
         # A job's checkpoints have the same structure at every save: the metadata is decoded as a
         # load would decode it at the first save of each store only (see fmt.encode).
         self._loadable_checked = False
@@ -446,23 +491,83 @@ class SnapshotStore:
         """Write ``state`` (any picklable structure of tensors) as the snapshot of ``step``.
 
         Synchronous and local: no collectives, safe to call from a SIGTERM path. Tensors are
-        copied (the caller may keep training right after). Older snapshots beyond
-        ``keep_last`` are removed after the commit. The file records this store's run id and
-        rank and the fingerprint of ``state["state_dict"]``. Raises SnapshotError for state the
-        restricted loader could not read back: a tensor that is not plain and dense (any save),
-        a global outside the allow-list (checked at the first save of this store; a job's
-        checkpoints keep their structure), so what is saved can be resumed.
+        copied (the caller may keep training right after). A background save still pending is
+        committed first (or abandoned, with a warning). Older snapshots beyond ``keep_last`` are
+        removed after the commit. The file records this store's run id and rank and the
+        fingerprint of ``state["state_dict"]``. Raises SnapshotError for state the restricted
+        loader could not read back: a tensor that is not plain and dense (any save), a global
+        outside the allow-list (checked at the first save of this store; a job's checkpoints
+        keep their structure), so what is saved can be resumed.
         """
+        self._check_save(step)
+        self._settle("a new snapshot")
+        self._saving = True
+        try:
+            return self._commit(self._begin(state, step, reason, None))
+        finally:
+            self._saving = False
+
+    def save_in_background(self, state: Any, step: int, defer: Callable[[torch.Tensor], bool],
+                           reason: str = "") -> None:
+        """Start a snapshot of ``step`` whose large tensors are copied while training goes on.
+
+        Like :meth:`save`, except that the tensors for which ``defer(tensor)`` is true are
+        copied on a helper thread: the caller promises not to change them until
+        :meth:`commit_pending` (e.g. parameters and optimizer state until the next optimizer
+        step). Every other tensor and the metadata are copied before this returns. Nothing is
+        visible to readers until :meth:`commit_pending`, which checks the promise; any other
+        change to this store (:meth:`save`, :meth:`close`, ...) commits the pending snapshot first.
+        """
+        self._check_save(step)
+        self._settle("a new snapshot")
+        self._saving = True
+        try:
+            self._pending = self._begin(state, step, reason, defer)
+        finally:
+            self._saving = False
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the background snapshot not yet committed (None: none)."""
+        return None if self._pending is None else self._pending.step
+
+    def pending_copy_done(self) -> bool:
+        """Whether the pending background copy finished (committing it will not wait); True when none is pending."""
+        return self._pending is None or self._pending.copier is None or self._pending.copier.done()
+
+    def commit_pending(self) -> SnapshotInfo | None:
+        """Wait for the pending background copy and commit its snapshot (None: nothing pending).
+
+        Raises SnapshotError, and removes the unfinished file, if a deferred tensor was changed in
+        place before its copy finished (the snapshot would mix two steps), or the copy's own
+        error; the committed snapshots are untouched either way."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        self._saving = True
+        try:
+            return self._commit(pending)
+        finally:
+            self._saving = False
+
+    def _settle(self, before: str) -> None:
+        """Commit a pending background snapshot before ``before`` changes this store; a
+        snapshot that cannot be committed is abandoned with a warning (the caller goes on)."""
+        if self._pending is None:
+            return
+        step = self._pending.step
+        try:
+            self.commit_pending()
+        except Exception as exc:  # noqa: BLE001 - older snapshots stand; the reason is logged
+            log.warning("rank %d: background snapshot of step %d abandoned before %s: %s", self.rank, step, before,
+                        exc)
+
+    def _check_save(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         if self._saving:
             # e.g. save() called from a signal handler that interrupted a periodic save
             raise RuntimeError("SnapshotStore.save() re-entered while a save is in progress")
-        self._saving = True
-        try:
-            return self._save(state, step, reason)
-        finally:
-            self._saving = False
 
     def _open_write_target(self, recycle: SnapshotInfo | None, tmp: str, step: int) -> tuple[int, str]:
         """(fd, source) of the file the next snapshot is written into, renamed to ``tmp`` first."""
@@ -486,18 +591,20 @@ class SnapshotStore:
             return create_snapshot_file(tmp), "new"
         return fd, source
 
-    def _save(self, state: Any, step: int, reason: str) -> SnapshotInfo:
+    def _begin(self, state: Any, step: int, reason: str,
+               defer: Callable[[torch.Tensor], bool] | None) -> _PendingSave:
+        """Encode ``state`` into a temp file: every tensor copied, or (``defer``) those it selects
+        copying on a helper thread. Nothing is committed; on an error the temp file is removed."""
         start = time.perf_counter()
+        created = time.time()  # the state is this step's from here on, whenever the copy ends
         enc = fmt.encode(state, run_id=self.configured_run_id or "", rank=self.rank,
                          check_loadable=not self._loadable_checked)
         self._loadable_checked = True
         self._make_dirs()  # checks both directories, so the listing below need not
         self._maps.drop_stale(self.rank_dir)
         existing = {info.step: info for info in self._list_files(self.rank_dir, self.rank)}
-        held = self.held_steps()
-        plan = plan_write(existing, step, self.keep_last, held=held)
+        plan = plan_write(existing, step, self.keep_last, held=self.held_steps())
         tmp = self._temp_path(step)
-        final = self._final_path(step)
         fd, source = self._open_write_target(existing[plan.recycle] if plan.recycle is not None else None, tmp, step)
         recycled = source != "new"
         mm = None
@@ -512,38 +619,72 @@ class SnapshotStore:
             # for a fresh file it would zero every page up front and then fault anyway.
             key, mm = self._maps.map(fd, size, populate=recycled)
             data = fmt.frombuffer_u8(mm, enc.data_off, enc.data_len)
-            sums = fmt.copy_and_sum(enc, data)
+            sums = copier = None
+            if defer is None:
+                sums = fmt.copy_and_sum(enc, data)
+            else:
+                later = [(t, off) for t, off in enc.tensors if defer(t) and fmt.has_version_counter(t)]
+                deferred = {id(t) for t, _ in later}
+                fmt.copy_tensors(enc, data, tensors=[(t, off) for t, off in enc.tensors if id(t) not in deferred])
+                copier = fmt.BackgroundCopy(enc, data, later)
             del data
-            head = fmt.finish(enc, step, time.time(), sums)
-            mm[: len(head)] = head
-            self._maps.forget(final)
-            os.replace(tmp, final)
         except BaseException:
             if mm is not None:
                 close_map(mm)
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            _unlink_quietly(tmp)
             raise
         finally:
-            os.close(fd)
-        self._maps.keep(key, mm)
-        committed = len((set(existing) - {plan.recycle}) | {step})
-        for old in plan.delete_after_commit:
+            os.close(fd)  # the map stays valid
+        return _PendingSave(step, reason, created, start, enc, existing, plan, tmp, self._final_path(step), source,
+                            key, mm, sums, copier, time.perf_counter() - start)
+
+    def _commit(self, p: _PendingSave) -> SnapshotInfo:
+        """Finish the header of ``p`` and rename it into place; then prune (see ``plan_write``)."""
+        commit_start = time.perf_counter()
+        waited = 0.0
+        try:
+            sums = p.sums
+            if p.copier is not None:
+                wait_start = time.perf_counter()
+                sums = p.copier.wait()
+                waited = time.perf_counter() - wait_start
+                changed = p.copier.modified()
+                if changed:
+                    shapes = ", ".join(_shape(t) for t in changed[:3]) + (" ..." if len(changed) > 3 else "")
+                    raise SnapshotError(
+                        f"background snapshot of step {p.step} abandoned: {len(changed)} of the tensors it was "
+                        f"still copying (shapes {shapes}) changed in place before the copy finished, so it would "
+                        f"mix two steps. Something other than the optimizer step changes parameters or optimizer "
+                        f"state between a batch's end and the next optimizer step")
+            head = fmt.finish(p.enc, p.step, p.created, sums)
+            p.mm[: len(head)] = head
+            self._maps.forget(p.final)
+            os.replace(p.tmp, p.final)
+        except BaseException:
+            close_map(p.mm)
+            _unlink_quietly(p.tmp)
+            raise
+        self._maps.keep(p.key, p.mm)
+        held = self.held_steps()
+        committed = len((set(p.existing) - {p.plan.recycle}) | {p.step})
+        for old in p.plan.delete_after_commit:
             committed -= 1
             if self._spare is None and old not in held and spare_needed(committed, self.keep_last):
                 # keep_last=1: the replaced snapshot becomes the next write's target
                 self._spare = self._spare_path()
-                os.rename(existing[old].path, self._spare)
+                os.rename(p.existing[old].path, self._spare)
             else:
-                self._delete_path(existing[old].path)
-        seconds = time.perf_counter() - start
-        size = enc.file_size
-        log.debug("saved snapshot step=%d rank=%d run=%s%s: %s in %.3f s (%.2f GB/s, %s file) -> %s",
-                 step, self.rank, self.run_id, f" ({reason})" if reason else "", _fmt_size(size), seconds,
-                 size / max(seconds, 1e-9) / 1e9, source, final)
-        return SnapshotInfo(step, self.rank, self.run_id, final, size, time.time())
+                self._delete_path(p.existing[old].path)
+        now = time.perf_counter()
+        blocked = p.begin_seconds + now - commit_start
+        copied = 0.0 if p.copier is None else p.copier.seconds or 0.0
+        # a synchronous save's work: what blocked, less the wait, plus the copy the helper did
+        self.last_timing = SaveTiming(blocked, blocked - waited + copied if p.copier is not None else now - p.started)
+        background = "" if p.copier is None else f", {copied:.3f} s of it copied in the background"
+        log.debug("saved snapshot step=%d rank=%d run=%s%s: %s in %.3f s (training blocked %.3f s%s; %s file) -> %s",
+                  p.step, self.rank, self.run_id, f" ({p.reason})" if p.reason else "", _fmt_size(p.enc.file_size),
+                  now - p.started, blocked, background, p.source, p.final)
+        return SnapshotInfo(p.step, self.rank, self.run_id, p.final, p.enc.file_size, time.time())
 
     def _make_dirs(self) -> None:
         make_private_dir(self.run_dir, "run directory")
@@ -575,6 +716,7 @@ class SnapshotStore:
         snapshot never pays for tmpfs page allocation (the dominant cost of a fresh file,
         ~5-10x the copy). Costs one state-size of shared memory until used. Returns seconds.
         """
+        self._settle("preallocating a spare file")
         start = time.perf_counter()
         self._make_dirs()
         if self._spare is not None and os.path.lexists(self._spare):
@@ -611,6 +753,7 @@ class SnapshotStore:
 
     def discard_spare(self) -> None:
         """Remove the preallocated spare file (frees its shared memory)."""
+        self._settle("discarding the spare file")
         if self._spare is not None:
             self._delete_path(self._spare)
             self._spare = None
@@ -624,12 +767,14 @@ class SnapshotStore:
 
     def delete(self, info: SnapshotInfo) -> None:
         """Remove one snapshot file."""
+        self._settle("a removal")
         self._delete_path(info.path)
         log.debug("removed snapshot step=%d rank=%d: %s", info.step, info.rank, info.path)
 
     def discard_newer_than(self, step: int) -> list[int]:
         """Remove this rank's snapshots newer than ``step`` (an abandoned timeline after a
         resume from an older state); returns the removed steps."""
+        self._settle("removing newer snapshots")
         removed = []
         for info in self.list():
             if info.step > step:
@@ -685,6 +830,7 @@ class SnapshotStore:
             fmt.check_metadata(blob, header)
         except SnapshotError as exc:
             raise SnapshotError(f"received snapshot of step {header.step}: {exc}; not stored") from None
+        self._settle("storing a received snapshot")
         blob = memoryview(blob)[: header.file_size]  # drop any slack of a recycled source file
         self._make_dirs()
         existing = {info.step: info for info in self.list()}
@@ -711,7 +857,8 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Release cached memory maps (files stay)."""
+        """Commit a pending background snapshot, then release cached memory maps (files stay)."""
+        self._settle("closing the store")
         self._maps.close()
 
     def __enter__(self) -> SnapshotStore:

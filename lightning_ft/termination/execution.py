@@ -134,9 +134,12 @@ class TerminationExecutor:
         estimate = None
         if checkpoint is not None:
             try:
+                # a periodic snapshot still copying in the background is finished first, so the
+                # budget below is what is left for the emergency save itself
+                checkpoint.commit_pending("termination")
                 estimate = checkpoint.estimated_save_seconds()
             except Exception:
-                log.exception("rank %d: EmergencyCheckpoint.estimated_save_seconds() failed", self.rank)
+                log.exception("rank %d: EmergencyCheckpoint's pending snapshot or save estimate failed", self.rank)
         left = budget_left(grace_s=self.grace_seconds, signal_time=termination.started_at,
                            now=time.monotonic(), exit_reserve_s=self.exit_reserve_seconds)
         decision = decide_on_termination(
