@@ -404,6 +404,21 @@ def _is_big(tensor: torch.Tensor) -> bool:
     return tensor.numel() > 4
 
 
+@pytest.fixture
+def small_states_in_background(monkeypatch):
+    """Copy even these small test states on the helper thread (as large ones are)."""
+    monkeypatch.setattr(fmt, "BACKGROUND_MIN_BYTES", 0)
+
+
+def test_a_small_state_is_copied_at_once_and_still_committed_by_commit_pending(store):
+    state = _deferred_state()
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    store.save_in_background(state, 5, _is_big)
+    state["weight"].add_(1)  # below BACKGROUND_MIN_BYTES: copied before the call returned
+    assert store.pending_copy_done() and tensors_equal(store.load(store.commit_pending()), expected)
+
+
+@pytest.mark.usefixtures("small_states_in_background")
 def test_a_background_save_holds_the_state_of_its_call_and_is_committed_by_the_next_change(store):
     state = _deferred_state()
     expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
@@ -422,6 +437,7 @@ def test_a_background_save_holds_the_state_of_its_call_and_is_committed_by_the_n
     assert [i.step for i in store.list()] == [8, 7]
 
 
+@pytest.mark.usefixtures("small_states_in_background")
 def test_a_deferred_tensor_changed_before_the_commit_abandons_the_snapshot(store, caplog):
     state = _deferred_state()
     store.save(state, 1)

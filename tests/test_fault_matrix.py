@@ -195,8 +195,8 @@ def test_sigstop_during_a_periodic_snapshot_save(processes, tmp_path):
     """SIGSTOP x snapshot save (from its background copy thread, the next step under way): the
     frozen writer's silent heartbeat fails the round; the spare takes its place from the last
     committed snapshot."""
-    cluster = three(processes, tmp_path, ["--max-steps", "150", *SLOW, "--hang-floor", "60"],
-                    f"stop:{SAVE_COPY}:3")
+    cluster = three(processes, tmp_path, ["--max-steps", "150", *SLOW, "--hang-floor", "60",
+                                          "--background-copy-min-bytes", "0"], f"stop:{SAVE_COPY}:3")
     codes = wait_then_kill_frozen(cluster, ["B", "C"], 90, "A")
     assert codes == {"B": 0, "C": 0}, cluster.logs()
     assert faulted(cluster, "A")

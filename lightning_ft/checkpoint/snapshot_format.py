@@ -453,6 +453,12 @@ def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE)
     return sums
 
 
+#: a background snapshot copies its deferred tensors on a helper thread only when they hold at
+#: least this many bytes: below it the copy takes a few milliseconds at most, less than what a
+#: second thread costs a small model's steps (measured: bench_overhead.py, +3 % step time)
+BACKGROUND_MIN_BYTES = 16 << 20
+
+
 class BackgroundCopy:
     """Copies some of a snapshot's tensors into ``data`` on a helper thread, then sums every
     block of ``data`` (the tensors copied before it started included).

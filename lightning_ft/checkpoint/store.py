@@ -512,7 +512,8 @@ class SnapshotStore:
         """Start a snapshot of ``step`` whose large tensors are copied while training goes on.
 
         Like :meth:`save`, except that the tensors for which ``defer(tensor)`` is true are
-        copied on a helper thread: the caller promises not to change them until
+        copied on a helper thread (when they hold ``snapshot_format.BACKGROUND_MIN_BYTES`` or
+        more; smaller ones are copied at once): the caller promises not to change them until
         :meth:`commit_pending` (e.g. parameters and optimizer state until the next optimizer
         step). Every other tensor and the metadata are copied before this returns. Nothing is
         visible to readers until :meth:`commit_pending`, which checks the promise; any other
@@ -620,10 +621,11 @@ class SnapshotStore:
             key, mm = self._maps.map(fd, size, populate=recycled)
             data = fmt.frombuffer_u8(mm, enc.data_off, enc.data_len)
             sums = copier = None
-            if defer is None:
-                sums = fmt.copy_and_sum(enc, data)
+            later = [] if defer is None else [(t, off) for t, off in enc.tensors
+                                              if defer(t) and fmt.has_version_counter(t)]
+            if sum(t.numel() * t.element_size() for t, _ in later) < fmt.BACKGROUND_MIN_BYTES:
+                sums = fmt.copy_and_sum(enc, data)  # nothing worth a helper thread
             else:
-                later = [(t, off) for t, off in enc.tensors if defer(t) and fmt.has_version_counter(t)]
                 deferred = {id(t) for t, _ in later}
                 fmt.copy_tensors(enc, data, tensors=[(t, off) for t, off in enc.tensors if id(t) not in deferred])
                 copier = fmt.BackgroundCopy(enc, data, later)

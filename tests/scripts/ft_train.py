@@ -107,8 +107,15 @@ def main() -> int:
                              "(the first step of a round is exempt from hang detection)")
     parser.add_argument("--fault", action="append", default=[], metavar="KIND:MODULE:QUALNAME[:N]",
                         help="signal this process (kill|stop|term) at the N-th call of a function")
+    parser.add_argument("--background-copy-min-bytes", type=int, default=None,
+                        help="copy deferred snapshot tensors on the helper thread from this size on "
+                             "(test knob: this script's small models stay below the library's threshold)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
+    if args.background_copy_min_bytes is not None:
+        from lightning_ft.checkpoint import snapshot_format
+
+        snapshot_format.BACKGROUND_MIN_BYTES = args.background_copy_min_bytes
     if args.step_sleep_requeued is not None and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) >= 1:
         args.step_sleep = args.step_sleep_requeued
     import faulthandler
