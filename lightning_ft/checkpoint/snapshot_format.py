@@ -454,8 +454,8 @@ def copy_and_sum(enc: Encoded, data: torch.Tensor, block_size: int = BLOCK_SIZE)
 
 
 #: a background snapshot copies its deferred tensors on a helper thread only when they hold at
-#: least this many bytes: below it the copy takes a few milliseconds at most, less than what a
-#: second thread costs a small model's steps (measured: bench_overhead.py, +3 % step time)
+#: least this many bytes: below it the copy takes a few milliseconds at most (~0.2 s per GiB
+#: here), which a helper thread and the commit's wait would not win back
 BACKGROUND_MIN_BYTES = 16 << 20
 
 
