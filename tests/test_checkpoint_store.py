@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -413,9 +414,13 @@ def small_states_in_background(monkeypatch):
 def test_a_small_state_is_copied_at_once_and_still_committed_by_commit_pending(store):
     state = _deferred_state()
     expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    start = time.perf_counter()
     store.save_in_background(state, 5, _is_big)
     state["weight"].add_(1)  # below BACKGROUND_MIN_BYTES: copied before the call returned
+    time.sleep(0.2)  # training goes on before the commit: not part of the save's work
     assert store.pending_copy_done() and tensors_equal(store.load(store.commit_pending()), expected)
+    elapsed = time.perf_counter() - start
+    assert store.last_timing.work == store.last_timing.blocked <= elapsed - 0.2
 
 
 @pytest.mark.usefixtures("small_states_in_background")

@@ -681,7 +681,8 @@ class SnapshotStore:
         blocked = p.begin_seconds + now - commit_start
         copied = 0.0 if p.copier is None else p.copier.seconds or 0.0
         # a synchronous save's work: what blocked, less the wait, plus the copy the helper did
-        self.last_timing = SaveTiming(blocked, blocked - waited + copied if p.copier is not None else now - p.started)
+        # (never the time between the start and the commit, when training went on)
+        self.last_timing = SaveTiming(blocked, blocked - waited + copied)
         background = "" if p.copier is None else f", {copied:.3f} s of it copied in the background"
         log.debug("saved snapshot step=%d rank=%d run=%s%s: %s in %.3f s (training blocked %.3f s%s; %s file) -> %s",
                   p.step, self.rank, self.run_id, f" ({p.reason})" if p.reason else "", _fmt_size(p.enc.file_size),
