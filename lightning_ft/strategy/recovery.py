@@ -209,10 +209,14 @@ class FailureHandler:
                 if text is not None:
                     found_error = f"rank {rank}: {text.decode(errors='replace')}"
                     break
-            raw_verdict = values.get(VERDICT_KEY) if found_detector is None else None
+            # a peer's verdict names the failure unless this rank's own watchdog judged it (hang,
+            # deadlock): a watchdog that only saw the peer open the next round ("rendezvous")
+            # must still read why, or a deadlock the peer found would count as a lost peer
+            own_judgement = found_detector is not None and found_detector != "rendezvous"
+            raw_verdict = None if own_judgement else values.get(VERDICT_KEY)
             if raw_verdict is not None:  # a peer's watchdog broke the round
                 verdict = decode_verdict(raw_verdict)
-                found_detector = verdict.detector if verdict is not None else None
+                found_detector = verdict.detector if verdict is not None else found_detector
             closed = session.rendezvous.closed_reason()
             if found_error is None and closed is not None and closed.kind is CloseKind.FAILED:
                 found_error = str(closed)
