@@ -741,10 +741,7 @@ class SnapshotStore:
         except BaseException:
             os.close(fd)
             self._spare = None
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            _unlink_quietly(path)
             raise
         os.close(fd)
         self._maps.keep(key, mm)
@@ -846,10 +843,7 @@ class SnapshotStore:
             self._maps.forget(final)
             os.replace(tmp, final)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            _unlink_quietly(tmp)
             raise
         # nothing was recycled, so the would-be-recycled file is pruned like any other
         for old in [*plan.delete_after_commit, *([plan.recycle] if plan.recycle not in (None, header.step) else [])]:
