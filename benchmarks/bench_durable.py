@@ -27,16 +27,19 @@ shared, absolute times mean little):
 * time to durable: from the save call until the step's manifest is written in a directory on
   /work's disk (memory save + upload + fsync + size check + marker + manifest) vs a
   raw sequential write of the same number of bytes from memory with ``fsync``
-  (``dd conv=fsync``-style); also the upload alone (time to durable minus the memory save);
+  (``dd conv=fsync``-style), each checkpoint paired with a raw write; unbounded (as the SIGTERM
+  flush runs) and at the default bandwidth bound (as periodic copies run); also the upload
+  alone (time to durable minus the memory save);
 * compute while persisting: a fixed single-threaded matmul loop alone vs while an upload of a
-  committed snapshot is in flight (bandwidth bound: the default 512 MiB/s), with an A/A control;
+  committed snapshot is in flight, at each bandwidth bound of ``--bounds``; anchors: ``dd`` in
+  another process (the disk at full speed), a thread copying memory (no disk), an A/A control;
   the memory save is the blocked time above and is not part of this window;
 * CPU of one upload, machine-wide: direct I/O (ours) vs through the page cache; what a checksum
   pass over the shard would cost (CRC-32, the previous design) vs the snapshot's own
   verification (header CRC + block sums), which is paid only when a shard is read back or
   downloaded.
 
-Usage: ``.venv/bin/python benchmarks/bench_durable.py [--sizes 100,1024] [--repeats 5] [--no-write]``
+Usage: ``.venv/bin/python benchmarks/bench_durable.py [--sizes 100,1024] [--repeats 5] [--bounds 64,512,0] [--no-write]``
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -255,11 +259,55 @@ def loop_costs(size_mib: int, repeats: int, scratch: Path, threads: int) -> dict
 
 
 def args_windows(size_mib: int) -> int:
-    """Upload windows to sample (each followed by as long alone and an A/A control window)."""
-    return 6 if size_mib >= 512 else 30
+    """Windows to sample per kind (each followed by as long alone)."""
+    return 4 if size_mib >= 512 else 20
 
 
-def run_size(size_mib: int, repeats: int, scratch: Path) -> dict:
+def slowdown_window(kind, tier: DurableTier, info, segment: str, scratch: Path) -> tuple[float | None, float]:
+    """(median compute loop during ``kind`` / median alone right after - 1, the window's seconds).
+
+    ``kind``: a bandwidth bound in MiB/s (0: unbounded) for our upload on a thread; "dd": the
+    same file copied by ``dd oflag=direct conv=fsync`` in another process; "memcpy": a thread
+    copying 4 MiB buffers at the default bound's rate; "sleep": a thread sleeping 1 s.
+    """
+    if isinstance(kind, (int, float)):
+        tier.max_bytes_per_second = kind * MiB or None
+        work = threading.Thread(target=tier.upload, args=(info, segment, 1), daemon=True)
+    elif kind == "dd":
+        work = subprocess.Popen(["dd", f"if={info.path}", f"of={scratch / 'dd.bin'}", "bs=4M", "oflag=direct",
+                                 "conv=fsync", "status=none"])
+    elif kind == "memcpy":
+        def copy() -> None:
+            src = torch.empty(4 * MiB, dtype=torch.uint8)
+            dst = torch.empty_like(src)
+            start, done = time.monotonic(), 0
+            while done < info.nbytes:
+                dst.copy_(src)
+                done += src.numel()
+                ahead = done / (DEFAULT_MAX_MIB_PER_SECOND * MiB) - (time.monotonic() - start)
+                if ahead > 0:
+                    time.sleep(ahead)
+        work = threading.Thread(target=copy, daemon=True)
+    else:
+        work = threading.Thread(target=time.sleep, args=(1.0,), daemon=True)
+    start = time.monotonic()
+    if isinstance(work, threading.Thread):
+        work.start()
+    alive = work.is_alive if isinstance(work, threading.Thread) else (lambda: work.poll() is None)
+    during = []
+    while alive():
+        during.append(compute_loop())
+    took = time.monotonic() - start
+    work.join() if isinstance(work, threading.Thread) else work.wait()
+    tier.target.delete("bench")  # the timing parts above are done; keep the disk free
+    during = during[:-1]  # the last loop may have run past the window's end
+    if not during:
+        return None, took
+    alone = [compute_loop() for _ in range(len(during))]
+    return statistics.median(during) / statistics.median(alone) - 1, took
+
+
+def run_size(size_mib: int, repeats: int, scratch: Path, bounds: list[float]) -> dict:
     state = make_state(size_mib)
     shm_root = Path(default_root()) / f"bench-durable-{os.getpid()}"
     store = SnapshotStore(shm_root, run_id="bench", rank=0, keep_last=2)
@@ -281,16 +329,34 @@ def run_size(size_mib: int, repeats: int, scratch: Path) -> dict:
         for _ in range(2):
             save_and_offer()
             persister.wait_idle(600)
-        ours, durable = [], []
-        for _ in range(repeats):
+        def to_durable() -> tuple[float, float]:
+            """(blocked, seconds from the save call until the manifest was written) of one checkpoint."""
             start = time.monotonic()
             save_and_offer()
-            ours.append(time.monotonic() - start)
+            blocked = time.monotonic() - start
             persister.wait_idle(600)
             published = tier.last_published
             assert published is not None and published[0] == step, "the step did not become durable"
-            durable.append(published[1] - start)  # the manifest was written (retention runs after)
+            return blocked, published[1] - start  # the manifest was written (retention runs after)
+
+        # each checkpoint right before a raw write of as many bytes: a pair sees the same disk
+        # (this VM's fsync time drifts by 2x within minutes), and the ratio is taken per pair
+        ours, durable, raw, ratios = [], [], [], []
+        for _ in range(repeats):
+            blocked, seconds = to_durable()
+            raw.append(raw_write_fsync(scratch / "raw.bin", store.list()[0].nbytes))
+            ours.append(blocked)
+            durable.append(seconds)
+            ratios.append(seconds / raw[-1])
         result["ours_blocked"] = statistics.median(ours)
+        result["to_durable"] = statistics.median(durable)
+        result["raw_fsync"] = statistics.median(raw)
+        result["to_durable_ratio"] = statistics.median(ratios)
+        result["upload_mib_s"] = (persister.measured_bytes_per_second or 0) / MiB
+        # periodic copies run at the default bandwidth bound (so the training is not starved)
+        tier.max_bytes_per_second = DEFAULT_MAX_MIB_PER_SECOND * MiB
+        result["to_durable_bounded"] = statistics.median(to_durable()[1] for _ in range(min(repeats, 3)))
+        tier.max_bytes_per_second = None
         # a new snapshot never waits for an upload in flight: save + offer while the previous
         # step's upload runs (the offer supersedes; the file being uploaded is held, so this
         # save cannot recycle it)
@@ -304,10 +370,6 @@ def run_size(size_mib: int, repeats: int, scratch: Path) -> dict:
             busy.append(time.monotonic() - start)
             persister.wait_idle(600)
         result["ours_blocked_busy"] = statistics.median(busy)
-        result["to_durable"] = statistics.median(durable)
-        result["upload_mib_s"] = (persister.measured_bytes_per_second or 0) / MiB
-        nbytes = store.list()[0].nbytes
-        result["raw_fsync"] = statistics.median(raw_write_fsync(scratch / "raw.bin", nbytes) for _ in range(repeats))
 
         disk = scratch / "ckpt"
         disk.mkdir()
@@ -323,37 +385,27 @@ def run_size(size_mib: int, repeats: int, scratch: Path) -> dict:
         result["dcp_blocked"] = dcp_async_blocked(state, disk / "dcp", repeats)
 
         # compute alone vs while one upload is in flight (the memory save is the blocked time above,
-        # so it is not counted twice here): the committed snapshot is uploaded again under fresh
-        # segment names at the default bandwidth bound while the training thread runs compute
-        # loops; after each upload the same number of loops runs alone. A/A control: the same
-        # windows with a thread that only sleeps as long as an upload took.
+        # so it is not counted twice here), at each bandwidth bound in turn, window by window (the
+        # machine drifts): the committed snapshot is uploaded again under fresh segment names while
+        # the training thread runs compute loops; after each window as many loops run alone.
+        # Anchors: the same bytes copied by `dd oflag=direct` in another process (this disk at full
+        # speed, not our code), a thread copying memory at the default bound's rate (memory traffic
+        # alone, no disk), and a thread that only sleeps (A/A control).
         info = store.save(state, step + 1)
         store.hold(info.step)
-        tier.max_bytes_per_second = DEFAULT_MAX_MIB_PER_SECOND * MiB
-        slowdown: dict[str, list[float]] = {"upload": [], "control": []}
-        upload_seconds = 1.0
+        kinds = [*bounds, "dd", "memcpy", "sleep"]
+        slowdown: dict = {kind: [] for kind in kinds}
+        seconds: dict = {kind: [] for kind in kinds}
         for window in range(args_windows(size_mib)):
-            for kind in ("upload", "control"):
-                if kind == "upload":
-                    start = time.monotonic()
-                    work = threading.Thread(target=tier.upload, args=(info, f"overhead{window}", 1), daemon=True)
-                else:
-                    work = threading.Thread(target=time.sleep, args=(upload_seconds,), daemon=True)
-                work.start()
-                during = []
-                while work.is_alive():
-                    during.append(compute_loop())
-                work.join()
-                if kind == "upload":
-                    upload_seconds = time.monotonic() - start
-                    tier.target.delete("bench")  # the timing parts above are done; keep the disk free
-                during = during[:-1]  # the last loop may have run past the window's end
-                alone = [compute_loop() for _ in range(max(1, len(during)))]
-                if during:
-                    slowdown[kind].append(statistics.median(during) / statistics.median(alone) - 1)
-        result["slowdown"] = statistics.median(slowdown["upload"])
-        result["slowdown_control"] = statistics.median(slowdown["control"])
-        result["windows"] = len(slowdown["upload"])
+            for kind in kinds:
+                ratio, took = slowdown_window(kind, tier, info, f"overhead{window}", scratch)
+                if ratio is not None:
+                    slowdown[kind].append(ratio)
+                    seconds[kind].append(took)
+        result["slowdown"] = {kind: statistics.median(v) for kind, v in slowdown.items() if v}
+        result["slowdown_seconds"] = {kind: statistics.median(v) for kind, v in seconds.items() if v}
+        result["windows"] = len(slowdown["sleep"])
+        tier.max_bytes_per_second = DEFAULT_MAX_MIB_PER_SECOND * MiB
         # CPU time of one upload, whole machine (/proc/stat: every thread and the kernel's
         # write-back), direct I/O (ours) against the same upload through the page cache
         result["upload_cpu"] = upload_cpu_seconds(tier, info, "cpu-direct")
@@ -400,26 +452,46 @@ def render(results: list[dict], load: tuple[float, float]) -> str:
                          f"| {r['ours_sync_blocked']:.3f} / {r['ours_sync_cost']:.3f} s "
                          f"| {r['async_blocked']:.3f} / {r['async_cost']:.3f} s | {r['sync_blocked']:.3f} / "
                          f"{r['sync_cost']:.3f} s | {r['async_blocked'] / ours:.1f}x | {r['sync_blocked'] / ours:.1f}x |")
-    lines += ["", "Time from the save call to durable (manifest written) vs a raw write + fsync of the same bytes:", "",
-              "| state | to durable | raw write + fsync | ratio | upload alone / raw | upload rate |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "Time from the save call to durable (manifest written) vs a raw write + fsync of the same bytes, "
+              "each checkpoint paired with a raw write right after it (ratio: median of the pairs' ratios); "
+              "unbounded, as the SIGTERM flush runs, and at the default bandwidth bound "
+              f"({DEFAULT_MAX_MIB_PER_SECOND:g} MiB/s), as periodic copies run:", "",
+              "| state | to durable | raw write + fsync | ratio | upload alone / raw | upload rate "
+              "| to durable at the default bound |",
+              "|---|---|---|---|---|---|---|"]
     for r in full:
         upload = r["to_durable"] - r["ours_blocked"]
         lines.append(f"| {r['size_mib']} MiB | {r['to_durable']:.3f} s | {r['raw_fsync']:.3f} s | "
-                     f"{r['to_durable'] / r['raw_fsync']:.2f}x | {upload / r['raw_fsync']:.2f}x | "
-                     f"{r['upload_mib_s']:.0f} MiB/s |")
-    lines += ["", "A single-threaded compute loop (16 256x256 matmuls and tanh, ~0.02 s) while an upload of the committed "
-              f"snapshot is in flight (bandwidth bound {DEFAULT_MAX_MIB_PER_SECOND:.0f} MiB/s) vs alone right after; "
-              "A/A control: the same with a thread that only sleeps; median over windows of the per-window median "
-              "ratio. CPU: machine-wide (/proc/stat, write-back included) for one upload, ours (direct I/O) "
-              "vs the same upload through the page cache (`sendfile`); a CRC-32 pass over the shard (the upload no longer "
-              "runs one: its checksum is the snapshot header's CRC) and the snapshot's own verification (block sums; "
-              "paid only by a read back or a download):", "",
-              "| state | slowdown while uploading | A/A control | windows | upload CPU (direct) | upload CPU "
-              "(page cache) | CRC-32 pass | verify (block sums) |", "|---|---|---|---|---|---|---|---|"]
+                     f"{r['to_durable_ratio']:.2f}x | {upload / r['raw_fsync']:.2f}x | "
+                     f"{r['upload_mib_s']:.0f} MiB/s | {r['to_durable_bounded']:.3f} s |")
+    kinds = [k for k in (full[0]["slowdown"] if full else {})]
+
+    def kind_name(kind) -> str:
+        if isinstance(kind, float):
+            return f"ours, {kind:g} MiB/s" if kind else "ours, unbounded"
+        return {"dd": "`dd oflag=direct`, other process", "memcpy": f"memory copy {DEFAULT_MAX_MIB_PER_SECOND:g} MiB/s",
+                "sleep": "A/A (sleep)"}[kind]
+
+    lines += ["", "A single-threaded compute loop (16 256x256 matmuls and tanh, ~0.02 s) while something runs vs "
+              "alone right after: our upload of the committed snapshot at each bandwidth bound, the same bytes "
+              "copied by `dd` in another process at full speed, a thread copying memory at the default bound's "
+              "rate (no disk), a thread that sleeps (A/A control); window by window in turn, median over windows of "
+              "the per-window median ratio; lost = slowdown x the window's length (compute time the whole copy "
+              "costs):", "",
+              "| state | windows | " + " | ".join(kind_name(k) for k in kinds) + " |",
+              "|---|---|" + "---|" * len(kinds)]
     for r in full:
-        lines.append(f"| {r['size_mib']} MiB | {r['slowdown'] * 100:+.1f} % | {r['slowdown_control'] * 100:+.1f} % | "
-                     f"{r['windows']} | {r['upload_cpu']:.2f} s | {r['upload_cpu_buffered']:.2f} s | "
+        cells = [f"{r['slowdown'][k] * 100:+.1f} % ({r['slowdown_seconds'][k]:.1f} s, lost "
+                 f"{r['slowdown'][k] * r['slowdown_seconds'][k]:.2f} s)" for k in kinds]
+        lines.append(f"| {r['size_mib']} MiB | {r['windows']} | " + " | ".join(cells) + " |")
+    lines += ["", "CPU: machine-wide (/proc/stat, write-back included) for one upload, ours (direct I/O) vs the same "
+              "upload through the page cache (`sendfile`); a CRC-32 pass over the shard (the upload no longer runs one: "
+              "its checksum is the snapshot header's CRC) and the snapshot's own verification (block sums; paid only by "
+              "a read back or a download):", "",
+              "| state | upload CPU (direct) | upload CPU (page cache) | CRC-32 pass | verify (block sums) |",
+              "|---|---|---|---|---|"]
+    for r in full:
+        lines.append(f"| {r['size_mib']} MiB | {r['upload_cpu']:.2f} s | {r['upload_cpu_buffered']:.2f} s | "
                      f"{r['crc_cpu']:.2f} s | {r['verify_cpu']:.2f} s |")
     return "\n".join(lines) + "\n"
 
@@ -430,8 +502,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-write", action="store_true", help="print only; do not update RESULTS.md")
     parser.add_argument("--loop-threads", default="1,2", help="torch threads of the training-loop section (empty: skip it)")
+    parser.add_argument("--bounds", default=f"{DEFAULT_MAX_MIB_PER_SECOND:g},512,0",
+                        help="bandwidth bounds (MiB/s, 0: unbounded) of the slowdown section")
     parser.add_argument("--only-loop", action="store_true", help="only the training-loop section (print; no write)")
     args = parser.parse_args()
+    bounds = list(dict.fromkeys(float(b) for b in args.bounds.split(",") if b))
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
     scratch = Path(tempfile.mkdtemp(prefix="bench-durable-", dir=HERE))
@@ -440,7 +515,7 @@ def main() -> None:
         for size in args.sizes.split(","):
             run_dir = scratch / size
             run_dir.mkdir()
-            result = {"size_mib": int(size)} if args.only_loop else run_size(int(size), args.repeats, run_dir)
+            result = {"size_mib": int(size)} if args.only_loop else run_size(int(size), args.repeats, run_dir, bounds)
             result["loops"] = [loop_costs(int(size), args.repeats, run_dir, int(threads))
                                for threads in args.loop_threads.split(",") if threads]
             results.append(result)

@@ -310,6 +310,49 @@ def test_flush_waits_for_the_running_upload_then_copies_the_newest_or_reports_it
     assert 4 not in tier.complete_steps() and store.held_steps() == set()
 
 
+def test_a_flush_lifts_the_bandwidth_bound_of_the_running_upload_and_its_own(tmp_path, stores):
+    """At the bound below, each 8 MiB shard needs 128 s: the flush and the upload it waits for end
+    well inside the 60 s deadline only because the bound no longer applies to them."""
+    import time
+
+    store = stores[0]
+    tier = tier_at(tmp_path)
+    tier.max_bytes_per_second = 64 << 10
+    big = {"state_dict": {"w": torch.randn(2 << 20)}, "global_step": 1}
+    persister = DurablePersister(tier, lambda: store, rank=0)
+    paced = []
+    real_upload = tier.upload
+
+    def recorded(*a, **k):
+        result = real_upload(*a, **k)
+        paced.append(result)
+        return result
+
+    tier.upload = recorded
+    assert persister.offer(store.save(big, 1), "seg", 1) == "start"
+    deadline = time.monotonic() + 60
+    while persister._busy is None and time.monotonic() < deadline:  # the upload is in flight
+        time.sleep(0.01)
+    result = persister.flush(store.save(dict(big, global_step=2), 2), "seg", 1, deadline=deadline)
+    assert result is not None and result.complete and result.paced_seconds < 60
+    assert [r.step for r in paced] == [1, 2] and tier.complete_steps() == [1, 2]
+    assert persister.measured_unbounded_bytes_per_second >= persister.measured_bytes_per_second
+    # back to the bound afterwards: a periodic upload is paced again
+    persister.offer(store.save(state(3.0), 3), "seg", 1)
+    assert persister._rate() == 64 << 10
+    assert persister.wait_idle(60)
+
+
+def test_a_bounded_upload_reports_its_paced_time_and_its_unbounded_rate(tmp_path, stores):
+    tier = tier_at(tmp_path)
+    info = stores[0].save({"state_dict": {"w": torch.randn(256 << 10)}, "global_step": 1}, 1)  # 1 MiB
+    tier.max_bytes_per_second = 4 << 20
+    bounded = tier.upload(info, "a", 1)
+    assert bounded.paced_seconds > 0 and bounded.unbounded_bytes_per_second > bounded.nbytes / bounded.seconds
+    tier.max_bytes_per_second = None
+    assert tier.upload(info, "b", 1).paced_seconds == 0
+
+
 def test_an_unlistable_durable_storage_is_unknown_not_empty(tmp_path, monkeypatch):
     from lightning_ft.checkpoint.resume import agree_across_tiers
 

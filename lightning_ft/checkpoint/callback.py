@@ -315,7 +315,7 @@ class EmergencyCheckpoint(pl.Callback):
         persister = self._persister
         if persister is None or self._segment is None:
             return "memory", "no durable tier"
-        fits, why = flush_fits(info.nbytes, persister.measured_bytes_per_second, budget_left_s)
+        fits, why = flush_fits(info.nbytes, persister.measured_unbounded_bytes_per_second, budget_left_s)
         if not fits:
             return "memory", why
         deadline = time.monotonic() + budget_left_s

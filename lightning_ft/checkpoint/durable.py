@@ -175,15 +175,20 @@ class _ShardSource(FileRanges):
     """A committed snapshot file as the source of one upload: paced ranges of a read-only map.
 
     Ranges are at most 1/8 s of the bandwidth bound in size (:func:`range_bytes`), paced by a
-    token bucket (a burst of one range). The target copies them (a directory: direct writes
-    from the map or ``sendfile``; fsspec: the mapped bytes); nothing here reads the data.
+    token bucket (a burst of one range). The bound is read before every range (``rate()``), so
+    a SIGTERM flush can lift it for an upload already running. The target copies the ranges (a
+    directory: direct writes from the map or ``sendfile``; fsspec: the mapped bytes); nothing
+    here reads the data.
     """
 
-    def __init__(self, fd: int, nbytes: int, max_bytes_per_second: float | None, deadline: float | None) -> None:
+    def __init__(self, fd: int, nbytes: int, rate: Callable[[], float | None], deadline: float | None) -> None:
         self.fd = fd
         self.nbytes = nbytes
-        self.rate = max_bytes_per_second
+        self.rate = rate
         self.deadline = deadline
+        #: seconds spent waiting for the token bucket (the upload's time minus this: what it
+        #: takes unbounded, which the SIGTERM flush runs at)
+        self.paced_seconds = 0.0
         self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         self._view = memoryview(self._map)
 
@@ -192,16 +197,18 @@ class _ShardSource(FileRanges):
 
     def ranges(self) -> Iterator[tuple[int, int]]:
         offset = 0
-        chunk_bytes = range_bytes(self.rate)
+        chunk_bytes = range_bytes(self.rate())
         tokens, last = float(chunk_bytes), time.monotonic()
         while offset < self.nbytes:
             n = min(chunk_bytes, self.nbytes - offset)
-            if self.rate:
+            rate = self.rate()
+            if rate:
                 now = time.monotonic()
-                wait, tokens = bucket_delay(tokens, now - last, self.rate, float(chunk_bytes), n)
+                wait, tokens = bucket_delay(tokens, now - last, rate, float(chunk_bytes), n)
                 last = now + wait
                 if wait:
                     time.sleep(wait)
+                    self.paced_seconds += wait
             if self.deadline is not None and time.monotonic() > self.deadline:
                 raise UploadCancelled(f"deadline passed after {offset} of {self.nbytes} bytes")
             yield offset, n
@@ -223,6 +230,13 @@ class UploadResult:
     nbytes: int
     seconds: float
     complete: bool
+    #: of ``seconds``, the time the bandwidth bound made the upload wait
+    paced_seconds: float = 0.0
+
+    @property
+    def unbounded_bytes_per_second(self) -> float:
+        """The rate this upload would have had without the bandwidth bound."""
+        return self.nbytes / max(self.seconds - self.paced_seconds, 1e-6)
 
 
 class DurableTier:
@@ -260,13 +274,16 @@ class DurableTier:
 
     # ------------------------------------------------------------------ writing
     def upload(self, info: SnapshotInfo, segment: str, world_size: int, deadline: float | None = None,
-               fd: int | None = None) -> UploadResult:
+               fd: int | None = None, rate: Callable[[], float | None] | None = None) -> UploadResult:
         """Copy the committed snapshot file ``info`` verbatim as this rank's shard, verify, mark done,
         and publish the step's manifest when every rank's marker is there.
 
         The caller keeps the file from being overwritten meanwhile (``SnapshotStore.hold``); ``fd``:
-        the file opened beforehand (then it may be pruned meanwhile; closed here). Raises UploadCancelled past ``deadline`` (time.monotonic()), OSError/SnapshotError otherwise;
-        then no marker is written and the step is not durable.
+        the file opened beforehand (then it may be pruned meanwhile; closed here); ``rate``: the
+        bandwidth bound in bytes/s, asked before every range (None from it: unbounded; default:
+        this tier's ``max_bytes_per_second``). Raises UploadCancelled past ``deadline``
+        (time.monotonic()), OSError/SnapshotError otherwise; then no marker is written and the
+        step is not durable.
         """
         start = time.monotonic()
         if fd is None:
@@ -281,12 +298,13 @@ class DurableTier:
             if st.st_size < nbytes:
                 raise fmt.SnapshotError(f"{info.path} is shorter than its header says")
             checksum = shard_checksum(header)
-            source = _ShardSource(fd, nbytes, self.max_bytes_per_second, deadline)
+            source = _ShardSource(fd, nbytes, rate or (lambda: self.max_bytes_per_second), deadline)
             shard = self.shard_path(info.step, segment, info.rank)
             try:
                 self.target.write(shard, source)
             finally:
                 source.close()
+            paced = source.paced_seconds
         finally:
             os.close(fd)
         self._verify(shard, nbytes, checksum, read_back=self.target.read_back_verifies)
@@ -294,7 +312,7 @@ class DurableTier:
         self.target.write(self.marker_path(info.step, segment, info.rank), [json.dumps(marker.__dict__).encode()])
         seconds = time.monotonic() - start
         complete = self.publish_if_complete(info.step, segment)
-        return UploadResult(info.step, nbytes, seconds, complete)
+        return UploadResult(info.step, nbytes, seconds, complete, paced)
 
     def _verify(self, path: str, nbytes: int, checksum: str, read_back: bool) -> None:
         size = self.target.size(path)
@@ -447,6 +465,12 @@ class DurablePersister:
         self.last_uploaded_step: int | None = None
         #: bytes/s of the last finished upload (upload + verify), None before the first
         self.measured_bytes_per_second: float | None = None
+        #: the same without the time the bandwidth bound made it wait: what a flush, which runs
+        #: unbounded, can expect
+        self.measured_unbounded_bytes_per_second: float | None = None
+        # set while a flush runs: the upload in flight and the flush's own go unbounded (the
+        # training is stopped; only the grace period counts now)
+        self._unbounded = False
         self.failures = 0
         self.skipped = 0
 
@@ -505,7 +529,7 @@ class DurablePersister:
     def _upload(self, info: SnapshotInfo, segment: str, world_size: int, deadline: float | None,
                 fd: int | None = None) -> UploadResult | None:
         try:
-            result = self.tier.upload(info, segment, world_size, deadline=deadline, fd=fd)
+            result = self.tier.upload(info, segment, world_size, deadline=deadline, fd=fd, rate=self._rate)
         except Exception as exc:  # noqa: BLE001 - a failed copy never stops training; the next one may work
             self.failures += 1
             log.warning("rank %d: durable copy of step %d failed (not durable): %s: %s", self.rank, info.step,
@@ -514,6 +538,7 @@ class DurablePersister:
             return None
         self.last_uploaded_step = info.step
         self.measured_bytes_per_second = result.nbytes / max(result.seconds, 1e-6)
+        self.measured_unbounded_bytes_per_second = result.unbounded_bytes_per_second
         if result.complete:
             self.last_durable_step = info.step
         self._emit(ev.DURABLE_UPLOAD, step=info.step, bytes=result.nbytes, seconds=round(result.seconds, 4),
@@ -521,6 +546,9 @@ class DurablePersister:
         log.debug("rank %d: shard of step %d durable in %.3f s (%.1f MiB/s)%s", self.rank, info.step,
                   result.seconds, self.measured_bytes_per_second / 2**20, "; step complete" if result.complete else "")
         return result
+
+    def _rate(self) -> float | None:
+        return None if self._unbounded else self.tier.max_bytes_per_second
 
     def idle(self) -> bool:
         with self._cv:
@@ -540,25 +568,34 @@ class DurablePersister:
     def flush(self, info: SnapshotInfo, segment: str, world_size: int, deadline: float) -> UploadResult | None:
         """Make ``info`` durable on the calling thread before ``deadline`` (SIGTERM path).
 
-        Waits for a running upload first (an upload of the same step counts), dropping queued
-        older offers. Returns None if it did not become durable in time.
+        Runs without the bandwidth bound (the training is stopped), and lifts it for a running
+        upload, which it waits for first (an upload of the same step counts); queued older offers
+        are dropped. Returns None if it did not become durable in time.
         """
         with self._cv:
-            if self._pending is not None:
-                self._drop_pending()
-            while self._busy is not None and time.monotonic() < deadline:
-                self._cv.wait(max(0.0, deadline - time.monotonic()))
-            if self._busy is not None:
-                return None
-            if self.last_uploaded_step == info.step:
-                return UploadResult(info.step, info.nbytes, 0.0, self.last_durable_step == info.step)
-            self._busy = info.step
-            holder = self._snapshot_store()
-            holder.hold(info.step)
+            self._unbounded = True
+            uploading = False
+            try:
+                if self._pending is not None:
+                    self._drop_pending()
+                while self._busy is not None and time.monotonic() < deadline:
+                    self._cv.wait(max(0.0, deadline - time.monotonic()))
+                if self._busy is not None:
+                    return None
+                if self.last_uploaded_step == info.step:
+                    return UploadResult(info.step, info.nbytes, 0.0, self.last_durable_step == info.step)
+                self._busy = info.step
+                holder = self._snapshot_store()
+                holder.hold(info.step)
+                uploading = True
+            finally:
+                if not uploading:
+                    self._unbounded = False
         try:
             return self._upload(info, segment, world_size, deadline)
         finally:
             with self._cv:
                 self._busy = None
+                self._unbounded = False
                 self._cv.notify_all()
             holder.release(info.step)
