@@ -28,18 +28,22 @@ shared, absolute times mean little):
   /work's disk (memory save + upload + fsync + size check + marker + manifest) vs a
   raw sequential write of the same number of bytes from memory with ``fsync``
   (``dd conv=fsync``-style), each checkpoint paired with a raw write; unbounded (as the SIGTERM
-  flush runs) and at the default bandwidth bound (as periodic copies run); also the upload
+  flush runs) and at the bound paced periodic copies start at; also the upload
   alone (time to durable minus the memory save);
 * compute while persisting: a fixed single-threaded matmul loop alone vs while an upload of a
   committed snapshot is in flight, at each bandwidth bound of ``--bounds``; anchors: ``dd`` in
   another process (the disk at full speed), a thread copying memory (no disk), an A/A control;
   the memory save is the blocked time above and is not part of this window;
+* pacing in a training loop: the MLP above (batch 4) with a snapshot and a durable copy every
+  so many steps that a copy at the starting bound takes half the interval, paced as by default;
+  the bound after each of the pacer's verdicts and the slowdown of steps during uploads over
+  the run's second half (``--pacing-uploads``);
 * CPU of one upload, machine-wide: direct I/O (ours) vs through the page cache; what a checksum
   pass over the shard would cost (CRC-32, the previous design) vs the snapshot's own
   verification (header CRC + block sums), which is paid only when a shard is read back or
   downloaded.
 
-Usage: ``.venv/bin/python benchmarks/bench_durable.py [--sizes 100,1024] [--repeats 5] [--bounds 64,512,0] [--no-write]``
+Usage: ``.venv/bin/python benchmarks/bench_durable.py [--sizes 100,1024] [--repeats 5] [--bounds 64,512,0] [--pacing-uploads 8] [--no-write]``
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from lightning_ft.checkpoint.callback import changed_only_by_optimizer_steps
 from lightning_ft.checkpoint.durable import DEFAULT_MAX_MIB_PER_SECOND, DurablePersister, DurableTier
 from lightning_ft.checkpoint.durable_target import LocalDirTarget
 from lightning_ft.checkpoint.store import SnapshotStore, default_root
+from lightning_ft.checkpoint.tiers import PACING_START_BYTES_PER_SECOND, UploadPacer
 
 HERE = Path(__file__).resolve().parent
 LOOP_EVERY = 4  # training-loop section: a checkpoint every so many steps
@@ -162,13 +167,13 @@ def checksum_cpu_seconds(path: str) -> tuple[float, float]:
 class LoopModel:
     """An MLP whose parameters are a third of ``size_mib`` (Adam's two moments are the rest)."""
 
-    def __init__(self, size_mib: int) -> None:
+    def __init__(self, size_mib: int, batch: int = 16) -> None:
         width = 1024 if size_mib < 512 else 2048
         layers = max(1, size_mib * MiB // 3 // 4 // (width * width))
         torch.manual_seed(0)
         self.model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
-        self.batch = torch.randn(16, width)
+        self.batch = torch.randn(batch, width)
         self.step = 0
         self.train_step()  # the optimizer state exists from here on
 
@@ -256,6 +261,49 @@ def loop_costs(size_mib: int, repeats: int, scratch: Path, threads: int) -> dict
         shutil.rmtree(shm_root, ignore_errors=True)
         torch.set_num_threads(1)
     return result
+
+
+def pacing_loop(size_mib: int, scratch: Path, uploads: int) -> dict:
+    """A training loop (torch on one thread, batch 4) with a snapshot and a durable copy every
+    so many steps that a copy at the starting bound takes about half the interval, ``uploads``
+    times, paced as ``EmergencyCheckpoint`` paces by default (budget 2 %, start 64 MiB/s, at
+    most the default bound): the pacer's verdicts, and the slowdown of the steps an upload ran
+    through against the steps no upload touched over the run's second half, measured here by the
+    same rule but independently of the pacer."""
+    torch.set_num_threads(1)
+    loop = LoopModel(size_mib, batch=4)
+    start = time.perf_counter()
+    for _ in range(5):
+        loop.train_step()
+    step_seconds = (time.perf_counter() - start) / 5
+    every = max(20, round(2 * size_mib / 64 / step_seconds))
+    steps = every * uploads
+    shm_root = Path(default_root()) / f"bench-pacing-{os.getpid()}"
+    store = SnapshotStore(shm_root, run_id="bench", rank=0, keep_last=2)
+    tier = DurableTier(LocalDirTarget(str(scratch / "pacing-durable"), direct_io=True), "bench", keep_last=2)
+    verdicts: list[dict] = []
+    persister = DurablePersister(tier, lambda: store, rank=0, pacer=UploadPacer(DEFAULT_MAX_MIB_PER_SECOND * MiB),
+                                 emit=lambda event, **fields: event == "durable_pacing" and verdicts.append(fields))
+    busy: list[float] = []
+    idle: list[float] = []
+    try:
+        for i in range(steps):
+            if i % every == 0:
+                persister.offer(store.save(loop.checkpoint(), loop.step), "bench", 1)
+            mark = persister.activity()
+            start = time.perf_counter()
+            loop.train_step()
+            seconds = time.perf_counter() - start
+            persister.observe_step(seconds, mark)
+            if i >= steps // 2 and persister.activity() == mark:
+                (busy if mark[0] else idle).append(seconds)
+    finally:
+        persister.wait_idle(600)
+        store.close()
+        shutil.rmtree(shm_root, ignore_errors=True)
+    return {"size_mib": size_mib, "every": every, "steps": steps, "step": statistics.median(idle), "uploads": uploads,
+            "rates": [v["mib_per_second"] for v in verdicts], "slowdowns": [v["slowdown"] for v in verdicts],
+            "slowdown": statistics.median(busy) / statistics.median(idle) - 1, "busy": len(busy), "idle": len(idle)}
 
 
 def args_windows(size_mib: int) -> int:
@@ -353,8 +401,8 @@ def run_size(size_mib: int, repeats: int, scratch: Path, bounds: list[float]) ->
         result["raw_fsync"] = statistics.median(raw)
         result["to_durable_ratio"] = statistics.median(ratios)
         result["upload_mib_s"] = (persister.measured_bytes_per_second or 0) / MiB
-        # periodic copies run at the default bandwidth bound (so the training is not starved)
-        tier.max_bytes_per_second = DEFAULT_MAX_MIB_PER_SECOND * MiB
+        # periodic copies run paced (so the training is not starved), from this bound on
+        tier.max_bytes_per_second = PACING_START_BYTES_PER_SECOND
         result["to_durable_bounded"] = statistics.median(to_durable()[1] for _ in range(min(repeats, 3)))
         tier.max_bytes_per_second = None
         # a new snapshot never waits for an upload in flight: save + offer while the previous
@@ -454,10 +502,10 @@ def render(results: list[dict], load: tuple[float, float]) -> str:
                          f"{r['sync_cost']:.3f} s | {r['async_blocked'] / ours:.1f}x | {r['sync_blocked'] / ours:.1f}x |")
     lines += ["", "Time from the save call to durable (manifest written) vs a raw write + fsync of the same bytes, "
               "each checkpoint paired with a raw write right after it (ratio: median of the pairs' ratios); "
-              "unbounded, as the SIGTERM flush runs, and at the default bandwidth bound "
-              f"({DEFAULT_MAX_MIB_PER_SECOND:g} MiB/s), as periodic copies run:", "",
+              "unbounded, as the SIGTERM flush runs, and at the bound periodic copies start at when paced "
+              f"({PACING_START_BYTES_PER_SECOND / MiB:g} MiB/s):", "",
               "| state | to durable | raw write + fsync | ratio | upload alone / raw | upload rate "
-              "| to durable at the default bound |",
+              f"| to durable at {PACING_START_BYTES_PER_SECOND / MiB:g} MiB/s |",
               "|---|---|---|---|---|---|---|"]
     for r in full:
         upload = r["to_durable"] - r["ours_blocked"]
@@ -484,6 +532,21 @@ def render(results: list[dict], load: tuple[float, float]) -> str:
         cells = [f"{r['slowdown'][k] * 100:+.1f} % ({r['slowdown_seconds'][k]:.1f} s, lost "
                  f"{r['slowdown'][k] * r['slowdown_seconds'][k]:.2f} s)" for k in kinds]
         lines.append(f"| {r['size_mib']} MiB | {r['windows']} | " + " | ".join(cells) + " |")
+    paced = [r["pacing"] for r in full if "pacing" in r]
+    if paced:
+        lines += ["", "Pacing in a training loop (the MLP above, torch on one thread, batch 4; a snapshot and a durable "
+                      "copy every so many steps that a copy at 64 MiB/s takes half the interval; paced as by "
+                      "default: budget 2 %, start 64 MiB/s, at most "
+                      f"{DEFAULT_MAX_MIB_PER_SECOND:g} MiB/s): the bound after each verdict, and over the run's second "
+                      "half the median step an upload ran through against the median step no upload touched "
+                      "(measured by the bench, not by the pacer):", "",
+                  "| state | steps (copy every) | step | bound after each verdict (MiB/s) | slowdown during uploads "
+                  "| steps during / without uploads |",
+                  "|---|---|---|---|---|---|"]
+        for r in paced:
+            bounds = ", ".join(f"{rate:g}" for rate in r["rates"]) or "no verdict (64)"
+            lines.append(f"| {r['size_mib']} MiB | {r['steps']} ({r['every']}) | {r['step']:.3f} s | {bounds} | "
+                         f"{r['slowdown'] * 100:+.1f} % | {r['busy']} / {r['idle']} |")
     lines += ["", "CPU: machine-wide (/proc/stat, write-back included) for one upload, ours (direct I/O) vs the same "
               "upload through the page cache (`sendfile`); a CRC-32 pass over the shard (the upload no longer runs one: "
               "its checksum is the snapshot header's CRC) and the snapshot's own verification (block sums; paid only by "
@@ -502,8 +565,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-write", action="store_true", help="print only; do not update RESULTS.md")
     parser.add_argument("--loop-threads", default="1,2", help="torch threads of the training-loop section (empty: skip it)")
-    parser.add_argument("--bounds", default=f"{DEFAULT_MAX_MIB_PER_SECOND:g},512,0",
+    parser.add_argument("--bounds", default="64,128,512,0",
                         help="bandwidth bounds (MiB/s, 0: unbounded) of the slowdown section")
+    parser.add_argument("--pacing-uploads", type=int, default=8,
+                        help="durable copies in the pacing section per size (0: skip it)")
     parser.add_argument("--only-loop", action="store_true", help="only the training-loop section (print; no write)")
     args = parser.parse_args()
     bounds = list(dict.fromkeys(float(b) for b in args.bounds.split(",") if b))
@@ -518,6 +583,8 @@ def main() -> None:
             result = {"size_mib": int(size)} if args.only_loop else run_size(int(size), args.repeats, run_dir, bounds)
             result["loops"] = [loop_costs(int(size), args.repeats, run_dir, int(threads))
                                for threads in args.loop_threads.split(",") if threads]
+            if args.pacing_uploads and not args.only_loop:
+                result["pacing"] = pacing_loop(int(size), run_dir, args.pacing_uploads)
             results.append(result)
             shutil.rmtree(run_dir, ignore_errors=True)
             print(results[-1], flush=True)

@@ -175,6 +175,45 @@ def test_settings_come_from_the_environment_and_bad_ones_are_clear(tmp_path):
         resolve_durable_settings(str(tmp_path), keep_last=0, environ={})
     with pytest.raises(ValueError, match="nosuchscheme"):
         open_target("nosuchscheme://bucket/x")
+    # pacing: on by default (2 %), off with 0 or without a bound, bad values named
+    assert settings.pacer() is None  # unbounded: nothing to pace
+    paced = resolve_durable_settings(str(tmp_path), environ={})
+    assert paced.max_overhead == 0.02 and paced.pacer().ceiling == 512 * 2**20
+    assert resolve_durable_settings(str(tmp_path), environ={"LIGHTNING_FT_PERSIST_MAX_OVERHEAD": "0"}).pacer() is None
+    for bad in ("-0.1", "1.5"):
+        with pytest.raises(ValueError, match="persist_max_overhead"):
+            resolve_durable_settings(str(tmp_path), environ={"LIGHTNING_FT_PERSIST_MAX_OVERHEAD": bad})
+
+
+def test_the_persister_paces_by_steps_an_upload_ran_through_and_leaves_out_the_rest(tmp_path, stores):
+    """A real upload on the persister's thread, held at 64 KiB/s so it runs through the steps below;
+    the step durations are given, so the verdict is known."""
+    from lightning_ft.checkpoint.tiers import UploadPacer
+
+    store = stores[0]
+    tier = tier_at(tmp_path)
+    events = []
+    pacer = UploadPacer(ceiling=64 << 10, budget=0.02, floor=16 << 10, min_steps=4)  # 10 % slower below: clear
+    persister = DurablePersister(tier, lambda: store, rank=0, emit=lambda e, **f: events.append((e, f)), pacer=pacer)
+    assert tier.max_bytes_per_second == 64 << 10  # the pacer's start, capped by the bound
+    for _ in range(4):
+        persister.observe_step(1.0, persister.activity())  # idle steps
+    before = persister.activity()
+    persister.offer(store.save({"state_dict": {"w": torch.randn(1 << 20)}, "global_step": 1}, 1), "seg", 1)
+    import time
+
+    deadline = time.monotonic() + 30
+    while not persister.activity()[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    persister.observe_step(5.0, before)  # the upload started inside this step: left out
+    for _ in range(4):
+        persister.observe_step(1.1, persister.activity())
+    assert [e for e, _ in events] == ["durable_pacing"]
+    fields = events[0][1]
+    assert fields["slowdown"] == pytest.approx(0.1) and (fields["busy_steps"], fields["idle_steps"]) == (4, 4)
+    assert tier.max_bytes_per_second == 16 << 10 and fields["mib_per_second"] == round((16 << 10) / 2**20, 1)
+    tier.max_bytes_per_second = None  # let the 4 MiB upload finish quickly
+    assert persister.wait_idle(60)
 
 
 # ---------------------------------------------------------------------- inside a real Trainer
@@ -217,6 +256,38 @@ def test_auto_resume_and_mem_latest_take_a_durable_step_when_memory_is_empty(tmp
     io = MemoryCheckpointIO(root=str(tmp_path / "shm3"), run_id="t", persist_to=durable)
     trainer = _fit(11, [probe], ckpt_path="mem://latest", plugins=[io])
     assert probe.start_step == 10 and trainer.global_step == 11
+
+
+def test_in_a_trainer_steps_during_uploads_pace_the_bound_and_say_so(tmp_path, monkeypatch):
+    """~2 MiB of state copied at 4 MiB/s every 40 steps of >= 20 ms: each copy runs through
+    several steps and the steps between copies are idle. Steps that start while a copy runs take
+    twice as long (made so here), so the pacer must see a clear slowdown and say so (the bound,
+    4 MiB/s, is also its floor: the verdicts cannot move it)."""
+    import time
+
+    import lightning.pytorch as pl
+    from ckpt_helpers import make_module, trainer_kwargs
+
+    from lightning_ft import EmergencyCheckpoint
+    from lightning_ft.events import read_events
+
+    class SlowSteps(pl.Callback):
+        def on_train_batch_start(self, *args):
+            time.sleep(0.04 if callback.persister.activity()[0] else 0.02)
+
+    monkeypatch.setenv("LIGHTNING_FT_EVENTS_DIR", str(tmp_path / "events"))
+    callback = EmergencyCheckpoint(every_n_steps=40, root=str(tmp_path / "shm"), run_id="t",
+                                   persist_to=str(tmp_path / "durable"), persist_every_n_seconds=0,
+                                   persist_max_mib_per_second=4)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=160, callbacks=[callback, SlowSteps()]))
+    trainer.fit(make_module(0, hidden=16384))
+    assert callback.persister.wait_idle(60)
+    events = read_events(tmp_path / "events")
+    pacing = [e for e in events if e["event"] == "durable_pacing"]
+    assert callback.durable.complete_steps() == [120, 160]
+    assert pacing, "no step ran through an upload"
+    assert all(e["busy_steps"] >= 8 and e["idle_steps"] >= 8 and e["mib_per_second"] == 4.0 for e in pacing)
+    assert all(e["slowdown"] > 0.5 for e in pacing)
 
 
 def test_the_durable_tier_is_off_without_a_run_id(tmp_path, monkeypatch, caplog):

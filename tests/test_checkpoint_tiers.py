@@ -10,6 +10,7 @@ from lightning_ft.checkpoint.tiers import (
     Schedule,
     ScheduleProposal,
     ShardMarker,
+    UploadPacer,
     agree_schedule,
     bucket_delay,
     calibration_due,
@@ -18,6 +19,8 @@ from lightning_ft.checkpoint.tiers import (
     daly_interval_seconds,
     durable_copy_seconds,
     flush_fits,
+    next_upload_rate,
+    slowdown_estimate,
     persist_due,
     persist_interval_steps,
     plan_durable_retention,
@@ -189,3 +192,58 @@ def test_durable_copies_fall_on_steps_every_rank_snapshots():
     assert agree_schedule([a, b], 5) == Schedule(None, 80)
     assert propose_schedule(seconds_per_step=None, save_seconds=0.1, every_n_steps=None, every_n_seconds=None,
                             max_overhead=0.005, persist_seconds=1) == ScheduleProposal()
+
+
+MiB = 2**20
+
+
+def test_the_upload_rate_aims_at_three_quarters_of_the_budget_within_limits():
+    # inside [budget/2, budget]: unchanged
+    assert next_upload_rate(128 * MiB, 0.015, 0.02, 16 * MiB, 512 * MiB) == 128 * MiB
+    # 3 % slower at 128 MiB/s: proportional to 1.5 % -> 64 MiB/s
+    assert next_upload_rate(128 * MiB, 0.03, 0.02, 16 * MiB, 512 * MiB) == pytest.approx(64 * MiB)
+    # far over: at most 4x down, never below the floor
+    assert next_upload_rate(128 * MiB, 0.5, 0.02, 16 * MiB, 512 * MiB) == 32 * MiB
+    assert next_upload_rate(32 * MiB, 0.5, 0.02, 16 * MiB, 512 * MiB) == 16 * MiB
+    # no measurable slowdown (or noise below zero): at most 2x up, never above the ceiling
+    assert next_upload_rate(128 * MiB, -0.01, 0.02, 16 * MiB, 512 * MiB) == 256 * MiB
+    assert next_upload_rate(400 * MiB, 0.0, 0.02, 16 * MiB, 512 * MiB) == 512 * MiB
+    # a ceiling below the floor wins (a user's small bound is never exceeded)
+    assert next_upload_rate(8 * MiB, 0.5, 0.02, 16 * MiB, 8 * MiB) == 8 * MiB
+
+
+def test_the_pacer_acts_only_on_clear_evidence_and_ignores_the_slowest_tenth():
+    pacer = UploadPacer(ceiling=512 * MiB, budget=0.02, min_steps=10, start=128 * MiB)
+    assert UploadPacer(ceiling=512 * MiB).rate == 64 * MiB  # the default start
+    for i in range(10):
+        assert pacer.observe(1.0 + 0.001 * (i % 2), busy=False) is None
+    # 10 % slower, one outlier (validation inside a step) among them: clear
+    for seconds in [1.1, 1.101] * 4 + [1.1]:
+        assert pacer.observe(seconds, busy=True) is None
+    verdict = pacer.observe(30.0, busy=True)
+    assert verdict.slowdown == pytest.approx(0.1, abs=0.002) and (verdict.busy_steps, verdict.idle_steps) == (10, 10)
+    assert verdict.rate_before == 128 * MiB and verdict.rate_after == 32 * MiB == pacer.rate
+    # 1.5 % slower: within the budget, no verdict however many steps
+    assert all(pacer.observe(1.015 + 0.001 * (i % 2), busy=True) is None for i in range(600))
+    # noisy steps around a 3 % slowdown are not clear evidence yet
+    noisy = UploadPacer(ceiling=512 * MiB, budget=0.02, min_steps=10)
+    for i in range(10):
+        noisy.observe(1.0 + 0.1 * (i % 2), busy=False)
+    assert all(noisy.observe(1.03 + 0.1 * (i % 2), busy=True) is None for i in range(10))
+    # no slowdown, measured cleanly: up, 2x at most
+    clean = UploadPacer(ceiling=512 * MiB, budget=0.02, min_steps=10)
+    verdicts = [clean.observe(1.0, busy=busy) for busy in [False] * 10 + [True] * 10]
+    assert verdicts[:-1] == [None] * 19 and verdicts[-1].rate_after == 128 * MiB
+    assert pacer.observe(0.0, busy=True) is None and pacer.observe(float("nan"), busy=False) is None
+    with pytest.raises(ValueError):
+        UploadPacer(ceiling=0, budget=0.02)
+
+
+def test_the_slowdown_estimate_trims_the_slowest_tenth_and_gives_its_error():
+    import statistics
+
+    assert slowdown_estimate([1.1] * 18 + [50.0] * 2, [1.0] * 20) == (pytest.approx(0.1), 0.0)
+    noisy = [1.0, 1.2] * 50
+    kept = sorted(noisy)[:90]
+    expected = (2 * statistics.variance(kept) / 90) ** 0.5 / statistics.fmean(kept)
+    assert slowdown_estimate(noisy, noisy) == (pytest.approx(0.0), pytest.approx(expected))

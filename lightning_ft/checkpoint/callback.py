@@ -146,6 +146,10 @@ class EmergencyCheckpoint(pl.Callback):
             (``$LIGHTNING_FT_MTBF_SECONDS``, else 4 h).
         persist_max_mib_per_second: upload bandwidth bound per rank (default
             ``$LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND`` or 512; <= 0: unbounded).
+        persist_max_overhead: share of step time that steps overlapping a durable copy may lose
+            against the others (default ``$LIGHTNING_FT_PERSIST_MAX_OVERHEAD`` or 0.02): the
+            upload bound is paced from the measured step times, starting at 64 MiB/s and never
+            above ``persist_max_mib_per_second``; 0: that bound, fixed.
         persist_keep_last: complete durable steps kept (default ``$LIGHTNING_FT_PERSIST_KEEP_LAST`` or 2).
         storage_options: fsspec options for ``persist_to`` (e.g. ``{"endpoint_url": ...}``; default
             ``$LIGHTNING_FT_PERSIST_STORAGE_OPTIONS`` as JSON). Credentials come from the usual places.
@@ -168,7 +172,7 @@ class EmergencyCheckpoint(pl.Callback):
                  persist_every_n_seconds: float | None = None, persist_max_mib_per_second: float | None = None,
                  persist_keep_last: int | None = None, storage_options: dict[str, Any] | None = None,
                  max_overhead: float | None = None, persist_mtbf_seconds: float | None = None,
-                 background_copy: bool = True) -> None:
+                 background_copy: bool = True, persist_max_overhead: float | None = None) -> None:
         require_number("every_n_steps", every_n_steps, integer=True, allow_none=True)
         require_number("every_n_seconds", every_n_seconds, allow_none=True)
         require_number("max_overhead", max_overhead, allow_none=True)
@@ -200,6 +204,7 @@ class EmergencyCheckpoint(pl.Callback):
         self._last_saved_step: int | None = None
         self._last_snapshot: SnapshotInfo | None = None
         self._clock: tuple[float, int] | None = None  # (time, global_step) at the last step change
+        self._upload_activity: tuple[bool, int] | None = None  # the persister's activity at that time
         self._seconds_per_step: float | None = None
         #: the schedule all ranks agreed on at the last calibration step (None: not yet in this fit)
         self.schedule: Schedule | None = None
@@ -212,7 +217,8 @@ class EmergencyCheckpoint(pl.Callback):
         self.resumed_tier: tuple[str, str] | None = None
         self.durable_settings = resolve_durable_settings(persist_to, persist_every_n_seconds,
                                                          persist_max_mib_per_second, persist_keep_last, storage_options,
-                                                         mtbf_seconds=persist_mtbf_seconds)
+                                                         mtbf_seconds=persist_mtbf_seconds,
+                                                         max_overhead=persist_max_overhead)
         self._durable: DurableTier | None = None
         if self.durable_settings is not None:
             if self._configured_run_id is None:
@@ -352,7 +358,8 @@ class EmergencyCheckpoint(pl.Callback):
         self._events = getattr(trainer.strategy, "event_log", None) or open_event_log(f"rank{store.rank}")
         if self._durable is not None and self._persister is None:
             self._persister = DurablePersister(self._durable, lambda: self._get_store(trainer), store.rank,
-                                               emit=lambda event, **fields: self._events.emit(event, **fields))
+                                               emit=lambda event, **fields: self._events.emit(event, **fields),
+                                               pacer=self.durable_settings.pacer())
         if not self._replicated(trainer):
             log.warning("EmergencyCheckpoint supports single-device and DDP strategies; with %s each rank's "
                         "snapshot holds only what dump_checkpoint returns on that rank and auto-resume is off",
@@ -385,6 +392,7 @@ class EmergencyCheckpoint(pl.Callback):
                 log.warning("sharded optimizer %s: dump_checkpoint runs a collective; save_now() is not "
                             "collective-free with it", type(optimizer).__name__)
         self._clock = (time.perf_counter(), trainer.global_step)
+        self._upload_activity = self._persister.activity() if self._persister is not None else None
         self._check_spare = True
         self._background_off = None
         self._hook_optimizer_steps(trainer)
@@ -401,6 +409,8 @@ class EmergencyCheckpoint(pl.Callback):
             sample = (now - self._clock[0]) / (step - self._clock[1])
             prev = self._seconds_per_step
             self._seconds_per_step = sample if prev is None else _EMA * sample + (1 - _EMA) * prev
+            if self._persister is not None and self._upload_activity is not None:
+                self._persister.observe_step(sample, self._upload_activity)
         if not self._space_checked and step >= 1:
             self._space_checked = True
             self._check_space(trainer)
@@ -424,6 +434,7 @@ class EmergencyCheckpoint(pl.Callback):
             # measured after our own save so the snapshot time is not counted as step time
             # (the wait for a background copy at the next optimizer step is: training waited)
             self._clock = (time.perf_counter(), step)
+            self._upload_activity = self._persister.activity() if self._persister is not None else None
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.commit_pending("validation")  # e.g. weight averaging swaps parameters in for it

@@ -38,8 +38,10 @@ from lightning_ft.checkpoint.files import close_map, open_snapshot_file
 from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore
 from lightning_ft.checkpoint.tiers import (
     DEFAULT_MTBF_SECONDS,
+    DEFAULT_PERSIST_OVERHEAD,
     Completion,
     ShardMarker,
+    UploadPacer,
     bucket_delay,
     complete_steps,
     daly_interval_seconds,
@@ -56,6 +58,7 @@ ENV_PERSIST_EVERY_SECONDS = "LIGHTNING_FT_PERSIST_EVERY_SECONDS"
 ENV_PERSIST_MAX_MIB_PER_SECOND = "LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND"
 ENV_PERSIST_KEEP_LAST = "LIGHTNING_FT_PERSIST_KEEP_LAST"
 ENV_MTBF_SECONDS = "LIGHTNING_FT_MTBF_SECONDS"
+ENV_PERSIST_MAX_OVERHEAD = "LIGHTNING_FT_PERSIST_MAX_OVERHEAD"
 
 DEFAULT_MAX_MIB_PER_SECOND = 512.0
 DEFAULT_PERSIST_KEEP_LAST = 2
@@ -82,6 +85,15 @@ class DurableSettings:
     keep_last: int = DEFAULT_PERSIST_KEEP_LAST
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     mtbf_seconds: float = DEFAULT_MTBF_SECONDS
+    #: share of step time that steps overlapping an upload may lose (the bound is paced to keep
+    #: it, ``max_bytes_per_second`` the most it may reach); 0: a fixed bound
+    max_overhead: float = DEFAULT_PERSIST_OVERHEAD
+
+    def pacer(self) -> UploadPacer | None:
+        """The upload pacer these settings ask for (None: a fixed bound, or unbounded)."""
+        if not self.max_overhead or not self.max_bytes_per_second:
+            return None
+        return UploadPacer(self.max_bytes_per_second, self.max_overhead)
 
     def interval_seconds(self, copy_seconds: float) -> float:
         """Seconds between durable copies: the setting, else Daly's interval for a checkpoint cost
@@ -107,10 +119,11 @@ def resolve_durable_settings(persist_to: str | os.PathLike | None = None, every_
                              max_mib_per_second: float | None = None, keep_last: int | None = None,
                              storage_options: Mapping[str, Any] | None = None,
                              environ: Mapping[str, str] | None = None,
-                             mtbf_seconds: float | None = None) -> DurableSettings | None:
+                             mtbf_seconds: float | None = None,
+                             max_overhead: float | None = None) -> DurableSettings | None:
     """Arguments win, else ``LIGHTNING_FT_PERSIST_*``; None when no ``persist_to`` is set anywhere.
 
-    ``max_mib_per_second <= 0`` means unbounded.
+    ``max_mib_per_second <= 0`` means unbounded; ``max_overhead`` 0: the bound is not paced.
     """
     env = os.environ if environ is None else environ
     url = os.fspath(persist_to) if persist_to is not None else env.get(ENV_PERSIST_TO) or None
@@ -129,9 +142,14 @@ def resolve_durable_settings(persist_to: str | os.PathLike | None = None, every_
     if isinstance(keep, float) and keep.is_integer():
         keep = int(keep)
     require_number("persist_keep_last", keep, integer=True, minimum=1, inclusive=True)
+    overhead = max_overhead if max_overhead is not None else _env_float(env, ENV_PERSIST_MAX_OVERHEAD)
+    overhead = DEFAULT_PERSIST_OVERHEAD if overhead is None else overhead
+    require_number("persist_max_overhead", overhead, minimum=0, inclusive=True)
+    if overhead >= 1:
+        raise ValueError(f"persist_max_overhead is a share of step time below 1 (0.02: 2 %), got {overhead!r}")
     options = dict(storage_options) if storage_options is not None else storage_options_from_env(env)
     return DurableSettings(url, None if every is None else float(every), rate * 2**20 if rate > 0 else None, keep,
-                           options, float(mtbf))
+                           options, float(mtbf), float(overhead))
 
 
 def _step_name(step: int) -> str:
@@ -450,8 +468,14 @@ class DurablePersister:
     """
 
     def __init__(self, tier: DurableTier, snapshot_store: Callable[[], SnapshotStore], rank: int,
-                 emit: Callable[..., None] | None = None) -> None:
+                 emit: Callable[..., None] | None = None, pacer: UploadPacer | None = None) -> None:
+        """``pacer``: adjusts ``tier.max_bytes_per_second`` from the step times the trainer reports
+        (:meth:`observe_step`); it sets the bound now (its starting rate)."""
         self.tier = tier
+        self.pacer = pacer
+        if pacer is not None:
+            tier.max_bytes_per_second = pacer.rate
+        self._uploads_started = 0
         # the store that writes this rank's snapshots now (it changes when a recovery changes the
         # rank); a hold is released on the store it was taken on
         self._snapshot_store = snapshot_store
@@ -517,6 +541,7 @@ class DurablePersister:
                     return
                 pending, self._pending = self._pending, None
                 self._busy = pending[0].step
+                self._uploads_started += 1
             try:
                 info, segment, world_size, fd, holder = pending
                 self._upload(info, segment, world_size, deadline=None, fd=fd)
@@ -546,6 +571,34 @@ class DurablePersister:
         log.debug("rank %d: shard of step %d durable in %.3f s (%.1f MiB/s)%s", self.rank, info.step,
                   result.seconds, self.measured_bytes_per_second / 2**20, "; step complete" if result.complete else "")
         return result
+
+    def activity(self) -> tuple[bool, int]:
+        """(an upload is running, uploads started so far): mark a step's start with it, then pass
+        it to :meth:`observe_step` at the step's end."""
+        with self._cv:
+            return self._busy is not None, self._uploads_started
+
+    def observe_step(self, seconds: float, since: tuple[bool, int]) -> None:
+        """One training step took ``seconds``; ``since``: :meth:`activity` at its start. A step
+        one upload ran through, or one no upload touched, feeds the pacer; one an upload
+        started or ended in says nothing and is left out."""
+        if self.pacer is None:
+            return
+        running, started = self.activity()
+        if started != since[1] or running != since[0]:
+            return
+        verdict = self.pacer.observe(seconds, busy=running)
+        if verdict is None:
+            return
+        self.tier.max_bytes_per_second = verdict.rate_after
+        fields = dict(slowdown=round(verdict.slowdown, 4), busy_steps=verdict.busy_steps, idle_steps=verdict.idle_steps,
+                      mib_per_second=round(verdict.rate_after / 2**20, 1),
+                      mib_per_second_before=round(verdict.rate_before / 2**20, 1))
+        self._emit(ev.DURABLE_PACING, **fields)
+        if verdict.rate_after != verdict.rate_before:
+            log.debug("rank %d: steps during durable copies were %+.1f %% slower (budget %.1f %%): upload bound "
+                     "%.0f -> %.0f MiB/s", self.rank, 100 * verdict.slowdown, 100 * self.pacer.budget,
+                     verdict.rate_before / 2**20, verdict.rate_after / 2**20)
 
     def _rate(self) -> float | None:
         return None if self._unbounded else self.tier.max_bytes_per_second
@@ -585,6 +638,7 @@ class DurablePersister:
                 if self.last_uploaded_step == info.step:
                     return UploadResult(info.step, info.nbytes, 0.0, self.last_durable_step == info.step)
                 self._busy = info.step
+                self._uploads_started += 1
                 holder = self._snapshot_store()
                 holder.hold(info.step)
                 uploading = True

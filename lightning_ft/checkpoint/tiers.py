@@ -18,6 +18,8 @@ Vocabulary:
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -381,6 +383,101 @@ def bucket_delay(tokens: float, elapsed_s: float, rate: float, burst: float, nby
     if available >= nbytes:
         return 0.0, available - nbytes
     return (nbytes - available) / rate, 0.0
+
+
+# ---------------------------------------------------------------------- upload pacing
+
+#: share of step time the steps an upload overlaps may lose against the others (default)
+DEFAULT_PERSIST_OVERHEAD = 0.02
+#: the paced bound never goes below this (an upload must still finish)
+PACING_FLOOR_BYTES_PER_SECOND = 16 * 2**20
+#: the first upload's bound when pacing, at most the configured bound
+PACING_START_BYTES_PER_SECOND = 64 * 2**20
+
+
+def next_upload_rate(rate: float, slowdown: float, budget: float, floor: float, ceiling: float) -> float:
+    """The upload bandwidth bound after the steps uploads overlapped were ``slowdown`` (0.03: 3 %)
+    slower than the steps without one, for a ``budget`` of that share.
+
+    Inside [budget/2, budget] the bound stays. Outside, it is scaled to aim at 3/4 of the budget,
+    because the compute an upload costs is about proportional to the bytes it moves (measured in
+    benchmarks/RESULTS.md: the same compute lost per copy at 64 to 512 MiB/s), so the slowdown is
+    about proportional to the rate; by at most 4x down or 2x up per adjustment, so that one noisy
+    measurement cannot swing it far. Always within [floor, ceiling].
+    """
+    floor = min(floor, ceiling)
+    if budget / 2 <= slowdown <= budget:
+        return min(ceiling, max(floor, rate))
+    target = 0.75 * budget
+    factor = min(2.0, max(0.25, target / max(slowdown, target / 2)))
+    return min(ceiling, max(floor, rate * factor))
+
+
+@dataclass(frozen=True)
+class PacingVerdict:
+    """One adjustment of the upload bandwidth bound and the measurement behind it."""
+
+    slowdown: float
+    busy_steps: int
+    idle_steps: int
+    rate_before: float
+    rate_after: float
+
+
+class UploadPacer:
+    """Keeps training steps that overlap an upload within ``budget`` of the steps that do not, by
+    adjusting the upload bandwidth bound (bytes/s) between ``floor`` and ``ceiling``.
+
+    Fed one step duration at a time with whether an upload ran through the whole step
+    (:meth:`observe`). Step times are noisy (a few % from step to step is common) and the
+    effect looked for is 2 %, so it acts only on evidence: the slowdown of the busy steps' mean
+    over the idle steps' mean (each without its slowest tenth: an epoch end or a validation run
+    inside one step is not the upload's doing), with two standard errors of that estimate
+    clearly above the budget (slower) or clearly below half of it (faster). Until then it keeps
+    collecting busy steps (the newest ``max_steps``) and the last ``idle_window`` idle ones;
+    after a verdict the busy ones start afresh, because the rate they were measured at changed.
+    """
+
+    def __init__(self, ceiling: float, budget: float = DEFAULT_PERSIST_OVERHEAD,
+                 floor: float = PACING_FLOOR_BYTES_PER_SECOND, start: float = PACING_START_BYTES_PER_SECOND,
+                 min_steps: int = 8, max_steps: int = 512, idle_window: int = 256) -> None:
+        if ceiling <= 0 or budget <= 0:
+            raise ValueError(f"ceiling and budget must be > 0, got {ceiling} and {budget}")
+        self.ceiling = ceiling
+        self.floor = min(floor, ceiling)
+        self.budget = budget
+        self.rate = min(ceiling, max(self.floor, start))
+        self.min_steps = min_steps
+        self._idle: deque[float] = deque(maxlen=idle_window)
+        self._busy: deque[float] = deque(maxlen=max_steps)
+
+    def observe(self, seconds: float, busy: bool) -> PacingVerdict | None:
+        """Record one step; returns a verdict when the steps so far show the rate must change."""
+        if not seconds > 0 or math.isinf(seconds):
+            return None
+        (self._busy if busy else self._idle).append(seconds)
+        if len(self._busy) < self.min_steps or len(self._idle) < self.min_steps:
+            return None
+        slowdown, error = slowdown_estimate(list(self._busy), list(self._idle))
+        if slowdown - 2 * error <= self.budget and slowdown + 2 * error >= self.budget / 2:
+            return None  # within the budget, or not yet clear
+        verdict = PacingVerdict(slowdown, len(self._busy), len(self._idle), self.rate,
+                                next_upload_rate(self.rate, slowdown, self.budget, self.floor, self.ceiling))
+        self._busy.clear()
+        self.rate = verdict.rate_after
+        return verdict
+
+
+def slowdown_estimate(busy: Sequence[float], idle: Sequence[float], trim: float = 0.1) -> tuple[float, float]:
+    """(mean of ``busy`` / mean of ``idle`` - 1, its standard error), each without its slowest ``trim``."""
+    def trimmed(values: Sequence[float]) -> list[float]:
+        ordered = sorted(values)
+        return ordered[:max(2, len(ordered) - int(len(ordered) * trim))]
+
+    b, i = trimmed(busy), trimmed(idle)
+    mean_b, mean_i = statistics.fmean(b), statistics.fmean(i)
+    error = math.sqrt(statistics.variance(b) / len(b) + statistics.variance(i) / len(i)) / mean_i
+    return mean_b / mean_i - 1, error
 
 
 def shard_rank_to_fetch(rank: int, world_size: int) -> int:
