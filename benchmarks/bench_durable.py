@@ -35,7 +35,7 @@ shared, absolute times mean little):
   another process (the disk at full speed), a thread copying memory (no disk), an A/A control;
   the memory save is the blocked time above and is not part of this window;
 * pacing in a training loop: the MLP above (batch 4) with a snapshot and a durable copy every
-  so many steps that a copy at the starting bound takes half the interval, paced as by default;
+  so many steps that a copy at the starting bound takes a third of the interval, paced as by default;
   the bound after each of the pacer's verdicts and the slowdown of steps during uploads over
   the run's second half (``--pacing-uploads``);
 * CPU of one upload, machine-wide: direct I/O (ours) vs through the page cache; what a checksum
@@ -265,7 +265,7 @@ def loop_costs(size_mib: int, repeats: int, scratch: Path, threads: int) -> dict
 
 def pacing_loop(size_mib: int, scratch: Path, uploads: int) -> dict:
     """A training loop (torch on one thread, batch 4) with a snapshot and a durable copy every
-    so many steps that a copy at the starting bound takes about half the interval, ``uploads``
+    so many steps that a copy at the starting bound takes about a third of the interval, ``uploads``
     times, paced as ``EmergencyCheckpoint`` paces by default (budget 2 %, start 64 MiB/s, at
     most the default bound): the pacer's verdicts, and the slowdown of the steps an upload ran
     through against the steps no upload touched over the run's second half, measured here by the
@@ -276,7 +276,7 @@ def pacing_loop(size_mib: int, scratch: Path, uploads: int) -> dict:
     for _ in range(5):
         loop.train_step()
     step_seconds = (time.perf_counter() - start) / 5
-    every = max(20, round(2 * size_mib / 64 / step_seconds))
+    every = max(20, round(3 * size_mib / 64 / step_seconds))
     steps = every * uploads
     shm_root = Path(default_root()) / f"bench-pacing-{os.getpid()}"
     store = SnapshotStore(shm_root, run_id="bench", rank=0, keep_last=2)
@@ -301,9 +301,10 @@ def pacing_loop(size_mib: int, scratch: Path, uploads: int) -> dict:
         persister.wait_idle(600)
         store.close()
         shutil.rmtree(shm_root, ignore_errors=True)
-    return {"size_mib": size_mib, "every": every, "steps": steps, "step": statistics.median(idle), "uploads": uploads,
-            "rates": [v["mib_per_second"] for v in verdicts], "slowdowns": [v["slowdown"] for v in verdicts],
-            "slowdown": statistics.median(busy) / statistics.median(idle) - 1, "busy": len(busy), "idle": len(idle)}
+    slowdown = statistics.median(busy) / statistics.median(idle) - 1 if busy and idle else None
+    return {"size_mib": size_mib, "every": every, "steps": steps, "step": statistics.median(idle or busy),
+            "uploads": uploads, "rates": [v["mib_per_second"] for v in verdicts],
+            "slowdowns": [v["slowdown"] for v in verdicts], "slowdown": slowdown, "busy": len(busy), "idle": len(idle)}
 
 
 def args_windows(size_mib: int) -> int:
@@ -532,10 +533,10 @@ def render(results: list[dict], load: tuple[float, float]) -> str:
         cells = [f"{r['slowdown'][k] * 100:+.1f} % ({r['slowdown_seconds'][k]:.1f} s, lost "
                  f"{r['slowdown'][k] * r['slowdown_seconds'][k]:.2f} s)" for k in kinds]
         lines.append(f"| {r['size_mib']} MiB | {r['windows']} | " + " | ".join(cells) + " |")
-    paced = [r["pacing"] for r in full if "pacing" in r]
+    paced = [r["pacing"] for r in results if "pacing" in r]
     if paced:
         lines += ["", "Pacing in a training loop (the MLP above, torch on one thread, batch 4; a snapshot and a durable "
-                      "copy every so many steps that a copy at 64 MiB/s takes half the interval; paced as by "
+                      "copy every so many steps that a copy at 64 MiB/s takes a third of the interval; paced as by "
                       "default: budget 2 %, start 64 MiB/s, at most "
                       f"{DEFAULT_MAX_MIB_PER_SECOND:g} MiB/s): the bound after each verdict, and over the run's second "
                       "half the median step an upload ran through against the median step no upload touched "
@@ -546,7 +547,8 @@ def render(results: list[dict], load: tuple[float, float]) -> str:
         for r in paced:
             bounds = ", ".join(f"{rate:g}" for rate in r["rates"]) or "no verdict (64)"
             lines.append(f"| {r['size_mib']} MiB | {r['steps']} ({r['every']}) | {r['step']:.3f} s | {bounds} | "
-                         f"{r['slowdown'] * 100:+.1f} % | {r['busy']} / {r['idle']} |")
+                         + (f"{r['slowdown'] * 100:+.1f} % |" if r["slowdown"] is not None else "n/a |")
+                         + f" {r['busy']} / {r['idle']} |")
     lines += ["", "CPU: machine-wide (/proc/stat, write-back included) for one upload, ours (direct I/O) vs the same "
               "upload through the page cache (`sendfile`); a CRC-32 pass over the shard (the upload no longer runs one: "
               "its checksum is the snapshot header's CRC) and the snapshot's own verification (block sums; paid only by "
@@ -569,6 +571,7 @@ def main() -> None:
                         help="bandwidth bounds (MiB/s, 0: unbounded) of the slowdown section")
     parser.add_argument("--pacing-uploads", type=int, default=8,
                         help="durable copies in the pacing section per size (0: skip it)")
+    parser.add_argument("--only-pacing", action="store_true", help="only the pacing section (print; no write)")
     parser.add_argument("--only-loop", action="store_true", help="only the training-loop section (print; no write)")
     args = parser.parse_args()
     bounds = list(dict.fromkeys(float(b) for b in args.bounds.split(",") if b))
@@ -580,9 +583,11 @@ def main() -> None:
         for size in args.sizes.split(","):
             run_dir = scratch / size
             run_dir.mkdir()
-            result = {"size_mib": int(size)} if args.only_loop else run_size(int(size), args.repeats, run_dir, bounds)
-            result["loops"] = [loop_costs(int(size), args.repeats, run_dir, int(threads))
-                               for threads in args.loop_threads.split(",") if threads]
+            only = args.only_loop or args.only_pacing
+            result = {"size_mib": int(size)} if only else run_size(int(size), args.repeats, run_dir, bounds)
+            result["loops"] = [] if args.only_pacing else [
+                loop_costs(int(size), args.repeats, run_dir, int(threads))
+                for threads in args.loop_threads.split(",") if threads]
             if args.pacing_uploads and not args.only_loop:
                 result["pacing"] = pacing_loop(int(size), run_dir, args.pacing_uploads)
             results.append(result)
@@ -592,7 +597,7 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     text = render(results, (load_before, os.getloadavg()[0]))
     print(text)
-    if not args.no_write and not args.only_loop:
+    if not args.no_write and not args.only_loop and not args.only_pacing:
         from bench_snapshot import write_results
 
         print("updated", write_results(text, SECTION))

@@ -526,8 +526,9 @@ class EmergencyCheckpoint(pl.Callback):
         if self._persister is None or self.durable_settings is None:
             return None
         nbytes = self._snapshot_bytes(trainer)
+        # before the first upload: the bound uploads run at now (the pacer's, when pacing)
         copy = durable_copy_seconds(nbytes, self._persister.measured_bytes_per_second,
-                                    self.durable_settings.max_bytes_per_second)
+                                    self._persister.tier.max_bytes_per_second)
         return self.durable_settings.interval_seconds(copy)
 
     def _calibrate(self, trainer: pl.Trainer, step: int) -> None:

@@ -432,8 +432,9 @@ class UploadPacer:
     (:meth:`observe`). Step times are noisy (a few % from step to step is common) and the
     effect looked for is 2 %, so it acts only on evidence: the slowdown of the busy steps' mean
     over the idle steps' mean (each without its slowest tenth: an epoch end or a validation run
-    inside one step is not the upload's doing), with two standard errors of that estimate
-    clearly above the budget (slower) or clearly below half of it (faster). Until then it keeps
+    inside one step is not the upload's doing), more than one standard error of that estimate
+    above the budget (slower: training is protected on weaker evidence, a slower upload only
+    makes the durable copy later) or two standard errors below half of it (faster). Until then it keeps
     collecting busy steps (the newest ``max_steps``) and the last ``idle_window`` idle ones;
     after a verdict the busy ones start afresh, because the rate they were measured at changed.
     """
@@ -459,7 +460,7 @@ class UploadPacer:
         if len(self._busy) < self.min_steps or len(self._idle) < self.min_steps:
             return None
         slowdown, error = slowdown_estimate(list(self._busy), list(self._idle))
-        if slowdown - 2 * error <= self.budget and slowdown + 2 * error >= self.budget / 2:
+        if slowdown - error <= self.budget and slowdown + 2 * error >= self.budget / 2:
             return None  # within the budget, or not yet clear
         verdict = PacingVerdict(slowdown, len(self._busy), len(self._idle), self.rate,
                                 next_upload_rate(self.rate, slowdown, self.budget, self.floor, self.ceiling))
