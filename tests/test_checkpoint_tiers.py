@@ -224,7 +224,9 @@ def test_the_pacer_acts_only_on_clear_evidence_and_ignores_the_slowest_tenth():
     assert verdict.slowdown == pytest.approx(0.1, abs=0.002) and (verdict.busy_steps, verdict.idle_steps) == (10, 10)
     assert verdict.rate_before == 128 * MiB and verdict.rate_after == 32 * MiB == pacer.rate
     # 1.5 % slower: within the budget, no verdict however many steps
-    assert all(pacer.observe(1.015 + 0.001 * (i % 2), busy=True) is None for i in range(600))
+    for i in range(10):
+        pacer.observe(1.0 + 0.001 * (i % 2), busy=False)
+    assert all(pacer.observe(1.015 + 0.001 * (i % 2), busy=True) is None for i in range(200))
     # noisy steps around a 3 % slowdown are not clear evidence yet
     noisy = UploadPacer(ceiling=512 * MiB, budget=0.02, min_steps=10)
     for i in range(10):
@@ -247,3 +249,18 @@ def test_the_slowdown_estimate_trims_the_slowest_tenth_and_gives_its_error():
     kept = sorted(noisy)[:90]
     expected = (2 * statistics.variance(kept) / 90) ** 0.5 / statistics.fmean(kept)
     assert slowdown_estimate(noisy, noisy) == (pytest.approx(0.0), pytest.approx(expected))
+
+
+def test_the_pacer_compares_with_recent_idle_steps_only_and_keeps_copies_ahead_of_the_next():
+    pacer = UploadPacer(ceiling=512 * MiB, budget=0.02, min_steps=4, idle_window=20)
+    for _ in range(4):
+        pacer.observe(1.0, busy=False)
+    assert all(pacer.observe(1.015, busy=True) is None for _ in range(20))  # within the budget
+    # the idle steps are more than 20 steps old now: nothing to compare with, however slow
+    assert all(pacer.observe(2.0, busy=True) is None for _ in range(8))
+    # fresh idle steps: much slower, but a copy must finish in half the interval between copies
+    verdicts = [pacer.observe(1.0, busy=False, keep_up=48 * MiB) for _ in range(4)]
+    assert verdicts[:3] == [None] * 3
+    assert verdicts[3].rate_before == 64 * MiB and verdicts[3].rate_after == 48 * MiB == pacer.rate
+    # at that limit, another such measurement changes nothing and says nothing
+    assert all(pacer.observe(2.0, busy=True, keep_up=48 * MiB) is None for _ in range(8)) and pacer.rate == 48 * MiB

@@ -476,6 +476,11 @@ class DurablePersister:
         if pacer is not None:
             tier.max_bytes_per_second = pacer.rate
         self._uploads_started = 0
+        # time between the last two offers and the last offer's size: the pacer never slows a
+        # copy so far that it would not finish well before the next one is offered
+        self._last_offer_time: float | None = None
+        self._offer_interval: float | None = None
+        self._last_offer_bytes: int | None = None
         # the store that writes this rank's snapshots now (it changes when a recovery changes the
         # rank); a hold is released on the store it was taken on
         self._snapshot_store = snapshot_store
@@ -500,6 +505,10 @@ class DurablePersister:
 
     def offer(self, info: SnapshotInfo, segment: str, world_size: int) -> str:
         """Queue ``info`` for upload; returns the :func:`.tiers.upload_decision` taken."""
+        now = time.monotonic()
+        if self._last_offer_time is not None:
+            self._offer_interval = now - self._last_offer_time
+        self._last_offer_time, self._last_offer_bytes = now, info.nbytes
         with self._cv:
             decision = upload_decision(self._busy, info.step, self.last_uploaded_step)
             if decision == "skip" or (self._pending is not None and self._pending[0].step == info.step):
@@ -587,7 +596,7 @@ class DurablePersister:
         running, started = self.activity()
         if started != since[1] or running != since[0]:
             return
-        verdict = self.pacer.observe(seconds, busy=running)
+        verdict = self.pacer.observe(seconds, busy=running, keep_up=self._keep_up_bytes_per_second())
         if verdict is None:
             return
         self.tier.max_bytes_per_second = verdict.rate_after
@@ -599,6 +608,13 @@ class DurablePersister:
             log.debug("rank %d: steps during durable copies were %+.1f %% slower (budget %.1f %%): upload bound "
                      "%.0f -> %.0f MiB/s", self.rank, 100 * verdict.slowdown, 100 * self.pacer.budget,
                      verdict.rate_before / 2**20, verdict.rate_after / 2**20)
+
+    def _keep_up_bytes_per_second(self) -> float:
+        """The rate at which the last offered snapshot is copied in half the time between the
+        last two offers (0 before there are two)."""
+        if self._offer_interval is None or self._last_offer_bytes is None:
+            return 0.0
+        return self._last_offer_bytes / max(0.5 * self._offer_interval, 1e-3)
 
     def _rate(self) -> float | None:
         return None if self._unbounded else self.tier.max_bytes_per_second

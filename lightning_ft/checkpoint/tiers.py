@@ -435,8 +435,15 @@ class UploadPacer:
     inside one step is not the upload's doing), more than one standard error of that estimate
     above the budget (slower: training is protected on weaker evidence, a slower upload only
     makes the durable copy later) or two standard errors below half of it (faster). Until then it keeps
-    collecting busy steps (the newest ``max_steps``) and the last ``idle_window`` idle ones;
-    after a verdict the busy ones start afresh, because the rate they were measured at changed.
+    collecting busy steps (the newest ``max_steps``) and the idle ones among the last
+    ``idle_window`` steps (older ones would compare today's steps with a machine that was
+    faster or slower then); after a verdict the busy ones start afresh, because the rate they
+    were measured at changed. A verdict that would not move the bound (it is at a limit) is
+    dropped the same way, without a verdict.
+
+    ``keep_up`` (bytes/s, given with each step) raises the floor to what a copy needs to finish
+    well inside the interval between copies: below it uploads would run back to back, leaving
+    no idle steps to compare with and the durable copy ever further behind.
     """
 
     def __init__(self, ceiling: float, budget: float = DEFAULT_PERSIST_OVERHEAD,
@@ -449,23 +456,35 @@ class UploadPacer:
         self.budget = budget
         self.rate = min(ceiling, max(self.floor, start))
         self.min_steps = min_steps
-        self._idle: deque[float] = deque(maxlen=idle_window)
+        self.idle_window = idle_window
+        self._steps = 0
+        self._idle: deque[tuple[int, float]] = deque()  # (step count when seen, seconds)
         self._busy: deque[float] = deque(maxlen=max_steps)
 
-    def observe(self, seconds: float, busy: bool) -> PacingVerdict | None:
+    def observe(self, seconds: float, busy: bool, keep_up: float = 0.0) -> PacingVerdict | None:
         """Record one step; returns a verdict when the steps so far show the rate must change."""
         if not seconds > 0 or math.isinf(seconds):
             return None
-        (self._busy if busy else self._idle).append(seconds)
+        self._steps += 1
+        if busy:
+            self._busy.append(seconds)
+        else:
+            self._idle.append((self._steps, seconds))
+        while self._idle and self._idle[0][0] <= self._steps - self.idle_window:
+            self._idle.popleft()
         if len(self._busy) < self.min_steps or len(self._idle) < self.min_steps:
             return None
-        slowdown, error = slowdown_estimate(list(self._busy), list(self._idle))
+        idle = [s for _, s in self._idle]
+        slowdown, error = slowdown_estimate(list(self._busy), idle)
         if slowdown - error <= self.budget and slowdown + 2 * error >= self.budget / 2:
             return None  # within the budget, or not yet clear
-        verdict = PacingVerdict(slowdown, len(self._busy), len(self._idle), self.rate,
-                                next_upload_rate(self.rate, slowdown, self.budget, self.floor, self.ceiling))
+        floor = min(self.ceiling, max(self.floor, keep_up))
+        rate = next_upload_rate(self.rate, slowdown, self.budget, floor, self.ceiling)
+        verdict = PacingVerdict(slowdown, len(self._busy), len(idle), self.rate, rate)
         self._busy.clear()
-        self.rate = verdict.rate_after
+        if rate == self.rate:
+            return None  # at a limit already
+        self.rate = rate
         return verdict
 
 
