@@ -237,8 +237,6 @@ def test_the_pacer_acts_only_on_clear_evidence_and_ignores_the_slowest_tenth():
     verdicts = [clean.observe(1.0, busy=busy) for busy in [False] * 10 + [True] * 10]
     assert verdicts[:-1] == [None] * 19 and verdicts[-1].rate_after == 128 * MiB
     assert pacer.observe(0.0, busy=True) is None and pacer.observe(float("nan"), busy=False) is None
-    with pytest.raises(ValueError):
-        UploadPacer(ceiling=0, budget=0.02)
 
 
 def test_the_slowdown_estimate_trims_the_slowest_tenth_and_gives_its_error():
@@ -264,3 +262,14 @@ def test_the_pacer_compares_with_recent_idle_steps_only_and_keeps_copies_ahead_o
     assert verdicts[3].rate_before == 64 * MiB and verdicts[3].rate_after == 48 * MiB == pacer.rate
     # at that limit, another such measurement changes nothing and says nothing
     assert all(pacer.observe(2.0, busy=True, keep_up=48 * MiB) is None for _ in range(8)) and pacer.rate == 48 * MiB
+    # copies coming faster: raised at once, without evidence (back to back, no step would be idle)
+    raised = pacer.observe(2.0, busy=True, keep_up=96 * MiB)
+    assert raised.slowdown is None and (raised.rate_before, raised.rate_after) == (48 * MiB, 96 * MiB)
+    assert pacer.observe(2.0, busy=True, keep_up=1024 * MiB).rate_after == 512 * MiB  # never above the ceiling
+
+
+@pytest.mark.parametrize("bad", [dict(ceiling=0), dict(budget=0), dict(budget=1.5), dict(budget=float("nan")),
+                                 dict(min_steps=1)])
+def test_a_pacer_with_impossible_settings_is_refused(bad):
+    with pytest.raises(ValueError, match="min_steps >= 2"):
+        UploadPacer(**{"ceiling": 512 * MiB, "budget": 0.02, **bad})

@@ -505,10 +505,6 @@ class DurablePersister:
 
     def offer(self, info: SnapshotInfo, segment: str, world_size: int) -> str:
         """Queue ``info`` for upload; returns the :func:`.tiers.upload_decision` taken."""
-        now = time.monotonic()
-        if self._last_offer_time is not None:
-            self._offer_interval = now - self._last_offer_time
-        self._last_offer_time, self._last_offer_bytes = now, info.nbytes
         with self._cv:
             decision = upload_decision(self._busy, info.step, self.last_uploaded_step)
             if decision == "skip" or (self._pending is not None and self._pending[0].step == info.step):
@@ -522,6 +518,10 @@ class DurablePersister:
                 return "skip"
             holder = self._snapshot_store()
             holder.hold(info.step)
+            now = time.monotonic()  # an accepted offer: the interval between copies the pacer keeps up with
+            if self._last_offer_time is not None:
+                self._offer_interval = now - self._last_offer_time
+            self._last_offer_time, self._last_offer_bytes = now, info.nbytes
             if self._pending is not None:
                 log.debug("rank %d: durable copy of step %d superseded by step %d", self.rank,
                           self._pending[0].step, info.step)
@@ -600,14 +600,16 @@ class DurablePersister:
         if verdict is None:
             return
         self.tier.max_bytes_per_second = verdict.rate_after
-        fields = dict(slowdown=round(verdict.slowdown, 4), busy_steps=verdict.busy_steps, idle_steps=verdict.idle_steps,
+        slowdown = None if verdict.slowdown is None else round(verdict.slowdown, 4)
+        fields = dict(slowdown=slowdown, busy_steps=verdict.busy_steps, idle_steps=verdict.idle_steps,
                       mib_per_second=round(verdict.rate_after / 2**20, 1),
                       mib_per_second_before=round(verdict.rate_before / 2**20, 1))
         self._emit(ev.DURABLE_PACING, **fields)
-        if verdict.rate_after != verdict.rate_before:
-            log.debug("rank %d: steps during durable copies were %+.1f %% slower (budget %.1f %%): upload bound "
-                     "%.0f -> %.0f MiB/s", self.rank, 100 * verdict.slowdown, 100 * self.pacer.budget,
-                     verdict.rate_before / 2**20, verdict.rate_after / 2**20)
+        why = ("to keep up with the copies" if verdict.slowdown is None else
+               f"steps during durable copies were {100 * verdict.slowdown:+.1f} % slower (budget "
+               f"{100 * self.pacer.budget:.1f} %)")
+        log.debug("rank %d: %s: upload bound %.0f -> %.0f MiB/s", self.rank, why, verdict.rate_before / 2**20,
+                  verdict.rate_after / 2**20)
 
     def _keep_up_bytes_per_second(self) -> float:
         """The rate at which the last offered snapshot is copied in half the time between the
@@ -653,10 +655,10 @@ class DurablePersister:
                     return None
                 if self.last_uploaded_step == info.step:
                     return UploadResult(info.step, info.nbytes, 0.0, self.last_durable_step == info.step)
-                self._busy = info.step
-                self._uploads_started += 1
                 holder = self._snapshot_store()
                 holder.hold(info.step)
+                self._busy = info.step  # only once held: a failed hold must not leave the persister busy
+                self._uploads_started += 1
                 uploading = True
             finally:
                 if not uploading:

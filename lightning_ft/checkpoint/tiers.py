@@ -417,7 +417,8 @@ def next_upload_rate(rate: float, slowdown: float, budget: float, floor: float, 
 class PacingVerdict:
     """One adjustment of the upload bandwidth bound and the measurement behind it."""
 
-    slowdown: float
+    #: None: the bound was raised to keep up with the copies, not judged by step times
+    slowdown: float | None
     busy_steps: int
     idle_steps: int
     rate_before: float
@@ -449,8 +450,9 @@ class UploadPacer:
     def __init__(self, ceiling: float, budget: float = DEFAULT_PERSIST_OVERHEAD,
                  floor: float = PACING_FLOOR_BYTES_PER_SECOND, start: float = PACING_START_BYTES_PER_SECOND,
                  min_steps: int = 8, max_steps: int = 512, idle_window: int = 256) -> None:
-        if ceiling <= 0 or budget <= 0:
-            raise ValueError(f"ceiling and budget must be > 0, got {ceiling} and {budget}")
+        if not ceiling > 0 or not 0 < budget < 1 or min_steps < 2:
+            raise ValueError(f"need ceiling > 0, 0 < budget < 1 and min_steps >= 2, got {ceiling}, {budget} "
+                             f"and {min_steps}")
         self.ceiling = ceiling
         self.floor = min(floor, ceiling)
         self.budget = budget
@@ -465,6 +467,13 @@ class UploadPacer:
         """Record one step; returns a verdict when the steps so far show the rate must change."""
         if not seconds > 0 or math.isinf(seconds):
             return None
+        floor = min(self.ceiling, max(self.floor, keep_up))
+        if self.rate < floor:
+            # copies would run back to back: then no step is idle and no verdict could come
+            verdict = PacingVerdict(None, len(self._busy), len(self._idle), self.rate, floor)
+            self._busy.clear()
+            self.rate = floor
+            return verdict
         self._steps += 1
         if busy:
             self._busy.append(seconds)
@@ -478,7 +487,6 @@ class UploadPacer:
         slowdown, error = slowdown_estimate(list(self._busy), idle)
         if slowdown - error <= self.budget and slowdown + 2 * error >= self.budget / 2:
             return None  # within the budget, or not yet clear
-        floor = min(self.ceiling, max(self.floor, keep_up))
         rate = next_upload_rate(self.rate, slowdown, self.budget, floor, self.ceiling)
         verdict = PacingVerdict(slowdown, len(self._busy), len(idle), self.rate, rate)
         self._busy.clear()

@@ -58,6 +58,8 @@ Snapshots (``EmergencyCheckpoint``, any strategy):
 ``durable_upload``             step, bytes, seconds, complete (this rank's shard is durable; ``complete``:
                                every rank's shard of the step is, and its manifest is written)
 ``durable_failed``             step, error (a durable copy failed; the step is not durable)
+``durable_pacing``             slowdown (None: raised to keep up with the copies), busy_steps,
+                               idle_steps, mib_per_second_before, mib_per_second (the upload bound changed)
 =============================  ==================================================================
 
 Lost time of a recovery = ``first_step_after_recovery.t - failure_detected.t`` (re-forming)
