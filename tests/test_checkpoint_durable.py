@@ -259,8 +259,8 @@ def test_auto_resume_and_mem_latest_take_a_durable_step_when_memory_is_empty(tmp
 
 
 def test_in_a_trainer_steps_during_uploads_pace_the_bound_and_say_so(tmp_path, monkeypatch):
-    """~2 MiB of state copied at 1 MiB/s at step 80: the copy runs through tens of steps. Steps
-    that start while a copy runs sleep 80 ms instead of 5 (made so here, far beyond the noise of
+    """~2 MiB of state copied at 1 MiB/s at step 80, held until 24 steps ran during it. Steps
+    that start while a copy runs sleep 100 ms instead of 5 (made so here, far beyond the noise of
     Lightning's step times), so the pacer must see the slowdown during that copy and lower the
     bound. The pacer's floor is lowered to 128 KiB/s for this small state."""
     import time
@@ -273,9 +273,20 @@ def test_in_a_trainer_steps_during_uploads_pace_the_bound_and_say_so(tmp_path, m
     from lightning_ft.checkpoint.tiers import UploadPacer
     from lightning_ft.events import read_events
 
+    # the copy is held until 24 steps ran during it, however slow the machine makes each step
+    gate = threading.Event()
+
     class SlowSteps(pl.Callback):
+        busy_steps = 0
+
         def on_train_batch_start(self, *args):
-            time.sleep(0.08 if callback.persister.activity()[0] else 0.005)
+            if callback.persister.activity()[0]:
+                self.busy_steps += 1
+                if self.busy_steps >= 24:
+                    gate.set()
+                time.sleep(0.1)
+            else:
+                time.sleep(0.005)
 
     monkeypatch.setattr(DurableSettings, "pacer", lambda self: UploadPacer(self.max_bytes_per_second, self.max_overhead,
                                                                           floor=128 << 10, start=1 << 20))
@@ -283,12 +294,20 @@ def test_in_a_trainer_steps_during_uploads_pace_the_bound_and_say_so(tmp_path, m
     callback = EmergencyCheckpoint(every_n_steps=80, root=str(tmp_path / "shm"), run_id="t",
                                    persist_to=str(tmp_path / "durable"), persist_every_n_seconds=0,
                                    persist_max_mib_per_second=1)
+    real_upload = callback.durable.upload
+
+    def held_upload(*args, **kwargs):
+        assert gate.wait(120)
+        return real_upload(*args, **kwargs)
+
+    callback.durable.upload = held_upload
     module = make_module(0, hidden=16384)
     # one epoch of 150 batches: no epoch ends (dataloader restarts) among the steps compared
     data = torch.utils.data.TensorDataset(torch.randn(600, 8), torch.randn(600, 1))
     module.train_dataloader = lambda: torch.utils.data.DataLoader(data, batch_size=4)
     trainer = pl.Trainer(**trainer_kwargs(max_steps=120, callbacks=[callback, SlowSteps()]))
     trainer.fit(module)
+    gate.set()
     pacing = [e for e in read_events(tmp_path / "events") if e["event"] == "durable_pacing"]
     paced = callback.durable.max_bytes_per_second
     callback.durable.max_bytes_per_second = None  # let the copy finish now
