@@ -18,7 +18,6 @@ Vocabulary:
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -502,10 +501,15 @@ def slowdown_estimate(busy: Sequence[float], idle: Sequence[float], trim: float 
         ordered = sorted(values)
         return ordered[:max(2, len(ordered) - int(len(ordered) * trim))]
 
-    b, i = trimmed(busy), trimmed(idle)
-    mean_b, mean_i = statistics.fmean(b), statistics.fmean(i)
-    error = math.sqrt(statistics.variance(b) / len(b) + statistics.variance(i) / len(i)) / mean_i
-    return mean_b / mean_i - 1, error
+    # plain float sums, not statistics.variance (exact fractions, ~1 ms for 768 values): this
+    # runs on the training thread at every step once both kinds of step are in
+    def mean_and_variance_of_mean(values: list[float]) -> tuple[float, float]:
+        mean = math.fsum(values) / len(values)
+        variance = math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1)
+        return mean, variance / len(values)
+
+    (mean_b, var_b), (mean_i, var_i) = (mean_and_variance_of_mean(trimmed(values)) for values in (busy, idle))
+    return mean_b / mean_i - 1, math.sqrt(var_b + var_i) / mean_i
 
 
 def shard_rank_to_fetch(rank: int, world_size: int) -> int:
