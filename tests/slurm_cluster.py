@@ -137,7 +137,7 @@ def slurm_conf(root: Path, ctld_port: int, slurmd_port: int, epilog: Path) -> st
         "MinJobAge=900",  # finished jobs stay visible to scontrol (there is no accounting database)
         "ReturnToService=2",
         "EnforcePartLimits=ALL",
-        # the node drains itself when lightning_ft's health probes fail after a job (README)
+        # the node drains itself when lightning_ft's health probes fail after a job (docs/slurm.md)
         f"Epilog={epilog}",
         "SlurmdParameters=config_overrides",  # more CPUs than the machine has: several jobs at once
         f"NodeName={NODE} NodeAddr=127.0.0.1 CPUs=16 State=UNKNOWN",

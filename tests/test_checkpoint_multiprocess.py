@@ -126,7 +126,7 @@ def test_jobs_without_a_run_id_never_resume_each_others_snapshots(processes, tmp
     first, _ = _job(processes, "first", tmp_path, root, ["--lr", "0.01", "--seed", "1", "--max-steps", "20"])
     assert (first["start_step"], first["trained_steps"]) == (0, 20)
     assert sorted(p.name for p in (root / "default" / "rank0").iterdir()) == \
-        ["step-000000000015.snap", "step-000000000020.snap"]  # written, where the README says
+        ["step-000000000015.snap", "step-000000000020.snap"]  # written, where docs/snapshots.md says
 
     second, log = _job(processes, "other-lr-seed", tmp_path, root, ["--lr", "0.1", "--seed", "2", "--max-steps", "20"])
     assert (second["start_step"], second["trained_steps"]) == (0, 20), log  # trained, from scratch

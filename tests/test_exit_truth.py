@@ -1,6 +1,6 @@
 """Every way a ddp_ft process ends tells the scheduler the truth (issue 11, cases 1, 5, 6).
 
-One test per row of the README's exit-code table that the other process tests do not cover
+One test per row of the exit-code table (docs/sigterm.md) that the other process tests do not cover
 already (they are named in the table): a stop before anything trained, the store lost with
 and without a peer failure, a full /dev/shm on the spare that receives the snapshot, an
 endpoint whose host does not resolve, and a participant that starts after its job ended.

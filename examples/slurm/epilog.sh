@@ -10,7 +10,7 @@
 # RequeueExit cannot land on that node again; an administrator resumes it after the repair
 # (scontrol update nodename=NODE state=resume).
 #
-# Use the same probes as the jobs (LIGHTNING_FT_HEALTH_* variables, see the README). slurmd
+# Use the same probes as the jobs (LIGHTNING_FT_HEALTH_* variables, see docs/sigterm.md). slurmd
 # starts the Epilog with few variables of its own, so set them here or in a wrapper:
 #   LIGHTNING_FT_PYTHON   the Python that has lightning_ft installed
 #   FT_EPILOG_MARKERS     marker files, space-separated; shell patterns are expanded

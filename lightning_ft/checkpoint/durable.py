@@ -464,7 +464,7 @@ class DurablePersister:
     against recycling); a daemon thread uploads. While an upload runs, newer offers replace one
     another and only the newest is uploaded next, so a new snapshot never queues behind old
     ones. A thread, not a sidecar process: the snapshot file lives in this rank's shared-memory
-    root, held and released by this process's store; see the README for the trade-off.
+    root, held and released by this process's store; see docs/snapshots.md for the trade-off.
     """
 
     def __init__(self, tier: DurableTier, snapshot_store: Callable[[], SnapshotStore], rank: int,

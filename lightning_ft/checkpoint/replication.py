@@ -173,7 +173,7 @@ class ReplicaPuller:
                 info = snapshots.write_bytes(blob)
             except fmt.SnapshotError as exc:
                 # without a job secret anyone who reaches the store can put a replica there
-                # (README, trust model): a refused one is dropped and the spare pulls the next
+                # (docs/trust.md): a refused one is dropped and the spare pulls the next
                 log.warning("replica of step %d refused: %s", meta.step, exc)
                 self._emit(ev.REPLICA_REFUSED, step=meta.step, bytes=len(blob), error=str(exc)[:200])
                 return

@@ -1,6 +1,6 @@
 """``GracefulTermination``: SIGTERM -> agreed stop step -> health probe -> emergency snapshot or immediate exit.
 
-Flow on each rank (see the README section "SIGTERM path" for the exit-code table):
+Flow on each rank (see docs/sigterm.md for the exit-code table):
 
 1. The signal handler only records (signal, time). A watcher thread, woken through the
    signal wakeup fd, starts the node-health check at once, so the probes overlap the
