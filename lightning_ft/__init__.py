@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from lightning_ft._lazy import lazy_getattr
 from lightning_ft._lightning.registration import register_when_lightning_loads
-from lightning_ft.exit_codes import ExitCode
+from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
 
 __version__ = "0.1.0"
 
@@ -22,7 +22,7 @@ _LAZY_NAMES = {
     "FaultTolerantDDPStrategy": "lightning_ft.strategy",
 }
 
-__all__ = ["ExitCode", "__version__", *_LAZY_NAMES]
+__all__ = ["ExitCode", "FaultTolerantExit", "__version__", *_LAZY_NAMES]
 
 __getattr__ = lazy_getattr("lightning_ft", _LAZY_NAMES, globals())
 

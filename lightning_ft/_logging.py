@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from lightning_ft.settings.environment import log_level
+
 
 def ensure_log_output() -> None:
     """Attach a stderr handler to the ``lightning_ft`` logger unless logging is set up already.
@@ -20,5 +22,5 @@ def ensure_log_output() -> None:
     handler.setFormatter(logging.Formatter(
         f"[lightning_ft %(asctime)s pid={os.getpid()} %(levelname)s] %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("LIGHTNING_FT_LOG_LEVEL", "INFO").upper())
+    logger.setLevel(log_level())
     logger.propagate = False

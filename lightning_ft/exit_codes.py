@@ -1,15 +1,18 @@
-"""Process exit codes that tell the scheduler what happened."""
+"""Process exit codes that tell the scheduler what happened, and the one exception that exits with one."""
 
 from __future__ import annotations
 
 import enum
+import signal
 
 
 class ExitCode(enum.IntEnum):
     """Exit status of a lightning_ft process.
 
-    Every value but ``SUCCESS`` is non-zero and distinct from the codes a shell or
-    a signal produces (1, 2, 126-128, 128+N), so a scheduler rule can match them.
+    The codes of our own (81-83) are non-zero and distinct from the codes a shell or a signal
+    produces (1, 2, 126-128, 128+N), so a scheduler rule can match them. ``STOPPED`` is the
+    conventional code of a SIGTERM death on purpose: a process stopped by SIGTERM that saved
+    nothing says exactly that.
     """
 
     SUCCESS = 0
@@ -20,3 +23,27 @@ class ExitCode(enum.IntEnum):
     UNHEALTHY_NODE = 82
     #: Unrecoverable (e.g. no hot spare left, bad configuration); do not requeue.
     NO_RESTART = 83
+    #: Stopped by SIGTERM (here or elsewhere in the job) with nothing of its own saved: 128 + SIGTERM.
+    STOPPED = 128 + signal.SIGTERM
+
+
+def stopped_by(signum: int) -> int:
+    """The code of a stop by ``signum`` that saved nothing: 128 + signal, like a death by that signal
+    (:attr:`ExitCode.STOPPED` for SIGTERM)."""
+    return 128 + int(signum)
+
+
+class FaultTolerantExit(SystemExit):
+    """Ends the process with ``exit_code`` (a :class:`ExitCode`, or :func:`stopped_by` another
+    signal) and says why. A ``SystemExit``, so Lightning runs its interrupt handling (every
+    callback's ``on_exception``, logger finalization, teardown) and the interpreter then exits
+    with that code, unlike Lightning's own ``SIGTERMException`` (exit 0)."""
+
+    def __init__(self, exit_code: int, message: str) -> None:
+        super().__init__(int(exit_code))
+        self.exit_code = ExitCode(exit_code) if exit_code in ExitCode._value2member_map_ else int(exit_code)
+        self.message = message
+
+    def __str__(self) -> str:
+        name = f" ({self.exit_code.name})" if isinstance(self.exit_code, ExitCode) else ""
+        return f"exit {int(self.exit_code)}{name}: {self.message}"

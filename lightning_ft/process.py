@@ -6,8 +6,6 @@ Neutral ground for every component (no Lightning import, no torch import at modu
   is still alive at a deadline (a teardown stuck on a broken group, a barrier in another
   callback, a user thread).
 * :func:`exit_now` -- flush what can be flushed and leave at once.
-* :func:`run_with_timeout` -- run a store call or record write under a bound;
-  :func:`call_with_timeout` -- the same, returning the call's value or why there is none.
 * :func:`destroy_process_group` -- the one place that destroys the default group.
 * :func:`install_exit_hook` / :func:`plan_exit` -- at interpreter exit, destroy the default
   group (Lightning never does for gloo, whose threads alive at exit abort about 1 run in
@@ -27,10 +25,13 @@ import threading
 import time
 from typing import Callable, NoReturn
 
+from lightning_ft.deadlines import call_with_timeout
+from lightning_ft.settings.timeouts import DEFAULT_TIMEOUTS
+
 log = logging.getLogger(__name__)
 
 
-def flush_output(timeout_s: float = 0.2) -> None:
+def flush_output(timeout_s: float = DEFAULT_TIMEOUTS.flush_timeout) -> None:
     """Flush stdio and logging handlers, giving up after ``timeout_s`` (a stalled pipe must not block an exit)."""
 
     def _flush() -> None:
@@ -48,9 +49,7 @@ def flush_output(timeout_s: float = 0.2) -> None:
                 except Exception:
                     pass
 
-    thread = threading.Thread(target=_flush, name="lightning-ft-flush", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
+    call_with_timeout(_flush, timeout_s, "flushing output")
 
 
 def exit_now(code: int) -> NoReturn:
@@ -62,64 +61,6 @@ def exit_now(code: int) -> NoReturn:
     """
     flush_output()
     os._exit(int(code))
-
-
-def run_with_timeout(fn: Callable[[], object], timeout_s: float, what: str) -> bool:
-    """Run ``fn`` in a daemon thread; True if it finished (without raising) in time.
-
-    :func:`call_with_timeout` for callers that only need to know whether it worked; what
-    went wrong is logged as a warning.
-    """
-    outcome = call_with_timeout(fn, timeout_s, what, unanswered="going on without it")
-    if not outcome.ok:
-        log.warning("%s", outcome.problem)
-    return outcome.ok
-
-
-class BoundedCall:
-    """The outcome of :func:`call_with_timeout`: ``value`` if it returned in time, else ``problem``."""
-
-    __slots__ = ("value", "problem")
-
-    def __init__(self, value: object = None, problem: str | None = None) -> None:
-        self.value = value
-        self.problem = problem
-
-    @property
-    def ok(self) -> bool:
-        return self.problem is None
-
-
-def call_with_timeout(fn: Callable[[], object], timeout_s: float, what: str,
-                      unanswered: str = "the store does not answer") -> BoundedCall:
-    """Run ``fn`` in a daemon thread and wait at most ``timeout_s`` for its value.
-
-    For store calls on a thread that must not stall (a frozen store answers nothing and a
-    TCPStore client waits for its op timeout, minutes). A call that does not return in time
-    keeps running in its thread and its late result is dropped; ``problem`` says what went
-    wrong, in words fit for a log line and a decision's reasons (``unanswered`` is the
-    remark on a call that did not return in time).
-    """
-    box: list[BoundedCall] = []
-
-    def _target() -> None:
-        try:
-            box.append(BoundedCall(fn()))
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, which decides
-            box.append(BoundedCall(problem=f"{what} failed: {type(exc).__name__}: {first_line(exc)}"))
-
-    thread = threading.Thread(target=_target, name="lightning-ft-bounded", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if box:
-        return box[0]
-    return BoundedCall(problem=f"{what} did not finish within {timeout_s:g} s ({unanswered})")
-
-
-def first_line(exc: BaseException, limit: int = 200) -> str:
-    """The first line of an exception's message, shortened (C++ errors carry long traces)."""
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else "")[:limit]
 
 
 class ExitWatchdog:

@@ -7,10 +7,27 @@ from lightning_ft import ExitCode
 
 
 def test_exit_codes_are_distinct_and_nonzero_except_success():
+    import signal
+
     values = [int(code) for code in ExitCode]
     assert len(set(values)) == len(values)
     assert ExitCode.SUCCESS == 0
-    assert all(v not in (0, 1, 2) and v < 126 for v in values if v != 0)
+    # our own codes stay clear of the shell's and the signals'; STOPPED *is* the SIGTERM code on purpose
+    assert ExitCode.STOPPED == 128 + signal.SIGTERM
+    assert all(v not in (0, 1, 2) and v < 126 for v in values if v not in (0, ExitCode.STOPPED))
+
+
+def test_the_one_exit_exception_carries_its_code_and_says_why():
+    from lightning_ft import FaultTolerantExit
+    from lightning_ft.exit_codes import stopped_by
+
+    exit_ = FaultTolerantExit(ExitCode.NO_RESTART, "no spare left")
+    assert isinstance(exit_, SystemExit) and exit_.code == 83 and exit_.exit_code is ExitCode.NO_RESTART
+    assert str(exit_) == "exit 83 (NO_RESTART): no spare left"
+    import signal
+
+    other = FaultTolerantExit(stopped_by(signal.SIGUSR1), "stopped")
+    assert other.code == 128 + signal.SIGUSR1 and str(other) == f"exit {128 + signal.SIGUSR1}: stopped"
 
 
 def test_import_does_not_pull_in_lightning():

@@ -154,10 +154,13 @@ def test_settings_from_rdzv_conf():
     parsed = settings_from_config("j", 2, 3, {"last_call_timeout": "0.25", "segment": "1",
                                               "health_check": "true"})
     assert parsed.timeouts.last_call_timeout == 0.25 and parsed.health_check is True
-    with pytest.raises(RendezvousConfigError, match="unknown rendezvous option 'last_cal_timeout'"):
+    with pytest.raises(RendezvousConfigError, match="unknown setting.*'last_cal_timeout'.*did you mean "
+                                                    "'last_call_timeout'"):
         settings_from_config("j", 2, 3, {"last_cal_timeout": "1"})
-    with pytest.raises(RendezvousConfigError, match="join_timeout must be a float"):
+    with pytest.raises(RendezvousConfigError, match="join_timeout must be a number, got 'soon'"):
         settings_from_config("j", 2, 3, {"join_timeout": "soon"})
+    with pytest.raises(RendezvousConfigError, match="unknown setting.*'init_timeout'"):
+        settings_from_config("j", 2, 3, {"init_timeout": "5"})  # a bound of the strategy only
 
 
 def test_poll_interval_scales_to_bound_store_load():

@@ -57,7 +57,7 @@ def test_torchrun_timeout_becomes_join_timeout(port):
 
 
 @pytest.mark.parametrize("conf, needle", [
-    (dict(last_cal_timeout="1"), "unknown rendezvous option 'last_cal_timeout'"),
+    (dict(last_cal_timeout="1"), "unknown setting(s) 'last_cal_timeout' (did you mean 'last_call_timeout'?)"),
     (dict(join_timeout="0"), "join_timeout must be a positive number"),
     (dict(is_host="maybe"), "is_host must be true or false"),
     (dict(segment="3"), "multiple of segment"),

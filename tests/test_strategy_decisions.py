@@ -13,7 +13,7 @@ from lightning_ft.strategy.decisions import (
     FailureFacts,
     FailureKind,
     PeerState,
-    RecoveryAction,
+    FailureAction,
     Role,
     classify_failure,
     decide_on_rendezvous_end,
@@ -167,23 +167,23 @@ def test_collective_errors_are_recognised_through_the_chain(chain, expected):
 
 def test_recoverable_failures_recover():
     decision = decide_recovery(FailureKind.PEER_LOST, 1, 2, recoveries=0, max_recoveries=None)
-    assert decision.action is RecoveryAction.RECOVER
+    assert decision.action is FailureAction.RECOVER
 
 
 def test_repeated_failures_without_progress_stop():
     decision = decide_recovery(FailureKind.GROUP_BROKEN, 3, 2, recoveries=2, max_recoveries=None)
-    assert decision.action is RecoveryAction.NO_RESTART
+    assert decision.action is FailureAction.NO_RESTART
     assert "without a completed training step" in decision.reason
 
 
 def test_recovery_cap():
-    assert decide_recovery(FailureKind.PEER_LOST, 1, 2, 3, 3).action is RecoveryAction.NO_RESTART
+    assert decide_recovery(FailureKind.PEER_LOST, 1, 2, 3, 3).action is FailureAction.NO_RESTART
 
 
 def test_peer_error_is_no_restart_and_local_error_raises():
-    assert decide_recovery(FailureKind.PEER_ERROR, 1, 2, 0, None).action is RecoveryAction.NO_RESTART
-    assert decide_recovery(FailureKind.LOCAL_ERROR, 1, 2, 0, None).action is RecoveryAction.RAISE
-    assert decide_recovery(FailureKind.STOP, 1, 2, 0, None).action is RecoveryAction.RAISE
+    assert decide_recovery(FailureKind.PEER_ERROR, 1, 2, 0, None).action is FailureAction.NO_RESTART
+    assert decide_recovery(FailureKind.LOCAL_ERROR, 1, 2, 0, None).action is FailureAction.RAISE
+    assert decide_recovery(FailureKind.STOP, 1, 2, 0, None).action is FailureAction.RAISE
 
 
 # ------------------------------------------------------------------ end of the rendezvous
@@ -296,6 +296,32 @@ def test_no_deadlock_while_some_rank_works_or_moves(own_waiting, peer_waiting, s
 def test_a_detected_deadlock_is_recovered_like_a_broken_group_until_it_repeats():
     facts = FailureFacts("RuntimeError", is_collective_error=True, deadlock_detected=True)
     assert classify_failure(facts) is FailureKind.DEADLOCK
-    assert decide_recovery(FailureKind.DEADLOCK, 1, 2, 0, None).action is RecoveryAction.RECOVER
+    assert decide_recovery(FailureKind.DEADLOCK, 1, 2, 0, None).action is FailureAction.RECOVER
     again = decide_recovery(FailureKind.DEADLOCK, 3, 2, 1, None)
-    assert again.action is RecoveryAction.NO_RESTART and "deadlock" in again.reason
+    assert again.action is FailureAction.NO_RESTART and "deadlock" in again.reason
+
+
+# ------------------------------------------------------------------ decide, then execute
+
+
+def test_the_first_decision_leaves_at_once_only_for_this_nodes_own_failures():
+    from lightning_ft.strategy.decisions import decide_on_failure
+
+    unhealthy = decide_on_failure(FailureKind.NODE_FAULT)
+    assert unhealthy.action is FailureAction.UNHEALTHY and unhealthy.close is None
+    bug = decide_on_failure(FailureKind.LOCAL_ERROR)
+    assert (bug.action, bug.close, bug.publish_error) == (FailureAction.RAISE, CloseKind.FAILED, True)
+    stop = decide_on_failure(FailureKind.STOP)
+    assert (stop.action, stop.close, stop.publish_error) == (FailureAction.RAISE, CloseKind.STOPPED, False)
+    for kind in (FailureKind.PEER_LOST, FailureKind.GROUP_BROKEN, FailureKind.DEADLOCK, FailureKind.PEER_ERROR):
+        assert decide_on_failure(kind).action is FailureAction.INTERRUPT
+
+
+def test_after_the_interruption_a_termination_stops_else_the_recovery_rules_decide():
+    from lightning_ft.strategy.decisions import decide_after_interruption
+
+    stopping = decide_after_interruption(FailureKind.PEER_LOST, True, 1, 2, 0, None)
+    assert (stopping.action, stopping.close) == (FailureAction.RAISE, CloseKind.STOPPED)
+    assert decide_after_interruption(FailureKind.PEER_LOST, False, 1, 2, 0, None).action is FailureAction.RECOVER
+    gave_up = decide_after_interruption(FailureKind.PEER_ERROR, False, 1, 2, 0, None)
+    assert (gave_up.action, gave_up.close) == (FailureAction.NO_RESTART, CloseKind.FAILED)

@@ -20,7 +20,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_ft import EmergencyCheckpoint, ExitCode, FaultTolerantDDPStrategy  # noqa: E402
-from lightning_ft.strategy import NoRestartError  # noqa: E402
+from lightning_ft.exit_codes import FaultTolerantExit  # noqa: E402
 from lightning_ft.strategy.launcher import FaultTolerantLauncher, add_default_callbacks  # noqa: E402
 
 GLOO_ERROR = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
@@ -138,7 +138,7 @@ def test_collective_failure_recovers_in_place_from_the_snapshot(tmp_path, port):
 
 def test_failures_without_progress_end_in_no_restart(tmp_path, port):
     trainer = make_trainer(tmp_path, port, max_failures_without_progress=2)
-    with pytest.raises(NoRestartError) as info:
+    with pytest.raises(FaultTolerantExit) as info:
         trainer.fit(AlwaysFails())
     assert info.value.code == ExitCode.NO_RESTART
     assert "without a completed training step" in info.value.message

@@ -73,4 +73,4 @@ def test_overdue_step_is_blamed_on_the_peer_that_completed_fewer_steps(store):
     ahead.started(time.monotonic() - 30.0)  # in the all-reduce of step 5 for 30 s
     assert dog_ahead._poll() is True
     detector, reason, stalled = triggered[0]
-    assert detector == "hang" and stalled == (0,) and "completed fewer steps" in reason
+    assert detector.value == "hang" and stalled == (0,) and "completed fewer steps" in reason

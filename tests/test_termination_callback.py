@@ -44,7 +44,7 @@ def test_defaults_and_bad_configuration_messages(tmp_path):
     callback = GracefulTermination()
     assert callback.margin_steps == 1 and callback.grace_seconds > 0
     assert [p.name for p in callback.health_check.probes][:2] == ["shutdown-marker", "accelerator"]
-    custom = GracefulTermination(probes=[MarkerFileProbe(tmp_path / "m")], health_timeout_seconds=2,
+    custom = GracefulTermination(probes=[MarkerFileProbe(tmp_path / "m")], health_timeout=2,
                                  grace_seconds=20, margin_steps=2, signals=[signal.SIGTERM, signal.SIGUSR1])
     assert custom.health_check.timeout_s == 2 and custom.grace_seconds == 20
 
@@ -52,7 +52,7 @@ def test_defaults_and_bad_configuration_messages(tmp_path):
         ({"margin_steps": 0}, "margin_steps"),
         ({"margin_steps": 1.5}, "margin_steps"),
         ({"grace_seconds": 0}, "grace_seconds"),
-        ({"health_timeout_seconds": -1}, "health_timeout_seconds"),
+        ({"health_timeout": -1}, "health_timeout"),
         ({"signals": [signal.SIGKILL]}, "signals"),
         ({"signals": []}, "signals"),
         ({"signals": ["TERM"]}, "signals"),
@@ -62,10 +62,11 @@ def test_defaults_and_bad_configuration_messages(tmp_path):
         ({"save_safety_factor": 0.9}, "save_safety_factor"),
         ({"exit_reserve_seconds": -1}, "exit_reserve_seconds"),
         ({"exit_reserve_seconds": 40}, "exit_reserve_seconds"),
-        ({"exit_timeout_seconds": 0}, "exit_timeout_seconds"),
+        ({"exit_timeout": 0}, "exit_timeout"),
+        ({"exit_timeout_seconds": 1}, "exit_timeout_seconds.*did you mean 'exit_timeout'"),
     ]
     for kwargs, name in bad:
-        with pytest.raises(ValueError, match=f"`{name}`"):
+        with pytest.raises(ValueError, match=f"GracefulTermination: .*{name}"):
             GracefulTermination(**kwargs)
 
 

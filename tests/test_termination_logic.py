@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from lightning_ft.exit_codes import ExitCode
-from lightning_ft.process import call_with_timeout
+from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
 from lightning_ft.termination.decision import (
     Action,
@@ -88,18 +88,38 @@ def test_without_emergency_checkpoint_the_code_says_nothing_was_saved():
 
 
 def test_grace_seconds_resolution():
-    assert resolve_grace_seconds(12.0, {}) == (12.0, "grace_seconds argument")
-    assert resolve_grace_seconds(None, {}) == (30.0, "default")
-    assert resolve_grace_seconds(None, {"LIGHTNING_FT_GRACE_SECONDS": "90"})[0] == 90.0
+    assert resolve_grace_seconds(12.0, "grace_seconds") == (12.0, "grace_seconds")
+    assert resolve_grace_seconds(None, "") == (30.0, "default")
     # torchrun SIGKILLs its workers after its shutdown timeout: it caps the grace period
-    torchrun = {"TORCHELASTIC_RUN_ID": "job", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10"}
-    grace, source = resolve_grace_seconds(None, torchrun)
+    grace, source = resolve_grace_seconds(None, "", ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "10"))
     assert grace == 10.0 and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in source
-    assert resolve_grace_seconds(None, {**torchrun, "PET_SHUTDOWN_TIMEOUT": "5"})[0] == 5.0
-    assert resolve_grace_seconds(60.0, {**torchrun, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"})[0] == 60.0
-    assert resolve_grace_seconds(None, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})[0] == 30.0  # not under torchrun
-    with pytest.raises(ValueError, match="LIGHTNING_FT_GRACE_SECONDS"):
-        resolve_grace_seconds(None, {"LIGHTNING_FT_GRACE_SECONDS": "soon"})
+    assert resolve_grace_seconds(60.0, "grace_seconds", ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120"))[0] == 60.0
+    with pytest.raises(ValueError, match="PET_SHUTDOWN_TIMEOUT"):
+        resolve_grace_seconds(None, "", ("PET_SHUTDOWN_TIMEOUT", "soon"))
+
+
+def test_grace_seconds_setting_from_the_environment_and_torchrun(monkeypatch):
+    from lightning_ft import GracefulTermination
+
+    for key in ("LIGHTNING_FT_GRACE_SECONDS", "TORCHELASTIC_RUN_ID", "PET_SHUTDOWN_TIMEOUT",
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        monkeypatch.delenv(key, raising=False)
+    assert (GracefulTermination(probes=[]).grace_seconds, GracefulTermination(probes=[]).grace_source) == \
+        (30.0, "default")
+    monkeypatch.setenv("LIGHTNING_FT_GRACE_SECONDS", "90")
+    assert GracefulTermination(probes=[]).grace_source == "LIGHTNING_FT_GRACE_SECONDS"
+    assert GracefulTermination(probes=[]).grace_seconds == 90.0
+    assert GracefulTermination(probes=[], grace_seconds=12).grace_seconds == 12.0
+    # under torchrun (TORCHELASTIC_RUN_ID) its worker shutdown timeout caps the grace period
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "5")
+    assert GracefulTermination(probes=[]).grace_seconds == 90.0  # not under torchrun
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert GracefulTermination(probes=[]).grace_seconds == 5.0
+    monkeypatch.setenv("PET_SHUTDOWN_TIMEOUT", "3")
+    assert GracefulTermination(probes=[]).grace_seconds == 3.0
+    monkeypatch.setenv("LIGHTNING_FT_GRACE_SECONDS", "soon")
+    with pytest.raises(ValueError, match="LIGHTNING_FT_GRACE_SECONDS must be a number"):
+        GracefulTermination(probes=[])
 
 
 def test_first_proposal_wins_and_every_rank_sees_it(tcp_store):

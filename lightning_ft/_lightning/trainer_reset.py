@@ -73,3 +73,19 @@ def _remove_leftover_forward_patch(module) -> None:
     if patched is not None and getattr(patched, "__name__", "") == "wrapped_forward":
         del module.forward
         log.info("ddp_ft: removed Lightning's forward redirection left on the module by the failure")
+
+
+def teardown_trainer(trainer) -> None:
+    """Lightning's exception-path teardown (``Trainer._teardown``: strategy, loop, logger connector,
+    signal handlers), as ``_call_and_handle_interrupt`` runs it after ``on_exception``; the
+    stage is cleared as ``fit()`` leaves it."""
+    try:
+        trainer._teardown()
+    finally:
+        trainer.state.stage = None
+
+
+def mark_finished(trainer) -> None:
+    """The Trainer's state as ``fit()`` leaves it when this process ends fit() without training."""
+    trainer.state.status = TrainerStatus.FINISHED
+    trainer.state.stage = None

@@ -15,12 +15,25 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from lightning_ft.settings import load, setting
+from lightning_ft.settings.fields import optional_path, parse_text
 
 log = logging.getLogger(__name__)
 
 EVENTS_DIR_ENV = "LIGHTNING_FT_EVENTS_DIR"
+
+
+@dataclass(frozen=True)
+class EventSettings:
+    """Where the event log goes."""
+
+    events_dir: str | None = setting(None, "run directory of the event log (one JSON-lines file per process); "
+                                           "None: no event log", rule=optional_path, env=EVENTS_DIR_ENV,
+                                     parse=parse_text)
 
 
 class EventLog:
@@ -69,7 +82,7 @@ def open_event_log(who: str, run_dir: str | os.PathLike | None = None) -> EventL
 
     Never raises: an unusable directory is logged and gives a null log.
     """
-    run_dir = run_dir or os.environ.get(EVENTS_DIR_ENV)
+    run_dir = run_dir or load(EventSettings, {}).events_dir
     if not run_dir:
         return NullEventLog()
     try:

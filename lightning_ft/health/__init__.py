@@ -5,7 +5,7 @@ free memory, free disk, optional marker files and an external command) in thread
 one deadline and returns a :class:`HealthReport`. No Lightning import.
 """
 
-from lightning_ft.health.check import ENV_TIMEOUT, HealthReport, NodeHealthCheck
+from lightning_ft.health.check import HealthReport, NodeHealthCheck
 from lightning_ft.health.probes import (
     AcceleratorProbe,
     CommandProbe,
@@ -17,8 +17,9 @@ from lightning_ft.health.probes import (
     ShutdownMarkerProbe,
     default_probes,
 )
+from lightning_ft.health.settings import HealthSettings
 
 __all__ = [
-    "ENV_TIMEOUT", "AcceleratorProbe", "CommandProbe", "DiskSpaceProbe", "HealthReport", "MarkerFileProbe",
-    "MemoryProbe", "NodeHealthCheck", "Probe", "ProbeResult", "ShutdownMarkerProbe", "default_probes",
+    "AcceleratorProbe", "CommandProbe", "DiskSpaceProbe", "HealthReport", "MarkerFileProbe",
+    "MemoryProbe", "NodeHealthCheck", "Probe", "ProbeResult", "ShutdownMarkerProbe", "default_probes", "HealthSettings",
 ]

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Mapping
+from typing import Any, Sequence
 
-from lightning_ft.health.probes import Probe, ProbeResult, _env_float, default_probes
+from lightning_ft.health.probes import Probe, ProbeResult, default_probes
+from lightning_ft.settings import Timeouts, load
 
 log = logging.getLogger(__name__)
 
-ENV_TIMEOUT = "LIGHTNING_FT_HEALTH_TIMEOUT"
-DEFAULT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -53,8 +52,8 @@ class NodeHealthCheck:
 
     Args:
         probes: the probes to run; ``None`` = :func:`default_probes` from the environment.
-        timeout_s: deadline for the whole check, in seconds; ``None`` =
-            ``LIGHTNING_FT_HEALTH_TIMEOUT`` or 5 s.
+        timeout_s: deadline for the whole check, in seconds; ``None`` = the ``health_timeout``
+            setting (``LIGHTNING_FT_HEALTH_TIMEOUT`` or 5 s).
         overrun_is_unhealthy: a probe that has not answered by the deadline (or was
             killed at it) makes the node unhealthy; with ``False`` it is reported and ignored.
         stop_at_first_unhealthy: return as soon as one probe says unhealthy, without
@@ -65,7 +64,7 @@ class NodeHealthCheck:
                  overrun_is_unhealthy: bool = True, stop_at_first_unhealthy: bool = True) -> None:
         probes = default_probes() if probes is None else list(probes)
         if timeout_s is None:
-            timeout_s = _env_float(dict(os.environ), ENV_TIMEOUT, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S
+            timeout_s = load(Timeouts, {}).health_timeout
         for probe in probes:
             if not callable(getattr(probe, "check", None)) or not isinstance(getattr(probe, "name", None), str):
                 raise TypeError(f"NodeHealthCheck: `probes` must have a str `name` and a `check(deadline)` "
@@ -81,11 +80,9 @@ class NodeHealthCheck:
         self.stop_at_first_unhealthy = bool(stop_at_first_unhealthy)
 
     @classmethod
-    def from_env(cls, env: dict | None = None, **overrides) -> "NodeHealthCheck":
-        """Default probes and timeout (``LIGHTNING_FT_HEALTH_TIMEOUT``, default 5 s) from the environment."""
-        env = dict(os.environ if env is None else env)
-        timeout_s = _env_float(env, ENV_TIMEOUT, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S
-        overrides.setdefault("timeout_s", timeout_s)
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NodeHealthCheck:
+        """Default probes and timeout (the ``health_timeout`` setting) from ``env`` (default the process's)."""
+        overrides.setdefault("timeout_s", load(Timeouts, {}, env=env).health_timeout)
         overrides.setdefault("probes", default_probes(env))
         return cls(**overrides)
 

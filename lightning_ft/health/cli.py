@@ -9,24 +9,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from lightning_ft.exit_codes import ExitCode
-from lightning_ft.health.check import ENV_TIMEOUT, NodeHealthCheck
-from lightning_ft.health.probes import (
-    DEFAULT_MIN_AVAILABLE_MEMORY_MB,
-    DEFAULT_MIN_FREE_DISK_MB,
-    ENV_COMMAND,
-    ENV_DISK_PATHS,
-    ENV_HOST_ROOT,
-    ENV_MARKERS,
-    ENV_MIN_AVAILABLE_MEMORY_MB,
-    ENV_MIN_FREE_DISK_MB,
-    ENV_REQUIRE_CUDA,
-    _env_float,
-    default_probes,
-)
+from lightning_ft.health.check import NodeHealthCheck
+from lightning_ft.health.probes import default_probes
+from lightning_ft.health.settings import DEFAULT_MIN_AVAILABLE_MEMORY_MB, DEFAULT_MIN_FREE_DISK_MB, HealthSettings
+from lightning_ft.settings import Timeouts, describe, load
+
+_ENV = {info.name: info.env for info in describe(HealthSettings) + describe(Timeouts)}
+ENV_TIMEOUT = _ENV["health_timeout"]
+ENV_HOST_ROOT, ENV_MARKERS, ENV_COMMAND = _ENV["host_root"], _ENV["markers"], _ENV["command"]
+ENV_DISK_PATHS, ENV_MIN_FREE_DISK_MB = _ENV["disk_paths"], _ENV["min_free_disk_mb"]
+ENV_MIN_AVAILABLE_MEMORY_MB, ENV_REQUIRE_CUDA = _ENV["min_available_memory_mb"], _ENV["require_cuda"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,14 +67,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lightning-ft health: {flag} must be >= 0, got {value}", file=sys.stderr)
             return 2
     try:
-        env = dict(os.environ)
         probes = default_probes(
-            env, host_root=args.host_root, markers=args.marker, command=args.command,
+            host_root=args.host_root, markers=args.marker, command=args.command,
             disk_paths=args.disk_path, min_free_disk_mb=args.min_free_disk_mb,
             min_available_memory_mb=args.min_available_memory_mb, accelerator=not args.no_accelerator,
             require_cuda=True if args.require_cuda else None,
         )
-        timeout = args.timeout or _env_float(env, ENV_TIMEOUT, 5.0) or 5.0
+        timeout = args.timeout or load(Timeouts, {}).health_timeout
         check = NodeHealthCheck(probes, timeout_s=timeout, overrun_is_unhealthy=not args.overrun_healthy,
                                 stop_at_first_unhealthy=False)
     except ValueError as exc:

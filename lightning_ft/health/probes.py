@@ -21,7 +21,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from lightning_ft.health.settings import HealthSettings
+from lightning_ft.settings import load
 
 _MIB = 1024 * 1024
 _MAX_REASON_CHARS = 500
@@ -282,81 +286,30 @@ def _kill_session(proc: subprocess.Popen) -> None:
         pass
 
 
-# Environment variables read by default_probes() / NodeHealthCheck.from_env().
-ENV_HOST_ROOT = "LIGHTNING_FT_HOST_ROOT"
-ENV_MARKERS = "LIGHTNING_FT_HEALTH_MARKERS"
-ENV_COMMAND = "LIGHTNING_FT_HEALTH_COMMAND"
-ENV_DISK_PATHS = "LIGHTNING_FT_HEALTH_DISK_PATHS"
-ENV_MIN_FREE_DISK_MB = "LIGHTNING_FT_HEALTH_MIN_FREE_DISK_MB"
-ENV_MIN_AVAILABLE_MEMORY_MB = "LIGHTNING_FT_HEALTH_MIN_AVAILABLE_MEMORY_MB"
-ENV_REQUIRE_CUDA = "LIGHTNING_FT_HEALTH_REQUIRE_CUDA"
-
-# Deliberately low: these flag a broken node, not a busy one. A false "unhealthy" costs
-# the emergency snapshot, so the defaults must not trip on small containers.
-DEFAULT_MIN_FREE_DISK_MB = 100.0
-DEFAULT_MIN_AVAILABLE_MEMORY_MB = 100.0
-
-
-def _env_float(env: dict, key: str, default: float) -> float:
-    raw = env.get(key, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {key}={raw!r} is not a number") from None
-    if value < 0:
-        raise ValueError(f"environment variable {key}={raw!r} must be >= 0")
-    return value
-
-
 def default_probes(
-    env: dict | None = None,
+    env: Mapping[str, str] | None = None,
     *,
-    host_root: str | None = None,
-    markers: Sequence[str] | None = None,
-    command: str | None = None,
-    disk_paths: Sequence[str] | None = None,
-    min_free_disk_mb: float | None = None,
-    min_available_memory_mb: float | None = None,
     accelerator: bool = True,
-    require_cuda: bool | None = None,
+    **settings: Any,
 ) -> list[Probe]:
-    """The built-in probe set; keyword arguments override the environment.
-
-    Environment (all optional): ``LIGHTNING_FT_HOST_ROOT`` (default ``/``),
-    ``LIGHTNING_FT_HEALTH_MARKERS`` (``os.pathsep``-separated marker files),
-    ``LIGHTNING_FT_HEALTH_COMMAND`` (command line, run without a shell),
-    ``LIGHTNING_FT_HEALTH_DISK_PATHS`` (``os.pathsep``-separated, default the temp dir),
-    ``LIGHTNING_FT_HEALTH_MIN_FREE_DISK_MB`` (default 100; 0 disables),
-    ``LIGHTNING_FT_HEALTH_MIN_AVAILABLE_MEMORY_MB`` (default 100; 0 disables),
-    ``LIGHTNING_FT_HEALTH_REQUIRE_CUDA`` (``1`` = a node without CUDA is unhealthy).
+    """The built-in probe set: each setting of :class:`~lightning_ft.health.settings.HealthSettings`
+    (``host_root``, ``markers``, ``command``, ``disk_paths``, ``min_free_disk_mb``,
+    ``min_available_memory_mb``, ``require_cuda``) given here (None: not given) or else from its
+    ``LIGHTNING_FT_HEALTH_*`` environment variable (in ``env``, default the process's);
+    ``accelerator=False`` leaves out the CUDA query.
     """
-    env = dict(os.environ if env is None else env)
-    probes: list[Probe] = [ShutdownMarkerProbe(host_root if host_root is not None
-                                               else env.get(ENV_HOST_ROOT) or "/")]
+    config = load(HealthSettings, {k: v for k, v in settings.items() if v is not None}, env=env)
+    probes: list[Probe] = [ShutdownMarkerProbe(config.host_root)]
     if accelerator:
-        if require_cuda is None:
-            require_cuda = env.get(ENV_REQUIRE_CUDA, "").strip().lower() in ("1", "true", "yes")
-        probes.append(AcceleratorProbe(require_cuda=require_cuda))
-    memory_mb = (min_available_memory_mb if min_available_memory_mb is not None
-                 else _env_float(env, ENV_MIN_AVAILABLE_MEMORY_MB, DEFAULT_MIN_AVAILABLE_MEMORY_MB))
-    if memory_mb > 0:
-        probes.append(MemoryProbe(int(memory_mb * _MIB)))
-    disk_mb = (min_free_disk_mb if min_free_disk_mb is not None
-               else _env_float(env, ENV_MIN_FREE_DISK_MB, DEFAULT_MIN_FREE_DISK_MB))
-    if disk_mb > 0:
-        if disk_paths is None:
-            raw = env.get(ENV_DISK_PATHS, "")
-            disk_paths = [p for p in raw.split(os.pathsep) if p] or [_tempdir()]
-        probes.extend(DiskSpaceProbe(path, int(disk_mb * _MIB)) for path in disk_paths)
-    if markers is None:
-        markers = [p for p in env.get(ENV_MARKERS, "").split(os.pathsep) if p]
-    probes.extend(MarkerFileProbe(path) for path in markers)
-    if command is None:
-        command = env.get(ENV_COMMAND, "").strip() or None
-    if command:
-        probes.append(CommandProbe(command))
+        probes.append(AcceleratorProbe(require_cuda=config.require_cuda))
+    if config.min_available_memory_mb > 0:
+        probes.append(MemoryProbe(int(config.min_available_memory_mb * _MIB)))
+    if config.min_free_disk_mb > 0:
+        paths = list(config.disk_paths) or [_tempdir()]
+        probes.extend(DiskSpaceProbe(path, int(config.min_free_disk_mb * _MIB)) for path in paths)
+    probes.extend(MarkerFileProbe(path) for path in config.markers)
+    if config.command:
+        probes.append(CommandProbe(config.command))
     return probes
 
 

@@ -12,11 +12,11 @@ from lightning_ft.rendezvous.barrier import (
     RoundResult,
     UnhealthyNodeError,
 )
-from lightning_ft.rendezvous.participant import ParticipantInfo, detect_infra_rank, local_participant
+from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
 from lightning_ft.rendezvous.settings import (
     RendezvousConfigError,
     RendezvousSettings,
-    RendezvousTimeouts,
+    RendezvousOptions,
     settings_from_config,
 )
 from lightning_ft.rendezvous.store import DEFAULT_PORT, Endpoint, connect_store, parse_endpoint
@@ -30,11 +30,10 @@ __all__ = [
     "ParticipantInfo",
     "RendezvousConfigError",
     "RendezvousSettings",
-    "RendezvousTimeouts",
+    "RendezvousOptions",
     "RoundResult",
     "UnhealthyNodeError",
     "connect_store",
-    "detect_infra_rank",
     "local_participant",
     "parse_endpoint",
     "settings_from_config",

@@ -21,11 +21,11 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from lightning_ft._logging import ensure_log_output
-from lightning_ft._validation import check_number, parse_bool, require
+from lightning_ft.deadlines import raw_store
 from lightning_ft.process import exit_now
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, UnhealthyNodeError
 from lightning_ft.rendezvous.participant import local_participant
-from lightning_ft.rendezvous.settings import RendezvousConfigError, settings_from_config
+from lightning_ft.rendezvous.settings import RendezvousConfigError, torchrun_config
 from lightning_ft.rendezvous.store import DEFAULT_PORT, connect_store, parse_endpoint
 from lightning_ft.schema.run import EXIT_BARRIER_KEY, EXIT_BARRIER_PREFIX, CloseKind, CloseReason
 from lightning_ft.schema.signing import SecretError, job_signer
@@ -46,9 +46,6 @@ def _check_torch_exit_barrier_key() -> None:
                           f"lightning_ft knows {EXIT_BARRIER_KEY!r} and does not support it")
 
 BACKEND_NAME = "lightning_ft"
-
-# keys torchrun adds on its own (the handler's own keys are settings.HANDLER_KEYS)
-_TORCHRUN_KEYS = ("timeout", "rank", "read_timeout")
 
 
 class LightningFTRendezvousHandler(RendezvousHandler):
@@ -94,7 +91,7 @@ class LightningFTRendezvousHandler(RendezvousHandler):
                 raise UnhealthyNodeError(
                     f"node {self._rdzv.participant_id} failed its health check and is excluded: {reasons}")
         result = self._rdzv.next_active_round()
-        round_store = dist.PrefixStore(result.store_prefix, self._rdzv.store)
+        round_store = dist.PrefixStore(result.store_prefix, raw_store(self._rdzv.store))
         bootstrap = RendezvousStoreInfo.build(result.rank, round_store, local_addr=self._local_addr)
         return RendezvousInfo(round_store, result.rank, result.world_size, bootstrap)
 
@@ -162,41 +159,26 @@ def create_handler(params: RendezvousParameters) -> LightningFTRendezvousHandler
         job_signer()
     except SecretError as exc:
         raise RendezvousConfigError(str(exc)) from None
-    config = dict(params.config)
-    for key in _TORCHRUN_KEYS:
-        value = config.pop(key, None)
-        if key == "timeout" and value is not None and "join_timeout" not in config:
-            config["join_timeout"] = value
-    raw_is_host = config.pop("is_host", None)
-    is_host = None if raw_is_host in (None, "") else parse_bool("is_host", raw_is_host, error=RendezvousConfigError)
-    try:
-        connect_timeout = float(config.pop("connect_timeout", 60.0))
-    except (TypeError, ValueError):
-        raise RendezvousConfigError("connect_timeout must be a float") from None
-    require(check_number(connect_timeout), "connect_timeout", "a positive number of seconds", connect_timeout,
-            error=RendezvousConfigError)
-    domain_id = config.pop("domain_id", None)
-    infra_rank = config.pop("infra_rank", None)
-    local_id = int(config.pop("local_id", 0))
-    settings = settings_from_config(params.run_id, params.min_nodes, params.max_nodes, config)
+    options, settings = torchrun_config(params.run_id, params.min_nodes, params.max_nodes, params.config)
     endpoint = parse_endpoint(params.endpoint)
-    store, hosting = connect_store(endpoint, is_host, connect_timeout)
-    participant = local_participant(local_id=local_id, domain_id=domain_id,
-                                    infra_rank=None if infra_rank is None else int(infra_rank),
-                                    addr=params.local_addr)
+    # bounded like every store connection of ours: a frozen store makes a call fail after
+    # store_timeout (the agent then ends truthfully) instead of blocking the agent for good
+    store, hosting = connect_store(endpoint, options.is_host, settings.timeouts)
+    participant = local_participant(local_id=options.local_id, domain_id=options.domain_id,
+                                    infra_rank=options.infra_rank, addr=params.local_addr)
     rendezvous = BarrierRendezvous(store, settings, participant, is_store_host=hosting,
                                    heartbeat_store_factory=store.clone)
-    health_check = _node_health_check() if settings.health_check else None
-    log.info("lightning_ft rendezvous: run %s, nodes %d:%d, endpoint %s, %s, participant %s",
+    health_check = _node_health_check(settings.timeouts.health_timeout) if settings.health_check else None
+    log.info("lightning_ft rendezvous: run %s, nodes %d:%d, endpoint %s, %s, participant %s (domain %s)",
              settings.run_id, settings.min_nodes, settings.max_nodes, endpoint,
-             "store host" if hosting else "store client", participant.participant_id)
+             "store host" if hosting else "store client", participant.participant_id, participant.domain_id)
     return LightningFTRendezvousHandler(rendezvous, params.local_addr, health_check)
 
 
-def _node_health_check() -> Callable[[], tuple[bool, str]]:
+def _node_health_check(timeout_s: float) -> Callable[[], tuple[bool, str]]:
     from lightning_ft.health import NodeHealthCheck  # imported only when asked for
 
-    check = NodeHealthCheck()
+    check = NodeHealthCheck(timeout_s=timeout_s)
 
     def run() -> tuple[bool, str]:
         report = check.run()

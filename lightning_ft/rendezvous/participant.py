@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from lightning_ft.schema.run import SEP
+from lightning_ft.settings.environment import resolve_domain_id, scheduler_node_index
 
 
 @dataclass(frozen=True)
@@ -35,43 +36,16 @@ class ParticipantInfo:
                                  f"characters, got {value!r}")
 
 
-# Environment variables that carry the scheduler's node index, first match wins.
-_INFRA_RANK_VARIABLES = (
-    "LIGHTNING_FT_INFRA_RANK",  # explicit override
-    "SLURM_NODEID",
-    "SLURM_PROCID",
-    "JOB_COMPLETION_INDEX",  # Kubernetes indexed Job / JobSet
-    "GROUP_RANK",
-)
-
-
-def detect_infra_rank(env: Mapping[str, str] | None = None) -> int:
-    """The scheduler's index of this node, or -1 when no known variable says it."""
-    env = os.environ if env is None else env
-    for name in _INFRA_RANK_VARIABLES:
-        value = env.get(name)
-        if value is None or value == "":
-            continue
-        try:
-            rank = int(value)
-        except ValueError:
-            raise ValueError(f"{name}={value!r} is not an integer node index") from None
-        if rank < 0:
-            raise ValueError(f"{name}={value!r} must not be negative")
-        return rank
-    return -1
-
-
 def local_participant(local_id: int = 0, domain_id: str | None = None, infra_rank: int | None = None,
                       addr: str | None = None, env: Mapping[str, str] | None = None) -> ParticipantInfo:
-    """Describe this process as a participant, filling unknown fields from the environment."""
-    env = os.environ if env is None else env
+    """Describe this process as a participant; the domain and the node index not given are
+    resolved as every entry point resolves them (:mod:`lightning_ft.settings.environment`)."""
     return ParticipantInfo(
         addr=addr or socket.gethostname(),
         pid=os.getpid(),
         local_id=local_id,
-        infra_rank=detect_infra_rank(env) if infra_rank is None else infra_rank,
-        domain_id=domain_id or env.get("LIGHTNING_FT_DOMAIN_ID") or "none",
+        infra_rank=scheduler_node_index(env) if infra_rank is None else infra_rank,
+        domain_id=resolve_domain_id(domain_id, env),
     )
 
 

@@ -4,27 +4,21 @@ from __future__ import annotations
 
 import datetime
 import logging
-import queue
 import socket
-import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from lightning_ft.deadlines import BoundedStore, call_with_timeout, first_line
 from lightning_ft.rendezvous.settings import RendezvousConfigError
+from lightning_ft.settings import Timeouts
 
 log = logging.getLogger(__name__)
 
 #: as torchrun's c10d backend
 DEFAULT_PORT = 29400
-#: bound on one store request once connected (a request, not a wait: waits poll in slices).
-#: A healthy store answers in milliseconds; one that takes this long is frozen or gone, and
-#: the participant acts on that (a spare leaves, a survivor gives up) instead of hanging.
-STORE_OP_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -59,33 +53,24 @@ def resolve_host(host: str, timeout: float, retry_every: float = 1.0) -> str:
     """The address of ``host`` (its first ``getaddrinfo`` answer), retrying until ``timeout``.
 
     Name lookups are retried because a scheduler's DNS often knows a new node only seconds
-    after it starts; each lookup runs in a helper thread so that a resolver that hangs (no
-    network, a dead DNS server) cannot stretch the wait past ``timeout``. On failure a
+    after it starts; each lookup is a bounded call, so a resolver that hangs (no network, a
+    dead DNS server) cannot stretch the wait past ``timeout``. On failure a
     RendezvousConnectionError says what could not be resolved (c10d alone retried
     unresolvable names with IPv6 warnings past its own timeout).
     """
     deadline = time.monotonic() + timeout
-    last_error: BaseException | None = None
+    problem = "the lookup did not return"
     while True:
-        answer: dict[str, object] = {}
-
-        def lookup() -> None:
-            try:
-                answer["address"] = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-            except (OSError, UnicodeError) as exc:
-                answer["error"] = exc
-
-        worker = threading.Thread(target=lookup, name="lightning_ft-resolve", daemon=True)
-        worker.start()
-        worker.join(max(0.0, deadline - time.monotonic()))
-        if "address" in answer:
-            return str(answer["address"])
-        last_error = answer.get("error", last_error)  # type: ignore[assignment]
+        answer = call_with_timeout(lambda: socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0],
+                                   max(0.0, deadline - time.monotonic()), f"looking up {host!r}",
+                                   unanswered="the resolver does not answer")
+        if answer.ok:
+            return str(answer.value)
+        problem = answer.problem or problem
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            why = f"{type(last_error).__name__}: {last_error}" if last_error else "the lookup did not return"
             raise RendezvousConnectionError(
-                f"cannot resolve the rendezvous host {host!r} within {timeout:g}s ({why}); check --rdzv-endpoint "
+                f"cannot resolve the rendezvous host {host!r} within {timeout:g}s ({problem}); check --rdzv-endpoint "
                 "/ LIGHTNING_FT_ENDPOINT")
         time.sleep(min(retry_every, remaining))
 
@@ -122,121 +107,41 @@ def host_store(host: str, port: int, timeout: datetime.timedelta, multi_tenant: 
         raise
 
 
-def connect_store(endpoint: Endpoint, is_host: bool | None, connect_timeout: float,
-                  op_timeout: float = STORE_OP_TIMEOUT) -> tuple[dist.Store, bool]:
-    """Host the TCPStore at the endpoint, or connect to whoever hosts it.
+def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) -> tuple[BoundedStore, bool]:
+    """Host the TCPStore at the endpoint, or connect to whoever hosts it; every call on the
+    returned store is bounded by ``timeouts.store_timeout`` (:class:`~lightning_ft.deadlines.BoundedStore`).
 
     ``is_host=None`` (the default) hosts when the port can be bound here and connects
     otherwise, like torch's c10d backend: the first agent to bind the endpoint hosts.
-    Returns the store and whether this process hosts it.
+    Returns the store and whether this process hosts it. Reaching it is bounded by
+    ``timeouts.connect_timeout``.
     """
+    connect_timeout = timeouts.connect_timeout
     deadline = time.monotonic() + connect_timeout
     host, port = resolve_host(endpoint.host, connect_timeout), endpoint.port
-    timeout = datetime.timedelta(seconds=op_timeout)
+    timeout = datetime.timedelta(seconds=timeouts.store_timeout)
     if is_host is not False:
         try:
             store = host_store(host, port, timeout)
             log.info("hosting the rendezvous store at %s", endpoint)
-            return store, True
+            return BoundedStore(store, timeouts.store_timeout), True
         except (RuntimeError, OSError) as exc:
             if is_host:
                 raise RendezvousConnectionError(
-                    f"is_host=true but the rendezvous store cannot listen on {endpoint}: {exc}") from exc
-            log.debug("not hosting the store at %s (%s); connecting as a client", endpoint, exc)
+                    f"is_host=true but the rendezvous store cannot listen on {endpoint}: {first_line(exc)}") from None
+            log.debug("not hosting the store at %s (%s); connecting as a client", endpoint, first_line(exc))
     remaining = max(1.0, deadline - time.monotonic())
-    # in a thread of its own: a frozen store host's kernel still accepts the connection, and
-    # the client then waits for the handshake's answer without limit
-    connecting: Future = Future()
-
-    def _connect() -> None:
-        try:
-            connecting.set_result(dist.TCPStore(host, port, is_master=False,
-                                                timeout=datetime.timedelta(seconds=remaining)))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-            connecting.set_exception(exc)
-
-    threading.Thread(target=_connect, name="lightning_ft-store-connect", daemon=True).start()
-    try:
-        # torch's own connect retries end after ``remaining``; the margin is for a loaded machine
-        store = connecting.result(timeout=remaining + 5.0)
-    except TimeoutError:
+    # bounded: a frozen store host's kernel still accepts the connection, and the client then
+    # waits for the handshake's answer without limit. torch's own connect retries end after
+    # ``remaining``; the margin is for a loaded machine.
+    connecting = call_with_timeout(
+        lambda: dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=remaining)),
+        remaining + 5.0, f"connecting to the rendezvous store at {endpoint}",
+        unanswered="its host is frozen or overloaded, or the connection hangs")
+    if not connecting.ok:
         raise RendezvousConnectionError(
-            f"cannot reach the rendezvous store at {endpoint} within connect_timeout={connect_timeout}s: "
-            f"no answer (its host is frozen or overloaded, or the connection hangs)") from None
-    except (RuntimeError, OSError) as exc:
-        # the first line only: torch appends its C++ stack to the message
-        detail = (str(exc).strip().splitlines() or [""])[0]
-        raise RendezvousConnectionError(
-            f"cannot reach the rendezvous store at {endpoint} within connect_timeout={connect_timeout}s "
-            f"(--rdzv-endpoint); is the store host running? ({type(exc).__name__}: {detail})") from None
+            f"cannot reach the rendezvous store at {endpoint} within connect_timeout={connect_timeout:g}s "
+            f"(--rdzv-endpoint); is the store host running? ({connecting.problem})")
+    store = connecting.value
     store.set_timeout(timeout)
-    return store, False
-
-
-class StoreUnresponsiveError(RuntimeError):
-    """A store call did not return within its bound: the store (or its host) is frozen or gone."""
-
-
-class BoundedStore:
-    """A TCPStore client whose calls return -- or raise StoreUnresponsiveError -- within ``bound``
-    seconds.
-
-    A TCPStore client waits for an answer without limit when the server is frozen (its host
-    SIGSTOPped, a dead machine whose connection is still open): its timeout covers waiting
-    for a key, not a server that never answers. Every call here runs on one worker thread of
-    this client and is waited for at most ``bound``; a stuck call keeps the worker (later
-    calls queue behind it and time out too) until the store answers or the process ends.
-    ``raw`` is the plain client, for torch's own use (``PrefixStore`` for a process group).
-    """
-
-    _METHODS = ("set", "get", "add", "compare_set", "check", "multi_get", "multi_set", "delete_key",
-                "num_keys", "wait")
-
-    def __init__(self, store: Any, bound: float) -> None:
-        self.raw = store
-        self.bound = bound
-        self._stuck: Future | None = None
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._serve, name="lightning_ft-store-client", daemon=True)
-        self._worker.start()
-
-    def _serve(self) -> None:
-        while True:
-            future, fn, args = self._calls.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
-
-    def _call(self, name: str, *args: Any) -> Any:
-        stuck = self._stuck
-        if stuck is not None and not stuck.done():
-            # a call already waited out its bound and still has no answer: later calls would
-            # only queue behind it, so they fail at once instead of adding bound after bound
-            raise StoreUnresponsiveError(f"the rendezvous store did not answer {name}(): an earlier call has "
-                                         f"had no answer for more than {self.bound:g}s (frozen or gone)")
-        future: Future = Future()
-        self._calls.put((future, getattr(self.raw, name), args))
-        try:
-            return future.result(timeout=self.bound)
-        except TimeoutError:
-            if not future.cancel():
-                self._stuck = future
-            raise StoreUnresponsiveError(f"the rendezvous store did not answer {name}() within {self.bound:g}s "
-                                         "(frozen or gone)") from None
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name in BoundedStore._METHODS:
-            return lambda *args: self._call(name, *args)
-        return getattr(self.raw, name)
-
-    def clone(self, bound: float | None = None) -> "BoundedStore":
-        """Another connection to the same store (torch's ``TCPStore.clone``), bounded alike or by ``bound``."""
-        return BoundedStore(self._call("clone"), self.bound if bound is None else bound)
-
-
-def raw_store(store: Any) -> Any:
-    """The plain torch Store behind ``store`` (for torch APIs that need a c10d Store)."""
-    return store.raw if isinstance(store, BoundedStore) else store
+    return BoundedStore(store, timeouts.store_timeout), False

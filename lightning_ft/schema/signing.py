@@ -27,6 +27,8 @@ import threading
 from functools import lru_cache
 from typing import Mapping
 
+from lightning_ft.settings.environment import environ
+
 log = logging.getLogger(__name__)
 
 ENV_SECRET = "LIGHTNING_FT_SECRET"
@@ -106,7 +108,7 @@ def read_secret(env: Mapping[str, str] | None = None) -> tuple[bytes | None, str
     A secret file must be a regular file of this user that others cannot read (it is a
     credential); else SecretError. An empty secret is an error, not "no secret".
     """
-    env = os.environ if env is None else env
+    env = environ() if env is None else env
     path = env.get(ENV_SECRET_FILE, "").strip()
     if path:
         try:
@@ -142,7 +144,7 @@ def job_signer() -> Signer:
     secret, source = read_secret()
     if secret is None:
         log.warning("no job secret (%s or %s): control-plane values in the store are not authenticated; anyone "
-                    "who can reach the store can end, stop or fail this job. See the README's trust model.",
+                    "who can reach the store can end, stop or fail this job. See docs/trust.md.",
                     ENV_SECRET_FILE, ENV_SECRET)
     return Signer(secret, source)
 

@@ -14,10 +14,9 @@ from lightning_ft.strategy.settings import StrategyConfigError
 
 _LAZY = {
     "FaultTolerantDDPStrategy": "lightning_ft.strategy.strategy",
-    "NoRestartError": "lightning_ft.strategy.recovery",
     "register_strategy": "lightning_ft.strategy.strategy",
 }
 
-__all__ = ["FaultTolerantDDPStrategy", "NoRestartError", "StrategyConfigError", "register_strategy"]
+__all__ = ["FaultTolerantDDPStrategy", "StrategyConfigError", "register_strategy"]
 
 __getattr__ = lazy_getattr("lightning_ft.strategy", _LAZY, globals())

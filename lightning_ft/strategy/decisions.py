@@ -96,6 +96,24 @@ def find_stalled_ranks(own_rank: int, own_completed: int, peers: Iterable[PeerSt
 # ------------------------------------------------------------------ failures
 
 
+class Detector(enum.Enum):
+    """What noticed that a round failed."""
+
+    #: a collective of this rank raised (a peer's connection closed, a timeout)
+    COLLECTIVE = "collective"
+    #: the round watchdog: a rank stopped progressing (frozen, behind, silent heartbeat)
+    HANG = "hang"
+    #: the round watchdog: every rank waits in a collective and none moves
+    DEADLOCK = "deadlock"
+    #: the round watchdog: a newer round opened while this rank trained (a peer saw a failure)
+    RENDEZVOUS = "rendezvous"
+
+    @property
+    def judges_a_stall(self) -> bool:
+        """The watchdog judged this round itself (and reported it when it fired)."""
+        return self in (Detector.HANG, Detector.DEADLOCK)
+
+
 class FailureKind(enum.Enum):
     #: a peer died, hung or left (collective failed; the rendezvous shows why)
     PEER_LOST = "peer_lost"
@@ -207,22 +225,63 @@ def looks_like_peer_gone(chain: Iterable[tuple[str, str]]) -> bool:
     return any(any(k in message.lower() for k in _PEER_GONE_TEXT) for _, message in chain)
 
 
-class RecoveryAction(enum.Enum):
+class FailureAction(enum.Enum):
+    """What the recovery executor does about a failed round."""
+
+    #: re-form the group (survivors and a spare) in a new round, inside the same fit()
     RECOVER = "recover"
+    #: end fit() with the exception itself (a bug of this rank, a deliberate stop)
     RAISE = "raise"
+    #: give up: exit NO_RESTART (83)
     NO_RESTART = "no_restart"
+    #: this node's resources failed: leave as unhealthy, exit UNHEALTHY_NODE (82)
+    UNHEALTHY = "unhealthy"
+    #: a peer's failure: interrupt the round (callbacks see it), then decide again
+    INTERRUPT = "interrupt"
 
 
 @dataclass(frozen=True)
-class RecoveryDecision:
-    action: RecoveryAction
+class FailureOutcome:
+    """A decision about a failed round: the action, why, and what the others are told first."""
+
+    action: FailureAction
     reason: str
+    #: close the rendezvous for good with this kind before leaving (spares leave, peers learn why)
+    close: CloseKind | None = None
+    #: publish this rank's own error, so its peers do not mistake it for a lost node
+    publish_error: bool = False
+
+
+def decide_on_failure(kind: FailureKind) -> FailureOutcome:
+    """The first decision, before anything is torn down: leave now, or interrupt the round and
+    decide again (:func:`decide_after_interruption`) once the callbacks have seen it."""
+    if kind is FailureKind.NODE_FAULT:
+        return FailureOutcome(FailureAction.UNHEALTHY, "this node's storage failed; leaving as an unhealthy node")
+    if kind is FailureKind.LOCAL_ERROR:
+        return FailureOutcome(FailureAction.RAISE, f"{kind.value}: not a peer failure; re-raising",
+                              close=CloseKind.FAILED, publish_error=True)
+    if kind is FailureKind.STOP:
+        return FailureOutcome(FailureAction.RAISE, f"{kind.value}: a deliberate stop; re-raising",
+                              close=CloseKind.STOPPED)
+    return FailureOutcome(FailureAction.INTERRUPT, f"{kind.value}: interrupting the round")
+
+
+def decide_after_interruption(kind: FailureKind, termination_in_progress: bool, failures_without_progress: int,
+                              max_failures_without_progress: int, recoveries: int,
+                              max_recoveries: int | None) -> FailureOutcome:
+    """The second decision, once the callbacks saw the interruption: a termination in progress
+    (the SIGTERM path decided in ``on_exception``) stops the job; else :func:`decide_recovery`."""
+    if termination_in_progress:
+        return FailureOutcome(FailureAction.RAISE, "a termination is in progress (SIGTERM path)",
+                              close=CloseKind.STOPPED)
+    return decide_recovery(kind, failures_without_progress, max_failures_without_progress, recoveries,
+                           max_recoveries)
 
 
 def decide_recovery(kind: FailureKind, failures_without_progress: int,
                     max_failures_without_progress: int, recoveries: int,
-                    max_recoveries: int | None) -> RecoveryDecision:
-    """What to do about a classified failure.
+                    max_recoveries: int | None) -> FailureOutcome:
+    """What to do about a classified failure of a peer.
 
     ``failures_without_progress`` counts failed rounds in a row that completed no training
     step beyond the step where the previous failure struck, including this one: a failure
@@ -230,20 +289,22 @@ def decide_recovery(kind: FailureKind, failures_without_progress: int,
     cannot start, a deadlock) must not loop forever.
     """
     if kind is FailureKind.STOP or kind is FailureKind.LOCAL_ERROR:
-        return RecoveryDecision(RecoveryAction.RAISE, f"{kind.value}: not a peer failure; re-raising")
+        return FailureOutcome(FailureAction.RAISE, f"{kind.value}: not a peer failure; re-raising")
     if kind is FailureKind.PEER_ERROR:
-        return RecoveryDecision(RecoveryAction.NO_RESTART,
-                                "a peer failed with an error of its own; restarting would repeat it")
+        return FailureOutcome(FailureAction.NO_RESTART,
+                              "a peer failed with an error of its own; restarting would repeat it",
+                              close=CloseKind.FAILED)
     if failures_without_progress > max_failures_without_progress:
-        return RecoveryDecision(
-            RecoveryAction.NO_RESTART,
+        return FailureOutcome(
+            FailureAction.NO_RESTART,
             f"{failures_without_progress} failures in a row without a completed training step beyond the "
             f"previous failure (max_failures_without_progress={max_failures_without_progress}); the last one: "
-            f"{kind.value}")
+            f"{kind.value}", close=CloseKind.FAILED)
     if max_recoveries is not None and recoveries >= max_recoveries:
-        return RecoveryDecision(RecoveryAction.NO_RESTART,
-                                f"already recovered {recoveries} time(s) (max_recoveries={max_recoveries})")
-    return RecoveryDecision(RecoveryAction.RECOVER, f"{kind.value}: re-forming the group")
+        return FailureOutcome(FailureAction.NO_RESTART,
+                              f"already recovered {recoveries} time(s) (max_recoveries={max_recoveries})",
+                              close=CloseKind.FAILED)
+    return FailureOutcome(FailureAction.RECOVER, f"{kind.value}: re-forming the group")
 
 
 # ------------------------------------------------------------------ the end of the rendezvous

@@ -22,11 +22,10 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, NoReturn
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.trainer.states import TrainerStatus
 from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -38,11 +37,13 @@ from torch.distributed.elastic.utils import store as store_util
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.pristine import PristineState
+from lightning_ft._lightning.trainer_reset import mark_finished
 from lightning_ft.checkpoint.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.replication import ReplicaPuller
 from lightning_ft.checkpoint.store import SnapshotStore
 from lightning_ft.events import names as ev
-from lightning_ft.process import destroy_process_group, run_with_timeout
+from lightning_ft.deadlines import call_with_timeout, first_line
+from lightning_ft.process import destroy_process_group
 from lightning_ft.rendezvous.barrier import ParticipantExcludedError, RoundResult
 from lightning_ft.schema.run import CloseKind
 from lightning_ft.strategy.decisions import (
@@ -52,14 +53,14 @@ from lightning_ft.strategy.decisions import (
     decide_on_rendezvous_end,
     looks_like_collective_error,
 )
-from lightning_ft.strategy.recovery import FailureHandler, exception_chain, first_line, give_up
+from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
+from lightning_ft.strategy.recovery import RecoveryExecutor, exception_chain, give_up_without_session
+from lightning_ft.strategy.run import RunState, StrategyHost
 from lightning_ft.strategy.session import RoundRuntime, Session
+from lightning_ft.settings.environment import torchelastic_restart_count
 from lightning_ft.strategy.settings import StrategyConfigError, StrategySettings
 from lightning_ft.strategy.spare_monitor import SpareMonitor
 from lightning_ft.termination.callback import GracefulTermination
-
-if TYPE_CHECKING:
-    from lightning_ft.strategy.strategy import FaultTolerantDDPStrategy
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,11 @@ def _refuse_other_stages(trainer: Any) -> None:
 class FaultTolerantLauncher(_Launcher):
     """Runs ``fit`` in this process inside the rendezvous/recovery loop (see the module docstring)."""
 
-    def __init__(self, strategy: "FaultTolerantDDPStrategy") -> None:
+    def __init__(self, strategy: StrategyHost) -> None:
         self._strategy = strategy
+        #: this process's run (the launcher owns it; the strategy reads it)
+        self.run = RunState()
+        self._executor: RecoveryExecutor | None = None
         self._finished = False
         self._callbacks_added = False
         self._saw_round = False  # a round formed while this process took part (active or standby)
@@ -109,13 +113,13 @@ class FaultTolerantLauncher(_Launcher):
         pass  # no child processes
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        strategy = self._strategy
+        strategy, run = self._strategy, self.run
         _refuse_other_stages(trainer)
         if self._finished:
             raise StrategyConfigError(
-                f"ddp_ft: run {strategy.run_id!r} already ended in this process; a FaultTolerantDDPStrategy "
+                f"ddp_ft: run {strategy.settings.run_id!r} already ended in this process; a FaultTolerantDDPStrategy "
                 "runs one fit() per run_id (use a new run_id, and a new Trainer, for another fit)")
-        strategy.trainer = trainer
+        run.trainer = trainer
         session = self._open_session()
         if not self._callbacks_added and trainer is not None:
             self._callbacks_added = True
@@ -124,27 +128,17 @@ class FaultTolerantLauncher(_Launcher):
         datamodule = next((a for a in args if isinstance(a, pl.LightningDataModule)), None)
         # what a relaunched process would start fit() with; a recovery returns to it
         pristine = PristineState.capture(trainer, module, datamodule, keep=(EmergencyCheckpoint, GracefulTermination))
-        failures = FailureHandler(strategy, session, pristine, module)
-        failures_without_progress = 0
-        failure_at: float | None = None
-        failed_at_step: int | None = None
+        self._executor = RecoveryExecutor(strategy, run, session, pristine, module)
         while True:
             result = self._join_round(session)
             if result is None:
                 self._finished = True
                 return None  # a spare that was not needed (or the job ended): leave fit() cleanly
-            strategy.round = RoundRuntime(result, result.round, failure_at)
-            strategy.trained = True
+            run.start_round(RoundRuntime(result, result.round, run.failure_at))
             try:
                 output = function(*args, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - every exception is classified by the handler
-                # progress = a step completed beyond where the previous failure struck: a failure
-                # that recurs at the same point after every restore must not loop forever
-                step = trainer.global_step if trainer is not None else 0
-                advanced = strategy.round.progressed and (failed_at_step is None or step > failed_at_step)
-                failures_without_progress = 1 if advanced else failures_without_progress + 1
-                failed_at_step = step if failed_at_step is None else max(step, failed_at_step)
-                failure_at = failures.handle(exc, trainer, failures_without_progress)
+            except BaseException as exc:  # noqa: BLE001 - every exception is classified by the executor
+                run.failure_at = self._executor.handle(exc, trainer)
                 continue  # recovered: re-form the group and run fit again
             self._finished = True
             self._finish_success(session, result)
@@ -155,7 +149,7 @@ class FaultTolerantLauncher(_Launcher):
         try:
             return strategy.open_session()
         except RendezvousError as exc:
-            give_up(strategy, f"cannot reach the rendezvous store: {exc}", cause=exc)
+            give_up_without_session(strategy, f"cannot reach the rendezvous store: {exc}", cause=exc)
 
     # ------------------------------------------------------------------ joining a round
 
@@ -186,19 +180,19 @@ class FaultTolerantLauncher(_Launcher):
                                           f"lost the rendezvous store at {self._strategy.settings.launch.endpoint}: "
                                           f"{type(exc).__name__}: {first_line(exc)}")
         except RendezvousError as exc:  # extra participant, unhealthy
-            if isinstance(exc, ParticipantExcludedError) and not self._strategy.trained:
+            if isinstance(exc, ParticipantExcludedError) and not self.run.trained:
                 log.error("ddp_ft: %s", exc)
                 session.events.emit(ev.SPARE_EXIT, reason=str(exc))
                 self._leave_as_spare()
                 return None
-            give_up(self._strategy, f"rendezvous failed: {exc}")
+            self._give_up(f"rendezvous failed: {exc}")
         finally:
             _restore_sigterm(previous_handler)  # first: a SIGTERM from here on is the caller's to handle
             if monitor is not None:
                 monitor.stop()
 
     def _role(self) -> Role:
-        if self._strategy.trained:
+        if self.run.trained:
             return Role.TRAINED
         return Role.STANDBY if self._saw_round else Role.UNASSIGNED
 
@@ -218,15 +212,15 @@ class FaultTolerantLauncher(_Launcher):
         text = str(closed) if closed is not None else reason
         if action is EndAction.NO_RESTART:
             if closed is not None and closed.kind is CloseKind.TOO_FEW_NODES:
-                give_up(self._strategy, f"no hot spare left to replace the lost participant(s): {closed}")
-            give_up(self._strategy, f"the job cannot go on: {text}")
+                self._give_up(f"no hot spare left to replace the lost participant(s): {closed}")
+            self._give_up(f"the job cannot go on: {text}")
         _best_effort(rendezvous.shutdown, job_finished=False)
         if action is EndAction.STOPPED:
             session.events.emit(ev.STOPPED, reason=text)
             log.warning("ddp_ft: leaving fit() stopped, with exit code %d (nothing of this participant's to "
-                        "save): %s", 128 + signal.SIGTERM, text)
+                        "save): %s", int(ExitCode.STOPPED), text)
             self._leave_as_spare()
-            raise SystemExit(128 + signal.SIGTERM)
+            raise FaultTolerantExit(ExitCode.STOPPED, f"stopped while waiting in the rendezvous: {text}")
         session.events.emit(ev.SPARE_EXIT, reason=text)
         if cause is EndCause.STORE_LOST:
             log.warning("ddp_ft: hot spare leaves fit() (exit 0; the actives report the job's outcome): %s", text)
@@ -236,19 +230,21 @@ class FaultTolerantLauncher(_Launcher):
         self._leave_as_spare()
         return None
 
+    def _give_up(self, message: str) -> NoReturn:
+        assert self._executor is not None
+        self._executor.give_up(message)
+
     def _leave_as_spare(self) -> None:
-        strategy = self._strategy
-        strategy.leave_as_spare()
-        trainer = strategy.trainer
+        self._strategy.leave_as_spare()
+        trainer = self.run.trainer
         if trainer is not None:
-            trainer.state.status = TrainerStatus.FINISHED
-            trainer.state.stage = None
+            mark_finished(trainer)
         destroy_process_group()
 
     def _start_spare_monitor(self, session: Session) -> SpareMonitor:
         strategy = self._strategy
         settings = strategy.settings
-        checkpoint = first_callback_of_type(strategy.trainer, EmergencyCheckpoint)
+        checkpoint = first_callback_of_type(self.run.trainer, EmergencyCheckpoint)
 
         def open_snapshot_store() -> SnapshotStore | None:
             if checkpoint is None:
@@ -266,7 +262,7 @@ class FaultTolerantLauncher(_Launcher):
     # ------------------------------------------------------------------ success
 
     def _finish_success(self, session: Session, result: RoundResult) -> None:
-        strategy = self._strategy
+        strategy, run = self._strategy, self.run
         strategy.stop_round_threads()
         start = time.monotonic()
         timeout = strategy.settings.timeouts.exit_barrier_timeout
@@ -274,13 +270,14 @@ class FaultTolerantLauncher(_Launcher):
         # keys.exit_barrier(round) see that this round's actives finished. Our work is done, so
         # a peer lost at the very end (or a store that froze) is no reason to fail: bounded --
         # a frozen store would hold torch's barrier for good -- and on we go.
-        run_with_timeout(lambda: store_util.barrier(session.round_store(result), result.world_size,
-                                                    key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=timeout),
-                         timeout + 1.0, f"ddp_ft: exit barrier of round {result.round} (bound {timeout:.0f}s)")
-        step = strategy.trainer.global_step if strategy.trainer is not None else None
+        call_with_timeout(lambda: store_util.barrier(session.round_store(result), result.world_size,
+                                                     key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=timeout),
+                          timeout + 1.0, f"ddp_ft: exit barrier of round {result.round} (bound {timeout:.0f}s)",
+                          unanswered="going on without it", log_problem=True)
+        step = run.trainer.global_step if run.trainer is not None else None
         session.events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=step,
                             seconds=round(time.monotonic() - start, 4),
-                            step_seconds=strategy.round.clock.median_seconds() if strategy.round else None)
+                            step_seconds=run.round.clock.median_seconds() if run.round else None)
         session.rendezvous.shutdown(job_finished=True, reason=f"round {result.round} completed fit()")
         destroy_process_group()
         log.info("ddp_ft: fit() finished in round %d as rank %d at step %s", result.round, result.rank, step)
@@ -289,8 +286,10 @@ class FaultTolerantLauncher(_Launcher):
 class ElasticLauncher(_Launcher):
     """Under torchrun: run ``fit`` once; destroy the group at the end (Lightning never does for gloo)."""
 
-    def __init__(self, strategy: "FaultTolerantDDPStrategy") -> None:
+    def __init__(self, strategy: StrategyHost) -> None:
         self._strategy = strategy
+        #: this process's run (the launcher owns it; the strategy reads it)
+        self.run = RunState()
         self._callbacks_added = False
 
     @property
@@ -301,14 +300,13 @@ class ElasticLauncher(_Launcher):
         pass
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        strategy = self._strategy
-        strategy.trainer = trainer
-        # torchrun's worker-group restarts play the part of rounds
-        strategy.round = RoundRuntime(None, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+        strategy, run = self._strategy, self.run
+        run.trainer = trainer
+        # torchrun's worker-group restarts play the part of rounds; it starts workers only on active nodes
+        run.start_round(RoundRuntime(None, torchelastic_restart_count()))
         if not self._callbacks_added and trainer is not None:
             self._callbacks_added = True
             add_default_callbacks(trainer, strategy.settings)
-        strategy.trained = True  # torchrun starts workers only on active nodes
         try:
             output = function(*args, **kwargs)
         except BaseException as exc:
@@ -316,11 +314,11 @@ class ElasticLauncher(_Launcher):
                 # torchrun restarts this worker; Lightning's teardown must not wait on the broken group
                 log.warning("ddp_ft: collective failed (%s: %s); torchrun restarts the workers",
                             type(exc).__name__, first_line(exc))
-                strategy.round.retire_group()
+                run.round.retire_group()
             raise
         destroy_process_group()
         # the run's outcome for `lightning-ft report --exit-code` (rendezvous mode: _finish_success)
-        strategy.event_log.emit(ev.FINISHED, round=strategy.round.round_id, rank=strategy.global_rank,
+        strategy.event_log.emit(ev.FINISHED, round=run.round.round_id, rank=trainer.global_rank if trainer else None,
                                 step=trainer.global_step if trainer is not None else None)
         return output
 

@@ -66,10 +66,6 @@ class GroupTransport:
                 self._sockets[fd] = ident
         self.aborted = False
 
-    @property
-    def socket_count(self) -> int:
-        return len(self._sockets)
-
     def abort(self) -> int:
         """Shut down the group's connections; returns how many were shut down."""
         self.aborted = True

@@ -19,19 +19,18 @@ from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
 from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
-from lightning_ft.rendezvous.store import BoundedStore, connect_store, raw_store
+from lightning_ft.deadlines import raw_store
+from lightning_ft.rendezvous.store import connect_store
 from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore
 from lightning_ft.strategy.process_group import GroupTransport, retire_group
+from lightning_ft.settings import Timeouts
+from lightning_ft.strategy.decisions import Detector
 from lightning_ft.strategy.settings import HangSettings, StrategySettings
 from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
 
 log = logging.getLogger(__name__)
-
-#: bound on one poll of the round watchdog (seconds): a frozen store must not freeze it, so a
-#: rank that cannot progress breaks the group within hang timeout + this bound
-WATCHDOG_STORE_TIMEOUT = 5.0
 
 
 @dataclass
@@ -50,11 +49,10 @@ class Session:
         """Reach (or host) the store and build this participant. Raises ``RendezvousError``
         when the store cannot be reached; ``events_for(participant_id)`` opens the event log."""
         launch = settings.launch
-        raw, hosting = connect_store(launch.endpoint, settings.is_store_host, settings.timeouts.connect_timeout)
         # every call of ours on the store returns within a bound, even if the store freezes
-        store = BoundedStore(raw, settings.timeouts.store_timeout)
+        store, hosting = connect_store(launch.endpoint, settings.is_store_host, settings.timeouts)
         participant = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
-        rendezvous = BarrierRendezvous(store, settings.rendezvous(), participant, is_store_host=hosting,
+        rendezvous = BarrierRendezvous(store, settings.rendezvous_settings(), participant, is_store_host=hosting,
                                        heartbeat_store_factory=store.clone)
         session = cls(store, rendezvous, participant, rendezvous.keys, hosting,
                       events_for(participant.participant_id))
@@ -130,25 +128,26 @@ class RoundRuntime:
         self.awaiting_first_step = False
         return now - self.failure_at if self.failure_at is not None else None
 
-    def start_watchdog(self, session: Session, hang: HangSettings, global_step: Callable[[], int | None]) -> None:
+    def start_watchdog(self, session: Session, hang: HangSettings, timeouts: Timeouts,
+                       global_step: Callable[[], int | None]) -> None:
         """Watch this round from a thread with its own store connection (see :class:`RoundWatchdog`)."""
         result, events, keys = self.result, session.events, session.keys
         # a connection of its own whose every call is bounded more tightly than the session's
-        clone = session.store.clone(WATCHDOG_STORE_TIMEOUT)
+        clone = session.store.clone(timeouts.watchdog_store_timeout)
         round_values = session.round_values(result, clone)
 
-        def on_trigger(detector: str, reason: str, stalled: tuple[int, ...]) -> None:
-            if detector in ("hang", "deadlock"):
+        def on_trigger(detector: Detector, reason: str, stalled: tuple[int, ...]) -> None:
+            if detector.judges_a_stall:
                 # the trainer's step, not the clock's (it restarts with every round); and how long
                 # the step had been stuck, which the report counts as lost time
                 began = self.clock.in_flight_since
                 events.emit(ev.FAILURE_DETECTED, round=result.round, step=global_step(), error=reason,
-                            detector=detector, stalled=list(stalled), step_seconds=self.clock.median_seconds(),
+                            detector=detector.value, stalled=list(stalled), step_seconds=self.clock.median_seconds(),
                             stuck_seconds=None if began is None else round(time.monotonic() - began, 3))
-            if detector in ("hang", "deadlock"):
-                round_values.put_if_absent(VERDICT_KEY, encode_verdict(detector, reason))
+            if detector.judges_a_stall:
+                round_values.put_if_absent(VERDICT_KEY, encode_verdict(detector.value, reason))
             opened = int(clone.compare_set(keys.round, str(result.round), str(result.round + 1)))
-            if detector in ("hang", "deadlock") and opened == result.round + 1:
+            if detector.judges_a_stall and opened == result.round + 1:
                 events.emit(ev.ROUND_OPEN, round=result.round + 1, after=result.round, reason=reason)
 
         transport = self.transport
@@ -156,7 +155,7 @@ class RoundRuntime:
         self.watchdog = RoundWatchdog(
             round_values=round_values, rdzv_store=clone, round_key=keys.round,
             heartbeat_key=keys.heartbeat, round_id=result.round, rank=result.rank, world_size=result.world_size,
-            clock=self.clock, hang_detection=hang.enabled, hang_floor=hang.floor, hang_factor=hang.safety_factor,
+            clock=self.clock, hang_detection=hang.hang_detection, hang_floor=hang.hang_timeout_floor, hang_factor=hang.hang_safety_factor,
             dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,
             break_group=transport.abort if transport is not None else (lambda: 0),
             poll_interval=hang.watchdog_interval)

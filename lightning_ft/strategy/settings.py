@@ -1,9 +1,11 @@
 """The ``ddp_ft`` strategy's settings: one frozen, validated object, checked before anything starts.
 
-Where each value comes from: explicit constructor arguments, else ``LIGHTNING_FT_ENDPOINT`` /
-``LIGHTNING_FT_RUN_ID`` / ``LIGHTNING_FT_NNODES`` / ``LIGHTNING_FT_DOMAIN_ID``; under ``torchrun``
-(``TORCHELASTIC_RUN_ID`` set) torchrun's agent owns the rendezvous and the rendezvous
-settings must not be given. Every error names the setting.
+Every setting is a field declared once (default, documentation, rule, environment variable)
+in :class:`StrategySettings` or one of its groups; each is also a keyword argument of
+``FaultTolerantDDPStrategy``. Where the launch comes from: explicit arguments, else
+``LIGHTNING_FT_ENDPOINT`` / ``LIGHTNING_FT_RUN_ID`` / ``LIGHTNING_FT_NNODES``; under ``torchrun``
+(``TORCHELASTIC_RUN_ID`` set) torchrun's agent owns the rendezvous and the rendezvous settings
+must not be given. Every error names the setting.
 """
 
 from __future__ import annotations
@@ -11,28 +13,31 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
-import os
-import socket
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from lightning_ft._validation import require, require_bool, require_number
 from lightning_ft.checkpoint.tiers import DEFAULT_SNAPSHOT_OVERHEAD
-from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousSettings, RendezvousTimeouts
-from lightning_ft.rendezvous.store import STORE_OP_TIMEOUT, Endpoint, parse_endpoint
+from lightning_ft.events.log import EventSettings
+from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousOptions, RendezvousSettings
+from lightning_ft.rendezvous.store import Endpoint, parse_endpoint
 from lightning_ft.schema.signing import SecretError, read_secret
+from lightning_ft.settings import SettingsError, Timeouts, group, load, setting
+from lightning_ft.settings.environment import ENV_DOMAIN_ID, environ, resolve_domain_id, resolve_run_id
+from lightning_ft.settings.fields import boolean, number, optional_text, parse_text
 from lightning_ft.strategy.decisions import merge_setting, parse_nnodes
 
 ENV_ENDPOINT = "LIGHTNING_FT_ENDPOINT"
 ENV_RUN_ID = "LIGHTNING_FT_RUN_ID"
 ENV_NNODES = "LIGHTNING_FT_NNODES"
-ENV_DOMAIN_ID = "LIGHTNING_FT_DOMAIN_ID"
 ENV_TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 
 _PREFIX = "ddp_ft: "
+#: the launch settings: resolved by :func:`resolve_launch_config`, not by the settings loader
+LAUNCH_ARGUMENTS = ("endpoint", "run_id", "min_nodes", "max_nodes")
 
 
-class StrategyConfigError(ValueError):
+class StrategyConfigError(SettingsError):
     """A ``ddp_ft`` setting is missing, invalid or contradicts another; the message names it."""
 
 
@@ -62,36 +67,21 @@ class LaunchConfig:
         return None if self.endpoint is None else self.endpoint.port
 
 
-#: the rendezvous timing of a ddp_ft job (its defaults differ from torchrun's: a training
-#: process, not an agent, waits, and a failure should be replaced promptly)
-DEFAULT_RENDEZVOUS_TIMEOUTS = RendezvousTimeouts(join_timeout=600.0, rejoin_timeout=120.0, last_call_timeout=0.3,
-                                                 previous_active_grace=3.0, heartbeat_interval=0.1)
-
-
-@dataclass(frozen=True)
-class StrategyTimeouts:
-    """Every bounded wait of the strategy, in seconds: the rendezvous's, and three of its own."""
-
-    rendezvous: RendezvousTimeouts = DEFAULT_RENDEZVOUS_TIMEOUTS
-    #: bound on building the process group of a round (and on the teardown after a failure)
-    init_timeout: float = 60.0
-    #: bound on waiting for the other actives at the end
-    exit_barrier_timeout: float = 60.0
-    #: bound on reaching the rendezvous store
-    connect_timeout: float = 60.0
-    #: bound on any one store call once connected (a frozen store host never answers)
-    store_timeout: float = STORE_OP_TIMEOUT
+_COUNT = number(integer=True, inclusive=True)
+_SECONDS = number()
 
 
 @dataclass(frozen=True)
 class HangSettings:
     """When a step counts as hung (see :func:`~lightning_ft.strategy.decisions.hang_timeout`)."""
 
-    enabled: bool = True
-    floor: float = 60.0
-    safety_factor: float = 10.0
-    #: how often the round watchdog publishes progress and checks (seconds)
-    watchdog_interval: float = 0.2
+    hang_detection: bool = setting(True, "treat a step that runs longer than max(hang_timeout_floor, "
+                                         "hang_safety_factor x slowest recent step) as a hang of the rank that "
+                                         "did not progress (the first step of a round is exempt)", rule=boolean)
+    hang_timeout_floor: float = setting(60.0, "the shortest hang timeout (seconds)", rule=_SECONDS)
+    hang_safety_factor: float = setting(10.0, "the slowest recent step is multiplied by this", rule=_SECONDS)
+    watchdog_interval: float = setting(0.2, "how often the round watchdog publishes progress and checks for a "
+                                            "newer round or a hung step (seconds)", rule=_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -99,23 +89,42 @@ class StrategySettings:
     """Everything ``FaultTolerantDDPStrategy`` was configured with, validated."""
 
     launch: LaunchConfig
-    domain_id: str
-    is_store_host: bool | None = None
-    infra_rank: int | None = None
-    segment: int = 1
-    events_dir: str | None = None
-    snapshot_every_n_steps: int | None = None
-    snapshot_every_n_seconds: float | None = None
-    snapshot_max_overhead: float | None = DEFAULT_SNAPSHOT_OVERHEAD
-    graceful_termination: bool = True
-    replication_factor: int = 1
-    replica_max_bytes: int = 256 * 2**20
-    max_failures_without_progress: int = 2
-    max_recoveries: int | None = None
     #: the process group's timeout (as ``DDPStrategy(timeout=...)``)
     pg_timeout: datetime.timedelta | None = None
-    hang: HangSettings = field(default_factory=HangSettings)
-    timeouts: StrategyTimeouts = field(default_factory=StrategyTimeouts)
+    domain_id: str | None = setting(None, "failure domain of this process; processes of one host share it "
+                                          "(default: LIGHTNING_FT_DOMAIN_ID, else the host name)",
+                                    rule=optional_text, env=ENV_DOMAIN_ID, parse=parse_text)
+    is_store_host: bool | None = setting(None, "True: host the store at endpoint; False: only connect; None: "
+                                               "host it when the port can be bound here",
+                                         rule=lambda v: None if v in (None, True, False) else "True, False or None")
+    infra_rank: int | None = setting(None, "the scheduler's node index (default: from SLURM/JobSet variables)",
+                                     rule=number(integer=True, inclusive=True, allow_none=True))
+    events: EventSettings = group(EventSettings)
+    snapshot_every_n_steps: int | None = setting(
+        None, "snapshot schedule of the EmergencyCheckpoint the strategy adds when the Trainer has none: every "
+              "so many steps", rule=number(integer=True, allow_none=True))
+    snapshot_every_n_seconds: float | None = setting(
+        None, "... about every so many seconds", rule=number(allow_none=True))
+    snapshot_max_overhead: float | None = setting(
+        DEFAULT_SNAPSHOT_OVERHEAD, "... by default (neither steps nor seconds) as often as keeps the measured save "
+                                   "time within this share of training time; the first at step 8",
+        rule=number(allow_none=True))
+    graceful_termination: bool = setting(True, "add a GracefulTermination (default probes) when the Trainer has "
+                                               "none, so SIGTERM takes the SIGTERM path (stop step, snapshot, exit "
+                                               "81) instead of Lightning's handling, which exits 0 without saving",
+                                         rule=boolean)
+    replication_factor: int = setting(1, "copies of each snapshot wanted on other participants, on other domains "
+                                         "when possible (hot spares receive copies through the store while fewer "
+                                         "than factor + 1 participants/domains train); 0 disables", rule=_COUNT)
+    replica_max_bytes: int = setting(256 * 2**20, "snapshots larger than this are not replicated through the "
+                                                  "store", rule=_COUNT)
+    max_failures_without_progress: int = setting(2, "failed rounds in a row without a completed training step "
+                                                    "before giving up with NO_RESTART", rule=_COUNT)
+    max_recoveries: int | None = setting(None, "optional cap on recoveries in one process",
+                                         rule=number(integer=True, inclusive=True, allow_none=True))
+    hang: HangSettings = group(HangSettings)
+    rendezvous: RendezvousOptions = group(RendezvousOptions, exclude=("health_check",))
+    timeouts: Timeouts = group(Timeouts)
 
     @property
     def run_id(self) -> str:
@@ -125,92 +134,58 @@ class StrategySettings:
     def mode(self) -> LaunchMode:
         return self.launch.mode
 
-    def rendezvous(self) -> RendezvousSettings:
+    @property
+    def events_dir(self) -> str | None:
+        return self.events.events_dir
+
+    @property
+    def segment(self) -> int:
+        return self.rendezvous.segment
+
+    def validate(self) -> None:
+        if self.launch.mode is LaunchMode.RENDEZVOUS:
+            self.rendezvous_settings()  # segment vs min_nodes and the like, named now rather than at fit()
+
+    def rendezvous_settings(self) -> RendezvousSettings:
         """The barrier rendezvous settings (rendezvous mode only)."""
         launch = self.launch
         try:
-            return RendezvousSettings(run_id=launch.run_id, min_nodes=launch.min_nodes, max_nodes=launch.max_nodes,
-                                      segment=self.segment, timeouts=self.timeouts.rendezvous)
+            return RendezvousSettings(launch.run_id, launch.min_nodes, launch.max_nodes,  # type: ignore[arg-type]
+                                      self.rendezvous, self.timeouts)
         except RendezvousConfigError as exc:
-            raise StrategyConfigError(f"{_PREFIX}{exc}") from None
+            raise StrategyConfigError(f"{exc}") from None
 
 
-_OWN_DURATIONS = ("init_timeout", "exit_barrier_timeout", "connect_timeout", "store_timeout")
+def resolve_settings(env: Mapping[str, str] | None = None, *, timeout: Any = None,
+                     **given: Any) -> StrategySettings:
+    """Check every argument and combine arguments and environment; raise StrategyConfigError naming the setting.
 
-
-def resolve_settings(*, endpoint: str | None, run_id: str | None, min_nodes: int | None, max_nodes: int | None,
-                     domain_id: str | None, is_store_host: bool | None, infra_rank: int | None, segment: int,
-                     events_dir: Any, snapshot_every_n_steps: int | None, snapshot_every_n_seconds: float | None,
-                     snapshot_max_overhead: float | None,
-                     graceful_termination: bool, replication_factor: int, replica_max_bytes: int,
-                     hang_detection: bool, hang_timeout_floor: float, hang_safety_factor: float,
-                     watchdog_interval: float, max_failures_without_progress: int, max_recoveries: int | None,
-                     timeout: datetime.timedelta | None, env: Mapping[str, str] | None = None,
-                     **durations: float) -> StrategySettings:
-    """Check every argument and combine arguments and environment; raise StrategyConfigError naming the setting."""
-    env = os.environ if env is None else env
-    launch = resolve_launch_config(endpoint, run_id, min_nodes, max_nodes, env)
+    ``given``: the strategy's keyword arguments (the launch arguments and any setting);
+    ``timeout``: DDP's process-group timeout.
+    """
+    env = environ() if env is None else env
+    launch = resolve_launch_config(*(given.pop(name, None) for name in LAUNCH_ARGUMENTS), env)
     try:
         read_secret(env)  # an unusable secret is a configuration error now, not a traceback at fit()
     except SecretError as exc:
         raise StrategyConfigError(f"{_PREFIX}{exc}") from None
-    for name, value in (("watchdog_interval", watchdog_interval), ("hang_timeout_floor", hang_timeout_floor),
-                        ("hang_safety_factor", hang_safety_factor), *durations.items()):
-        _number(name, value)
-    _number("segment", segment, integer=True)
-    for name, value in (("replication_factor", replication_factor), ("replica_max_bytes", replica_max_bytes),
-                        ("max_failures_without_progress", max_failures_without_progress)):
-        _number(name, value, integer=True, inclusive=True)
-    _number("max_recoveries", max_recoveries, integer=True, inclusive=True, allow_none=True)
-    _number("snapshot_every_n_steps", snapshot_every_n_steps, integer=True, allow_none=True)
-    _number("snapshot_every_n_seconds", snapshot_every_n_seconds, allow_none=True)
-    _number("snapshot_max_overhead", snapshot_max_overhead, allow_none=True)
-    for name, value in (("hang_detection", hang_detection), ("graceful_termination", graceful_termination)):
-        require_bool(name, value, error=StrategyConfigError, prefix=_PREFIX)
-    require(is_store_host in (None, True, False), "is_store_host", "True, False or None", is_store_host,
-            error=StrategyConfigError, prefix=_PREFIX)
-    require(timeout is None or isinstance(timeout, datetime.timedelta), "timeout", "a datetime.timedelta", timeout,
-            error=StrategyConfigError, prefix=_PREFIX)
-    settings = StrategySettings(
-        launch=launch, domain_id=str(domain_id or env.get(ENV_DOMAIN_ID) or socket.gethostname()),
-        is_store_host=is_store_host, infra_rank=infra_rank, segment=segment,
-        events_dir=None if events_dir is None else os.fspath(events_dir),
-        snapshot_every_n_steps=snapshot_every_n_steps, snapshot_every_n_seconds=snapshot_every_n_seconds,
-        snapshot_max_overhead=snapshot_max_overhead,
-        graceful_termination=graceful_termination, replication_factor=replication_factor,
-        replica_max_bytes=replica_max_bytes, max_failures_without_progress=max_failures_without_progress,
-        max_recoveries=max_recoveries, pg_timeout=timeout,
-        hang=HangSettings(hang_detection, float(hang_timeout_floor), float(hang_safety_factor),
-                          float(watchdog_interval)),
-        timeouts=_timeouts(durations))
-    if launch.mode is LaunchMode.RENDEZVOUS:
-        settings.rendezvous()  # segment vs min_nodes and the like, named now rather than at fit()
-    return settings
-
-
-def _timeouts(durations: Mapping[str, float]) -> StrategyTimeouts:
-    own = {name: float(value) for name, value in durations.items() if name in _OWN_DURATIONS}
-    rendezvous = {name: float(value) for name, value in durations.items() if name not in _OWN_DURATIONS}
-    try:
-        return StrategyTimeouts(dataclasses.replace(DEFAULT_RENDEZVOUS_TIMEOUTS, **rendezvous), **own)
-    except RendezvousConfigError as exc:
-        raise StrategyConfigError(f"{_PREFIX}{exc}") from None
-
-
-def _number(name: str, value: Any, **rule: Any) -> None:
-    require_number(name, value, error=StrategyConfigError, prefix=_PREFIX, **rule)
+    if not (timeout is None or isinstance(timeout, datetime.timedelta)):
+        raise StrategyConfigError(f"{_PREFIX}timeout must be a datetime.timedelta, got {timeout!r}")
+    settings = load(StrategySettings, {**given, "launch": launch, "pg_timeout": timeout}, env=env,
+                    error=StrategyConfigError, prefix=_PREFIX)
+    return dataclasses.replace(settings, domain_id=resolve_domain_id(settings.domain_id, env))
 
 
 def resolve_launch_config(endpoint: str | None, run_id: str | None, min_nodes: int | None,
                           max_nodes: int | None, env: Mapping[str, str] | None = None) -> LaunchConfig:
     """Combine arguments and environment into one launch configuration, or raise StrategyConfigError."""
-    env = os.environ if env is None else env
+    env = environ() if env is None else env
     elastic_run_id = env.get(ENV_TORCHELASTIC_RUN_ID)
     if elastic_run_id:
         return _torchelastic_config(endpoint, run_id, min_nodes, max_nodes, env, elastic_run_id)
     try:
         endpoint_text = merge_setting("endpoint", endpoint, ENV_ENDPOINT, env.get(ENV_ENDPOINT))
-        run_id_value = merge_setting("run_id", run_id, ENV_RUN_ID, env.get(ENV_RUN_ID))
+        run_id_value, _ = resolve_run_id(run_id, env)
         nodes = _merge_nodes(min_nodes, max_nodes, env.get(ENV_NNODES))
     except ValueError as exc:
         raise StrategyConfigError(f"{_PREFIX}{exc}") from None
@@ -224,6 +199,7 @@ def resolve_launch_config(endpoint: str | None, run_id: str | None, min_nodes: i
     if missing:
         raise StrategyConfigError(f"{_PREFIX}missing setting(s): " + "; ".join(missing) +
                                   ". Or launch with torchrun --rdzv-backend=lightning_ft.")
+    assert nodes is not None and run_id_value is not None
     try:
         parsed = parse_endpoint(str(endpoint_text))
     except RendezvousConfigError as exc:
@@ -252,7 +228,8 @@ def _merge_nodes(min_nodes: int | None, max_nodes: int | None, env_nnodes: str |
     return explicit or from_env
 
 
-def _torchelastic_config(endpoint, run_id, min_nodes, max_nodes, env, elastic_run_id) -> LaunchConfig:
+def _torchelastic_config(endpoint: str | None, run_id: str | None, min_nodes: int | None, max_nodes: int | None,
+                         env: Mapping[str, str], elastic_run_id: str) -> LaunchConfig:
     conflicts = []
     if endpoint is not None:
         conflicts.append("endpoint=")

@@ -20,6 +20,8 @@ snapshot exchange after the group forms.
 from __future__ import annotations
 
 import datetime
+import difflib
+import inspect
 import logging
 import os
 import socket
@@ -35,6 +37,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.setup import _log_device_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.nn.parallel import DistributedDataParallel
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
@@ -57,18 +60,30 @@ from lightning_ft.checkpoint.transfer import exchange_snapshots
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
 from lightning_ft.process import plan_exit
-from lightning_ft.rendezvous.participant import detect_infra_rank
-from lightning_ft.rendezvous.store import raw_store
+from lightning_ft.deadlines import raw_store
 from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
 from lightning_ft.schema.run import decode_log_versions, encode_log_versions
 from lightning_ft.schema.signing import SealedStore
 from lightning_ft.strategy.environment import NO_RANK, ElasticEnvironment, RoundEnvironment
 from lightning_ft.strategy.launcher import ElasticLauncher, FaultTolerantLauncher
 from lightning_ft.strategy.process_group import GroupTransport, init_round_group, open_sockets
+from lightning_ft.strategy.run import RunState
 from lightning_ft.strategy.session import RoundRuntime, Session
-from lightning_ft.strategy.settings import LaunchMode, StrategyConfigError, StrategySettings, resolve_settings
+from lightning_ft.settings import describe
+from lightning_ft.settings.environment import local_rank, master_port, scheduler_node_index
+from lightning_ft.settings.fields import setting_names
+from lightning_ft.strategy.settings import (
+    LAUNCH_ARGUMENTS,
+    LaunchMode,
+    StrategyConfigError,
+    StrategySettings,
+    resolve_settings,
+)
 
 log = logging.getLogger(__name__)
+
+#: what the strategy reads before Lightning configured its launcher
+_NO_RUN = RunState()
 
 
 
@@ -84,47 +99,16 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     Args:
         endpoint: ``HOST:PORT`` of the rendezvous store (default ``$LIGHTNING_FT_ENDPOINT``);
             run ``lightning-ft store`` there, or let the first process bind it.
-        run_id: names the job in the store and its snapshots (default ``$LIGHTNING_FT_RUN_ID``).
+        run_id: names the job in the store and its snapshots (default ``$LIGHTNING_FT_RUN_ID``,
+            else ``$TORCHELASTIC_RUN_ID``, else ``$SLURM_JOB_ID``).
         min_nodes, max_nodes: active participants, and actives plus spares (default
             ``$LIGHTNING_FT_NNODES`` as ``MIN:MAX``).
-        is_store_host: ``True``: host the store at ``endpoint``; ``False``: only connect;
-            ``None``: host it when the port can be bound here.
-        domain_id: failure domain of this process (default ``$LIGHTNING_FT_DOMAIN_ID`` or the
-            host name); processes of one host share it.
-        infra_rank: the scheduler's node index (default from SLURM/JobSet variables).
-        segment: actives come in whole groups of this many participants of one domain.
-        events_dir: run directory of the event log (default ``$LIGHTNING_FT_EVENTS_DIR``).
-        snapshot_every_n_steps, snapshot_every_n_seconds, snapshot_max_overhead: schedule of the
-            ``EmergencyCheckpoint`` the strategy adds when the Trainer has none. By default
-            (neither steps nor seconds) a snapshot as often as keeps the measured save time
-            within ``snapshot_max_overhead`` (0.5 %) of training time; the first at step 8.
-        graceful_termination: add a ``GracefulTermination`` (default probes) when the Trainer
-            has none, so SIGTERM takes the SIGTERM path (stop step, snapshot, exit 81)
-            instead of Lightning's handling, which exits 0 without saving.
-        replication_factor: copies of each snapshot wanted on other participants, on other
-            domains when possible (hot spares receive copies through the store while fewer
-            than ``factor + 1`` participants/domains train). 0 disables.
-        replica_max_bytes: snapshots larger than this are not replicated through the store.
-        watchdog_interval: how often the round watchdog publishes progress and checks for a
-            newer round or a hung step (seconds).
-        hang_detection: treat a step that runs longer than
-            ``max(hang_timeout_floor, hang_safety_factor * slowest recent step)`` as a hang
-            of the rank that did not progress (the first step of a round is exempt).
-        heartbeat_interval, last_call_timeout, previous_active_grace: rendezvous timing;
-            a participant silent for 4 heartbeats is dead.
-        join_timeout: the first round must complete within this (seconds).
-        rejoin_timeout: later rounds (after a failure) must complete within this.
-        init_timeout: bound on building the process group of a round.
-        exit_barrier_timeout: bound on waiting for the other actives at the end.
-        connect_timeout: bound on reaching the rendezvous store.
-        store_timeout: bound on any one call to the store once connected: a frozen store
-            host makes the call fail after this long (and later calls at once) instead of
-            blocking for good.
-        max_failures_without_progress: failed rounds in a row without a completed training
-            step before giving up with NO_RESTART.
-        max_recoveries: optional cap on recoveries in one process.
         timeout: process-group timeout (as ``DDPStrategy``).
-        **kwargs: passed to ``DistributedDataParallel`` (as ``DDPStrategy``).
+        **kwargs: any setting of :class:`~lightning_ft.strategy.settings.StrategySettings` and its
+            groups (each documented there, in ``docs/strategy.md`` and by ``help()`` of this
+            class), e.g. ``replication_factor=2``, ``store_timeout=10``; the rest is passed to
+            ``DistributedDataParallel`` (as ``DDPStrategy``). A name that is neither is an error
+            naming the closest setting.
     """
 
     strategy_name = STRATEGY_NAME
@@ -136,65 +120,20 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         min_nodes: int | None = None,
         max_nodes: int | None = None,
         *,
-        is_store_host: bool | None = None,
-        domain_id: str | None = None,
-        infra_rank: int | None = None,
-        segment: int = 1,
-        events_dir: str | os.PathLike | None = None,
-        snapshot_every_n_steps: int | None = None,
-        snapshot_every_n_seconds: float | None = None,
-        snapshot_max_overhead: float | None = DEFAULT_SNAPSHOT_OVERHEAD,
-        graceful_termination: bool = True,
-        replication_factor: int = 1,
-        replica_max_bytes: int = 256 * 2**20,
-        hang_detection: bool = True,
-        watchdog_interval: float = 0.2,
-        hang_timeout_floor: float = 60.0,
-        hang_safety_factor: float = 10.0,
-        heartbeat_interval: float = 0.1,
-        last_call_timeout: float = 0.3,
-        previous_active_grace: float = 3.0,
-        join_timeout: float = 600.0,
-        rejoin_timeout: float = 120.0,
-        init_timeout: float = 60.0,
-        exit_barrier_timeout: float = 60.0,
-        connect_timeout: float = 60.0,
-        store_timeout: float = 30.0,
-        max_failures_without_progress: int = 2,
-        max_recoveries: int | None = None,
         timeout: datetime.timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
-        settings = resolve_settings(
-            endpoint=endpoint, run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, domain_id=domain_id,
-            is_store_host=is_store_host, infra_rank=infra_rank, segment=segment, events_dir=events_dir,
-            snapshot_every_n_steps=snapshot_every_n_steps, snapshot_every_n_seconds=snapshot_every_n_seconds,
-            snapshot_max_overhead=snapshot_max_overhead,
-            graceful_termination=graceful_termination, replication_factor=replication_factor,
-            replica_max_bytes=replica_max_bytes, hang_detection=hang_detection,
-            hang_timeout_floor=hang_timeout_floor, hang_safety_factor=hang_safety_factor,
-            watchdog_interval=watchdog_interval, max_failures_without_progress=max_failures_without_progress,
-            max_recoveries=max_recoveries, timeout=timeout, heartbeat_interval=heartbeat_interval,
-            last_call_timeout=last_call_timeout, previous_active_grace=previous_active_grace,
-            join_timeout=join_timeout, rejoin_timeout=rejoin_timeout, init_timeout=init_timeout,
-            exit_barrier_timeout=exit_barrier_timeout, connect_timeout=connect_timeout,
-            store_timeout=store_timeout)
+        given, ddp_kwargs = split_strategy_kwargs(kwargs)
+        settings = resolve_settings(endpoint=endpoint, run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes,
+                                    timeout=timeout, **given)
         environment: ClusterEnvironment = (RoundEnvironment(socket.gethostname())
                                            if settings.mode is LaunchMode.RENDEZVOUS else ElasticEnvironment())
         super().__init__(cluster_environment=environment, timeout=timeout,
-                         process_group_backend=process_group_backend, **kwargs)
+                         process_group_backend=process_group_backend, **ddp_kwargs)
         #: everything this strategy was configured with (frozen, validated)
         self.settings: StrategySettings = settings
-        #: how many times this process recovered from a failed round
-        self.recoveries = 0
-        #: True once this process trained in some round (False: it only ever was a hot spare)
-        self.trained = False
-        #: the Trainer whose fit() this strategy runs (set by the launcher)
-        self.trainer: Any = None
         self.session: Session | None = None
-        #: the round this process trains in (None while it waits, and under torchrun before fit)
-        self.round: RoundRuntime | None = None
         self._events: EventLog | NullEventLog | None = None
         self._replicas: ReplicaPublisher | None = None
         self._checkpoint: EmergencyCheckpoint | None = None
@@ -218,6 +157,32 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     # ------------------------------------------------------------------ properties
 
     @property
+    def run(self) -> RunState:
+        """This process's run, owned by the launcher (empty until Lightning configured it)."""
+        launcher = self._launcher
+        return launcher.run if isinstance(launcher, (FaultTolerantLauncher, ElasticLauncher)) else _NO_RUN
+
+    @property
+    def trainer(self) -> Any:
+        """The Trainer whose fit() this strategy runs."""
+        return self.run.trainer
+
+    @property
+    def round(self) -> RoundRuntime | None:
+        """The round this process trains in (None while it waits, and under torchrun before fit)."""
+        return self.run.round
+
+    @property
+    def trained(self) -> bool:
+        """True once this process trained in some round (False: it only ever was a hot spare)."""
+        return self.run.trained
+
+    @property
+    def recoveries(self) -> int:
+        """How many times this process recovered from a failed round."""
+        return self.run.recoveries
+
+    @property
     def launch_mode(self) -> LaunchMode:
         return self.settings.mode
 
@@ -235,7 +200,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         """
         if self._events is None:
             who = (self.session.participant.participant_id if self.session is not None else
-                   f"{socket.gethostname()}:{os.getpid()}:{os.environ.get('LOCAL_RANK', '0')}")
+                   f"{socket.gethostname()}:{os.getpid()}:{local_rank()}")
             self._events = open_event_log(who, self.settings.events_dir)
         return self._events
 
@@ -284,8 +249,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if self.settings.mode is LaunchMode.TORCHELASTIC:
             before = open_sockets()
             super().setup_distributed()
-            master_port = int(os.environ.get("MASTER_PORT", "0") or 0) or None
-            self.round.transport = GroupTransport(before, open_sockets(), master_port)
+            self.round.transport = GroupTransport(before, open_sockets(), master_port())
             self._share_snapshots()
             return
         runtime, session = self.round, self.session
@@ -314,7 +278,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._printed_device_info = True
         resume_step = self._share_snapshots()
         self._keep_log_history(session, runtime, resume_step)
-        runtime.start_watchdog(session, self.settings.hang, self._global_step)
+        runtime.start_watchdog(session, self.settings.hang, self.settings.timeouts, self._global_step)
 
     @property
     def _environment(self) -> RoundEnvironment:
@@ -479,9 +443,40 @@ def _scheduler_node_index(settings: StrategySettings) -> int:
     if settings.infra_rank is not None:
         return settings.infra_rank
     try:
-        return detect_infra_rank()
+        return scheduler_node_index()
     except ValueError:  # a malformed variable is reported when the participant joins
         return -1
+
+
+def split_strategy_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The strategy's keyword arguments -> (settings, ``DistributedDataParallel`` arguments).
+
+    A name that is neither a setting nor an argument of ``DistributedDataParallel`` is an error
+    naming the closest setting (a misspelt setting would otherwise reach DDP's constructor).
+    """
+    names = setting_names(StrategySettings) | set(LAUNCH_ARGUMENTS)
+    given = {key: value for key, value in kwargs.items() if key in names}
+    rest = {key: value for key, value in kwargs.items() if key not in names}
+    ddp_names = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+    unknown = sorted(set(rest) - ddp_names)
+    if unknown:
+        hints = [f"{name!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
+            name, sorted(names), n=1)) else "") for name in unknown]
+        raise StrategyConfigError(f"ddp_ft: unknown argument(s) {', '.join(hints)}: neither a setting of ddp_ft "
+                                  "(see docs/strategy.md) nor an argument of DistributedDataParallel")
+    return given, rest
+
+
+def _signature() -> inspect.Signature:
+    """``__init__``'s signature with every setting as a keyword argument (for ``help()`` and tools)."""
+    own = [p for p in inspect.signature(FaultTolerantDDPStrategy.__init__).parameters.values()
+           if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    settings = [inspect.Parameter(info.name, inspect.Parameter.KEYWORD_ONLY, default=info.default)
+                for info in describe(StrategySettings)]
+    return inspect.Signature([*own, *settings, inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+
+
+FaultTolerantDDPStrategy.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
 
 
 def register_strategy() -> None:

@@ -25,7 +25,7 @@ from typing import Callable
 
 from lightning_ft.schema.round import decode_member, decode_progress, encode_progress, member_key, progress_key
 from lightning_ft.schema.signing import SealedStore
-from lightning_ft.strategy.decisions import PeerState, find_stalled_ranks, hang_timeout
+from lightning_ft.strategy.decisions import Detector, PeerState, find_stalled_ranks, hang_timeout
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class RoundWatchdog:
     def __init__(self, *, round_values: SealedStore, rdzv_store, round_key: str, heartbeat_key: Callable[[str], str],
                  round_id: int, rank: int, world_size: int, clock: StepClock, hang_detection: bool,
                  hang_floor: float, hang_factor: float, dead_after: float,
-                 on_trigger: Callable[[str, str, tuple[int, ...]], None], break_group: Callable[[], int],
+                 on_trigger: Callable[[Detector, str, tuple[int, ...]], None], break_group: Callable[[], int],
                  poll_interval: float = 0.2, progress_interval: float = 1.0) -> None:
         self.round_values = round_values
         self.rdzv_store = rdzv_store
@@ -155,7 +155,7 @@ class RoundWatchdog:
         # go by in the first steps of a round and falls back to its floor. Looked at only after
         # this long without progress, so that steady training reads no heartbeats.
         self.silence_after = max(5 * dead_after, 2.0)
-        self.triggered: tuple[str, str, tuple[int, ...]] | None = None
+        self.triggered: tuple[Detector, str, tuple[int, ...]] | None = None
         self._training_thread = threading.get_ident()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -205,7 +205,7 @@ class RoundWatchdog:
         if idle < timeout:
             return False
         reason = f"no progress for {idle:.1f}s, longer than the hang timeout {timeout:.1f}s, and {why}; nobody can be blamed"
-        self.triggered = ("hang", reason, ())
+        self.triggered = (Detector.HANG, reason, ())
         broken = self.break_group()
         log.warning("rank %d: %s; broke the process group (%d connection(s))", self.rank, reason, broken)
         return True
@@ -220,7 +220,7 @@ class RoundWatchdog:
         self._publish((clock.completed, clock.activity, waiting), now, urgent=overdue)
         current = int(self.rdzv_store.compare_set(self.round_key, "", "0"))
         if current > self.round_id:
-            return self._trigger("rendezvous", f"round {current} opened while this rank trains in round "
+            return self._trigger(Detector.RENDEZVOUS, f"round {current} opened while this rank trains in round "
                                                f"{self.round_id} (a peer saw a failure)", ())
         if not overdue:
             if self.hang_detection and idle >= self.silence_after:
@@ -234,7 +234,7 @@ class RoundWatchdog:
         what = (f"in its step {completed + 1} of this round" if clock.in_flight_since is not None
                 else f"after {completed} step(s) of this round")
         if verdict.stalled or verdict.deadlock:
-            return self._trigger("deadlock" if verdict.deadlock else "hang",
+            return self._trigger(Detector.DEADLOCK if verdict.deadlock else Detector.HANG,
                                  f"no progress for {idle:.1f}s ({what}), longer than the hang timeout "
                                  f"{timeout:.1f}s: {verdict.reason}", verdict.stalled)
         if self._warned_at != clock.activity and idle >= timeout + self.dead_after:
@@ -248,7 +248,7 @@ class RoundWatchdog:
         silent = tuple(p.rank for p in self._peer_states(now) if p.silent_seconds >= self.silence_after)
         if not silent:
             return False
-        return self._trigger("hang", f"no progress for {idle:.1f}s and the heartbeat of rank(s) {list(silent)} "
+        return self._trigger(Detector.HANG, f"no progress for {idle:.1f}s and the heartbeat of rank(s) {list(silent)} "
                                      f"silent for >= {self.silence_after:.1f}s (frozen or hung host)", silent)
 
     def _publish(self, position: tuple[int, int, str | None], now: float, urgent: bool) -> None:
@@ -285,7 +285,7 @@ class RoundWatchdog:
             states.append(PeerState(rank, progress.completed, silent, progress.waiting, now - position[1]))
         return states
 
-    def _trigger(self, detector: str, reason: str, stalled: tuple[int, ...]) -> bool:
+    def _trigger(self, detector: Detector, reason: str, stalled: tuple[int, ...]) -> bool:
         self.triggered = (detector, reason, stalled)
         try:
             self.on_trigger(detector, reason, stalled)

@@ -44,28 +44,28 @@ import torch.distributed as dist
 
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._logging import ensure_log_output
-from lightning_ft._validation import check_number, require
+from lightning_ft._validation import require
 from lightning_ft.events import NullEventLog, open_event_log
 from lightning_ft.events import names as ev
 from lightning_ft.health import NodeHealthCheck
-from lightning_ft.health.check import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
-from lightning_ft.health.probes import _env_float, default_probes
-from lightning_ft.process import call_with_timeout, install_exit_hook, plan_exit
+from lightning_ft.health.probes import default_probes
+from lightning_ft.deadlines import call_with_timeout
+from lightning_ft.process import install_exit_hook, plan_exit
 from lightning_ft.schema.termination import namespace_prefix
 from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
+from lightning_ft.settings import SettingsError, load
+from lightning_ft.settings.environment import torchelastic_run_id, torchelastic_shutdown_timeout
 from lightning_ft.termination.decision import BoundaryAction, decide_at_boundary, resolve_grace_seconds
 from lightning_ft.termination.execution import Termination, TerminationExecutor
-from lightning_ft.termination.exit import TerminationExit
-from lightning_ft.termination.exit_records import ENV_EXIT_RECORD_DIR
+from lightning_ft.exit_codes import FaultTolerantExit
+from lightning_ft.termination.settings import TerminationSettings, check_reserve
 from lightning_ft.termination.signals import SignalListener
 from lightning_ft.termination.watcher import StopWatcher
 
 log = logging.getLogger(__name__)
 
 _STORE_METHODS = ("compare_set", "check", "get", "set", "add", "multi_set", "wait", "delete_key")
-# ending the stop watcher at the end of fit: how long to wait for it (a watcher stuck in a
-# store that does not answer is a daemon thread and is left behind)
-_WATCHER_CLOSE_TIMEOUT_S = 0.5
+_PREFIX = "GracefulTermination: "
 
 
 class GracefulTermination(pl.Callback):
@@ -77,90 +77,55 @@ class GracefulTermination(pl.Callback):
         probes: node-health probes to run when the signal arrives; ``None`` = the built-in
             set configured from the environment (:func:`lightning_ft.health.default_probes`),
             ``[]`` = no probing (always healthy).
-        health_timeout_seconds: deadline for the health check; ``None`` =
-            ``LIGHTNING_FT_HEALTH_TIMEOUT`` or 5 s.
-        overrun_is_unhealthy: a probe that has not answered by the deadline counts as
-            unhealthy (default) or is ignored.
-        grace_seconds: seconds between SIGTERM and SIGKILL; ``None`` =
-            ``LIGHTNING_FT_GRACE_SECONDS`` or 30, capped by torchrun's shutdown timeout
-            when it is visible in the environment.
-        margin_steps: optimizer steps between the first boundary after the signal and the
-            agreed stop (>= 1; see ``_propose_margin`` for why 1 suffices under DDP).
         store: a ``torch.distributed.Store`` to agree through instead of the default
             process group's store (must be fresh for each job run).
         signals: the signals that start a termination (default SIGTERM only).
-        save_safety_factor: the measured snapshot cost is multiplied by this before it is
-            compared with the time left (>= 1).
-        exit_reserve_seconds: time kept back from the grace period for the exit itself.
-        exit_timeout_seconds: once the decision is made, the process is force-exited with
-            the decided code if it is still alive after this long (a barrier in another
-            callback, a hung destroy, a user thread).
-        exit_record_dir: where to write ``rank-<R>.json`` with the decided exit code before
-            exiting; ``None`` = ``LIGHTNING_FT_EXIT_RECORD_DIR`` or no records. torchrun
-            exits 1 whatever its workers did; ``python -m lightning_ft.termination.exit_records``
-            turns these records into the node's real exit code.
-        store_timeout_seconds: the longest any call on the training thread waits for the
-            store on the SIGTERM path (proposing the stop step, waiting for every rank's
-            confirmation, asking about peers after a failed collective). When the store does
-            not answer in time the rank stops at the step it is at, without agreement, and
-            decides save-or-not as usual (81 only for a committed snapshot, else 143). In
-            steady state the training thread never calls the store.
+        **settings: any setting of :class:`~lightning_ft.termination.settings.TerminationSettings`
+            (``grace_seconds``, ``margin_steps``, ``save_safety_factor``, ``exit_reserve_seconds``,
+            ``overrun_is_unhealthy``, ``exit_record_dir``) and the SIGTERM path's bounds of
+            :class:`~lightning_ft.settings.Timeouts` (``health_timeout``, ``stop_store_timeout``:
+            the longest a call on the training thread waits for the store on this path -- when
+            the store does not answer the rank stops where it is and decides save-or-not as
+            usual; ``exit_timeout``: once the decision is made the process is force-exited with
+            the decided code if still alive after this long; ``announce_timeout``,
+            ``watcher_close_timeout``). Each is documented there and in ``docs/sigterm.md``.
     """
 
     def __init__(
         self,
         *,
         probes: Sequence[Any] | None = None,
-        health_timeout_seconds: float | None = None,
-        overrun_is_unhealthy: bool = True,
-        grace_seconds: float | None = None,
-        margin_steps: int = 1,
         store: Any | None = None,
         signals: Sequence[int] = (signal.SIGTERM,),
-        save_safety_factor: float = 1.5,
-        exit_reserve_seconds: float = 1.0,
-        exit_timeout_seconds: float = 5.0,
-        exit_record_dir: str | os.PathLike | None = None,
-        store_timeout_seconds: float = 2.0,
+        **settings: Any,
     ) -> None:
-        if health_timeout_seconds is None:
-            health_timeout_seconds = _env_float(dict(os.environ), ENV_TIMEOUT, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S
-        _require(check_number(health_timeout_seconds), "health_timeout_seconds", "a number > 0",
-                 health_timeout_seconds)
+        self.settings = load(TerminationSettings, settings, error=ValueError, prefix=_PREFIX,
+                             sources=(sources := {}))
+        timeouts = self.settings.timeouts
         if probes is not None and (isinstance(probes, (str, bytes)) or not hasattr(probes, "__iter__")):
-            raise ValueError(f"GracefulTermination: `probes` must be a sequence of probes or None, got {probes!r}")
+            raise ValueError(f"{_PREFIX}probes must be a sequence of probes or None, got {probes!r}")
         try:
             self._health_check = NodeHealthCheck(
                 default_probes() if probes is None else list(probes),
-                timeout_s=float(health_timeout_seconds), overrun_is_unhealthy=overrun_is_unhealthy)
+                timeout_s=timeouts.health_timeout, overrun_is_unhealthy=self.settings.overrun_is_unhealthy)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"GracefulTermination: bad `probes`: {exc}") from None
-        _require(check_number(grace_seconds, allow_none=True), "grace_seconds", "None or a number > 0",
-                 grace_seconds)
-        self.grace_seconds, self.grace_source = resolve_grace_seconds(grace_seconds)
-        _require(check_number(margin_steps, integer=True, minimum=1, inclusive=True), "margin_steps", "an int >= 1",
-                 margin_steps)
+            raise ValueError(f"{_PREFIX}bad probes: {exc}") from None
+        self.grace_seconds, self.grace_source = resolve_grace_seconds(
+            self.settings.grace_seconds, sources.get("grace_seconds", "default"),
+            torchelastic_shutdown_timeout() if torchelastic_run_id() else None)
+        try:
+            check_reserve(self.settings, self.grace_seconds, self.grace_source)
+        except SettingsError as exc:
+            raise ValueError(f"{_PREFIX}{exc}") from None
         _require(store is None or all(callable(getattr(store, m, None)) for m in _STORE_METHODS),
                  "store", f"None or a torch.distributed.Store (with {', '.join(_STORE_METHODS)})", store)
         self.signals = _validate_signals(signals)
-        _require(check_number(save_safety_factor, minimum=1, inclusive=True), "save_safety_factor",
-                 "a number >= 1", save_safety_factor)
-        _require(check_number(exit_reserve_seconds, inclusive=True), "exit_reserve_seconds", "a number >= 0",
-                 exit_reserve_seconds)
-        _require(check_number(exit_timeout_seconds), "exit_timeout_seconds", "a number > 0", exit_timeout_seconds)
-        _require(check_number(store_timeout_seconds), "store_timeout_seconds", "a number > 0", store_timeout_seconds)
-        _require(exit_reserve_seconds < self.grace_seconds, "exit_reserve_seconds",
-                 f"smaller than the grace period ({self.grace_seconds:g} s from {self.grace_source})",
-                 exit_reserve_seconds)
-        self.margin_steps = margin_steps
-        self.save_safety_factor = float(save_safety_factor)
-        self.exit_reserve_seconds = float(exit_reserve_seconds)
-        self.exit_timeout_seconds = float(exit_timeout_seconds)
-        self.store_timeout_seconds = float(store_timeout_seconds)
+        self.margin_steps = self.settings.margin_steps
+        self.timeouts = timeouts
         self._store_override = store
         self._events: Any = NullEventLog()
         ensure_log_output()
-        self.exit_record_dir = exit_record_dir or os.environ.get(ENV_EXIT_RECORD_DIR) or None
+        self.exit_record_dir = self.settings.exit_record_dir
         install_exit_hook()
 
         self._lock = threading.Lock()
@@ -222,10 +187,9 @@ class GracefulTermination(pl.Callback):
         # come from an argument), else the one LIGHTNING_FT_EVENTS_DIR names
         self._events = getattr(trainer.strategy, "event_log", None) or open_event_log(f"rank{self._rank}")
         self._executor = TerminationExecutor(
-            health_check=self._health_check, grace_seconds=self.grace_seconds,
-            exit_reserve_seconds=self.exit_reserve_seconds, save_safety_factor=self.save_safety_factor,
-            exit_record_dir=self.exit_record_dir, events=self._events, rank=self._rank, world_size=self._world_size,
-            announcer=self._coordinator, current_step=self._current_step, fit_active=lambda: self._fit_active)
+            health_check=self._health_check, grace_seconds=self.grace_seconds, settings=self.settings,
+            events=self._events, rank=self._rank, world_size=self._world_size, announcer=self._coordinator,
+            current_step=self._current_step, fit_active=lambda: self._fit_active)
         self._listener = SignalListener(self.signals, self._on_signal)
         if self._listener.install():
             log.info("rank %d: handling %s (grace %.0f s from %s, health check %.1f s, %d probes)",
@@ -264,7 +228,7 @@ class GracefulTermination(pl.Callback):
         self._fit_active = False
         watcher, self._watcher = self._watcher, None
         if watcher is not None:  # on the way out nothing needs it gone: do not spend time waking it
-            watcher.close(None if exiting else self._coordinator, _WATCHER_CLOSE_TIMEOUT_S)
+            watcher.close(None if exiting else self._coordinator, self.timeouts.watcher_close_timeout)
         if self._listener is None:
             return
         restore = dict(self._restore_handlers)
@@ -367,7 +331,7 @@ class GracefulTermination(pl.Callback):
         if isinstance(coordinator, LocalStopCoordinator):
             return coordinator.propose(proposal, termination.signum, reason)
         outcome = call_with_timeout(lambda: coordinator.propose(proposal, termination.signum, reason),
-                                    self.store_timeout_seconds, "proposing the stop step in the store")
+                                    self.timeouts.stop_store_timeout, "proposing the stop step in the store")
         if not outcome.ok:
             log.error("rank %d: %s; no agreed stop step: stopping at step %d", self._rank, outcome.problem, step)
             self._stop_here(self._trainer, termination, step,
@@ -384,7 +348,7 @@ class GracefulTermination(pl.Callback):
         Stops here (never returns) when the confirmations do not come in time: a rank that
         does not know the stop step might train past it, so nobody trains it.
         """
-        coordinator, timeout = self._coordinator, self.store_timeout_seconds
+        coordinator, timeout = self._coordinator, self.timeouts.stop_store_timeout
 
         def _wait() -> tuple[bool, dict[int, list[str]]]:
             confirmed = coordinator.wait_until_all_confirmed(timeout)
@@ -431,13 +395,13 @@ class GracefulTermination(pl.Callback):
         # interpreter finalizes (the stop watcher when the store server goes away with the job)
         # takes the process down with SIGABRT, which would replace the decided code.
         plan_exit(destroy_process_group=True, force_code=code)
-        termination.watchdog.arm(time.monotonic() + self.exit_timeout_seconds)
-        raise TerminationExit(code, decision.describe())
+        termination.watchdog.arm(time.monotonic() + self.timeouts.exit_timeout)
+        raise FaultTolerantExit(code, decision.describe())
 
     # ---- the exception path and the end of fit -----------------------------------------
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._listener is None or isinstance(exception, TerminationExit):
+        if self._listener is None or isinstance(exception, FaultTolerantExit):
             return
         termination = self._termination
         received = self._listener.received
@@ -449,7 +413,7 @@ class GracefulTermination(pl.Callback):
             # the store says whether that is part of a termination (bounded: it may be gone too).
             coordinator, watcher = self._coordinator, self._watcher
             outcome = call_with_timeout(lambda: (coordinator.poll(), coordinator.unhealthy_peers()),
-                                        self.store_timeout_seconds, "asking the store about a termination")
+                                        self.timeouts.stop_store_timeout, "asking the store about a termination")
             if outcome.ok:
                 stop, peers = outcome.value  # type: ignore[misc]
             else:
@@ -469,7 +433,7 @@ class GracefulTermination(pl.Callback):
         self._finish(trainer, exiting=True)
         # Lightning re-raises the original exception (exit status 1); make the status ours.
         plan_exit(destroy_process_group=True, force_code=code)
-        termination.watchdog.arm(time.monotonic() + self.exit_timeout_seconds)
+        termination.watchdog.arm(time.monotonic() + self.timeouts.exit_timeout)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         termination = self._termination
@@ -505,7 +469,7 @@ def _validate_signals(signals: Sequence[int]) -> tuple[signal.Signals, ...]:
 
 
 def _require(ok: bool, name: str, expected: str, value: Any) -> None:
-    require(ok, f"`{name}`", expected, value, prefix="GracefulTermination: ")
+    require(ok, name, expected, value, prefix=_PREFIX)
 
 
-__all__ = ["GracefulTermination", "TerminationExit"]
+__all__ = ["GracefulTermination"]

@@ -7,20 +7,12 @@ with a fake clock.
 from __future__ import annotations
 
 import enum
-import os
 import signal
 from dataclasses import dataclass
-from typing import Mapping
 
 from lightning_ft.exit_codes import ExitCode
 
 DEFAULT_GRACE_SECONDS = 30.0
-ENV_GRACE_SECONDS = "LIGHTNING_FT_GRACE_SECONDS"
-# torchrun SIGKILLs its workers this long after forwarding SIGTERM. The agent reads
-# `--shutdown-timeout`, else PET_SHUTDOWN_TIMEOUT (its env-backed flag), else
-# TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s. Workers inherit the two environment
-# variables but never see the command-line flag.
-TORCHELASTIC_SHUTDOWN_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 
 class Action(enum.Enum):
@@ -124,33 +116,29 @@ def budget_left(*, grace_s: float, signal_time: float, now: float, exit_reserve_
     return grace_s - (now - signal_time) - exit_reserve_s
 
 
-def resolve_grace_seconds(explicit: float | None, env: Mapping[str, str] | None = None) -> tuple[float, str]:
+def resolve_grace_seconds(configured: float | None, source: str,
+                          torchrun_shutdown: tuple[str, str] | None = None) -> tuple[float, str]:
     """Grace period (seconds from SIGTERM to SIGKILL) and where it came from.
 
-    ``explicit`` (constructor argument) wins; else ``LIGHTNING_FT_GRACE_SECONDS``; else
-    30 s (Kubernetes ``terminationGracePeriodSeconds``, SLURM ``KillWait`` and torchrun
-    defaults). Under torchrun, its shutdown timeout caps the result, because the agent
-    SIGKILLs the workers after it no matter what the scheduler allows.
+    ``configured`` (the ``grace_seconds`` setting, from ``source``), else 30 s (Kubernetes
+    ``terminationGracePeriodSeconds``, SLURM ``KillWait`` and torchrun defaults). Under torchrun
+    (``torchrun_shutdown``: the variable and value of its worker shutdown timeout), that timeout
+    caps the result, because the agent SIGKILLs the workers after it no matter what the scheduler
+    allows.
     """
-    env = os.environ if env is None else env
-    if explicit is not None:
-        grace, source = float(explicit), "grace_seconds argument"
-    elif env.get(ENV_GRACE_SECONDS, "").strip():
-        grace, source = _positive_env(env, ENV_GRACE_SECONDS), ENV_GRACE_SECONDS
+    if configured is not None:
+        grace = float(configured)
     else:
         grace, source = DEFAULT_GRACE_SECONDS, "default"
-    if env.get("TORCHELASTIC_RUN_ID"):  # launched by torchrun / torchelastic
-        for key in TORCHELASTIC_SHUTDOWN_ENV:
-            if env.get(key, "").strip():
-                agent_timeout = _positive_env(env, key)
-                if agent_timeout < grace:
-                    grace, source = agent_timeout, f"{key} (torchrun SIGKILLs workers after it)"
-                break
+    if torchrun_shutdown is not None:
+        key, raw = torchrun_shutdown
+        agent_timeout = _positive(key, raw)
+        if agent_timeout < grace:
+            grace, source = agent_timeout, f"{key} (torchrun SIGKILLs workers after it)"
     return grace, source
 
 
-def _positive_env(env: Mapping[str, str], key: str) -> float:
-    raw = env[key].strip()
+def _positive(key: str, raw: str) -> float:
     try:
         value = float(raw)
     except ValueError:

@@ -21,7 +21,8 @@ from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft.checkpoint.callback import EmergencyCheckpoint
 from lightning_ft.events import names as ev
 from lightning_ft.health import HealthReport, NodeHealthCheck, ProbeResult
-from lightning_ft.process import ExitWatchdog, exit_now, run_with_timeout
+from lightning_ft.deadlines import call_with_timeout
+from lightning_ft.process import ExitWatchdog, exit_now
 from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
 from lightning_ft.termination.decision import (
     Action,
@@ -30,11 +31,10 @@ from lightning_ft.termination.decision import (
     decide_on_termination,
     not_saved_exit_code,
 )
-from lightning_ft.termination.exit_records import ENV_EXIT_RECORD_LAUNCH_DIR, write_exit_record
+from lightning_ft.termination.exit_records import launch_record_dir, write_exit_record
+from lightning_ft.termination.settings import TerminationSettings
 
 log = logging.getLogger(__name__)
-
-_ANNOUNCE_TIMEOUT_S = 0.5  # publishing "unhealthy" must never delay the exit by more
 
 
 class Termination:
@@ -62,15 +62,15 @@ class TerminationExecutor:
     ``current_step()`` the trainer's global step; ``fit_active()`` whether training still runs.
     """
 
-    def __init__(self, *, health_check: NodeHealthCheck, grace_seconds: float, exit_reserve_seconds: float,
-                 save_safety_factor: float, exit_record_dir: str | None, events: Any, rank: int, world_size: int,
-                 announcer: StoreStopCoordinator | LocalStopCoordinator, current_step: Callable[[], int],
-                 fit_active: Callable[[], bool]) -> None:
+    def __init__(self, *, health_check: NodeHealthCheck, grace_seconds: float, settings: TerminationSettings,
+                 events: Any, rank: int, world_size: int, announcer: StoreStopCoordinator | LocalStopCoordinator,
+                 current_step: Callable[[], int], fit_active: Callable[[], bool]) -> None:
         self.health_check = health_check
         self.grace_seconds = grace_seconds
-        self.exit_reserve_seconds = exit_reserve_seconds
-        self.save_safety_factor = save_safety_factor
-        self.exit_record_dir = exit_record_dir
+        self.exit_reserve_seconds = settings.exit_reserve_seconds
+        self.save_safety_factor = settings.save_safety_factor
+        self.exit_record_dir = settings.exit_record_dir
+        self._announce_timeout = settings.timeouts.announce_timeout
         self.events = events
         self.rank = rank
         self.world_size = world_size
@@ -113,8 +113,9 @@ class TerminationExecutor:
                       (time.monotonic() - termination.started_at) * 1000, step)
             if self.world_size > 1:
                 announcer = self._announcer
-                run_with_timeout(lambda: announcer.announce_unhealthy(step, termination.signum, report.reasons),
-                                 _ANNOUNCE_TIMEOUT_S, f"rank {self.rank}: announcing the unhealthy exit")
+                call_with_timeout(lambda: announcer.announce_unhealthy(step, termination.signum, report.reasons),
+                                  self._announce_timeout, f"rank {self.rank}: announcing the unhealthy exit",
+                                  unanswered="going on without it", log_problem=True)
             seconds = time.monotonic() - termination.started_at
 
             def _record() -> None:
@@ -122,7 +123,8 @@ class TerminationExecutor:
                                  step=step, seconds_since_signal=round(seconds, 6))
                 self._write_exit_record(decision.exit_code, decision, step)
 
-            run_with_timeout(_record, _ANNOUNCE_TIMEOUT_S, f"rank {self.rank}: recording the unhealthy exit")
+            call_with_timeout(_record, self._announce_timeout, f"rank {self.rank}: recording the unhealthy exit",
+                              unanswered="going on without it", log_problem=True)
             exit_now(decision.exit_code)
 
     def decide_and_execute(self, trainer: Any, termination: Termination, step: int, where: str) -> tuple[int, Decision]:
@@ -215,7 +217,7 @@ class TerminationExecutor:
         return HealthReport(healthy, (result,), check.timeout_s)
 
     def _write_exit_record(self, code: int, decision: Decision, step: int) -> None:
-        targets = [d for d in (self.exit_record_dir, os.environ.get(ENV_EXIT_RECORD_LAUNCH_DIR)) if d]
+        targets = [d for d in (self.exit_record_dir, launch_record_dir()) if d]
         for directory in dict.fromkeys(os.path.abspath(d) for d in targets):
             try:
                 write_exit_record(directory, self.rank, code, decision.action.value, decision.reasons, step)

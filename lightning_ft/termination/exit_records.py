@@ -30,9 +30,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Sequence
 
 from lightning_ft.exit_codes import ExitCode
+from lightning_ft.settings.environment import child_environment, environ, job_label
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +66,17 @@ def write_exit_record(directory: str | os.PathLike, rank: int, exit_code: int, a
     return path
 
 
-def launch_directory(base: str | os.PathLike, env: dict[str, str] | None = None) -> Path:
+def launch_directory(base: str | os.PathLike, env: Mapping[str, str] | None = None) -> Path:
     """A new directory for one launch's records inside ``base`` (created 0700; see the module doc)."""
-    env = os.environ if env is None else env
-    job = next((env[k] for k in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "LIGHTNING_FT_RUN_ID") if env.get(k)), "job")
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{job}-{socket.gethostname()}")[:80]
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{job_label(env)}-{socket.gethostname()}")[:80]
     base = Path(base)
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f"launch-{safe}-", dir=base))
+
+
+def launch_record_dir() -> str | None:
+    """The record directory the exit-code wrapper reads, when this process runs under it."""
+    return environ().get(ENV_EXIT_RECORD_LAUNCH_DIR) or None
 
 
 def read_exit_records(directory: str | os.PathLike) -> list[dict]:
@@ -82,11 +87,6 @@ def read_exit_records(directory: str | os.PathLike) -> list[dict]:
         except (OSError, ValueError) as exc:
             log.warning("unreadable exit record %s: %s", path, exc)
     return records
-
-
-def clear_exit_records(directory: str | os.PathLike) -> None:
-    for path in Path(directory).glob(_PATTERN):
-        path.unlink(missing_ok=True)
 
 
 def summarize_exit_codes(record_codes: Sequence[int], launcher_code: int) -> int:
@@ -111,7 +111,7 @@ def run_and_summarize(command: Sequence[str], directory: str | os.PathLike,
     """Run ``command`` with a record directory of its own (inside ``directory``) in its
     environment; forward signals; return the node code."""
     directory = launch_directory(directory)
-    env = dict(os.environ, **{ENV_EXIT_RECORD_DIR: str(directory), ENV_EXIT_RECORD_LAUNCH_DIR: str(directory)})
+    env = child_environment(**{ENV_EXIT_RECORD_DIR: str(directory), ENV_EXIT_RECORD_LAUNCH_DIR: str(directory)})
     # own session: a terminal's Ctrl-C reaches only us, and we forward it exactly once
     child = subprocess.Popen(list(command), env=env, start_new_session=True)
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Run a launcher (e.g. torchrun), forward termination signals to it, and exit with the "
                     "code its ranks recorded (81 preempted+saved, 82 unhealthy node, 143 stopped unsaved) "
                     "instead of the launcher's own status.")
-    parser.add_argument("--dir", default=os.environ.get(ENV_EXIT_RECORD_DIR),
+    parser.add_argument("--dir", default=environ().get(ENV_EXIT_RECORD_DIR),
                         help=f"node-local directory for the per-rank records ({ENV_EXIT_RECORD_DIR}); each run "
                              "of this wrapper uses a new directory of its own inside it")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")

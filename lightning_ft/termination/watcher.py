@@ -68,7 +68,7 @@ class StopWatcher:
         self._closing.set()
         if waker is None or not self._thread.is_alive():
             return
-        from lightning_ft.process import call_with_timeout
+        from lightning_ft.deadlines import call_with_timeout
 
         call_with_timeout(waker.wake_self, timeout_s, "waking the stop watcher")
         self._thread.join(timeout_s)

@@ -80,7 +80,7 @@ def main() -> int:
 
     from lightning_ft import EmergencyCheckpoint, GracefulTermination
     from lightning_ft.health import CommandProbe, MarkerFileProbe
-    from lightning_ft.termination.exit import TerminationExit
+    from lightning_ft.exit_codes import FaultTolerantExit
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGTERM)
 
         def on_exception(self, trainer, pl_module, exception):
-            code = exception.code if isinstance(exception, TerminationExit) else None
+            code = exception.code if isinstance(exception, FaultTolerantExit) else None
             self._write("stop", {"step": trainer.global_step, "code": code, "exception": type(exception).__name__,
                                  "digest": digest(pl_module, trainer.optimizers)}, trainer)
 
@@ -141,7 +141,7 @@ def main() -> int:
             probes.append(MarkerFileProbe(Path(args.unhealthy_marker_dir) / f"unhealthy.rank{rank}"))
         if args.hang_probe:
             probes.append(CommandProbe([sys.executable, "-c", "import time; time.sleep(60)"], name="hangs"))
-    termination = GracefulTermination(probes=probes, health_timeout_seconds=args.health_timeout,
+    termination = GracefulTermination(probes=probes, health_timeout=args.health_timeout,
                                       overrun_is_unhealthy=not args.overrun_healthy, grace_seconds=args.grace,
                                       exit_record_dir=args.exit_dir)
     callbacks: list[pl.Callback] = [Recorder(), termination]

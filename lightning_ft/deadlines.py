@@ -1,0 +1,184 @@
+"""The one way lightning_ft bounds a wait, and the one shape of its background threads.
+
+* :class:`BoundedWorker` -- a daemon thread that runs calls in order, each waited for at most
+  its bound. A call that overruns keeps running (Python cannot interrupt it) and its late
+  answer is dropped; while it is stuck, later calls on that worker fail at once instead of
+  queueing bound after bound.
+* :func:`call_with_timeout` -- one call on a worker of its own: the value, or why there is none.
+* :class:`BoundedStore` -- a ``torch.distributed`` Store client whose every call goes through a
+  worker: a frozen store (its host SIGSTOPped, a dead machine whose connection stays open)
+  answers nothing, and a TCPStore client would wait for it without limit. Every store
+  connection lightning_ft opens is one of these.
+* :class:`BackgroundThread` -- start, stop and a bounded join for the project's daemon threads.
+
+Bounds come from :class:`lightning_ft.settings.Timeouts`. No Lightning, no torch import here.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, shortened (torch appends C++ stacks to its errors)."""
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else "")[:limit]
+
+
+class DeadlineExceeded(RuntimeError):
+    """A bounded call did not return in time (or an earlier call on its worker still has not)."""
+
+
+class StoreUnresponsiveError(DeadlineExceeded):
+    """A store call did not return within its bound: the store (or its host) is frozen or gone."""
+
+
+class BoundedWorker:
+    """Runs calls one after another on a daemon thread; each caller waits at most its bound."""
+
+    def __init__(self, name: str, calls: int | None = None) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future, Callable[[], Any]]] = queue.SimpleQueue()
+        self._stuck: Future | None = None
+        self._thread = threading.Thread(target=self._serve, args=(calls,), name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self, calls: int | None) -> None:
+        while calls is None or calls > 0:  # ``calls``: how many to run before the thread ends
+            future, fn = self._calls.get()
+            if calls is not None:
+                calls -= 1
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+    def call(self, fn: Callable[[], Any], bound: float, what: str,
+             error: type[DeadlineExceeded] = DeadlineExceeded) -> Any:
+        """``fn()``'s value (or its exception) if it returns within ``bound`` seconds, else ``error``
+        (``what`` says what got no answer, e.g. "the store did not answer get()")."""
+        stuck = self._stuck
+        if stuck is not None and not stuck.done():
+            raise error(f"{what}: an earlier call has had no answer for more than {bound:g}s (frozen or gone)")
+        future: Future = Future()
+        self._calls.put((future, fn))
+        try:
+            return future.result(timeout=bound)
+        except TimeoutError:
+            if not future.cancel():
+                self._stuck = future
+            raise error(f"{what} within {bound:g}s (frozen or gone)") from None
+
+
+class BoundedCall:
+    """The outcome of :func:`call_with_timeout`: ``value`` if it returned in time, else ``problem``."""
+
+    __slots__ = ("value", "problem")
+
+    def __init__(self, value: Any = None, problem: str | None = None) -> None:
+        self.value = value
+        self.problem = problem
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str,
+                      unanswered: str = "the store does not answer", log_problem: bool = False) -> BoundedCall:
+    """Run ``fn`` on a worker of its own and wait at most ``timeout_s`` for its value.
+
+    ``problem`` says what went wrong, in words fit for a log line and a decision's reasons
+    (``unanswered`` is the remark on a call that did not return in time); ``log_problem``
+    also logs it as a warning (for callers that only need to know whether it worked).
+    """
+    try:
+        outcome = BoundedCall(BoundedWorker("lightning-ft-bounded", calls=1).call(fn, timeout_s, what))
+    except DeadlineExceeded:
+        outcome = BoundedCall(problem=f"{what} did not finish within {timeout_s:g} s ({unanswered})")
+    except Exception as exc:  # noqa: BLE001 - reported to the caller, which decides
+        outcome = BoundedCall(problem=f"{what} failed: {type(exc).__name__}: {first_line(exc, 200)}")
+    if log_problem and not outcome.ok:
+        log.warning("%s", outcome.problem)
+    return outcome
+
+
+class BoundedStore:
+    """A Store client whose calls return -- or raise StoreUnresponsiveError -- within ``bound`` seconds.
+
+    Every call runs on this client's :class:`BoundedWorker` (a TCPStore client is used from one
+    thread at a time); ``raw`` is the plain client, for torch's own use (``PrefixStore`` for a
+    process group, which must not outlive a bound of ours).
+    """
+
+    _METHODS = ("set", "get", "add", "compare_set", "check", "multi_get", "multi_set", "delete_key",
+                "num_keys", "wait", "list_keys")
+
+    def __init__(self, store: Any, bound: float) -> None:
+        self.raw = store
+        self.bound = bound
+        self._worker = BoundedWorker("lightning_ft-store-client")
+
+    def _call(self, name: str, *args: Any) -> Any:
+        method = getattr(self.raw, name)
+        return self._worker.call(lambda: method(*args), self.bound, f"the rendezvous store did not answer {name}()",
+                                 StoreUnresponsiveError)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name in BoundedStore._METHODS:
+            return lambda *args: self._call(name, *args)
+        return getattr(self.raw, name)
+
+    def clone(self, bound: float | None = None) -> BoundedStore:
+        """Another connection to the same store (torch's ``TCPStore.clone``), bounded alike or by ``bound``."""
+        return BoundedStore(self._call("clone"), self.bound if bound is None else bound)
+
+
+def raw_store(store: Any) -> Any:
+    """The plain torch Store behind ``store`` (for torch APIs that need a c10d Store)."""
+    return store.raw if isinstance(store, BoundedStore) else store
+
+
+class BackgroundThread:
+    """A daemon thread that runs :meth:`run` until :meth:`stop`; the join is bounded.
+
+    Subclasses implement :meth:`run` and wait with ``self.stopping.wait(interval)`` (True once
+    stopped), so a stop takes effect within one interval.
+    """
+
+    def __init__(self, name: str, join_timeout: float) -> None:
+        self.name = name
+        self.join_timeout = join_timeout
+        self.stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the thread (a no-op while it runs)."""
+        if self.alive:
+            return
+        self.stopping.clear()
+        self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self, join: bool = True) -> None:
+        """Ask the thread to end and, with ``join``, wait for it at most ``join_timeout`` (never
+        from the thread itself)."""
+        self.stopping.set()
+        thread = self._thread
+        if join and thread is not None and thread is not threading.current_thread():
+            thread.join(self.join_timeout)

@@ -1,0 +1,99 @@
+"""Every bounded wait of lightning_ft, in seconds: one object, each bound a named field.
+
+A wait in the code takes its bound from here (never a literal), and every store connection is
+bounded by :class:`~lightning_ft.deadlines.BoundedStore` with ``store_timeout`` (or a tighter
+field named here). The torchrun backend and ``Trainer(strategy="ddp_ft")`` share these
+defaults; both accept every field as a setting (``--rdzv-conf name=value``, a keyword argument).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lightning_ft.settings.fields import SettingsError, number, setting
+
+_positive = number()
+
+
+def _SECONDS(value: object) -> str | None:
+    return None if _positive(value) is None else "a positive number of seconds"
+
+
+#: the bounds the barrier rendezvous and its torchrun handler use (what ``--rdzv-conf`` may set)
+RENDEZVOUS_TIMEOUTS = ("join_timeout", "rejoin_timeout", "last_call_timeout", "previous_active_grace",
+                       "store_grace_timeout", "unwritten_slot_timeout", "heartbeat_interval", "connect_timeout",
+                       "store_timeout", "health_timeout")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Bounds and timings of every wait, in seconds."""
+
+    # the barrier rendezvous
+    join_timeout: float = setting(600.0, "the first round a participant joins must complete within this",
+                                  rule=_SECONDS)
+    rejoin_timeout: float = setting(120.0, "a round after a failure (this participant trained in an earlier one) "
+                                           "must complete within this", rule=_SECONDS)
+    last_call_timeout: float = setting(0.3, "after min_nodes arrived, wait this long for more before completing",
+                                       rule=_SECONDS)
+    previous_active_grace: float = setting(3.0, "survivors of the previous round keep their places for this long "
+                                                "after a round opens", rule=_SECONDS)
+    store_grace_timeout: float = setting(3.0, "the store host waits at most this long for the others to "
+                                              "acknowledge the end before its process (and the store) goes",
+                                         rule=_SECONDS)
+    unwritten_slot_timeout: float = setting(2.0, "a participant that took a slot but did not write it within this "
+                                                 "is skipped", rule=_SECONDS)
+    heartbeat_interval: float = setting(0.1, "participants bump a heartbeat this often; one silent for 4 beats "
+                                             "is dead", rule=_SECONDS)
+    # the store
+    connect_timeout: float = setting(60.0, "bound on reaching the rendezvous store", rule=_SECONDS)
+    store_timeout: float = setting(30.0, "bound on any one store call once connected: a frozen store host makes "
+                                         "the call fail after this long (and later calls at once)", rule=_SECONDS)
+    # the strategy
+    init_timeout: float = setting(60.0, "bound on building the process group of a round (and on the teardown "
+                                        "after a failure)", rule=_SECONDS)
+    exit_barrier_timeout: float = setting(60.0, "bound on waiting for the other actives at the end of fit()",
+                                          rule=_SECONDS)
+    watchdog_store_timeout: float = setting(5.0, "bound on one store call of the round watchdog: a rank that "
+                                                 "cannot progress breaks the group within the hang timeout plus "
+                                                 "this", rule=_SECONDS)
+    failure_notice_timeout: float = setting(2.0, "how long classifying a failure waits for the store's notices "
+                                                 "(failed peers, verdicts, the close)", rule=_SECONDS)
+    thread_stop_timeout: float = setting(5.0, "how long stopping a background thread waits for it",
+                                         rule=_SECONDS)
+    # the SIGTERM path
+    health_timeout: float = setting(5.0, "deadline of the node-health check", rule=_SECONDS,
+                                    env="LIGHTNING_FT_HEALTH_TIMEOUT")
+    stop_store_timeout: float = setting(2.0, "the longest a call on the training thread waits for the store on "
+                                             "the SIGTERM path (proposing the stop step, awaiting every rank's "
+                                             "confirmation, asking about peers); without an answer the rank stops "
+                                             "where it is", rule=_SECONDS)
+    exit_timeout: float = setting(5.0, "once a termination decided, the process is forced out with the decided "
+                                       "code if still alive after this long", rule=_SECONDS)
+    announce_timeout: float = setting(0.5, "publishing an unhealthy exit never delays that exit by more",
+                                      rule=_SECONDS)
+    watcher_close_timeout: float = setting(0.5, "ending the stop watcher at the end of fit() waits at most this",
+                                           rule=_SECONDS)
+    flush_timeout: float = setting(0.2, "flushing output on a forced exit gives up after this (a stalled pipe "
+                                        "must not block the exit)", rule=_SECONDS)
+
+    def __post_init__(self) -> None:
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            problem = _SECONDS(value)
+            if problem is not None:
+                raise SettingsError(f"{item.name} must be {problem}, got {value!r}")
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds of heartbeat silence after which a participant counts as dead."""
+        return 4 * self.heartbeat_interval
+
+    def join_timeout_for(self, was_active: bool) -> float:
+        """The bound on completing a round: ``rejoin_timeout`` after this participant trained."""
+        return self.rejoin_timeout if was_active else self.join_timeout
+
+
+#: the defaults, for code that runs before (or outside) any configuration
+DEFAULT_TIMEOUTS = Timeouts()

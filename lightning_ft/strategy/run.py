@@ -1,0 +1,66 @@
+"""What one ``ddp_ft`` process knows about its run across rounds, and what it needs from the strategy.
+
+:class:`RunState` is created and written by the launcher and the recovery executor; the
+strategy only reads it (its hooks need the current round). :class:`StrategyHost` is the part
+of the strategy those two use, so neither imports the strategy (no import cycle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from lightning_ft.events import EventLog, NullEventLog
+from lightning_ft.strategy.session import RoundRuntime, Session
+from lightning_ft.strategy.settings import StrategySettings
+
+
+class StrategyHost(Protocol):
+    """The strategy as the launcher and the recovery executor see it."""
+
+    settings: StrategySettings
+    session: Session | None
+
+    @property
+    def event_log(self) -> EventLog | NullEventLog: ...
+
+    def open_session(self) -> Session: ...
+
+    def leave_as_spare(self) -> None: ...
+
+    def stop_round_threads(self) -> None: ...
+
+
+@dataclass
+class RunState:
+    """One process's run: its trainer, the round it trains in, and the failures so far."""
+
+    #: the Trainer whose fit() this process runs
+    trainer: Any = None
+    #: the round this process trains in (None while it waits, and under torchrun before fit)
+    round: RoundRuntime | None = None
+    #: True once this process trained in some round (False: it only ever was a hot spare)
+    trained: bool = False
+    #: how many times this process recovered from a failed round
+    recoveries: int = 0
+    #: failed rounds in a row without a step beyond the previous failure (see decide_recovery)
+    failures_without_progress: int = 0
+    #: the furthest step any failure struck at
+    failed_at_step: int | None = None
+    #: ``time.monotonic()`` of the failure that led to the current round (None for the first)
+    failure_at: float | None = None
+
+    def start_round(self, round_runtime: RoundRuntime) -> None:
+        self.round = round_runtime
+        self.trained = True
+
+    def count_failure(self, step: int) -> int:
+        """Record a failure at ``step``; returns the failures in a row without progress. Progress =
+        a step completed beyond where the previous failure struck: a failure that recurs at the
+        same point after every restore must not loop forever."""
+        runtime = self.round
+        advanced = runtime is not None and runtime.progressed and (self.failed_at_step is None
+                                                                   or step > self.failed_at_step)
+        self.failures_without_progress = 1 if advanced else self.failures_without_progress + 1
+        self.failed_at_step = step if self.failed_at_step is None else max(step, self.failed_at_step)
+        return self.failures_without_progress
