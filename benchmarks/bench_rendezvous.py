@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler  # noqa: E402
 
 from lightning_ft.rendezvous import BarrierRendezvous, ParticipantInfo, RendezvousSettings  # noqa: E402
-from lightning_ft.rendezvous.barrier import _Coordinator  # noqa: E402
+from lightning_ft.rendezvous.coordinator import Coordinator  # noqa: E402
 from lightning_ft.schema.run import encode_slot  # noqa: E402
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
@@ -114,14 +114,14 @@ def reread(slots: int, repeats: int) -> dict[str, float]:
                      for i, key in enumerate(keys.slot_keys(slots))])
     store.add(keys.arrived(0), slots)
     store.add(keys.written(0), slots)
-    coordinator = _Coordinator(rdzv, 0)
+    coordinator = Coordinator(rdzv, 0)
     raw_keys = keys.slot_keys(slots)
     timings: dict[str, list[float]] = {"raw multi_get": [], "re-read (cold decode)": [], "re-read (warm)": []}
     for _ in range(repeats):
         t = time.perf_counter()
         store.multi_get(raw_keys)
         timings["raw multi_get"].append(time.perf_counter() - t)
-        rdzv._decode_cache.clear()
+        rdzv.decode_cache.clear()
         t = time.perf_counter()
         view = coordinator.read_view()
         timings["re-read (cold decode)"].append(time.perf_counter() - t)

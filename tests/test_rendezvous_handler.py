@@ -162,3 +162,39 @@ def test_unhealthy_node_is_counted_and_excluded(port, tmp_path, monkeypatch):
         assert not handler.is_closed()  # an excluded node does not end the job
     finally:
         handler.rendezvous.stop_heartbeat()
+
+
+@pytest.mark.multiprocess
+def test_a_frozen_store_fails_the_agents_rendezvous_call_within_store_timeout(processes):
+    """Intended change of issue 22: the torchrun handler's store connection is bounded like every
+    other (it was a plain TCPStore client, which waits for a frozen server for good)."""
+    import os
+    import sys
+
+    port = free_port()
+    store = processes.start("store", [sys.executable, "-m", "lightning_ft.cli", "store", "--host", "127.0.0.1",
+                                      "--port", str(port)])
+    assert wait_for(lambda: "listening" in store.log(), 60), store.log()
+    handler = get_rendezvous_handler(params(port, is_host="false", store_timeout="2", min_nodes=2, max_nodes=2))
+    os.kill(store.pid, signal.SIGSTOP)
+    outcome: list[BaseException | str] = []
+
+    def join() -> None:
+        try:
+            handler.next_rendezvous()
+            outcome.append("returned")
+        except BaseException as exc:  # noqa: BLE001 - the outcome under test
+            outcome.append(exc)
+
+    try:
+        start = time.monotonic()
+        worker = threading.Thread(target=join, daemon=True)
+        worker.start()
+        worker.join(60)  # the old, unbounded client would still be waiting here
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+        handler.rendezvous.stop_heartbeat()
+    assert outcome and isinstance(outcome[0], RuntimeError), outcome
+    assert "did not answer" in str(outcome[0]) and "within 2s" in str(outcome[0]), outcome
+    assert elapsed < 30, elapsed

@@ -180,13 +180,14 @@ def test_the_stop_watcher_learns_a_peers_stop_and_unhealthy_exit_and_confirms(tc
     prefix = dist.PrefixStore("w/", tcp_store)
     rank0, rank1 = StoreStopCoordinator(prefix, 0, 2), StoreStopCoordinator(prefix.clone(), 1, 2)
     learned: list[tuple[StopRequest, str]] = []
-    watcher = StopWatcher(rank1, on_stop=lambda stop: learned.append((stop, threading.current_thread().name)))
+    watcher = StopWatcher(rank1, on_stop=lambda stop: learned.append((stop, threading.current_thread().name)),
+                          close_timeout=5.0)
     watcher.start()
     try:
-        assert watcher.stop is None and not rank0.all_confirmed()
+        assert watcher.request is None and not rank0.all_confirmed()
         agreed = rank0.propose(7, signal.SIGTERM, "rank 0: SIGTERM received")  # confirms, wakes everyone
-        assert wait_until(lambda: watcher.stop is not None)
-        assert watcher.stop == agreed and learned == [(agreed, "lightning-ft-stop-watcher")]
+        assert wait_until(lambda: watcher.request is not None)
+        assert watcher.request == agreed and learned == [(agreed, "lightning-ft-stop-watcher")]
         assert rank0.wait_until_all_confirmed(10.0)  # rank 1's watcher confirmed for it
         assert not watcher.peer_unhealthy
 
@@ -194,7 +195,7 @@ def test_the_stop_watcher_learns_a_peers_stop_and_unhealthy_exit_and_confirms(tc
         assert wait_until(lambda: watcher.peer_unhealthy)
         assert watcher.unhealthy == {0: ["marker: xid 79"]} and len(learned) == 1
     finally:
-        watcher.close(rank1, timeout_s=5.0)
+        watcher.close(rank1)
     assert not [t for t in threading.enumerate() if t.name == "lightning-ft-stop-watcher"]
 
 

@@ -18,10 +18,9 @@ import sys
 from typing import Any
 
 from lightning_ft._lightning.compat import silence_known_warnings
+from lightning_ft._lightning.names import STRATEGY_DESCRIPTION, STRATEGY_NAME
 from lightning_ft._lightning.slurm import install as install_slurm_compat
 
-STRATEGY_NAME = "ddp_ft"
-STRATEGY_DESCRIPTION = "DDP over a barrier rendezvous with hot spares and in-process recovery."
 
 # The whole package, not ``lightning.pytorch.strategies``: that one loads while
 # ``lightning.pytorch`` is still half-initialized. The registry is read only when a Trainer

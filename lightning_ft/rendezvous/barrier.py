@@ -20,13 +20,10 @@ with ``max_nodes`` so the total load on the store stays bounded.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -35,18 +32,10 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from lightning_ft.rendezvous.decisions import (
-    Action,
-    Arrival,
-    RoundTimer,
-    RoundView,
-    arrivals_of_round,
-    assign_ranks,
-    choose_incarnation,
-    decide_completion,
-    is_extra_participant,
-    newly_dead,
-)
+from lightning_ft.deadlines import BackgroundThread
+from lightning_ft.rendezvous.coordinator import Coordinator, CoordinatorWatch
+from lightning_ft.rendezvous.decisions import is_extra_participant
+from lightning_ft.rendezvous.lifecycle import resolve_incarnation, wait_for_acknowledgements
 from lightning_ft.rendezvous.participant import ParticipantInfo, process_start_time
 from lightning_ft.rendezvous.settings import RendezvousSettings
 from lightning_ft.schema.run import (
@@ -55,16 +44,10 @@ from lightning_ft.schema.run import (
     RunKeys,
     Slot,
     decode_coordinator,
-    decode_last_actives,
     decode_ready,
-    encode_coordinator,
-    decode_slot,
     decode_slot_rank,
-    encode_last_actives,
-    encode_ready,
+    encode_coordinator,
     encode_slot,
-    encode_slot_rank,
-    incarnation_key,
 )
 from lightning_ft.schema.signing import SealedStore, Signer, job_signer
 
@@ -125,16 +108,15 @@ class BarrierRendezvous:
             incarnation = resolve_incarnation(store, self.signer, settings.run_id,
                                               process_start_time() if started_at is None else started_at)
         self.keys = RunKeys(settings.run_id, incarnation)
-        self._clock = clock
+        self.clock = clock
         self._sleep = sleep
         self._heartbeat_store_factory = heartbeat_store_factory
-        self._heartbeat_thread: threading.Thread | None = None
-        self._heartbeat_stop = threading.Event()
+        self._heartbeat: Heartbeat | None = None
         self._last_active_round: int | None = None
         self._last_result: RoundResult | None = None
         self._excluded = False
         self._acked = False
-        self._decode_cache: dict[tuple[str, bytes], Slot | None] = {}
+        self.decode_cache: dict[tuple[str, bytes], Slot | None] = {}
 
     # ----------------------------------------------------------------- public API
 
@@ -236,7 +218,7 @@ class BarrierRendezvous:
 
     def report_unhealthy(self, reasons: str) -> None:
         """Count this node as unhealthy and lost; it will not be placed again."""
-        if self._mark_lost(self.participant_id, f"unhealthy: {reasons}"):
+        if self.mark_lost(self.participant_id, f"unhealthy: {reasons}"):
             self.store.add(self.keys.unhealthy_count, 1)
         self._excluded = True
 
@@ -257,7 +239,7 @@ class BarrierRendezvous:
                 self.close_for_good(CloseReason(CloseKind.STOPPED, (
                     f"{self.participant_id} was stopped ({reason}); without it {capacity} of max_nodes="
                     f"{self.settings.max_nodes} nodes can take part, fewer than min_nodes={self.settings.min_nodes}")))
-        self._mark_lost(self.participant_id, f"withdrew: {reason}")
+        self.mark_lost(self.participant_id, f"withdrew: {reason}")
         self._excluded = True
 
     def finished_round(self, round_id: int) -> bool:
@@ -272,7 +254,7 @@ class BarrierRendezvous:
         every participant of the last round acknowledged (at most ``store_grace_timeout``)
         before its process, and with it the store, goes away.
         """
-        self._heartbeat_stop.set()
+        self.stop_heartbeat()
         try:
             if job_finished and not self._excluded:
                 self.close_for_good(CloseReason(CloseKind.FINISHED, reason))
@@ -329,9 +311,9 @@ class BarrierRendezvous:
     def _await_round(self, round_id: int, index: int) -> RoundResult | None:
         keys, store, settings = self.keys, self.store, self.settings
         join_timeout = settings.timeouts.join_timeout_for(was_active=self._last_active_round is not None)
-        deadline = self._clock() + join_timeout
-        coordinator = _Coordinator(self, round_id) if index == 0 else None
-        watch = _CoordinatorWatch(self._clock())
+        deadline = self.clock() + join_timeout
+        coordinator = Coordinator(self, round_id) if index == 0 else None
+        watch = CoordinatorWatch(self.clock())
         poll = settings.poll_interval
         while True:
             if self._is_ready(round_id):
@@ -346,7 +328,7 @@ class BarrierRendezvous:
                 self._withdraw_slot(round_id, index)
                 return None
             if coordinator is None and self._should_take_over(round_id, watch):
-                coordinator = _Coordinator(self, round_id, replaces=watch.replaced)
+                coordinator = Coordinator(self, round_id, replaces=watch.replaced)
             if coordinator is not None:
                 if not coordinator.still_mine():
                     coordinator = None
@@ -354,7 +336,7 @@ class BarrierRendezvous:
                     coordinator.step()
                     if self._is_ready(round_id):
                         continue
-            if self._clock() > deadline:
+            if self.clock() > deadline:
                 arrived = store.add(keys.arrived(round_id), 0) - store.add(keys.withdrawn(round_id), 0)
                 raise RendezvousTimeoutError(
                     f"round {round_id} of run {settings.run_id!r} did not complete within "
@@ -363,10 +345,10 @@ class BarrierRendezvous:
                     f"min_nodes={settings.min_nodes}")
             self._sleep(poll)
 
-    def _should_take_over(self, round_id: int, watch: "_CoordinatorWatch") -> bool:
+    def _should_take_over(self, round_id: int, watch: CoordinatorWatch) -> bool:
         # The coordinator bumps a beat each poll. If it stops for ``dead_after`` (it died),
         # one waiter wins a compare_set and coordinates instead.
-        now = self._clock()
+        now = self.clock()
         if now < watch.next_check:
             return False
         watch.next_check = now + self.settings.timeouts.heartbeat_interval
@@ -432,7 +414,7 @@ class BarrierRendezvous:
     def _get_or_empty(self, key: str) -> str:
         return self.store.get(key).decode() if self.store.check([key]) else ""
 
-    def _mark_lost(self, participant_id: str, why: str) -> bool:
+    def mark_lost(self, participant_id: str, why: str) -> bool:
         marker = self.keys.lost_marker(participant_id)
         if self.store.compare_set(marker, "", why).decode() != why:
             return False  # already counted
@@ -450,241 +432,38 @@ class BarrierRendezvous:
 
     def _wait_for_acknowledgements(self) -> None:
         wait_for_acknowledgements(self.store, self.keys, self.settings.timeouts.store_grace_timeout,
-                                  self._clock, self._sleep)
+                                  self.clock, self._sleep)
 
     def _start_heartbeat(self) -> None:
-        if self._heartbeat_thread is not None:
+        if self._heartbeat is not None:
             return
         store = self._heartbeat_store_factory() if self._heartbeat_store_factory else self.store
-        key = self.keys.heartbeat(self.participant_id)
-        interval = self.settings.timeouts.heartbeat_interval
-        stop = self._heartbeat_stop
-
-        def beat() -> None:
-            while not stop.is_set():
-                try:
-                    store.add(key, 1)
-                except Exception as exc:  # noqa: BLE001 - store gone: stop beating quietly
-                    log.debug("heartbeat stopped: %s", exc)
-                    return
-                stop.wait(interval)
-
-        store.add(key, 1)
-        self._heartbeat_thread = threading.Thread(target=beat, name="lightning_ft-heartbeat", daemon=True)
-        self._heartbeat_thread.start()
+        self._heartbeat = Heartbeat(store, self.keys.heartbeat(self.participant_id),
+                                    self.settings.timeouts.heartbeat_interval)
+        self._heartbeat.start()
 
     def stop_heartbeat(self) -> None:
-        self._heartbeat_stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.stop(join=False)
 
 
-def resolve_incarnation(store, signer: Signer, run_id: str, started_at: float) -> int:
-    """The incarnation of ``run_id`` a participant started at ``started_at`` belongs to (see
-    :func:`~lightning_ft.rendezvous.decisions.choose_incarnation`); opens the next one if needed."""
-    counter = incarnation_key(run_id)
-    values = SealedStore(store, signer)
-    current = store.add(counter, 0)
-    while True:
-        raw = values.get(values.unlisted(RunKeys(run_id, current).closed_for_good))
-        closed = CloseReason.decode(raw) if raw is not None else None
-        chosen = choose_incarnation(current, closed.closed_at if closed is not None else None, started_at)
-        if chosen == current:
-            return current
-        moved = int(store.compare_set(counter, str(current), str(chosen)))
-        if moved == chosen:
-            log.info("run %s: incarnation %d was closed for good (%s) before this process started; this is a new "
-                     "launch of the run id: incarnation %d", run_id, current, closed, chosen)
-            return chosen
-        current = moved  # someone else moved it: judge the new one
+class Heartbeat(BackgroundThread):
+    """Bumps this participant's heartbeat counter every ``interval`` on a connection of its own
+    (one silent for ``dead_after`` counts as dead); stops quietly when the store is gone."""
 
+    def __init__(self, store: Any, key: str, interval: float) -> None:
+        super().__init__("lightning_ft-heartbeat", join_timeout=interval)
+        self.store, self.key, self.interval = store, key, interval
 
-def expected_acknowledgements(store, keys: RunKeys) -> int:
-    """Participants of the newest round (arrived, not withdrawn): who should acknowledge shutdown."""
-    round_id = int(store.compare_set(keys.round, "", "0"))
-    return store.add(keys.arrived(round_id), 0) - store.add(keys.withdrawn(round_id), 0)
+    def start(self) -> None:
+        self.store.add(self.key, 1)  # the first beat before returning: the round may judge at once
+        super().start()
 
-
-def wait_for_acknowledgements(store, keys: RunKeys, timeout: float,
-                              clock: Callable[[], float] = time.monotonic,
-                              sleep: Callable[[float], None] = time.sleep) -> bool:
-    """Wait until every participant acknowledged shutdown, at most ``timeout`` seconds.
-
-    Ends as soon as all acknowledged (no fixed sleep). Returns whether they all did.
-    """
-    expected = expected_acknowledgements(store, keys)
-    start = clock()
-    acks = store.add(keys.shutdown_acks, 0)
-    while acks < expected and clock() - start < timeout:
-        sleep(0.01)
-        acks = store.add(keys.shutdown_acks, 0)
-    waited = clock() - start
-    if acks >= expected:
-        log.info("store host: all %d participant(s) acknowledged shutdown after %.3fs", expected, waited)
-        return True
-    log.warning("store host: %d of %d participant(s) acknowledged within store_grace_timeout=%.1fs; "
-                "letting the store go", acks, expected, timeout)
-    return False
-
-
-@dataclass
-class _CoordinatorWatch:
-    since: float
-    beat: int = -1
-    next_check: float = 0.0
-    #: the coordinators this one took over from: the silent one, and those it had replaced
-    replaced: tuple[str, ...] = ()
-
-
-class _Coordinator:
-    """Decides one round: reads the slots, asks the pure decision, writes the result."""
-
-    def __init__(self, rendezvous: BarrierRendezvous, round_id: int, replaces: tuple[str, ...] = ()) -> None:
-        self.rdzv = rendezvous
-        self.store = rendezvous.store
-        self.keys = rendezvous.keys
-        self.settings = rendezvous.settings
-        self.round_id = round_id
-        self.clock = rendezvous._clock
-        self.timer = RoundTimer(opened_at=self.clock())
-        self.previous_actives = self._read_previous_actives()
-        self._heartbeats_seen: dict[str, tuple[int | None, float]] = {}
-        self._dead: set[str] = set()
-        # a coordinator this one took over from fell silent; if its heartbeat is silent too it
-        # is dead, and must not get a place in the round it failed to decide. The same for the
-        # ones it had replaced: a takeover from a slow coordinator still judges the dead one.
-        self._suspects: set[str] = set(replaces)
-        self._unwritten_since: float | None = None
-        self._last_reason = ""
-        log.debug("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,
-                 round_id, len(self.previous_actives))
-
-    def still_mine(self) -> bool:
-        value = self.store.get(self.keys.coordinator(self.round_id)).decode() \
-            if self.store.check([self.keys.coordinator(self.round_id)]) else ""
-        return decode_coordinator(value)[0] in ("", self.rdzv.participant_id)
-
-    def _read_previous_actives(self) -> tuple[str, ...]:
-        raw = self.rdzv.values.get(self.keys.last_actives)
-        if raw is None:
-            return ()
-        last = decode_last_actives(raw)
-        return last[1] if last is not None and last[0] < self.round_id else ()
-
-    def _read_counts(self) -> tuple[int, int, int]:
-        store, keys, c = self.store, self.keys, self.round_id
-        return (store.add(keys.arrived(c), 0), store.add(keys.written(c), 0), store.add(keys.withdrawn(c), 0))
-
-    def _read_slots(self, arrived: int, all_written: bool) -> list[Slot | None]:
-        slot_keys = self.keys.slot_keys(arrived)
-        if all_written:
-            raw_values = self.store.multi_get(slot_keys)
-        else:
-            # Someone took a slot and never wrote it (died in between): read the slots that
-            # exist one check at a time; missing ones, and stale ones from earlier rounds, count
-            # as absent.
-            present = [k for k in slot_keys if self.store.check([k])]
-            fetched = dict(zip(present, self.store.multi_get(present))) if present else {}
-            raw_values = [fetched.get(k, b"") for k in slot_keys]
-        # decoded by (key, raw value): a value is authentic only under the key it was sealed for
-        cache, signer = self.rdzv._decode_cache, self.rdzv.signer
-        slots = []
-        for key, raw in zip(slot_keys, raw_values):
-            slot = cache.get((key, raw))
-            if slot is None and (key, raw) not in cache:
-                opened = signer.open(key, raw) if raw else None
-                slot = decode_slot(opened) if opened is not None else None
-                if len(cache) < 100_000:
-                    cache[(key, raw)] = slot
-            slots.append(slot)
-        return slots
-
-    def read_view(self) -> RoundView | None:
-        """Full re-read of the round; ``None`` when it must be retried (counts moved)."""
-        now = self.clock()
-        arrived, written, withdrawn = self._read_counts()
-        if written < arrived:
-            if self._unwritten_since is None:
-                self._unwritten_since = now
-            if now - self._unwritten_since < self.settings.timeouts.unwritten_slot_timeout:
-                return None
-        else:
-            self._unwritten_since = None
-        slots = self._read_slots(arrived, all_written=written >= arrived)
-        if self._read_counts()[0::2] != (arrived, withdrawn):
-            return None  # someone arrived or withdrew while we read: read again
-        arrivals = arrivals_of_round(self.round_id, slots)
-        lost = self.store.add(self.keys.lost_count, 0)
-        return RoundView(self.round_id, arrivals, self.previous_actives, frozenset(self._dead), lost)
-
-    def _update_dead(self, view: RoundView) -> bool:
-        """Mark silent previous actives dead; True when someone newly died."""
-        arrived_ids = {a.participant_id for a in view.arrivals}
-        self._suspects &= arrived_ids | self._dead  # one that withdrew has no place to lose
-        missing = [p for p in self.previous_actives if p not in arrived_ids and p not in self._dead]
-        missing += [p for p in self._suspects if p in arrived_ids and p not in self._dead and p not in missing]
-        if not missing:
-            return False
-        hb_keys = [self.keys.heartbeat(p) for p in missing]
-        values = {}
-        for pid, key in zip(missing, hb_keys):
-            values[pid] = self.store.add(key, 0) if self.store.check([key]) else None
-        before = {p: self._heartbeats_seen.get(p) for p in self._suspects}
-        dead = newly_dead(values, self._heartbeats_seen, self.clock(), self.settings.dead_after)
-        for pid, seen in before.items():
-            if seen is not None and values.get(pid, seen[0]) != seen[0]:
-                self._suspects.discard(pid)  # its heartbeat moves: slow, not dead; it keeps its place
-        for pid in dead:
-            self._dead.add(pid)
-            why = ("coordinator of this round that went silent" if pid in self._suspects
-                   else f"previous active, missing from round {self.round_id}")
-            self.rdzv._mark_lost(pid, f"heartbeat silent for {self.settings.dead_after:.2f}s ({why})")
-        return bool(dead)
-
-    def step(self) -> None:
-        self.store.add(self.keys.coordinator_beat(self.round_id), 1)
-        view = self.read_view()
-        if view is None:
-            return
-        if self._update_dead(view):  # deaths just counted as lost change what the view says
-            view = dataclasses.replace(view, dead_previous_actives=frozenset(self._dead),
-                                       lost_count=self.store.add(self.keys.lost_count, 0))
-        if self._suspects:
-            if self._suspects - self._dead:
-                return  # not judged yet: deciding now could give a dead coordinator a place
-            view = dataclasses.replace(view, arrivals=tuple(a for a in view.arrivals
-                                                            if a.participant_id not in self._dead))
-        now = self.clock()
-        decision = decide_completion(view, self.settings, self.timer, now)
-        if decision.reason != self._last_reason:
-            log.debug("round %d: %s -> %s", self.round_id, decision.reason, decision.action.value)
-            self._last_reason = decision.reason
-        if decision.action is Action.COMPLETE:
-            self._complete(view.arrivals)
-        elif decision.action is Action.CLOSE_FOR_GOOD:
-            self.rdzv.close_for_good(CloseReason(CloseKind.TOO_FEW_NODES, decision.reason))
-
-    def _complete(self, arrivals: tuple[Arrival, ...]) -> None:
-        # Each decision writes its answers under a name of its own; ``ready`` -- first writer
-        # wins -- names the one in force. A coordinator that dies (or stalls) anywhere in here
-        # therefore never blocks the round: whoever takes over decides again and publishes its
-        # own answers; a stalled one that wakes up loses the race for ``ready`` and leaves its
-        # answers unread.
-        decision = f"{self.rdzv.participant_id}#{uuid.uuid4().hex[:8]}"
-        assignment = assign_ranks(arrivals, self.previous_actives, self.settings.min_nodes,
-                                  self.settings.segment)
-        world = len(assignment.active)
-        rank_keys, rank_values = [], []
-        for rank, arrival in enumerate(assignment.active):
-            rank_keys.append(self.keys.decided_rank(self.round_id, decision, arrival.slot_index))
-            rank_values.append(encode_slot_rank(self.round_id, rank, world))
-        for arrival in assignment.standby:
-            rank_keys.append(self.keys.decided_rank(self.round_id, decision, arrival.slot_index))
-            rank_values.append(encode_slot_rank(self.round_id, -1, world))
-        values = self.rdzv.values
-        values.multi_put(rank_keys, rank_values)
-        mine = encode_ready(world, len(assignment.standby), self.clock() - self.timer.opened_at, decision)
-        if values.put_if_absent(self.keys.ready(self.round_id), mine) != mine.encode():
-            return  # another coordinator's decision is in force
-        values.put(self.keys.last_actives,
-                   encode_last_actives(self.round_id, [a.participant_id for a in assignment.active]))
-        log.debug("round %d closed: %d active, %d standby (decided in %.3fs)", self.round_id, world,
-                 len(assignment.standby), self.clock() - self.timer.opened_at)
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.store.add(self.key, 1)
+            except Exception as exc:  # noqa: BLE001 - store gone: stop beating quietly
+                log.debug("heartbeat stopped: %s", exc)
+                return
+            self.stopping.wait(self.interval)

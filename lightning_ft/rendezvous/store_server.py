@@ -17,7 +17,7 @@ import sys
 import time
 
 from lightning_ft._logging import ensure_log_output
-from lightning_ft.rendezvous.barrier import wait_for_acknowledgements
+from lightning_ft.rendezvous.lifecycle import wait_for_acknowledgements
 from lightning_ft.rendezvous.store import host_store
 from lightning_ft.schema.run import CloseReason, RunKeys, incarnation_key
 from lightning_ft.schema.signing import SealedStore, SecretError, job_signer

@@ -117,10 +117,14 @@ def parse_flag(raw: str) -> bool:
 
 
 def setting(default: Any, doc: str, *, rule: Rule = any_value, env: str | None = None,
-            parse: Callable[[str], Any] = parse_float) -> Any:
+            parse: Callable[[str], Any] | None = None) -> Any:
     """A settings field: ``default``, one ``doc`` string, the ``rule`` a value satisfies, and the
-    environment variable ``env`` that sets it when no explicit value is given (parsed with ``parse``).
+    environment variable ``env`` that sets it when no explicit value is given (parsed with ``parse``;
+    by default as the default's type: a flag, an integer, text, else a number).
     """
+    if parse is None:
+        parse = (parse_flag if isinstance(default, bool) else parse_int if isinstance(default, int)
+                 else parse_text if isinstance(default, str) else parse_float)
     factory = None
     if isinstance(default, (dict, list)):
         factory, frozen_default = (lambda d=default: type(d)(d)), default
@@ -261,3 +265,14 @@ def _parse(meta: Mapping[str, Any], raw: str, source: str, error: type[Exception
         expects = getattr(parse, "expects", None)
         what = f"must be {expects}" if expects else f"cannot be read ({exc})"
         raise error(f"{prefix}{source} {what}, got {raw!r}") from None
+
+
+def markdown_table(kind: type, prefix: str = "", exclude: tuple[str, ...] = ()) -> str:
+    """The settings of ``kind`` as a Markdown table (setting, default, environment variable, meaning),
+    for the docs pages (``python -m lightning_ft.settings`` prints them)."""
+    rows = ["| setting | default | environment | meaning |", "|---|---|---|---|"]
+    for info in describe(kind, prefix, exclude):
+        default = "`None`" if info.default is None else f"`{info.default!r}`"
+        env = f"`{info.env}`" if info.env else ""
+        rows.append(f"| `{info.name}` | {default} | {env} | {info.doc.replace('|', '/')} |")
+    return "\n".join(rows)

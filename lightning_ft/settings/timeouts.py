@@ -60,8 +60,9 @@ class Timeouts:
                                                  "this", rule=_SECONDS)
     failure_notice_timeout: float = setting(2.0, "how long classifying a failure waits for the store's notices "
                                                  "(failed peers, verdicts, the close)", rule=_SECONDS)
-    thread_stop_timeout: float = setting(5.0, "how long stopping a background thread waits for it",
-                                         rule=_SECONDS)
+    thread_stop_timeout: float = setting(2.0, "how long stopping a background thread (watchdog, spare monitor, "
+                                              "replica publisher) waits for it; one still busy is left behind "
+                                              "(a daemon thread)", rule=_SECONDS)
     # the SIGTERM path
     health_timeout: float = setting(5.0, "deadline of the node-health check", rule=_SECONDS,
                                     env="LIGHTNING_FT_HEALTH_TIMEOUT")

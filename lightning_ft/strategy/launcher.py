@@ -255,7 +255,7 @@ class FaultTolerantLauncher(_Launcher):
                                  session.events.emit)
         monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys, signer=session.rendezvous.signer,
                                dead_after=session.rendezvous.settings.dead_after, open_round=session.open_round,
-                               replicas=replicas)
+                               replicas=replicas, join_timeout=settings.timeouts.thread_stop_timeout)
         monitor.start()
         return monitor
 

@@ -158,7 +158,7 @@ class RoundRuntime:
             clock=self.clock, hang_detection=hang.hang_detection, hang_floor=hang.hang_timeout_floor, hang_factor=hang.hang_safety_factor,
             dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,
             break_group=transport.abort if transport is not None else (lambda: 0),
-            poll_interval=hang.watchdog_interval)
+            poll_interval=hang.watchdog_interval, join_timeout=timeouts.thread_stop_timeout)
         self.watchdog.start()
 
     def stop_watchdog(self) -> RoundWatchdog | None:

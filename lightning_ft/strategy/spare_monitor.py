@@ -10,11 +10,11 @@ connection of its own (``TCPStore.clone()``).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Callable
 
 from lightning_ft.checkpoint.replication import ReplicaPuller
+from lightning_ft.deadlines import BackgroundThread
 from lightning_ft.schema.round import decode_member, member_key
 from lightning_ft.schema.run import RunKeys
 from lightning_ft.schema.signing import SealedStore, Signer
@@ -22,7 +22,7 @@ from lightning_ft.schema.signing import SealedStore, Signer
 log = logging.getLogger(__name__)
 
 
-class SpareMonitor:
+class SpareMonitor(BackgroundThread):
     """Runs on a hot spare while it waits (see the module docstring).
 
     ``open_round(failed_round, reason)`` opens the next round; ``replicas`` (optional)
@@ -31,7 +31,8 @@ class SpareMonitor:
 
     def __init__(self, *, rdzv_store, keys: RunKeys, signer: Signer, dead_after: float,
                  open_round: Callable[[int, str], None], replicas: ReplicaPuller | None = None,
-                 poll_interval: float = 0.25) -> None:
+                 poll_interval: float = 0.25, join_timeout: float = 2.0) -> None:
+        super().__init__("lightning_ft-spare-monitor", join_timeout)
         self.store = rdzv_store
         self.signer = signer
         self.keys = keys
@@ -39,27 +40,12 @@ class SpareMonitor:
         self.open_round = open_round
         self.replicas = replicas
         self.poll_interval = poll_interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._watched_round = -1
         self._members: dict[int, str] = {}
         self._beats: dict[str, tuple[int, float]] = {}
 
-    def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="lightning_ft-spare-monitor", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-            self._thread = None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_interval):
+    def run(self) -> None:
+        while not self.stopping.wait(self.poll_interval):
             try:
                 self._poll()
             except Exception as exc:  # noqa: BLE001 - best effort: the main thread owns the real errors

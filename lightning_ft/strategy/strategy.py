@@ -49,7 +49,7 @@ from lightning_ft._lightning.history import (
     set_aside_abandoned_checkpoints,
     versioned_loggers,
 )
-from lightning_ft._lightning.registration import STRATEGY_DESCRIPTION, STRATEGY_NAME
+from lightning_ft._lightning.names import STRATEGY_DESCRIPTION, STRATEGY_NAME
 from lightning_ft._lightning.slurm import install as install_slurm_compat
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.checkpoint.callback import EmergencyCheckpoint

@@ -23,6 +23,7 @@ from collections import deque
 from types import FrameType
 from typing import Callable
 
+from lightning_ft.deadlines import BackgroundThread
 from lightning_ft.schema.round import decode_member, decode_progress, encode_progress, member_key, progress_key
 from lightning_ft.schema.signing import SealedStore
 from lightning_ft.strategy.decisions import Detector, PeerState, find_stalled_ranks, hang_timeout
@@ -114,7 +115,7 @@ def _short_path(path: str) -> str:
     return os.path.basename(path)
 
 
-class RoundWatchdog:
+class RoundWatchdog(BackgroundThread):
     """Watches one round on one active rank (see the module docstring).
 
     ``round_values``: the round's sealed values (on a store connection of the watchdog's own);
@@ -128,7 +129,8 @@ class RoundWatchdog:
                  round_id: int, rank: int, world_size: int, clock: StepClock, hang_detection: bool,
                  hang_floor: float, hang_factor: float, dead_after: float,
                  on_trigger: Callable[[Detector, str, tuple[int, ...]], None], break_group: Callable[[], int],
-                 poll_interval: float = 0.2, progress_interval: float = 1.0) -> None:
+                 poll_interval: float = 0.2, progress_interval: float = 1.0, join_timeout: float = 2.0) -> None:
+        super().__init__("lightning_ft-round-watchdog", join_timeout)
         self.round_values = round_values
         self.rdzv_store = rdzv_store
         self.round_key = round_key
@@ -157,8 +159,6 @@ class RoundWatchdog:
         self.silence_after = max(5 * dead_after, 2.0)
         self.triggered: tuple[Detector, str, tuple[int, ...]] | None = None
         self._training_thread = threading.get_ident()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._published: tuple[int, int, str | None] | None = None
         self._published_at = float("-inf")
         self._members: dict[int, str] = {}
@@ -166,22 +166,13 @@ class RoundWatchdog:
         self._positions: dict[int, tuple[bytes, float]] = {}
         self._warned_at = -1
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="lightning_ft-round-watchdog", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2.0)
-
-    def _run(self) -> None:
+    def run(self) -> None:
         # Every poll talks to the store, and a frozen store (its host SIGSTOPped, a dead
         # machine whose TCP connection is still open) answers nothing. The stores given here
         # bound each call (a ``BoundedStore``: StoreUnresponsiveError after its bound, and at
         # once while an earlier call is stuck), so a poll fails instead of blocking; once this
         # rank is overdue the group is broken without the store's help.
-        while not self._stop.wait(self.poll_interval):
+        while not self.stopping.wait(self.poll_interval):
             try:
                 if self._poll():
                     return
@@ -198,7 +189,7 @@ class RoundWatchdog:
                 log.debug("round watchdog: store call failed (%s); still watching", exc)
 
     def _overdue_without_store(self, why: str) -> bool:
-        if self.triggered is not None or self._stop.is_set() or not self.hang_detection:
+        if self.triggered is not None or self.stopping.is_set() or not self.hang_detection:
             return self.triggered is not None
         idle = time.monotonic() - self.clock.last_activity
         timeout = hang_timeout(self.clock.durations(), self.hang_floor, self.hang_factor)

@@ -175,7 +175,8 @@ class GracefulTermination(pl.Callback):
         self._coordinator = shared.clone()
         self._watcher = None
         if isinstance(shared, StoreStopCoordinator):
-            self._watcher = StopWatcher(shared, on_stop=self._on_peer_stop)
+            self._watcher = StopWatcher(shared, on_stop=self._on_peer_stop,
+                                        close_timeout=self.timeouts.watcher_close_timeout)
             self._watcher.start()
         self._last_boundary_step = trainer.global_step
         # Lightning's teardown restores the handlers it found before fit; restore to
@@ -228,7 +229,7 @@ class GracefulTermination(pl.Callback):
         self._fit_active = False
         watcher, self._watcher = self._watcher, None
         if watcher is not None:  # on the way out nothing needs it gone: do not spend time waking it
-            watcher.close(None if exiting else self._coordinator, self.timeouts.watcher_close_timeout)
+            watcher.close(None if exiting else self._coordinator)
         if self._listener is None:
             return
         restore = dict(self._restore_handlers)
@@ -285,7 +286,7 @@ class GracefulTermination(pl.Callback):
                 termination = self._begin(received[0], received[1], f"{signal.Signals(received[0]).name} received")
             else:
                 watcher = self._watcher
-                stop = watcher.stop if watcher is not None else None
+                stop = watcher.request if watcher is not None else None
                 if stop is None:
                     return  # the steady state: a few attribute reads, no store call
                 termination = self._begin(stop.signum, time.monotonic(), f"stop requested by rank {stop.rank}")
@@ -296,7 +297,7 @@ class GracefulTermination(pl.Callback):
         stop = termination.stop
         watcher = self._watcher
         if stop is None:
-            stop = watcher.stop if watcher is not None else None
+            stop = watcher.request if watcher is not None else None
             if stop is not None:
                 log.warning("rank %d: at step %d; peer asked to stop after step %d (%s)",
                             self._rank, step, stop.step, stop.reason)
@@ -418,7 +419,7 @@ class GracefulTermination(pl.Callback):
                 stop, peers = outcome.value  # type: ignore[misc]
             else:
                 log.warning("rank %d: %s; using what the stop watcher knew", self._rank, outcome.problem)
-                stop, peers = (watcher.stop, dict(watcher.unhealthy)) if watcher is not None else (None, {})
+                stop, peers = (watcher.request, dict(watcher.unhealthy)) if watcher is not None else (None, {})
             if termination is None and stop is not None:
                 termination = self._begin(stop.signum, time.monotonic(), f"stop requested by rank {stop.rank}")
             if termination is not None and termination.stop is None:

@@ -18,6 +18,9 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from lightning_ft.deadlines import BackgroundThread
+from lightning_ft.settings.timeouts import DEFAULT_TIMEOUTS
+
 log = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.1
@@ -42,8 +45,7 @@ class SignalListener:
         self._owns_wakeup_fd = False
         self._reader: socket.socket | None = None
         self._writer: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._watcher = _Watcher(self._watch)
         self.installed = False
 
     # -- the handler: records and returns, nothing else (no locks, no I/O, no collectives)
@@ -78,9 +80,7 @@ class SignalListener:
         for signum in self.signals:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handler)
-        self._stopping = False
-        self._thread = threading.Thread(target=self._watch, name="lightning-ft-signal-watcher", daemon=True)
-        self._thread.start()
+        self._watcher.start()
         self.installed = True
         return True
 
@@ -100,13 +100,12 @@ class SignalListener:
         if self._owns_wakeup_fd:
             signal.set_wakeup_fd(self._previous_wakeup_fd)
             self._owns_wakeup_fd = False
-        self._stopping = True
+        self._watcher.stopping.set()
         try:
             self._writer.send(_STOP_SENTINEL)  # type: ignore[union-attr]
         except OSError:
             pass
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
+        self._watcher.stop(join=True)
         for sock in (self._reader, self._writer):
             if sock is not None:
                 sock.close()
@@ -120,7 +119,7 @@ class SignalListener:
         # on it (a thread that wakes 10 times a second competes with training for the GIL and
         # the CPU). Without it, the recorded flag must be polled.
         timeout = None if self._owns_wakeup_fd else _POLL_INTERVAL_S
-        while not self._stopping:
+        while not self._watcher.stopping.is_set():
             try:
                 ready, _, _ = select.select([reader], [], [], timeout)
             except (OSError, ValueError):  # socket closed under us during uninstall
@@ -146,9 +145,20 @@ class SignalListener:
             if recorded is not None and recorded[1] < when:
                 signum, when = recorded
             self._first = (signum, when)
-        if self._stopping:
+        if self._watcher.stopping.is_set():
             return
         try:
             self._on_signal(signum, when)
         except Exception:  # the watcher must survive a failing callback
             log.exception("handling signal %s failed", signum)
+
+
+class _Watcher(BackgroundThread):
+    """The listener's thread: runs ``watch`` until :attr:`stopping` (which the listener wakes)."""
+
+    def __init__(self, watch: Callable[[], None]) -> None:
+        super().__init__("lightning-ft-signal-watcher", join_timeout=DEFAULT_TIMEOUTS.thread_stop_timeout)
+        self._watch = watch
+
+    def run(self) -> None:
+        self._watch()

@@ -14,9 +14,9 @@ agreement exact: see ``GracefulTermination._hold_until_confirmed``.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Callable
 
+from lightning_ft.deadlines import BackgroundThread, call_with_timeout
 from lightning_ft.termination.coordination import StopRequest, StoreStopCoordinator
 
 log = logging.getLogger(__name__)
@@ -33,63 +33,56 @@ _SPURIOUS_WAKE_PAUSE_S = 0.01
 _POLL_INTERVAL_S = 0.1
 
 
-class StopWatcher:
+class StopWatcher(BackgroundThread):
     """One rank's watcher thread (see the module docstring); ``on_stop(request)`` runs in it once.
 
     The thread opens a connection of its own from ``source`` (:meth:`StoreStopCoordinator.clone`,
     in the thread: a new TCPStore connection can take seconds) and blocks in it.
     """
 
-    def __init__(self, source: StoreStopCoordinator, on_stop: Callable[[StopRequest], None]) -> None:
+    def __init__(self, source: StoreStopCoordinator, on_stop: Callable[[StopRequest], None],
+                 close_timeout: float = 0.5) -> None:
+        super().__init__("lightning-ft-stop-watcher", close_timeout)
         self._source = source
         self._coordinator = source
         self._on_stop = on_stop
         #: the agreed stop request, once this rank's watcher has read it (read by the training thread)
-        self.stop: StopRequest | None = None
+        self.request: StopRequest | None = None
         #: rank -> reasons, for peers that announced an unhealthy exit
         self.unhealthy: dict[int, list[str]] = {}
-        self._closing = threading.Event()
         self._failure_logged = False
-        self._thread = threading.Thread(target=self._run, name="lightning-ft-stop-watcher", daemon=True)
 
     @property
     def peer_unhealthy(self) -> bool:
         return bool(self.unhealthy)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self, waker: StoreStopCoordinator | None, timeout_s: float) -> None:
-        """End the thread: wake it through ``waker`` (another connection) and wait at most ``timeout_s``.
-
-        A watcher stuck in a store that does not answer is left behind (a daemon thread);
-        nothing waits for it.
-        """
-        self._closing.set()
-        if waker is None or not self._thread.is_alive():
+    def close(self, waker: StoreStopCoordinator | None) -> None:
+        """End the thread: wake it through ``waker`` (another connection) and wait at most its close
+        timeout. A watcher stuck in a store that does not answer is left behind (a daemon thread);
+        nothing waits for it; without ``waker`` (on the way out) nothing waits at all."""
+        self.stopping.set()
+        if waker is None or not self.alive:
             return
-        from lightning_ft.deadlines import call_with_timeout
+        call_with_timeout(waker.wake_self, self.join_timeout, "waking the stop watcher")
+        self.stop(join=True)
 
-        call_with_timeout(waker.wake_self, timeout_s, "waking the stop watcher")
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
+    def run(self) -> None:
         self._coordinator = self._source.clone()
         blocking = self._coordinator.store is not self._source.store
         if not blocking:
             log.info("rank %d: the store cannot open another connection; the stop watcher polls it every %.1f s",
                      self._source.rank, _POLL_INTERVAL_S)
-        while not self._closing.is_set():
+        while not self.stopping.is_set():
             try:
                 if not blocking:
-                    if self._closing.wait(_POLL_INTERVAL_S):
+                    if self.stopping.wait(_POLL_INTERVAL_S):
                         return
                     self._read()
                     continue
                 woken = self._coordinator.wait_for_wake(_WAIT_SLICE_S)
-                if self._closing.is_set():
+                if self.stopping.is_set():
                     return
-                if woken and not self._read() and self._closing.wait(_SPURIOUS_WAKE_PAUSE_S):
+                if woken and not self._read() and self.stopping.wait(_SPURIOUS_WAKE_PAUSE_S):
                     return
             except Exception as exc:  # noqa: BLE001 - the store is gone or failing: the training thread's
                 # own bounded calls report it when it matters; keep trying quietly
@@ -98,16 +91,16 @@ class StopWatcher:
                     log.warning("rank %d: stop watcher cannot reach the store (%s: %s); retrying every %.0f s",
                                 self._coordinator.rank, type(exc).__name__, str(exc).splitlines()[0][:200]
                                 if str(exc) else "", _RETRY_AFTER_S)
-                if self._closing.wait(_RETRY_AFTER_S):
+                if self.stopping.wait(_RETRY_AFTER_S):
                     return
 
     def _read(self) -> bool:
         """Read what the wake-up is about; True if something new was learned."""
         learned = False
-        if self.stop is None:
+        if self.request is None:
             stop = self._coordinator.poll()
             if stop is not None:
-                self.stop = stop  # published before confirming: a rank that confirmed knows
+                self.request = stop  # published before confirming: a rank that confirmed knows
                 self._coordinator.confirm()
                 learned = True
                 try:

@@ -1,0 +1,123 @@
+"""One configuration model (issue 22): the loader, the resolvers, and the settings every entry point shares."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import pytest
+
+from lightning_ft.settings import SettingsError, Timeouts, describe, group, load, setting
+from lightning_ft.settings.environment import resolve_domain_id, resolve_run_id, scheduler_node_index
+from lightning_ft.settings.fields import number, parse_flag
+
+
+@dataclass(frozen=True)
+class Inner:
+    depth: int = setting(2, "how deep", rule=number(integer=True), env="T_DEPTH")
+
+
+@dataclass(frozen=True)
+class Outer:
+    speed: float = setting(1.0, "how fast", rule=number(), env="T_SPEED")
+    budget: float | None = setting(0.5, "a share; None: no budget", rule=number(allow_none=True))
+    target: str | None = setting(None, "where", env="T_TARGET", parse=str)
+    verbose: bool = setting(False, "say more", rule=lambda v: None if isinstance(v, bool) else "True or False",
+                            env="T_VERBOSE", parse=parse_flag)
+    inner: Inner = group(Inner, prefix="inner_")
+
+    def validate(self) -> None:
+        if self.speed > 100:
+            raise SettingsError("speed must stay below 100")
+
+
+def test_a_setting_comes_from_its_argument_else_its_variable_else_its_default():
+    assert load(Outer, {}, env={}) == Outer()
+    env = {"T_SPEED": "3", "T_DEPTH": "5", "T_TARGET": "/x", "T_VERBOSE": "yes"}
+    loaded = load(Outer, {}, env=env)
+    assert (loaded.speed, loaded.inner.depth, loaded.target, loaded.verbose) == (3.0, 5, "/x", True)
+    assert load(Outer, {"speed": 7, "inner_depth": 1}, env=env).speed == 7
+    sources: dict[str, str] = {}
+    load(Outer, {"speed": 7}, env=env, sources=sources)
+    assert sources["speed"] == "speed" and sources["inner_depth"] == "T_DEPTH"
+
+
+def test_none_is_not_given_unless_it_means_something_of_its_own():
+    env = {"T_SPEED": "3", "T_TARGET": "/x"}
+    assert load(Outer, {"speed": None, "target": None}, env=env).speed == 3.0  # the rule refuses None
+    assert load(Outer, {"target": None}, env=env).target == "/x"  # the default is None
+    assert load(Outer, {"budget": None}, env=env).budget is None  # None = no budget
+
+
+def test_bad_values_unknown_names_and_cross_rules_are_named():
+    with pytest.raises(SettingsError, match=r"^x: speed must be a number > 0, got -1$"):
+        load(Outer, {"speed": -1}, env={}, prefix="x: ")
+    with pytest.raises(SettingsError, match=r"speed \(from T_SPEED='-2'\) must be a number > 0"):
+        load(Outer, {}, env={"T_SPEED": "-2"})
+    with pytest.raises(SettingsError, match="T_SPEED must be a number, got 'fast'"):
+        load(Outer, {}, env={"T_SPEED": "fast"})
+    with pytest.raises(SettingsError, match="T_VERBOSE must be true or false"):
+        load(Outer, {}, env={"T_VERBOSE": "perhaps"})
+    with pytest.raises(SettingsError, match="unknown setting.*'sped' \\(did you mean 'speed'\\?\\)"):
+        load(Outer, {"sped": 1}, env={})
+    with pytest.raises(ValueError, match="speed must stay below 100"):
+        load(Outer, {"speed": 500}, env={}, error=ValueError)
+
+
+def test_describe_lists_each_setting_once_with_its_variable():
+    names = [(info.name, info.env) for info in describe(Outer)]
+    assert names == [("speed", "T_SPEED"), ("budget", None), ("target", "T_TARGET"), ("verbose", "T_VERBOSE"),
+                     ("inner_depth", "T_DEPTH")]
+
+
+def test_every_bound_is_a_named_positive_field_of_one_timeouts_object():
+    timeouts = Timeouts()
+    assert timeouts.dead_after == 4 * timeouts.heartbeat_interval
+    assert timeouts.join_timeout_for(was_active=True) == timeouts.rejoin_timeout
+    with pytest.raises(SettingsError, match="store_timeout must be a positive number of seconds"):
+        Timeouts(store_timeout=0)
+    assert load(Timeouts, {}, env={"LIGHTNING_FT_HEALTH_TIMEOUT": "2.5"}).health_timeout == 2.5
+
+
+def test_the_run_id_and_the_domain_are_resolved_alike_for_every_entry_point():
+    assert resolve_run_id(None, {"SLURM_JOB_ID": "77"}) == ("77", "SLURM_JOB_ID")
+    assert resolve_run_id(None, {"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "77"})[0] == "77"
+    assert resolve_run_id(None, {"LIGHTNING_FT_RUN_ID": "a", "SLURM_JOB_ID": "77"})[0] == "a"
+    assert resolve_run_id("a", {"LIGHTNING_FT_RUN_ID": "a"}) == ("a", "run_id")
+    with pytest.raises(ValueError, match="contradictory settings: run_id='b' but LIGHTNING_FT_RUN_ID='a'"):
+        resolve_run_id("b", {"LIGHTNING_FT_RUN_ID": "a"})
+    assert resolve_run_id(None, {}) == (None, "")
+    assert resolve_domain_id(None, {}) == socket.gethostname()
+    assert resolve_domain_id(None, {"LIGHTNING_FT_DOMAIN_ID": "rack-3"}) == "rack-3"
+    assert resolve_domain_id("explicit", {"LIGHTNING_FT_DOMAIN_ID": "rack-3"}) == "explicit"
+    assert scheduler_node_index({"SLURM_NODEID": "4", "SLURM_PROCID": "9"}) == 4
+    with pytest.raises(ValueError, match="JOB_COMPLETION_INDEX"):
+        scheduler_node_index({"JOB_COMPLETION_INDEX": "x"})
+
+
+def test_the_torchrun_backend_and_ddp_ft_share_their_defaults(monkeypatch):
+    """Intended change of issue 22: the torchrun participant's domain was "none" (all nodes one
+    domain for segments and replica placement); it is the host name now, as under ddp_ft."""
+    from lightning_ft.rendezvous.participant import local_participant
+    from lightning_ft.rendezvous.settings import torchrun_config
+    from lightning_ft.strategy.settings import resolve_settings
+
+    monkeypatch.delenv("LIGHTNING_FT_DOMAIN_ID", raising=False)
+    assert local_participant().domain_id == socket.gethostname()
+    options, rendezvous = torchrun_config("job", 2, 3, {})
+    strategy = resolve_settings({"LIGHTNING_FT_ENDPOINT": "h:1", "LIGHTNING_FT_RUN_ID": "job",
+                                 "LIGHTNING_FT_NNODES": "2:3"})
+    assert rendezvous == strategy.rendezvous_settings()
+    assert local_participant(domain_id=options.domain_id).domain_id == strategy.domain_id == socket.gethostname()
+    monkeypatch.setenv("LIGHTNING_FT_DOMAIN_ID", "rack-1")
+    assert local_participant().domain_id == "rack-1"
+
+
+def test_strategy_arguments_that_are_no_setting_are_named_not_handed_to_ddp():
+    from lightning_ft.strategy.settings import StrategyConfigError
+    from lightning_ft.strategy.strategy import split_strategy_kwargs
+
+    given, ddp = split_strategy_kwargs({"replication_factor": 2, "find_unused_parameters": True})
+    assert given == {"replication_factor": 2} and ddp == {"find_unused_parameters": True}
+    with pytest.raises(StrategyConfigError, match="'replicaton_factor' \\(did you mean 'replication_factor'\\?\\)"):
+        split_strategy_kwargs({"replicaton_factor": 2})
