@@ -63,11 +63,12 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.callback import changed_only_by_optimizer_steps
 from lightning_ft.checkpoint.durable import DEFAULT_MAX_MIB_PER_SECOND, DurablePersister, DurableTier
 from lightning_ft.checkpoint.durable_target import LocalDirTarget
-from lightning_ft.checkpoint.store import SnapshotStore, default_root
+from lightning_ft.checkpoint.memory.roots import default_root
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import PACING_START_BYTES_PER_SECOND, UploadPacer
 
 HERE = Path(__file__).resolve().parent

@@ -13,10 +13,10 @@ import zlib
 import pytest
 import torch
 
-from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadCancelled, resolve_durable_settings
 from lightning_ft.checkpoint.durable_target import FileRanges, LocalDirTarget, open_target
-from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 
 
 def state(value: float) -> dict:
@@ -471,7 +471,7 @@ def test_an_unlistable_durable_storage_is_unknown_not_empty(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("keep_last", [1, 2])
 def test_a_held_file_is_never_overwritten_by_later_snapshots(tmp_path, keep_last):
-    from lightning_ft.checkpoint import snapshot_format as fmt
+    from lightning_ft.checkpoint.memory import format as fmt
 
     store = SnapshotStore(tmp_path / "shm", run_id="job", rank=0, keep_last=keep_last)
     first = store.save(state(1.0), 1)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ft.checkpoint import SnapshotError, SnapshotStore
-from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.restricted_pickle import allowed_globals, default_allowed_globals
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -135,7 +135,7 @@ def test_a_file_of_an_older_format_version_is_skipped_with_the_reason_never_load
     with open(newer.path, "r+b") as f:
         f.seek(8)
         f.write((1).to_bytes(4, "little"))  # format version 1 (no identity record)
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.memory"):
         assert store.latest().step == 1
     assert any("format version 1" in r.message and "not loaded" in r.message for r in caplog.records)
     with pytest.raises(SnapshotError, match="format version 1"):

@@ -13,7 +13,7 @@ from ckpt_helpers import make_module, matches_snapshot, resume_probe, tensors_eq
 from lightning_ft import EmergencyCheckpoint
 from lightning_ft.checkpoint import MemoryCheckpointIO, SnapshotError, SnapshotStore
 from lightning_ft.checkpoint import callback as callback_module
-from lightning_ft.checkpoint import snapshot_format
+from lightning_ft.checkpoint.memory import copying
 from lightning_ft.events import read_events
 
 
@@ -406,7 +406,7 @@ class _RecordAtSteps(pl.Callback):
 def started(monkeypatch) -> list[int]:
     """The steps of the snapshots started in the background (SnapshotStore.save_in_background);
     these small test models' tensors are copied on the helper thread as large ones are."""
-    monkeypatch.setattr(snapshot_format, "BACKGROUND_MIN_BYTES", 0)
+    monkeypatch.setattr(copying, "BACKGROUND_MIN_BYTES", 0)
     steps = []
     begin = SnapshotStore.save_in_background
 

@@ -15,21 +15,21 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._validation import require_bool, require_number
-from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadResult, resolve_durable_settings
 from lightning_ft.checkpoint.identity import state_dict_fingerprint
 from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due
 from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory, gather_steps
-from lightning_ft.checkpoint.store import (
+from lightning_ft.checkpoint.memory.listing import SnapshotInfo
+from lightning_ft.checkpoint.memory.roots import (
     ENV_SNAPSHOT_DIR,
     RUN_ID_ENV_VARS,
-    SnapshotInfo,
-    SnapshotStore,
     configured_run_id,
     ensure_writable_root,
     resolve_root,
     resolve_run_id,
 )
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import (
     FIRST_CALIBRATION,
     Schedule,

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_ft._validation import require_number
-from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.durable_target import DurableTarget, FileRanges, open_target, storage_options_from_env
-from lightning_ft.checkpoint.files import close_map, open_snapshot_file
-from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore
+from lightning_ft.checkpoint.memory.files import close_map, open_snapshot_file
+from lightning_ft.checkpoint.memory.listing import SnapshotInfo
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import (
     DEFAULT_MTBF_SECONDS,
     DEFAULT_PERSIST_OVERHEAD,

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from lightning_ft.checkpoint.files import make_private_dir
+from lightning_ft.checkpoint.memory.files import make_private_dir
 
 ENV_PERSIST_STORAGE_OPTIONS = "LIGHTNING_FT_PERSIST_STORAGE_OPTIONS"
 

@@ -17,16 +17,16 @@ from lightning_ft.checkpoint.identity import ExpectedIdentity, identity_mismatch
 from lightning_ft.checkpoint.policy import parse_mem_url, pick_disk_checkpoint
 from lightning_ft.checkpoint.durable import DurableTier, resolve_durable_settings
 from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory
-from lightning_ft.checkpoint.snapshot_format import SnapshotError
-from lightning_ft.checkpoint.store import (
+from lightning_ft.checkpoint.memory.format import SnapshotError
+from lightning_ft.checkpoint.memory.roots import (
     RUN_ID_ENV_VARS,
-    SnapshotStore,
     configured_run_id,
     current_rank,
     ensure_writable_root,
     resolve_root,
     resolve_run_id,
 )
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 
 log = logging.getLogger(__name__)
 _CALLER_FRAMES = 8  # how far up the stack the restoring strategy is looked for

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from lightning_ft.checkpoint.identity import ExpectedIdentity
 from lightning_ft.checkpoint.policy import choose_resume_step
-from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import ResumeChoice, choose_resume_source
 
 if TYPE_CHECKING:

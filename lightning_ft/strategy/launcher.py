@@ -40,7 +40,7 @@ from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.pristine import PristineState
 from lightning_ft.checkpoint.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.replication import ReplicaPuller
-from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.events import names as ev
 from lightning_ft.process import destroy_process_group, run_with_timeout
 from lightning_ft.rendezvous.barrier import ParticipantExcludedError, RoundResult
