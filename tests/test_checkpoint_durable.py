@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from lightning_ft.checkpoint.memory import format as fmt
-from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadCancelled, resolve_durable_settings
-from lightning_ft.checkpoint.durable_target import FileRanges, LocalDirTarget, open_target
+from lightning_ft.checkpoint.durable.persister import DurablePersister
+from lightning_ft.checkpoint.durable.settings import resolve_durable_settings
+from lightning_ft.checkpoint.durable.targets import FileRanges, LocalDirTarget, open_target
+from lightning_ft.checkpoint.durable.tier import DurableTier, UploadCancelled
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 
 
@@ -269,7 +271,7 @@ def test_in_a_trainer_steps_during_uploads_pace_the_bound_and_say_so(tmp_path, m
     from ckpt_helpers import make_module, trainer_kwargs
 
     from lightning_ft import EmergencyCheckpoint
-    from lightning_ft.checkpoint.durable import DurableSettings
+    from lightning_ft.checkpoint.durable.settings import DurableSettings
     from lightning_ft.checkpoint.tiers import UploadPacer
     from lightning_ft.events import read_events
 
@@ -568,7 +570,7 @@ def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monk
     """Block-aligned ranges go with O_DIRECT (where the filesystem takes it), the tail and a
     filesystem that refuses it (EINVAL at fcntl, EOPNOTSUPP at the first write) through
     sendfile; the stored object is the same bytes either way."""
-    from lightning_ft.checkpoint import durable_target
+    from lightning_ft.checkpoint.durable import targets as durable_target
 
     direct_refused = refused_at is not None  # "off": LocalDirTarget(direct_io=False)
     if refused_at == "write":
@@ -593,7 +595,7 @@ def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monk
     src = tmp_path / "src.bin"
     src.write_bytes(payload)
     target = LocalDirTarget(str(tmp_path / "durable"), direct_io=refused_at != "off")
-    with caplog.at_level(logging.DEBUG, logger="lightning_ft.checkpoint.durable_target"):
+    with caplog.at_level(logging.DEBUG, logger="lightning_ft.checkpoint.durable.targets"):
         assert target.write("run/a.snap", _Ranges(src, 65536)) == nbytes
     assert (tmp_path / "durable" / "run" / "a.snap").read_bytes() == payload
     assert os.listdir(tmp_path / "durable" / "run") == ["a.snap"]
@@ -602,7 +604,7 @@ def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monk
 
 
 def test_upload_ranges_are_whole_64_kib_blocks_at_any_bandwidth_bound():
-    from lightning_ft.checkpoint.durable import CHUNK_BYTES, range_bytes
+    from lightning_ft.checkpoint.durable.tier import CHUNK_BYTES, range_bytes
 
     assert range_bytes(None) == CHUNK_BYTES == range_bytes(512 * 2**20)
     for rate in (1.0, 300_000.0, 10.5 * 2**20, 33.3 * 2**20):
@@ -611,7 +613,7 @@ def test_upload_ranges_are_whole_64_kib_blocks_at_any_bandwidth_bound():
 
 
 def test_direct_io_is_the_default_only_on_a_local_block_filesystem(tmp_path):
-    from lightning_ft.checkpoint.durable_target import filesystem_type
+    from lightning_ft.checkpoint.durable.targets import filesystem_type
 
     mountinfo = "\n".join([
         "22 1 252:1 / / rw,relatime - ext4 /dev/vda rw",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ft.checkpoint.durable import DurableSettings
+from lightning_ft.checkpoint.durable.settings import DurableSettings
 from lightning_ft.checkpoint.policy import plan_write
 from lightning_ft.checkpoint.tiers import (
     Schedule,

@@ -16,7 +16,9 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._validation import require_bool, require_number
 from lightning_ft.checkpoint.memory import format as fmt
-from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadResult, resolve_durable_settings
+from lightning_ft.checkpoint.durable.persister import DurablePersister
+from lightning_ft.checkpoint.durable.settings import resolve_durable_settings
+from lightning_ft.checkpoint.durable.tier import DurableTier, UploadResult
 from lightning_ft.checkpoint.identity import state_dict_fingerprint
 from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due
 from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory, gather_steps

@@ -15,7 +15,7 @@ from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import ResumeChoice, choose_resume_source
 
 if TYPE_CHECKING:
-    from lightning_ft.checkpoint.durable import DurableTier
+    from lightning_ft.checkpoint.durable.tier import DurableTier
 
 log = logging.getLogger(__name__)
 

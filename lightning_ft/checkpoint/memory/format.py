@@ -19,9 +19,10 @@ bit or byte, zeroed or stale pages and data shifted between blocks; they do not 
 8-byte words swapped within one block (not a failure mode of a torn or partial write).
 
 Decoding runs no code from the file: the metadata is read by a restricted unpickler
-(:mod:`.restricted_pickle`) and tensor placeholders are checked against the data region. What
-the loader would refuse is refused at save time already (tensors without a flat layout, globals
-outside the allow-list), so a save never produces a snapshot that cannot be resumed.
+(:mod:`lightning_ft.checkpoint.restricted_pickle`) and tensor placeholders are checked against
+the data region. What the loader would refuse is refused at save time already (tensors without
+a flat layout, globals outside the allow-list), so a save never produces a snapshot that cannot
+be resumed.
 """
 
 from __future__ import annotations
