@@ -457,7 +457,7 @@ def test_a_bounded_upload_reports_its_paced_time_and_its_unbounded_rate(tmp_path
 
 
 def test_an_unlistable_durable_storage_is_unknown_not_empty(tmp_path, monkeypatch):
-    from lightning_ft.checkpoint.resume import agree_across_tiers
+    from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers
 
     tier = tier_at(tmp_path)
 
@@ -493,7 +493,7 @@ def test_a_held_file_is_never_overwritten_by_later_snapshots(tmp_path, keep_last
 
 
 def test_a_failed_download_is_an_error_naming_the_rank(tmp_path, stores, monkeypatch):
-    from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory
+    from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
 
     tier = tier_at(tmp_path)
     tier.upload(stores[0].save(state(5.0), 5), "seg", world_size=1)

@@ -21,7 +21,7 @@ from lightning_ft.checkpoint.durable.settings import resolve_durable_settings
 from lightning_ft.checkpoint.durable.tier import DurableTier, UploadResult
 from lightning_ft.checkpoint.identity import state_dict_fingerprint
 from lightning_ft.checkpoint.policy import parse_mem_url, snapshot_due
-from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory, gather_steps
+from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory, gather_steps
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.roots import (
     ENV_SNAPSHOT_DIR,

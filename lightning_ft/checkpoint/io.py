@@ -17,7 +17,7 @@ from lightning_ft.checkpoint.identity import ExpectedIdentity, identity_mismatch
 from lightning_ft.checkpoint.policy import parse_mem_url, pick_disk_checkpoint
 from lightning_ft.checkpoint.durable.settings import resolve_durable_settings
 from lightning_ft.checkpoint.durable.tier import DurableTier
-from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory
+from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
 from lightning_ft.checkpoint.memory.format import SnapshotError
 from lightning_ft.checkpoint.memory.roots import (
     RUN_ID_ENV_VARS,

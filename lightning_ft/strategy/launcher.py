@@ -39,7 +39,7 @@ from torch.distributed.elastic.utils import store as store_util
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.pristine import PristineState
 from lightning_ft.checkpoint.callback import EmergencyCheckpoint
-from lightning_ft.checkpoint.replication import ReplicaPuller
+from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.events import names as ev
 from lightning_ft.process import destroy_process_group, run_with_timeout

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from lightning_ft.checkpoint.replication import ReplicaPuller
+from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
 from lightning_ft.schema.round import decode_member, member_key
 from lightning_ft.schema.run import RunKeys
 from lightning_ft.schema.signing import SealedStore, Signer

@@ -50,10 +50,10 @@ from lightning_ft._lightning.registration import STRATEGY_DESCRIPTION, STRATEGY_
 from lightning_ft._lightning.slurm import install as install_slurm_compat
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.checkpoint.callback import EmergencyCheckpoint
-from lightning_ft.checkpoint.replication import ReplicaPublisher
+from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import DEFAULT_SNAPSHOT_OVERHEAD
-from lightning_ft.checkpoint.transfer import exchange_snapshots
+from lightning_ft.checkpoint.exchange.transfer import exchange_snapshots
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
 from lightning_ft.process import plan_exit
