@@ -64,7 +64,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_ft.checkpoint.memory import format as fmt
-from lightning_ft.checkpoint.callback import changed_only_by_optimizer_steps
+from lightning_ft.checkpoint.lightning.background import changed_only_by_optimizer_steps
 from lightning_ft.checkpoint.durable.persister import DurablePersister
 from lightning_ft.checkpoint.durable.settings import DEFAULT_MAX_MIB_PER_SECOND
 from lightning_ft.checkpoint.durable.targets import LocalDirTarget

@@ -13,8 +13,8 @@ from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 
 _LAZY = {
-    "MemoryCheckpointIO": "lightning_ft.checkpoint.io",
-    "EmergencyCheckpoint": "lightning_ft.checkpoint.callback",
+    "MemoryCheckpointIO": "lightning_ft.checkpoint.lightning.io",
+    "EmergencyCheckpoint": "lightning_ft.checkpoint.lightning.callback",
 }
 
 __all__ = ["SnapshotStore", "SnapshotInfo", "SnapshotError", "SnapshotIdentity", "ExpectedIdentity", *_LAZY]

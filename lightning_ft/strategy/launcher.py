@@ -38,7 +38,7 @@ from torch.distributed.elastic.utils import store as store_util
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.pristine import PristineState
-from lightning_ft.checkpoint.callback import EmergencyCheckpoint
+from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.events import names as ev

@@ -49,7 +49,7 @@ from lightning_ft._lightning.history import (
 from lightning_ft._lightning.registration import STRATEGY_DESCRIPTION, STRATEGY_NAME
 from lightning_ft._lightning.slurm import install as install_slurm_compat
 from lightning_ft._logging import ensure_log_output
-from lightning_ft.checkpoint.callback import EmergencyCheckpoint
+from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import DEFAULT_SNAPSHOT_OVERHEAD
