@@ -37,6 +37,7 @@ from lightning_ft.checkpoint.memory.roots import (
 )
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.policy import snapshot_due
+from lightning_ft.checkpoint.service import SnapshotService
 from lightning_ft.checkpoint.tiers import Schedule, persist_due, snapshot_copies, space_shortfall
 from lightning_ft.events import NullEventLog, open_event_log
 
@@ -171,6 +172,12 @@ class EmergencyCheckpoint(pl.Callback):
     def store(self) -> SnapshotStore | None:
         """This rank's store (created at ``setup``)."""
         return self._store
+
+    @property
+    def snapshots(self) -> SnapshotService:
+        """This callback's snapshots as the code around training uses them (the strategy's
+        transfer to new ranks, a hot spare's replicas): see :class:`SnapshotService`."""
+        return SnapshotService(self.root, self.run_id, self.keep_last)
 
     @property
     def last_snapshot(self) -> SnapshotInfo | None:
