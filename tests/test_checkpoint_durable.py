@@ -46,6 +46,11 @@ def test_a_step_is_published_only_when_every_rank_uploaded(tmp_path, stores):
     assert second.complete and tier.complete_steps() == [10]
     manifest = json.loads((tmp_path / "durable/job/manifests/step-000000000010.json").read_text())
     assert [s["rank"] for s in manifest["shards"]] == [0, 1] and manifest["segment"] == "seg"
+    # on storage the timeline keeps its earlier name: what an earlier version wrote stays readable
+    marker = (tmp_path / "durable/job/steps/step-000000000010/seg/rank1.done.json").read_text()
+    checksum = json.loads(marker)["checksum"]
+    assert marker == (f'{{"step": 10, "segment": "seg", "rank": 1, "world_size": 2, "nbytes": {infos[1].nbytes}, '
+                      f'"checksum": "{checksum}"}}')
 
 
 def test_a_shard_without_its_marker_or_a_torn_upload_is_never_a_step(tmp_path, stores):
@@ -53,12 +58,12 @@ def test_a_shard_without_its_marker_or_a_torn_upload_is_never_a_step(tmp_path, s
     info0, info1 = (s.save(state(10.0), 10) for s in stores)
     tier.upload(info0, "seg", world_size=2)
     # rank 1 killed after its shard but before its marker; and a torn temp file of a kill mid-write
-    segment_dir = tmp_path / "durable/job/steps/step-000000000010/seg"
-    (segment_dir / "rank1.snap").write_bytes(open(info1.path, "rb").read())
-    (segment_dir / ".tmp-rank1.snap-999-abcd").write_bytes(b"partial")
+    timeline_dir = tmp_path / "durable/job/steps/step-000000000010/seg"
+    (timeline_dir / "rank1.snap").write_bytes(open(info1.path, "rb").read())
+    (timeline_dir / ".tmp-rank1.snap-999-abcd").write_bytes(b"partial")
     assert tier.complete_steps() == []
     assert not tier.publish_if_complete(10, "seg")
-    # a marker of another segment never completes it either
+    # a marker of another timeline never completes it either
     other = tier.upload(info1, "other", world_size=2)
     assert not other.complete and tier.complete_steps() == []
 

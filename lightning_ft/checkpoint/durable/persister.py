@@ -65,7 +65,7 @@ class DurablePersister:
         self.failures = 0
         self.skipped = 0
 
-    def offer(self, info: SnapshotInfo, segment: str, world_size: int) -> str:
+    def offer(self, info: SnapshotInfo, timeline: str, world_size: int) -> str:
         """Queue ``info`` for upload; returns the :func:`lightning_ft.checkpoint.tiers.upload_decision` taken."""
         with self._cv:
             decision = upload_decision(self._busy, info.step, self.last_uploaded_step)
@@ -89,7 +89,7 @@ class DurablePersister:
                           self._pending[0].step, info.step)
                 self._drop_pending()
                 self.skipped += 1
-            self._pending = (info, segment, world_size, fd, holder)
+            self._pending = (info, timeline, world_size, fd, holder)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="lightning_ft-persist")
                 self._thread.start()
@@ -114,18 +114,18 @@ class DurablePersister:
                 self._busy = pending[0].step
                 self._uploads_started += 1
             try:
-                info, segment, world_size, fd, holder = pending
-                self._upload(info, segment, world_size, deadline=None, fd=fd)
+                info, timeline, world_size, fd, holder = pending
+                self._upload(info, timeline, world_size, deadline=None, fd=fd)
             finally:
                 with self._cv:
                     self._busy = None
                     self._cv.notify_all()
                 holder.release(info.step)
 
-    def _upload(self, info: SnapshotInfo, segment: str, world_size: int, deadline: float | None,
+    def _upload(self, info: SnapshotInfo, timeline: str, world_size: int, deadline: float | None,
                 fd: int | None = None) -> UploadResult | None:
         try:
-            result = self.tier.upload(info, segment, world_size, deadline=deadline, fd=fd, rate=self._rate)
+            result = self.tier.upload(info, timeline, world_size, deadline=deadline, fd=fd, rate=self._rate)
         except Exception as exc:  # noqa: BLE001 - a failed copy never stops training; the next one may work
             self.failures += 1
             log.warning("rank %d: durable copy of step %d failed (not durable): %s: %s", self.rank, info.step,
@@ -198,7 +198,7 @@ class DurablePersister:
                 self._cv.wait(left)
             return True
 
-    def flush(self, info: SnapshotInfo, segment: str, world_size: int, deadline: float) -> UploadResult | None:
+    def flush(self, info: SnapshotInfo, timeline: str, world_size: int, deadline: float) -> UploadResult | None:
         """Make ``info`` durable on the calling thread before ``deadline`` (SIGTERM path).
 
         Runs without the bandwidth bound (the training is stopped), and lifts it for a running
@@ -226,7 +226,7 @@ class DurablePersister:
                 if not uploading:
                     self._unbounded = False
         try:
-            return self._upload(info, segment, world_size, deadline)
+            return self._upload(info, timeline, world_size, deadline)
         finally:
             with self._cv:
                 self._busy = None

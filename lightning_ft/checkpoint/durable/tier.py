@@ -2,15 +2,18 @@
 
 Layout under the target (``persist_to``)::
 
-    <run_id>/steps/step-<12 digits>/<segment>/rank<R>.snap        one rank's shard (the snapshot file)
-    <run_id>/steps/step-<12 digits>/<segment>/rank<R>.done.json   its done marker (written after verify)
-    <run_id>/manifests/step-<12 digits>.json                      the step is complete (written last)
+    <run_id>/steps/step-<12 digits>/<timeline>/rank<R>.snap        one rank's shard (the snapshot file)
+    <run_id>/steps/step-<12 digits>/<timeline>/rank<R>.done.json   its done marker (written after verify)
+    <run_id>/manifests/step-<12 digits>.json                       the step is complete (written last)
+
+A timeline is one stretch of training between two resumes (:mod:`lightning_ft.checkpoint.tiers`);
+markers and manifests name it in their field ``segment``.
 
 Protocol (decisions in :mod:`lightning_ft.checkpoint.tiers`): each rank uploads its shard
 (temp name + rename, or one put), checks its size (an object store's is read back and checked
-against the snapshot's own checksums), then writes its done marker (rank, step, segment, world
+against the snapshot's own checksums), then writes its done marker (rank, step, timeline, world
 size, bytes, the CRC-32 of the shard's snapshot header). Whoever then sees every rank's marker
-of one segment writes the step's manifest; readers read only manifests, so a partial step is
+of one timeline writes the step's manifest; readers read only manifests, so a partial step is
 never seen. Retention (:func:`lightning_ft.checkpoint.tiers.plan_durable_retention`) keeps the
 newest ``keep_last`` complete steps and never removes what the newest manifest names.
 
@@ -86,6 +89,12 @@ def _checked_checksum(raw: Any) -> str:
     if not (isinstance(raw, str) and raw.startswith(_CHECKSUM_KIND)):
         raise ValueError(f"checksum {raw!r} is not a {_CHECKSUM_KIND}... value")
     return raw
+
+
+def marker_record(marker: ShardMarker) -> bytes:
+    """A done marker as stored: JSON whose timeline field is named ``segment`` (its name on storage)."""
+    return json.dumps({"step": marker.step, "segment": marker.timeline, "rank": marker.rank,
+                       "world_size": marker.world_size, "nbytes": marker.nbytes, "checksum": marker.checksum}).encode()
 
 
 def range_bytes(max_bytes_per_second: float | None) -> int:
@@ -185,20 +194,20 @@ class DurableTier:
                    settings.max_bytes_per_second)
 
     # ------------------------------------------------------------------ paths
-    def _segment_dir(self, step: int, segment: str) -> str:
-        return f"{self.run_id}/steps/{_step_name(step)}/{segment}"
+    def _timeline_dir(self, step: int, timeline: str) -> str:
+        return f"{self.run_id}/steps/{_step_name(step)}/{timeline}"
 
-    def shard_path(self, step: int, segment: str, rank: int) -> str:
-        return f"{self._segment_dir(step, segment)}/rank{rank}.snap"
+    def shard_path(self, step: int, timeline: str, rank: int) -> str:
+        return f"{self._timeline_dir(step, timeline)}/rank{rank}.snap"
 
-    def marker_path(self, step: int, segment: str, rank: int) -> str:
-        return f"{self._segment_dir(step, segment)}/rank{rank}.done.json"
+    def marker_path(self, step: int, timeline: str, rank: int) -> str:
+        return f"{self._timeline_dir(step, timeline)}/rank{rank}.done.json"
 
     def manifest_path(self, step: int) -> str:
         return f"{self.run_id}/manifests/{_step_name(step)}.json"
 
     # ------------------------------------------------------------------ writing
-    def upload(self, info: SnapshotInfo, segment: str, world_size: int, deadline: float | None = None,
+    def upload(self, info: SnapshotInfo, timeline: str, world_size: int, deadline: float | None = None,
                fd: int | None = None, rate: Callable[[], float | None] | None = None) -> UploadResult:
         """Copy the committed snapshot file ``info`` verbatim as this rank's shard, verify, mark done,
         and publish the step's manifest when every rank's marker is there.
@@ -224,7 +233,7 @@ class DurableTier:
                 raise fmt.SnapshotError(f"{info.path} is shorter than its header says")
             checksum = shard_checksum(header)
             source = _ShardSource(fd, nbytes, rate or (lambda: self.max_bytes_per_second), deadline)
-            shard = self.shard_path(info.step, segment, info.rank)
+            shard = self.shard_path(info.step, timeline, info.rank)
             try:
                 self.target.write(shard, source)
             finally:
@@ -233,10 +242,10 @@ class DurableTier:
         finally:
             os.close(fd)
         self._verify(shard, nbytes, checksum, read_back=self.target.read_back_verifies)
-        marker = ShardMarker(info.step, segment, info.rank, world_size, nbytes, checksum)
-        self.target.write(self.marker_path(info.step, segment, info.rank), [json.dumps(marker.__dict__).encode()])
+        marker = ShardMarker(info.step, timeline, info.rank, world_size, nbytes, checksum)
+        self.target.write(self.marker_path(info.step, timeline, info.rank), [marker_record(marker)])
         seconds = time.monotonic() - start
-        complete = self.publish_if_complete(info.step, segment)
+        complete = self.publish_if_complete(info.step, timeline)
         return UploadResult(info.step, nbytes, seconds, complete, paced)
 
     def _verify(self, path: str, nbytes: int, checksum: str, read_back: bool) -> None:
@@ -266,26 +275,26 @@ class DurableTier:
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring durable %s %s: %s", what, self.target.describe(path), exc)
 
-    def markers(self, step: int, segment: str) -> list[ShardMarker]:
-        """The valid done markers of one (step, segment); unreadable ones are ignored."""
+    def markers(self, step: int, timeline: str) -> list[ShardMarker]:
+        """The valid done markers of one (step, timeline); unreadable ones are ignored."""
         def parse(raw: dict) -> ShardMarker:
             return ShardMarker(int(raw["step"]), str(raw["segment"]), int(raw["rank"]), int(raw["world_size"]),
                                int(raw["nbytes"]), _checked_checksum(raw["checksum"]))
 
-        return [marker for m, marker in self._json_records(self._segment_dir(step, segment), _MARKER, "marker", parse)
-                if (marker.step, marker.segment, marker.rank) == (step, segment, int(m.group(1)))]
+        return [marker for m, marker in self._json_records(self._timeline_dir(step, timeline), _MARKER, "marker", parse)
+                if (marker.step, marker.timeline, marker.rank) == (step, timeline, int(m.group(1)))]
 
-    def publish_if_complete(self, step: int, segment: str) -> bool:
-        """Write the manifest of ``step`` if every rank of ``segment`` has its marker; then apply retention."""
-        completion = complete_steps(self.markers(step, segment)).get(step)
+    def publish_if_complete(self, step: int, timeline: str) -> bool:
+        """Write the manifest of ``step`` if every rank of ``timeline`` has its marker; then apply retention."""
+        completion = complete_steps(self.markers(step, timeline)).get(step)
         if completion is None:
             return False
-        body = {"step": step, "segment": segment, "world_size": completion.world_size, "run_id": self.run_id,
+        body = {"step": step, "segment": timeline, "world_size": completion.world_size, "run_id": self.run_id,
                 "shards": [{"rank": r, "nbytes": n, "checksum": c} for r, n, c in completion.shards]}
         # every rank that sees completion writes the same bytes: a race between them is harmless
         self.target.write(self.manifest_path(step), [json.dumps(body, sort_keys=True).encode()])
         self.last_published = (step, time.monotonic())
-        log.debug("durable: step %d complete (%d shards of segment %s) -> %s", step, completion.world_size, segment,
+        log.debug("durable: step %d complete (%d shards of segment %s) -> %s", step, completion.world_size, timeline,
                  self.target.describe(self.manifest_path(step)))
         self.apply_retention()
         return True
@@ -325,7 +334,7 @@ class DurableTier:
             raise FileNotFoundError(f"no complete durable step {step} under {self.target.describe(self.run_id)}")
         source = shard_rank_to_fetch(rank, completion.world_size)
         _, nbytes, checksum = completion.shards[source]
-        path = self.shard_path(step, completion.segment, source)
+        path = self.shard_path(step, completion.timeline, source)
         start = time.monotonic()
         blob = self.target.read(path)
         try:
@@ -344,17 +353,17 @@ class DurableTier:
         then shards)."""
         try:
             completions = self.complete()
-            manifests = {step: c.segment for step, c in completions.items()}
+            manifests = {step: c.timeline for step, c in completions.items()}
             step_dirs = [int(m.group(1)) for m in map(_STEP_DIR.match, self.target.list(f"{self.run_id}/steps")) if m]
             kept = sorted(manifests)[-self.keep_last:]
-            segments = {s: self.target.list(f"{self.run_id}/steps/{_step_name(s)}") for s in kept}
-            plan = plan_durable_retention(manifests, step_dirs, segments, self.keep_last)
+            timelines = {s: self.target.list(f"{self.run_id}/steps/{_step_name(s)}") for s in kept}
+            plan = plan_durable_retention(manifests, step_dirs, timelines, self.keep_last)
             for step in plan.manifests:
                 self.target.delete(self.manifest_path(step))
             for step in plan.step_dirs:
                 self.target.delete(f"{self.run_id}/steps/{_step_name(step)}")
-            for step, segment in plan.segment_dirs:
-                self.target.delete(self._segment_dir(step, segment))
+            for step, timeline in plan.timeline_dirs:
+                self.target.delete(self._timeline_dir(step, timeline))
         except OSError as exc:
             log.warning("durable retention under %s failed (retried after the next upload): %s", self.target.url, exc)
 
