@@ -461,6 +461,28 @@ def test_a_bounded_upload_reports_its_paced_time_and_its_unbounded_rate(tmp_path
     assert tier.upload(info, "b", 1).paced_seconds == 0
 
 
+def test_after_a_resume_from_an_older_step_the_manifests_of_newer_steps_of_other_timelines_go(tmp_path, stores):
+    tier = tier_at(tmp_path, keep_last=5)
+    for step, timeline in ((10, "a"), (20, "a"), (30, "b"), (40, "c")):
+        tier.upload(stores[0].save(state(float(step)), step), timeline, world_size=1)
+    assert tier.drop_abandoned(15, "c") == [20, 30]
+    assert tier.complete_steps() == [10, 40]
+
+
+def test_rank_0_drops_abandoned_manifests_only_after_every_rank_listed_the_durable_steps(tmp_path, stores):
+    from lightning_ft.checkpoint.lightning.durable_copies import DurableCopies
+
+    copies = DurableCopies(resolve_durable_settings(str(tmp_path / "durable"), environ={}), "job")
+    copies.new_timeline()  # not distributed: this process's own token
+    for step, timeline in ((10, "a"), (20, "a")):
+        copies.tier.upload(stores[0].save(state(float(step)), step), timeline, world_size=1)
+    copies.drop_abandoned(15, rank=0, listed_everywhere=False)
+    copies.drop_abandoned(15, rank=1, listed_everywhere=True)
+    assert copies.tier.complete_steps() == [10, 20]
+    copies.drop_abandoned(15, rank=0, listed_everywhere=True)
+    assert copies.tier.complete_steps() == [10]
+
+
 def test_an_unlistable_durable_storage_is_unknown_not_empty(tmp_path, monkeypatch):
     from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers
 
@@ -471,6 +493,7 @@ def test_an_unlistable_durable_storage_is_unknown_not_empty(tmp_path, monkeypatc
 
     monkeypatch.setattr(tier.target, "list", broken)
     assert tier.complete_steps(attempts=2) is None
+    assert tier.drop_abandoned(0, "a", attempts=1) == []  # unknown: nothing is removed
     choice = agree_across_tiers([4], tier, rank=0)
     assert (choice.step, choice.tier) == (4, "memory")
     assert not choice.durable_listed_everywhere and "could not list" in choice.reason

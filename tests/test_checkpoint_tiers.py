@@ -7,6 +7,7 @@ import pytest
 from lightning_ft.checkpoint.durable.settings import DurableSettings
 from lightning_ft.checkpoint.policy import plan_write
 from lightning_ft.checkpoint.tiers import (
+    abandoned_manifests,
     Schedule,
     ScheduleProposal,
     ShardMarker,
@@ -68,6 +69,15 @@ def test_retention_removes_nothing_before_a_step_is_complete():
     assert (plan.manifests, plan.step_dirs, plan.timeline_dirs) == ([], [], [])
     with pytest.raises(ValueError):
         plan_durable_retention({10: "a"}, [10], {}, keep_last=0)
+
+
+def test_abandoned_manifests_are_newer_steps_of_other_timelines():
+    manifests = {10: "a", 20: "a", 30: "b", 40: "c"}
+    # resumed from step 15 (e.g. an older checkpoint) in timeline "c": 20 and 30 are a history the job left
+    assert abandoned_manifests(manifests, resumed_step=15, current_timeline="c") == [20, 30]
+    assert abandoned_manifests(manifests, resumed_step=40, current_timeline="c") == []
+    assert abandoned_manifests(manifests, resumed_step=20, current_timeline="b") == [40]  # its own 30 stays
+    assert abandoned_manifests({}, resumed_step=0, current_timeline="c") == []
 
 
 def test_resume_prefers_memory_and_falls_back_to_durable_per_rank():

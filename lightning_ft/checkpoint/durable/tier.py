@@ -41,6 +41,7 @@ from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import (
     Completion,
+    abandoned_manifests,
     ShardMarker,
     bucket_delay,
     complete_steps,
@@ -316,9 +317,14 @@ class DurableTier:
     def complete_steps(self, attempts: int = 3) -> list[int] | None:
         """Complete durable steps, ascending; None when the target cannot be listed (after
         ``attempts`` tries half a second apart; logged): unknown is not "nothing there"."""
+        listed = self._complete_or_unknown(attempts)
+        return None if listed is None else sorted(listed)
+
+    def _complete_or_unknown(self, attempts: int) -> dict[int, Completion] | None:
+        """:meth:`complete`, tried ``attempts`` times half a second apart; None (logged) when it cannot be listed."""
         for attempt in range(attempts):
             try:
-                return sorted(self.complete())
+                return self.complete()
             except OSError as exc:
                 log.warning("durable storage %s cannot be listed (attempt %d of %d): %s", self.target.url,
                             attempt + 1, attempts, exc)
@@ -366,6 +372,18 @@ class DurableTier:
                 self.target.delete(self._timeline_dir(step, timeline))
         except OSError as exc:
             log.warning("durable retention under %s failed (retried after the next upload): %s", self.target.url, exc)
+
+    def drop_abandoned(self, resumed_step: int, timeline: str, attempts: int = 3) -> list[int]:
+        """Training (re)starts at ``resumed_step`` in ``timeline``: remove the manifests of the
+        steps :func:`lightning_ft.checkpoint.tiers.abandoned_manifests` names (newer, written by
+        another timeline); returns them. Nothing when the storage cannot be listed (see
+        :meth:`complete_steps`)."""
+        listed = self._complete_or_unknown(attempts)
+        if listed is None:
+            return []
+        steps = abandoned_manifests({step: c.timeline for step, c in listed.items()}, resumed_step, timeline)
+        self.drop_manifests(steps)
+        return steps
 
     def drop_manifests(self, steps: list[int]) -> None:
         """Remove manifests (steps of an abandoned timeline); their shards go with retention."""

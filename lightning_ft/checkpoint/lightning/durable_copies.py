@@ -119,13 +119,12 @@ class DurableCopies:
     # ------------------------------------------------------------------ after a resume
     def drop_abandoned(self, resumed_step: int, rank: int, listed_everywhere: bool) -> None:
         """Training (re)starts at ``resumed_step``: rank 0 removes the manifests of newer durable
-        steps (a timeline the job left).
+        steps of other timelines (a timeline the job left; ``DurableTier.drop_abandoned``).
 
         Only after an agreement in which every rank listed the durable steps
         (``listed_everywhere``): a listing that failed on one rank must never make rank 0
         delete the job's durable progress.
         """
-        if self.tier is None or rank != 0 or not listed_everywhere:
+        if self.tier is None or self._timeline is None or rank != 0 or not listed_everywhere:
             return
-        listed = self.tier.complete_steps()
-        self.tier.drop_manifests([s for s in listed or [] if s > resumed_step])
+        self.tier.drop_abandoned(resumed_step, self._timeline)
