@@ -37,7 +37,7 @@ def marker(step, rank, world=2, timeline="a", nbytes=10):
     return ShardMarker(step, timeline, rank, world, nbytes, f"sum{rank}")
 
 
-def test_a_step_is_complete_only_with_every_ranks_marker_of_one_segment():
+def test_a_step_is_complete_only_with_every_ranks_marker_of_one_timeline():
     assert complete_steps([marker(10, 0)]) == {}
     done = complete_steps([marker(10, 0), marker(10, 1)])
     assert list(done) == [10] and done[10].shards == ((0, 10, "sum0"), (1, 10, "sum1"))
@@ -47,7 +47,7 @@ def test_a_step_is_complete_only_with_every_ranks_marker_of_one_segment():
     assert complete_steps([marker(10, 0, world=2), marker(10, 1, world=3)]) == {}
 
 
-def test_when_two_segments_completed_a_step_every_caller_picks_the_same():
+def test_when_two_timelines_completed_a_step_every_caller_picks_the_same():
     markers = [marker(10, r, timeline=s) for s in ("b", "a") for r in (0, 1)]
     assert complete_steps(markers)[10].timeline == "b"
     assert complete_steps(list(reversed(markers)))[10].timeline == "b"
