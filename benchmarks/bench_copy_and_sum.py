@@ -1,7 +1,7 @@
 """Snapshot save with the block sums following the copy on a helper thread vs one pass after it.
 
 Alternating steady-state saves of one ``SnapshotStore`` in /dev/shm (recycled files), the
-helper switched on and off through ``snapshot_format.PIPELINE_MIN_BYTES``; prints the median
+helper switched on and off through ``copying.PIPELINE_MIN_BYTES``; prints the median
 of each and their ratio (the anchor is the one-pass save of the same run).
 
 Usage: ``T=1 .venv/bin/python benchmarks/bench_copy_and_sum.py [tensors] [floats per tensor]``
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from lightning_ft.checkpoint import snapshot_format as fmt
-from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.checkpoint.memory import copying
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 
 
 def main() -> None:
@@ -32,19 +32,19 @@ def main() -> None:
     root = tempfile.mkdtemp(dir="/dev/shm", prefix="bench-copy-and-sum-")
     store = SnapshotStore(root, run_id="bench", rank=0, keep_last=2)
     seconds: dict[str, list[float]] = {"helper": [], "one pass": []}
-    default = fmt.PIPELINE_MIN_BYTES
+    default = copying.PIPELINE_MIN_BYTES
     try:
         step = 0
         for repeat in range(7):
             for name, threshold in (("helper", default), ("one pass", 1 << 62)):
-                fmt.PIPELINE_MIN_BYTES = threshold
+                copying.PIPELINE_MIN_BYTES = threshold
                 step += 1
                 start = time.perf_counter()
                 store.save(state, step)
                 if repeat:  # the first round allocates the files
                     seconds[name].append(time.perf_counter() - start)
     finally:
-        fmt.PIPELINE_MIN_BYTES = default
+        copying.PIPELINE_MIN_BYTES = default
         store.close()
         shutil.rmtree(root, ignore_errors=True)
     helper, one_pass = (statistics.median(seconds[k]) for k in ("helper", "one pass"))

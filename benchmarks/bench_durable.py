@@ -63,11 +63,14 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from lightning_ft.checkpoint import snapshot_format as fmt
-from lightning_ft.checkpoint.callback import changed_only_by_optimizer_steps
-from lightning_ft.checkpoint.durable import DEFAULT_MAX_MIB_PER_SECOND, DurablePersister, DurableTier
-from lightning_ft.checkpoint.durable_target import LocalDirTarget
-from lightning_ft.checkpoint.store import SnapshotStore, default_root
+from lightning_ft.checkpoint.memory import format as fmt
+from lightning_ft.checkpoint.lightning.background import changed_only_by_optimizer_steps
+from lightning_ft.checkpoint.durable.persister import DurablePersister
+from lightning_ft.checkpoint.durable.settings import DEFAULT_MAX_MIB_PER_SECOND
+from lightning_ft.checkpoint.durable.targets import LocalDirTarget
+from lightning_ft.checkpoint.durable.tier import DurableTier
+from lightning_ft.checkpoint.memory.roots import default_root
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import PACING_START_BYTES_PER_SECOND, UploadPacer
 
 HERE = Path(__file__).resolve().parent
@@ -141,11 +144,11 @@ def machine_cpu_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def upload_cpu_seconds(tier: DurableTier, info, segment: str) -> float:
+def upload_cpu_seconds(tier: DurableTier, info, timeline: str) -> float:
     """Machine-wide CPU seconds of one upload at the tier's bandwidth bound (write-back included: it waits for fsync)."""
     os.sync()
     before = machine_cpu_seconds()
-    tier.upload(info, segment, 1)
+    tier.upload(info, timeline, 1)
     used = machine_cpu_seconds() - before
     tier.target.delete("bench")
     return used
@@ -312,7 +315,7 @@ def args_windows(size_mib: int) -> int:
     return 4 if size_mib >= 512 else 20
 
 
-def slowdown_window(kind, tier: DurableTier, info, segment: str, scratch: Path) -> tuple[float | None, float]:
+def slowdown_window(kind, tier: DurableTier, info, timeline: str, scratch: Path) -> tuple[float | None, float]:
     """(median compute loop during ``kind`` / median alone right after - 1, the window's seconds).
 
     ``kind``: a bandwidth bound in MiB/s (0: unbounded) for our upload on a thread; "dd": the
@@ -321,7 +324,7 @@ def slowdown_window(kind, tier: DurableTier, info, segment: str, scratch: Path) 
     """
     if isinstance(kind, (int, float)):
         tier.max_bytes_per_second = kind * MiB or None
-        work = threading.Thread(target=tier.upload, args=(info, segment, 1), daemon=True)
+        work = threading.Thread(target=tier.upload, args=(info, timeline, 1), daemon=True)
     elif kind == "dd":
         work = subprocess.Popen(["dd", f"if={info.path}", f"of={scratch / 'dd.bin'}", "bs=4M", "oflag=direct",
                                  "conv=fsync", "status=none"])
@@ -435,7 +438,7 @@ def run_size(size_mib: int, repeats: int, scratch: Path, bounds: list[float]) ->
 
         # compute alone vs while one upload is in flight (the memory save is the blocked time above,
         # so it is not counted twice here), at each bandwidth bound in turn, window by window (the
-        # machine drifts): the committed snapshot is uploaded again under fresh segment names while
+        # machine drifts): the committed snapshot is uploaded again under fresh timeline names while
         # the training thread runs compute loops; after each window as many loops run alone.
         # Anchors: the same bytes copied by `dd oflag=direct` in another process (this disk at full
         # speed, not our code), a thread copying memory at the default bound's rate (memory traffic

@@ -33,9 +33,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_ft import EmergencyCheckpoint
-from lightning_ft.checkpoint import snapshot_format as fmt
-from lightning_ft.checkpoint.files import ReadMap
-from lightning_ft.checkpoint.store import default_root
+from lightning_ft.checkpoint.memory import format as fmt
+from lightning_ft.checkpoint.memory.files import ReadMap
+from lightning_ft.checkpoint.memory.roots import default_root
 
 HERE = Path(__file__).resolve().parent
 SECTION = "## In-memory snapshot (issue: SIGTERM path)"

@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--write", action="store_true", help="put the table into RESULTS.md")
     args = parser.parse_args()
-    from lightning_ft.checkpoint.store import SnapshotStore
+    from lightning_ft.checkpoint.memory.store import SnapshotStore
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-compare-"))
     shm = Path(tempfile.mkdtemp(prefix=f"lightning_ft-bench-{os.getpid()}-", dir="/dev/shm"))

@@ -346,7 +346,7 @@ def free_snapshots(trainer, root: str | None, run_id: str) -> None:
     Only this rank's: a peer sharing the root may still be committing the last step's snapshot.
     """
     from lightning_ft.checkpoint import SnapshotStore
-    from lightning_ft.checkpoint.store import resolve_root
+    from lightning_ft.checkpoint.memory.roots import resolve_root
 
     with SnapshotStore(resolve_root(root), run_id, trainer.global_rank) as store:
         for info in store.list():

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (imported lazily; these import Lightning)
 _LAZY_NAMES = {
     "GracefulTermination": "lightning_ft.termination.callback",
-    "EmergencyCheckpoint": "lightning_ft.checkpoint.callback",
+    "EmergencyCheckpoint": "lightning_ft.checkpoint.lightning.callback",
     "FaultTolerantDDPStrategy": "lightning_ft.strategy",
 }
 

@@ -13,10 +13,12 @@ import zlib
 import pytest
 import torch
 
-from lightning_ft.checkpoint import snapshot_format as fmt
-from lightning_ft.checkpoint.durable import DurablePersister, DurableTier, UploadCancelled, resolve_durable_settings
-from lightning_ft.checkpoint.durable_target import FileRanges, LocalDirTarget, open_target
-from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.checkpoint.memory import format as fmt
+from lightning_ft.checkpoint.durable.persister import DurablePersister
+from lightning_ft.checkpoint.durable.settings import resolve_durable_settings
+from lightning_ft.checkpoint.durable.targets import FileRanges, LocalDirTarget, open_target
+from lightning_ft.checkpoint.durable.tier import DurableTier, UploadCancelled
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 
 
 def state(value: float) -> dict:
@@ -44,6 +46,11 @@ def test_a_step_is_published_only_when_every_rank_uploaded(tmp_path, stores):
     assert second.complete and tier.complete_steps() == [10]
     manifest = json.loads((tmp_path / "durable/job/manifests/step-000000000010.json").read_text())
     assert [s["rank"] for s in manifest["shards"]] == [0, 1] and manifest["segment"] == "seg"
+    # on storage the timeline keeps its earlier name: what an earlier version wrote stays readable
+    marker = (tmp_path / "durable/job/steps/step-000000000010/seg/rank1.done.json").read_text()
+    checksum = json.loads(marker)["checksum"]
+    assert marker == (f'{{"step": 10, "segment": "seg", "rank": 1, "world_size": 2, "nbytes": {infos[1].nbytes}, '
+                      f'"checksum": "{checksum}"}}')
 
 
 def test_a_shard_without_its_marker_or_a_torn_upload_is_never_a_step(tmp_path, stores):
@@ -51,12 +58,12 @@ def test_a_shard_without_its_marker_or_a_torn_upload_is_never_a_step(tmp_path, s
     info0, info1 = (s.save(state(10.0), 10) for s in stores)
     tier.upload(info0, "seg", world_size=2)
     # rank 1 killed after its shard but before its marker; and a torn temp file of a kill mid-write
-    segment_dir = tmp_path / "durable/job/steps/step-000000000010/seg"
-    (segment_dir / "rank1.snap").write_bytes(open(info1.path, "rb").read())
-    (segment_dir / ".tmp-rank1.snap-999-abcd").write_bytes(b"partial")
+    timeline_dir = tmp_path / "durable/job/steps/step-000000000010/seg"
+    (timeline_dir / "rank1.snap").write_bytes(open(info1.path, "rb").read())
+    (timeline_dir / ".tmp-rank1.snap-999-abcd").write_bytes(b"partial")
     assert tier.complete_steps() == []
     assert not tier.publish_if_complete(10, "seg")
-    # a marker of another segment never completes it either
+    # a marker of another timeline never completes it either
     other = tier.upload(info1, "other", world_size=2)
     assert not other.complete and tier.complete_steps() == []
 
@@ -269,7 +276,7 @@ def test_in_a_trainer_steps_during_uploads_pace_the_bound_and_say_so(tmp_path, m
     from ckpt_helpers import make_module, trainer_kwargs
 
     from lightning_ft import EmergencyCheckpoint
-    from lightning_ft.checkpoint.durable import DurableSettings
+    from lightning_ft.checkpoint.durable.settings import DurableSettings
     from lightning_ft.checkpoint.tiers import UploadPacer
     from lightning_ft.events import read_events
 
@@ -454,8 +461,30 @@ def test_a_bounded_upload_reports_its_paced_time_and_its_unbounded_rate(tmp_path
     assert tier.upload(info, "b", 1).paced_seconds == 0
 
 
+def test_after_a_resume_from_an_older_step_the_manifests_of_newer_steps_of_other_timelines_go(tmp_path, stores):
+    tier = tier_at(tmp_path, keep_last=5)
+    for step, timeline in ((10, "a"), (20, "a"), (30, "b"), (40, "c")):
+        tier.upload(stores[0].save(state(float(step)), step), timeline, world_size=1)
+    assert tier.drop_abandoned(15, "c") == [20, 30]
+    assert tier.complete_steps() == [10, 40]
+
+
+def test_rank_0_drops_abandoned_manifests_only_after_every_rank_listed_the_durable_steps(tmp_path, stores):
+    from lightning_ft.checkpoint.lightning.durable_copies import DurableCopies
+
+    copies = DurableCopies(resolve_durable_settings(str(tmp_path / "durable"), environ={}), "job")
+    copies.new_timeline()  # not distributed: this process's own token
+    for step, timeline in ((10, "a"), (20, "a")):
+        copies.tier.upload(stores[0].save(state(float(step)), step), timeline, world_size=1)
+    copies.drop_abandoned(15, rank=0, listed_everywhere=False)
+    copies.drop_abandoned(15, rank=1, listed_everywhere=True)
+    assert copies.tier.complete_steps() == [10, 20]
+    copies.drop_abandoned(15, rank=0, listed_everywhere=True)
+    assert copies.tier.complete_steps() == [10]
+
+
 def test_an_unlistable_durable_storage_is_unknown_not_empty(tmp_path, monkeypatch):
-    from lightning_ft.checkpoint.resume import agree_across_tiers
+    from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers
 
     tier = tier_at(tmp_path)
 
@@ -464,6 +493,7 @@ def test_an_unlistable_durable_storage_is_unknown_not_empty(tmp_path, monkeypatc
 
     monkeypatch.setattr(tier.target, "list", broken)
     assert tier.complete_steps(attempts=2) is None
+    assert tier.drop_abandoned(0, "a", attempts=1) == []  # unknown: nothing is removed
     choice = agree_across_tiers([4], tier, rank=0)
     assert (choice.step, choice.tier) == (4, "memory")
     assert not choice.durable_listed_everywhere and "could not list" in choice.reason
@@ -471,7 +501,7 @@ def test_an_unlistable_durable_storage_is_unknown_not_empty(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("keep_last", [1, 2])
 def test_a_held_file_is_never_overwritten_by_later_snapshots(tmp_path, keep_last):
-    from lightning_ft.checkpoint import snapshot_format as fmt
+    from lightning_ft.checkpoint.memory import format as fmt
 
     store = SnapshotStore(tmp_path / "shm", run_id="job", rank=0, keep_last=keep_last)
     first = store.save(state(1.0), 1)
@@ -491,7 +521,7 @@ def test_a_held_file_is_never_overwritten_by_later_snapshots(tmp_path, keep_last
 
 
 def test_a_failed_download_is_an_error_naming_the_rank(tmp_path, stores, monkeypatch):
-    from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory
+    from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
 
     tier = tier_at(tmp_path)
     tier.upload(stores[0].save(state(5.0), 5), "seg", world_size=1)
@@ -568,7 +598,7 @@ def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monk
     """Block-aligned ranges go with O_DIRECT (where the filesystem takes it), the tail and a
     filesystem that refuses it (EINVAL at fcntl, EOPNOTSUPP at the first write) through
     sendfile; the stored object is the same bytes either way."""
-    from lightning_ft.checkpoint import durable_target
+    from lightning_ft.checkpoint.durable import targets as durable_target
 
     direct_refused = refused_at is not None  # "off": LocalDirTarget(direct_io=False)
     if refused_at == "write":
@@ -593,7 +623,7 @@ def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monk
     src = tmp_path / "src.bin"
     src.write_bytes(payload)
     target = LocalDirTarget(str(tmp_path / "durable"), direct_io=refused_at != "off")
-    with caplog.at_level(logging.DEBUG, logger="lightning_ft.checkpoint.durable_target"):
+    with caplog.at_level(logging.DEBUG, logger="lightning_ft.checkpoint.durable.targets"):
         assert target.write("run/a.snap", _Ranges(src, 65536)) == nbytes
     assert (tmp_path / "durable" / "run" / "a.snap").read_bytes() == payload
     assert os.listdir(tmp_path / "durable" / "run") == ["a.snap"]
@@ -602,7 +632,7 @@ def test_a_directory_copy_is_byte_exact_with_direct_io_or_without(tmp_path, monk
 
 
 def test_upload_ranges_are_whole_64_kib_blocks_at_any_bandwidth_bound():
-    from lightning_ft.checkpoint.durable import CHUNK_BYTES, range_bytes
+    from lightning_ft.checkpoint.durable.tier import CHUNK_BYTES, range_bytes
 
     assert range_bytes(None) == CHUNK_BYTES == range_bytes(512 * 2**20)
     for rate in (1.0, 300_000.0, 10.5 * 2**20, 33.3 * 2**20):
@@ -611,7 +641,7 @@ def test_upload_ranges_are_whole_64_kib_blocks_at_any_bandwidth_bound():
 
 
 def test_direct_io_is_the_default_only_on_a_local_block_filesystem(tmp_path):
-    from lightning_ft.checkpoint.durable_target import filesystem_type
+    from lightning_ft.checkpoint.durable.targets import filesystem_type
 
     mountinfo = "\n".join([
         "22 1 252:1 / / rw,relatime - ext4 /dev/vda rw",

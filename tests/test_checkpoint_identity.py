@@ -90,7 +90,7 @@ def test_expected_identity_filters_other_runs_and_models(tmp_path, caplog):
     assert scan.readable == [5]
     assert [(info.step, "different model" in why or "other-job" in why) for info, why in scan.foreign] == \
         [(12, True), (9, True)]
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.memory"):
         assert mine.readable_steps(expect=expect) == [5]
         assert mine.latest(expect=expect).step == 5
         assert mine.find(9, expect=expect) is None
@@ -106,7 +106,7 @@ def test_a_renamed_file_is_not_taken_for_another_step(tmp_path, caplog):
     store.save(state(), step=3)
     old = store.save(state(), step=4)
     os.rename(old.path, old.path.replace("000000000004", "000000000400"))  # an old state dressed as newer
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.memory"):
         assert store.readable_steps() == [3]
     assert any("file name says step 400 but its header says step 4" in r.message for r in caplog.records)
     with pytest.raises(SnapshotError, match="header says step 4"):

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ft.checkpoint import SnapshotError, SnapshotStore
-from lightning_ft.checkpoint import snapshot_format as fmt
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.restricted_pickle import allowed_globals, default_allowed_globals
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -135,7 +135,7 @@ def test_a_file_of_an_older_format_version_is_skipped_with_the_reason_never_load
     with open(newer.path, "r+b") as f:
         f.seek(8)
         f.write((1).to_bytes(4, "little"))  # format version 1 (no identity record)
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.memory"):
         assert store.latest().step == 1
     assert any("format version 1" in r.message and "not loaded" in r.message for r in caplog.records)
     with pytest.raises(SnapshotError, match="format version 1"):
@@ -371,8 +371,8 @@ def test_no_snapshot_path_uses_an_unrestricted_unpickler(tmp_path, monkeypatch):
     from ckpt_helpers import make_module, resume_probe, trainer_kwargs
     from lightning_ft import EmergencyCheckpoint
     from lightning_ft.checkpoint import MemoryCheckpointIO
-    from lightning_ft.checkpoint.replication import read_snapshot_file
-    from lightning_ft.checkpoint.resume import agree_resume_step
+    from lightning_ft.checkpoint.exchange.agreement import agree_on_step
+    from lightning_ft.checkpoint.exchange.replication import read_snapshot_file
 
     def forbidden(*args, **kwargs):
         raise AssertionError("an unrestricted unpickler was used")
@@ -391,7 +391,7 @@ def test_no_snapshot_path_uses_an_unrestricted_unpickler(tmp_path, monkeypatch):
     store = SnapshotStore(root=root, run_id="guard", rank=0)
     expect = store.expected_identity()
     assert store.scan(include_peers=True, expect=expect).readable == [3, 6]
-    assert agree_resume_step(store, include_peers=True, expect=expect) == 6
+    assert agree_on_step(store.readable_steps(include_peers=True, expect=expect), store.rank) == 6
     assert store.load(expect=expect)["global_step"] == 6
     blob = read_snapshot_file(store.find(6).path)
     receiver = SnapshotStore(root=tmp_path / "spare", run_id="guard", rank=1)

@@ -12,8 +12,9 @@ import torch
 from ckpt_helpers import tensors_equal
 
 from lightning_ft.checkpoint import SnapshotError, SnapshotStore
-from lightning_ft.checkpoint import snapshot_format as fmt
-from lightning_ft.checkpoint.store import configured_run_id, resolve_root, resolve_run_id
+from lightning_ft.checkpoint.memory import format as fmt
+from lightning_ft.checkpoint.memory import copying
+from lightning_ft.checkpoint.memory.roots import configured_run_id, resolve_root, resolve_run_id
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -106,7 +107,7 @@ def test_torn_or_corrupt_snapshot_is_skipped(store, damage, caplog):
     else:
         os.truncate(newest.path, 0)
 
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.memory"):
         latest = store.latest()
     assert latest is not None and latest.step == 1
     assert store.load(latest)["n"] == 1
@@ -119,9 +120,9 @@ def test_torn_or_corrupt_snapshot_is_skipped(store, damage, caplog):
 
 @pytest.mark.parametrize("pipeline_min", [0, 1 << 62])  # helper thread following the copy / one pass after it
 def test_the_sums_that_follow_the_copy_equal_a_pass_after_it(store, monkeypatch, pipeline_min):
-    monkeypatch.setattr(fmt, "PIPELINE_MIN_BYTES", pipeline_min)
+    monkeypatch.setattr(copying, "PIPELINE_MIN_BYTES", pipeline_min)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the helper runs only then
-    monkeypatch.setattr(fmt, "_PIECE_BYTES", 3 << 18)  # 768 KiB: pieces end inside blocks
+    monkeypatch.setattr(copying, "_PIECE_BYTES", 3 << 18)  # 768 KiB: pieces end inside blocks
     base = torch.randn(1200, 700)
     state = {"big": torch.randn(1 << 20), "odd": torch.randn(5), "t": base.t(), "half": torch.randn(777_777).half(),
              "ints": torch.arange(300_001), "bool": torch.rand(99) > 0.5, "empty": torch.empty(0), "tail": torch.ones(3)}
@@ -129,8 +130,8 @@ def test_the_sums_that_follow_the_copy_equal_a_pass_after_it(store, monkeypatch,
     assert enc.data_len % fmt.BLOCK_SIZE  # the last block is partial
     got = torch.randint(0, 255, (enc.data_len,), dtype=torch.uint8)  # a recycled file's old bytes
     reference = got.clone()
-    sums = fmt.copy_and_sum(enc, got)
-    fmt.copy_tensors(enc, reference)  # the same bytes; alignment gaps keep the old content
+    sums = copying.copy_and_sum(enc, got)
+    copying.copy_tensors(enc, reference)  # the same bytes; alignment gaps keep the old content
     assert torch.equal(got, reference)
     assert torch.equal(sums, fmt.block_sums(reference))
     # and through the store: saved, recycled, verified, loaded
@@ -149,7 +150,7 @@ def test_an_interrupted_save_returns_only_after_the_sums_helper_stopped_reading(
     import threading
     import time
 
-    monkeypatch.setattr(fmt, "PIPELINE_MIN_BYTES", 0)
+    monkeypatch.setattr(copying, "PIPELINE_MIN_BYTES", 0)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     real = fmt.block_sums
     helper_done = threading.Event()
@@ -166,7 +167,7 @@ def test_an_interrupted_save_returns_only_after_the_sums_helper_stopped_reading(
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fmt, "block_sums", lagging)
+    monkeypatch.setattr(copying, "block_sums", lagging)
     previous = signal.signal(signal.SIGUSR2, interrupt)
     enc = fmt.encode({"w": torch.randn((4 << 20) // 4 + 16)})  # 4 MiB + 64 B: the last block is partial
     mm = mmap.mmap(-1, enc.file_size)
@@ -175,7 +176,7 @@ def test_an_interrupted_save_returns_only_after_the_sums_helper_stopped_reading(
     try:
         timer.start()
         with pytest.raises(KeyboardInterrupt):
-            fmt.copy_and_sum(enc, data)
+            copying.copy_and_sum(enc, data)
         assert helper_done.is_set()  # it read its last block before the exception reached us
     finally:
         timer.cancel()
@@ -373,11 +374,11 @@ def test_maps_of_files_replaced_by_another_writer_are_released(tmp_path):
     store = SnapshotStore(root=tmp_path, run_id="maps", rank=0, keep_last=2)
     for step in (1, 2):
         store.save({"w": torch.ones(1000) * step}, step=step)
-    assert len(store._maps) == 2
+    assert len(store._writer.maps) == 2
     other = SnapshotStore(root=tmp_path, run_id="maps", rank=0, keep_last=2)
     other.write_bytes(other.read_bytes(other.list()[0]))  # replaces step 2's file with a new inode
     store.save({"w": torch.zeros(1000)}, step=3)
-    assert len(store._maps) == 1  # only step 3 (recycled step 1); the replaced inode's map was dropped
+    assert len(store._writer.maps) == 1  # only step 3 (recycled step 1); the replaced inode's map was dropped
     assert [i.step for i in store.list()] == [3, 2] and torch.equal(store.load()["w"], torch.zeros(1000))
     store.close()
 
@@ -408,7 +409,7 @@ def _is_big(tensor: torch.Tensor) -> bool:
 @pytest.fixture
 def small_states_in_background(monkeypatch):
     """Copy even these small test states on the helper thread (as large ones are)."""
-    monkeypatch.setattr(fmt, "BACKGROUND_MIN_BYTES", 0)
+    monkeypatch.setattr(copying, "BACKGROUND_MIN_BYTES", 0)
 
 
 def test_a_small_state_is_copied_at_once_and_still_committed_by_commit_pending(store):
@@ -455,7 +456,7 @@ def test_a_deferred_tensor_changed_before_the_commit_abandons_the_snapshot(store
     # the same through an implicit commit: logged, and the new save goes on
     store.save_in_background(state, 3, _is_big)
     state["exp_avg"].add_(1)
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.memory"):
         store.save(state, 4)
     assert "background snapshot of step 3 abandoned before a new snapshot" in caplog.text
     assert [i.step for i in store.list()] == [4, 1]

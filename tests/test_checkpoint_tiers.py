@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ft.checkpoint.durable import DurableSettings
+from lightning_ft.checkpoint.durable.settings import DurableSettings
 from lightning_ft.checkpoint.policy import plan_write
 from lightning_ft.checkpoint.tiers import (
+    abandoned_manifests,
     Schedule,
     ScheduleProposal,
     ShardMarker,
@@ -32,42 +33,51 @@ from lightning_ft.checkpoint.tiers import (
 )
 
 
-def marker(step, rank, world=2, segment="a", nbytes=10):
-    return ShardMarker(step, segment, rank, world, nbytes, f"sum{rank}")
+def marker(step, rank, world=2, timeline="a", nbytes=10):
+    return ShardMarker(step, timeline, rank, world, nbytes, f"sum{rank}")
 
 
-def test_a_step_is_complete_only_with_every_ranks_marker_of_one_segment():
+def test_a_step_is_complete_only_with_every_ranks_marker_of_one_timeline():
     assert complete_steps([marker(10, 0)]) == {}
     done = complete_steps([marker(10, 0), marker(10, 1)])
     assert list(done) == [10] and done[10].shards == ((0, 10, "sum0"), (1, 10, "sum1"))
     # rank 1's shard came from another stretch of training: the step is not complete
-    assert complete_steps([marker(10, 0, segment="a"), marker(10, 1, segment="b")]) == {}
+    assert complete_steps([marker(10, 0, timeline="a"), marker(10, 1, timeline="b")]) == {}
     # disagreeing world sizes never complete
     assert complete_steps([marker(10, 0, world=2), marker(10, 1, world=3)]) == {}
 
 
-def test_when_two_segments_completed_a_step_every_caller_picks_the_same():
-    markers = [marker(10, r, segment=s) for s in ("b", "a") for r in (0, 1)]
-    assert complete_steps(markers)[10].segment == "b"
-    assert complete_steps(list(reversed(markers)))[10].segment == "b"
+def test_when_two_timelines_completed_a_step_every_caller_picks_the_same():
+    markers = [marker(10, r, timeline=s) for s in ("b", "a") for r in (0, 1)]
+    assert complete_steps(markers)[10].timeline == "b"
+    assert complete_steps(list(reversed(markers)))[10].timeline == "b"
 
 
 def test_retention_keeps_the_newest_complete_steps_and_what_they_name():
     plan = plan_durable_retention({10: "a", 20: "a", 30: "b"}, step_dirs=[5, 10, 20, 25, 30, 40],
-                                  segments_of_kept={20: ["a", "x"], 30: ["b"]}, keep_last=2)
+                                  timelines_of_kept={20: ["a", "x"], 30: ["b"]}, keep_last=2)
     assert plan.manifests == [10]
     # 5 (torn), 10 (beyond keep_last), 25 (an incomplete step older than the newest complete one)
     assert plan.step_dirs == [5, 10, 25]
-    assert plan.segment_dirs == [(20, "x")]
+    assert plan.timeline_dirs == [(20, "x")]
     # 40 is newer than every complete step: its upload may still be running
     assert 40 not in plan.step_dirs
 
 
 def test_retention_removes_nothing_before_a_step_is_complete():
-    plan = plan_durable_retention({}, step_dirs=[10, 20], segments_of_kept={}, keep_last=1)
-    assert (plan.manifests, plan.step_dirs, plan.segment_dirs) == ([], [], [])
+    plan = plan_durable_retention({}, step_dirs=[10, 20], timelines_of_kept={}, keep_last=1)
+    assert (plan.manifests, plan.step_dirs, plan.timeline_dirs) == ([], [], [])
     with pytest.raises(ValueError):
         plan_durable_retention({10: "a"}, [10], {}, keep_last=0)
+
+
+def test_abandoned_manifests_are_newer_steps_of_other_timelines():
+    manifests = {10: "a", 20: "a", 30: "b", 40: "c"}
+    # resumed from step 15 (e.g. an older checkpoint) in timeline "c": 20 and 30 are a history the job left
+    assert abandoned_manifests(manifests, resumed_step=15, current_timeline="c") == [20, 30]
+    assert abandoned_manifests(manifests, resumed_step=40, current_timeline="c") == []
+    assert abandoned_manifests(manifests, resumed_step=20, current_timeline="b") == [40]  # its own 30 stays
+    assert abandoned_manifests({}, resumed_step=0, current_timeline="c") == []
 
 
 def test_resume_prefers_memory_and_falls_back_to_durable_per_rank():

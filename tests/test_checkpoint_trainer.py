@@ -12,8 +12,8 @@ from ckpt_helpers import make_module, matches_snapshot, resume_probe, tensors_eq
 
 from lightning_ft import EmergencyCheckpoint
 from lightning_ft.checkpoint import MemoryCheckpointIO, SnapshotError, SnapshotStore
-from lightning_ft.checkpoint import callback as callback_module
-from lightning_ft.checkpoint import snapshot_format
+from lightning_ft.checkpoint.lightning import callback as callback_module
+from lightning_ft.checkpoint.memory import copying
 from lightning_ft.events import read_events
 
 
@@ -406,7 +406,7 @@ class _RecordAtSteps(pl.Callback):
 def started(monkeypatch) -> list[int]:
     """The steps of the snapshots started in the background (SnapshotStore.save_in_background);
     these small test models' tensors are copied on the helper thread as large ones are."""
-    monkeypatch.setattr(snapshot_format, "BACKGROUND_MIN_BYTES", 0)
+    monkeypatch.setattr(copying, "BACKGROUND_MIN_BYTES", 0)
     steps = []
     begin = SnapshotStore.save_in_background
 
@@ -464,7 +464,7 @@ def test_the_last_batch_of_an_epoch_or_of_training_is_snapshotted_synchronously(
 def test_a_parameter_changed_outside_the_optimizer_abandons_that_snapshot_and_later_ones_are_synchronous(root, caplog):
     record = _RecordAtSteps([8], change_in_place_at=4)
     checkpoint = EmergencyCheckpoint(every_n_steps=4, root=root, run_id="bg")
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.callback"):
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.lightning"):
         fit(10, [checkpoint, record])
     assert "background snapshot of step 4 abandoned" in caplog.text
     assert "copied synchronously from now on" in caplog.text

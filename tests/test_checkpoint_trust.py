@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_ft.checkpoint import SnapshotError, SnapshotStore
-from lightning_ft.checkpoint.files import private_dir_problem, snapshot_file_problem
-from lightning_ft.checkpoint.store import default_root, ensure_writable_root
+from lightning_ft.checkpoint.memory.files import private_dir_problem, snapshot_file_problem
+from lightning_ft.checkpoint.memory.roots import default_root, ensure_writable_root
 
 NOBODY = 65534
 ME = os.getuid()
@@ -101,7 +101,7 @@ def test_a_run_directory_taken_over_after_the_store_was_created_stops_saves_and_
     os.chown(store.run_dir, NOBODY, NOBODY)
     with pytest.raises(ValueError, match=f"owned by uid {NOBODY}"):
         store.save({"w": torch.ones(2)}, step=1)
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.memory"):
         assert store.readable_steps(include_peers=True) == []
     assert any("not read" in r.message for r in caplog.records)
 
@@ -115,7 +115,7 @@ def test_every_file_is_created_0600_without_a_later_chmod(tmp_path, monkeypatch)
     try:
         store = SnapshotStore(root=tmp_path / "shm", run_id="modes", rank=0, keep_last=2)
         store.preallocate(1 << 16)
-        spare = store._spare
+        spare = store._writer.spare
         assert stat.S_IMODE(os.lstat(spare).st_mode) == 0o600
         infos = [store.save({"w": torch.full((100,), float(s))}, step=s) for s in (1, 2, 3)]  # spare, fresh, recycled
         receiver = SnapshotStore(root=tmp_path / "other", run_id="modes", rank=1)
@@ -147,7 +147,7 @@ def test_a_symlink_named_like_a_snapshot_is_never_followed(tmp_path, victim, cap
     other = SnapshotStore(root=tmp_path / "elsewhere", run_id="links", rank=0)
     os.symlink(other.save({"w": torch.zeros(10)}, step=99).path, newer)  # a "newer" snapshot to resume
 
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.memory"):
         assert [i.step for i in store.list()] == [2]
         assert store.latest().step == 2 and store.readable_steps(include_peers=True) == [2]
         for step in (3, 4, 5):
@@ -163,7 +163,7 @@ def test_a_symlink_swapped_in_after_listing_is_not_written_through(tmp_path, vic
     store = SnapshotStore(root=tmp_path / "shm", run_id="race", rank=0, keep_last=2)
     for step in (1, 2):
         store.save({"w": torch.ones(10) * step}, step=step)
-    listed = store._list_files  # what save() lists its directory with
+    listed = store._listing.files  # what save() lists its directory with
 
     def list_then_swap(directory, rank):  # the entry turns into a link between the listing and the rename
         infos = listed(directory, rank)
@@ -172,8 +172,8 @@ def test_a_symlink_swapped_in_after_listing_is_not_written_through(tmp_path, vic
         os.symlink(victim, oldest)
         return infos
 
-    monkeypatch.setattr(store, "_list_files", list_then_swap)
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+    monkeypatch.setattr(store._listing, "files", list_then_swap)
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.memory"):
         info = store.save({"w": torch.full((10,), 7.0)}, step=3)
     monkeypatch.undo()
     assert victim.read_text() == "lr: 0.1\n"
@@ -184,18 +184,18 @@ def test_a_symlink_swapped_in_after_listing_is_not_written_through(tmp_path, vic
 def test_a_planted_spare_path_is_replaced_not_followed(tmp_path, victim, caplog):
     store = SnapshotStore(root=tmp_path / "shm", run_id="spare", rank=0)
     os.makedirs(store.rank_dir, mode=0o700)
-    os.symlink(victim, store._spare_path())
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+    os.symlink(victim, store._writer.spare_path())
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.memory"):
         store.preallocate(1 << 16)
     assert victim.read_text() == "lr: 0.1\n"
-    assert not os.path.islink(store._spare) and stat.S_IMODE(os.lstat(store._spare).st_mode) == 0o600
+    assert not os.path.islink(store._writer.spare) and stat.S_IMODE(os.lstat(store._writer.spare).st_mode) == 0o600
     assert store.save({"w": torch.ones(3)}, step=1).step == 1
     # a spare of ours turned into a link later is not reused either
     store.preallocate(1 << 16)
-    os.unlink(store._spare)
-    os.symlink(victim, store._spare)
+    os.unlink(store._writer.spare)
+    os.symlink(victim, store._writer.spare)
     store.preallocate(1 << 16)
-    assert victim.read_text() == "lr: 0.1\n" and not os.path.islink(store._spare)
+    assert victim.read_text() == "lr: 0.1\n" and not os.path.islink(store._writer.spare)
 
 
 def test_a_hard_linked_snapshot_file_is_not_recycled(tmp_path):
@@ -215,7 +215,7 @@ def test_peer_directories_of_the_same_user_are_read_others_are_skipped(tmp_path,
     me = SnapshotStore(root=tmp_path / "shm", run_id="peers", rank=0)
     assert me.readable_steps(include_peers=True) == [4]  # same user, same host: still works
     os.chmod(peer.rank_dir, 0o777)
-    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="lightning_ft.checkpoint.memory"):
         assert me.readable_steps(include_peers=True) == []
     assert any("writable by its group and other users" in r.message for r in caplog.records)
     os.chmod(peer.rank_dir, 0o700)

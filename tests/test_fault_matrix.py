@@ -22,13 +22,13 @@ from ft_cluster import Cluster, in_order, ordered_start, release  # noqa: E402
 pytestmark = [pytest.mark.multiprocess]
 
 SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
-RECEIVE = "lightning_ft.checkpoint.store:SnapshotStore.write_bytes"
+RECEIVE = "lightning_ft.checkpoint.memory.store:SnapshotStore.write_bytes"
 OPEN_ROUND = "lightning_ft.strategy.session:Session.open_round"
 FINISH = "lightning_ft.strategy.launcher:FaultTolerantLauncher._finish_success"
 # a periodic snapshot's background copy runs (its helper thread) / is committed before the next
 # optimizer step's update (the copy may still be running)
-SAVE_COPY = "lightning_ft.checkpoint.snapshot_format:BackgroundCopy._run"
-SAVE_COMMIT = "lightning_ft.checkpoint.store:SnapshotStore.commit_pending"
+SAVE_COPY = "lightning_ft.checkpoint.memory.copying:BackgroundCopy._run"
+SAVE_COMMIT = "lightning_ft.checkpoint.memory.store:SnapshotStore.commit_pending"
 
 
 def four(processes, tmp_path, steps: int, faults: dict[str, str], *extra: str) -> Cluster:

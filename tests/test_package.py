@@ -36,6 +36,15 @@ def test_import_does_not_pull_in_lightning():
     assert out.stdout.strip() == "False", out.stderr
 
 
+def test_the_checkpoint_layer_below_its_lightning_pieces_does_not_pull_in_lightning():
+    # launchers, agents and the strategy's snapshot service use these without a Trainer
+    code = ("import sys, lightning_ft.checkpoint, lightning_ft.checkpoint.service, "
+            "lightning_ft.checkpoint.durable.persister, lightning_ft.checkpoint.exchange.agreement; "
+            "print('lightning' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 def test_cli_lists_commands():
     out = subprocess.run([sys.executable, "-m", "lightning_ft.cli", "--help"],
                          capture_output=True, text=True, timeout=60)

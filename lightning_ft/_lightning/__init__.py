@@ -7,6 +7,8 @@
 * :mod:`.callbacks` -- the typed callback lookup;
 * :mod:`.trainer_reset` -- put a Trainer back into the state ``fit()`` expects after a
   failed run;
+* :mod:`.checkpointing` -- the checkpoint connector and fit loop as the checkpoint callbacks
+  need them (dump, restore, "is the next batch a training batch", the module being restored);
 * :mod:`.compat` -- known Lightning/torch mismatches that a user's run should not see.
 
 When Lightning changes, this is where to look first.

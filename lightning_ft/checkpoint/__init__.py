@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from lightning_ft._lazy import lazy_getattr
 from lightning_ft.checkpoint.identity import ExpectedIdentity, SnapshotIdentity
-from lightning_ft.checkpoint.snapshot_format import SnapshotError
-from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore
+from lightning_ft.checkpoint.memory.format import SnapshotError
+from lightning_ft.checkpoint.memory.listing import SnapshotInfo
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 
 _LAZY = {
-    "MemoryCheckpointIO": "lightning_ft.checkpoint.io",
-    "EmergencyCheckpoint": "lightning_ft.checkpoint.callback",
+    "MemoryCheckpointIO": "lightning_ft.checkpoint.lightning.io",
+    "EmergencyCheckpoint": "lightning_ft.checkpoint.lightning.callback",
 }
 
 __all__ = ["SnapshotStore", "SnapshotInfo", "SnapshotError", "SnapshotIdentity", "ExpectedIdentity", *_LAZY]

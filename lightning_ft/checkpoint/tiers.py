@@ -7,10 +7,12 @@ plain values (``tests/test_checkpoint_tiers.py``).
 Vocabulary:
 
 * a *shard* is one rank's snapshot file of one step, copied verbatim to durable storage;
-* a *segment* is one stretch of training between two resumes, named by a random token rank 0
-  broadcasts when ``fit()`` starts. Shards of one step written by different segments (a step
-  trained again after a failure) are never combined into one durable step;
-* a durable step is *complete* when every rank ``0..world_size-1`` of one segment has a done
+* a *timeline* is one stretch of training between two resumes, named by a random token rank 0
+  broadcasts when ``fit()`` starts. Shards of one step written by different timelines (a step
+  trained again after a failure) are never combined into one durable step. On storage it is the
+  directory under a step and the field named ``segment`` of markers and manifests (the name
+  earlier versions gave it, kept so that what they wrote stays readable);
+* a durable step is *complete* when every rank ``0..world_size-1`` of one timeline has a done
   marker for it (written only after its shard was uploaded and verified); the job-level
   manifest of the step is written after that, and only manifests are read on resume.
 """
@@ -29,10 +31,10 @@ from lightning_ft.checkpoint.policy import steps_between_snapshots
 
 @dataclass(frozen=True)
 class ShardMarker:
-    """What a done marker says: this rank's shard of ``step`` (written by ``segment``) is durable."""
+    """What a done marker says: this rank's shard of ``step`` (written by ``timeline``) is durable."""
 
     step: int
-    segment: str
+    timeline: str
     rank: int
     world_size: int
     nbytes: int
@@ -42,34 +44,34 @@ class ShardMarker:
 
 @dataclass(frozen=True)
 class Completion:
-    """A durable step whose every shard is durable: the segment that wrote them and its world size."""
+    """A durable step whose every shard is durable: the timeline that wrote them and its world size."""
 
     step: int
-    segment: str
+    timeline: str
     world_size: int
     #: (rank, shard size in bytes, checksum), one per rank in rank order
     shards: tuple[tuple[int, int, str], ...]
 
 
 def complete_steps(markers: Iterable[ShardMarker]) -> dict[int, Completion]:
-    """Steps whose shards of one segment cover ranks ``0..W-1`` with one agreed world size ``W``.
+    """Steps whose shards of one timeline cover ranks ``0..W-1`` with one agreed world size ``W``.
 
-    Markers of different segments never combine (a step trained twice after a failure may hold
-    other bytes). When several segments completed the same step, the greatest segment token
+    Markers of different timelines never combine (a step trained twice after a failure may hold
+    other bytes). When several timelines completed the same step, the greatest timeline token
     wins, so every caller picks the same one.
     """
     groups: dict[tuple[int, str], dict[int, ShardMarker]] = {}
     for marker in markers:
-        groups.setdefault((marker.step, marker.segment), {})[marker.rank] = marker
+        groups.setdefault((marker.step, marker.timeline), {})[marker.rank] = marker
     result: dict[int, Completion] = {}
-    for (step, segment), by_rank in sorted(groups.items()):
+    for (step, timeline), by_rank in sorted(groups.items()):
         worlds = {m.world_size for m in by_rank.values()}
         if len(worlds) != 1:
             continue
         world = worlds.pop()
         if world < 1 or set(by_rank) != set(range(world)):
             continue
-        result[step] = Completion(step, segment, world,
+        result[step] = Completion(step, timeline, world,
                                   tuple((r, by_rank[r].nbytes, by_rank[r].checksum) for r in range(world)))
     return result
 
@@ -79,22 +81,22 @@ class RetentionPlan:
     """What to remove from durable storage, in this order: manifests first, then shard directories."""
 
     manifests: list[int] = field(default_factory=list)
-    #: whole step directories (every segment in them)
+    #: whole step directories (every timeline in them)
     step_dirs: list[int] = field(default_factory=list)
-    #: (step, segment) directories of kept steps that the step's manifest does not name
-    segment_dirs: list[tuple[int, str]] = field(default_factory=list)
+    #: (step, timeline) directories of kept steps that the step's manifest does not name
+    timeline_dirs: list[tuple[int, str]] = field(default_factory=list)
 
 
 def plan_durable_retention(manifests: Mapping[int, str], step_dirs: Iterable[int],
-                           segments_of_kept: Mapping[int, Iterable[str]], keep_last: int) -> RetentionPlan:
-    """Keep the newest ``keep_last`` complete steps (``manifests``: step -> segment) and what they name.
+                           timelines_of_kept: Mapping[int, Iterable[str]], keep_last: int) -> RetentionPlan:
+    """Keep the newest ``keep_last`` complete steps (``manifests``: step -> timeline) and what they name.
 
     * manifests beyond the newest ``keep_last`` go (never the newest one: ``keep_last >= 1``);
     * a step directory goes when it is older than the newest complete step and no kept manifest
       names it: a torn or abandoned upload (a rank killed mid-upload, a step of a timeline
       abandoned by a resume). Newer incomplete steps stay: their uploads may be in flight;
-    * in a kept step's directory, segments its manifest does not name go (the same step
-      uploaded by a segment that never completed it).
+    * in a kept step's directory, timelines its manifest does not name go (the same step
+      uploaded by a timeline that never completed it).
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -105,17 +107,17 @@ def plan_durable_retention(manifests: Mapping[int, str], step_dirs: Iterable[int
     newest = complete[-1]
     drop_manifests = [s for s in complete if s not in kept]
     drop_dirs = sorted(s for s in set(step_dirs) if s < newest and s not in kept)
-    drop_segments = sorted((s, seg) for s in kept for seg in segments_of_kept.get(s, ()) if seg != manifests[s])
-    return RetentionPlan(drop_manifests, drop_dirs, drop_segments)
+    drop_timelines = sorted((s, t) for s in kept for t in timelines_of_kept.get(s, ()) if t != manifests[s])
+    return RetentionPlan(drop_manifests, drop_dirs, drop_timelines)
 
 
-def abandoned_manifests(manifests: Mapping[int, str], resumed_step: int, current_segment: str) -> list[int]:
-    """Complete steps newer than the step training resumed from, written by another segment.
+def abandoned_manifests(manifests: Mapping[int, str], resumed_step: int, current_timeline: str) -> list[int]:
+    """Complete steps newer than the step training resumed from, written by another timeline.
 
     They belong to a timeline the job left (it resumed from an older state, e.g. an explicit
     ``ckpt_path``); keeping them would make the next restart jump onto that timeline.
     """
-    return sorted(s for s, seg in manifests.items() if s > resumed_step and seg != current_segment)
+    return sorted(s for s, t in manifests.items() if s > resumed_step and t != current_timeline)
 
 
 # ---------------------------------------------------------------------- resume: which tier

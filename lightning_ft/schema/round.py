@@ -85,7 +85,7 @@ def decode_progress(raw: bytes) -> Progress:
 
 # ---------------------------------------------------------------------------- replicas
 # Rank 0 publishes a copy of its newest snapshot for hot spares while too few participants
-# hold one (see lightning_ft.checkpoint.replication).
+# hold one (see lightning_ft.checkpoint.exchange.replication).
 
 REPLICA_META_KEY = "replica/meta"
 REPLICA_BLOB_KEY = "replica/blob"

@@ -38,9 +38,8 @@ from torch.distributed.elastic.utils import store as store_util
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer_reset import mark_finished
-from lightning_ft.checkpoint.callback import EmergencyCheckpoint
-from lightning_ft.checkpoint.replication import ReplicaPuller
-from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
+from lightning_ft.checkpoint.service import replica_puller
 from lightning_ft.events import names as ev
 from lightning_ft.deadlines import call_with_timeout, first_line
 from lightning_ft.process import destroy_process_group
@@ -245,14 +244,8 @@ class FaultTolerantLauncher(_Launcher):
         strategy = self._strategy
         settings = strategy.settings
         checkpoint = first_callback_of_type(self.run.trainer, EmergencyCheckpoint)
-
-        def open_snapshot_store() -> SnapshotStore | None:
-            if checkpoint is None:
-                return None
-            return SnapshotStore(checkpoint.root, checkpoint.run_id, 0, checkpoint.keep_last)
-
-        replicas = ReplicaPuller(settings.domain_id, settings.replication_factor, open_snapshot_store,
-                                 session.events.emit)
+        replicas = replica_puller(checkpoint.snapshots if checkpoint is not None else None, settings.domain_id,
+                                  settings.replication_factor, session.events.emit)
         monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys, signer=session.rendezvous.signer,
                                dead_after=session.rendezvous.settings.dead_after, open_round=session.open_round,
                                replicas=replicas, join_timeout=settings.timeouts.thread_stop_timeout)

@@ -1,7 +1,7 @@
 """The hot spare's monitor: a background thread while a spare waits in the rendezvous.
 
 It keeps a copy of the newest snapshot when the actives publish one for replication
-(:class:`~lightning_ft.checkpoint.replication.ReplicaPuller`), and opens the next round when
+(:class:`~lightning_ft.checkpoint.exchange.replication.ReplicaPuller`), and opens the next round when
 every active of the current round is silent -- survivors detect the loss of some of them
 themselves, but nobody would open the next round if all of them were gone. It uses a store
 connection of its own (``TCPStore.clone()``).
@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Callable
 
-from lightning_ft.checkpoint.replication import ReplicaPuller
+from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
 from lightning_ft.deadlines import BackgroundThread
 from lightning_ft.schema.round import decode_member, member_key
 from lightning_ft.schema.run import RunKeys

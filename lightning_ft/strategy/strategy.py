@@ -52,11 +52,9 @@ from lightning_ft._lightning.history import (
 from lightning_ft._lightning.names import STRATEGY_DESCRIPTION, STRATEGY_NAME
 from lightning_ft._lightning.slurm import install as install_slurm_compat
 from lightning_ft._logging import ensure_log_output
-from lightning_ft.checkpoint.callback import EmergencyCheckpoint
-from lightning_ft.checkpoint.replication import ReplicaPublisher
-from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher
+from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.tiers import DEFAULT_SNAPSHOT_OVERHEAD
-from lightning_ft.checkpoint.transfer import exchange_snapshots
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
 from lightning_ft.process import plan_exit
@@ -295,9 +293,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if checkpoint is None:
             return None
         round_id = self.round.round_id if self.round is not None else None
-        with SnapshotStore(checkpoint.root, checkpoint.run_id, self.global_rank, checkpoint.keep_last) as store:
-            plan = exchange_snapshots(store, self.global_rank, self.world_size,
-                                      lambda event, **f: self.event_log.emit(event, round=round_id, **f))
+        plan = checkpoint.snapshots.exchange(self.global_rank, self.world_size,
+                                             lambda event, **f: self.event_log.emit(event, round=round_id, **f))
         if self.round is not None and self.round.follows_a_failure and not checkpoint.auto_resume:
             log.info("ddp_ft: turning on EmergencyCheckpoint auto-resume to continue after the failure")
             checkpoint.auto_resume = True

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
-from lightning_ft.checkpoint.callback import EmergencyCheckpoint
+from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.events import names as ev
 from lightning_ft.health import HealthReport, NodeHealthCheck, ProbeResult
 from lightning_ft.deadlines import call_with_timeout

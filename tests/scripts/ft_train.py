@@ -113,9 +113,9 @@ def main() -> int:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     if args.background_copy_min_bytes is not None:
-        from lightning_ft.checkpoint import snapshot_format
+        from lightning_ft.checkpoint.memory import copying
 
-        snapshot_format.BACKGROUND_MIN_BYTES = args.background_copy_min_bytes
+        copying.BACKGROUND_MIN_BYTES = args.background_copy_min_bytes
     if args.step_sleep_requeued is not None and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) >= 1:
         args.step_sleep = args.step_sleep_requeued
     import faulthandler

@@ -5,49 +5,29 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import sys
 from typing import Any
 
-import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.pytorch.strategies import Strategy
 
+from lightning_ft._lightning.checkpointing import module_being_restored
 from lightning_ft._validation import require_number
 from lightning_ft.checkpoint.identity import ExpectedIdentity, identity_mismatch, state_dict_fingerprint
-from lightning_ft.checkpoint.policy import parse_mem_url, pick_disk_checkpoint
-from lightning_ft.checkpoint.durable import DurableTier, resolve_durable_settings
-from lightning_ft.checkpoint.resume import agree_across_tiers, bring_into_memory
-from lightning_ft.checkpoint.snapshot_format import SnapshotError
-from lightning_ft.checkpoint.store import (
+from lightning_ft.checkpoint.durable.settings import resolve_durable_settings
+from lightning_ft.checkpoint.durable.tier import DurableTier
+from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
+from lightning_ft.checkpoint.memory.format import SnapshotError
+from lightning_ft.checkpoint.memory.roots import (
     RUN_ID_ENV_VARS,
-    SnapshotStore,
     configured_run_id,
     current_rank,
     ensure_writable_root,
     resolve_root,
     resolve_run_id,
 )
+from lightning_ft.checkpoint.memory.store import SnapshotStore
+from lightning_ft.checkpoint.policy import parse_mem_url, pick_disk_checkpoint
 
 log = logging.getLogger(__name__)
-_CALLER_FRAMES = 8  # how far up the stack the restoring strategy is looked for
-
-
-def module_being_restored() -> torch.nn.Module | None:
-    """The LightningModule a checkpoint is being loaded for, or None outside a Trainer's restore.
-
-    Lightning calls ``CheckpointIO.load_checkpoint`` from ``Strategy.load_checkpoint`` without
-    saying for which model; the strategy a frame or two up the stack knows it. Used only to
-    refuse another model's snapshot with a clear message instead of a state_dict size mismatch.
-    """
-    frame = sys._getframe(1)
-    for _ in range(_CALLER_FRAMES):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Strategy):
-            return owner.lightning_module
-    return None
 
 
 class MemoryCheckpointIO(CheckpointIO):

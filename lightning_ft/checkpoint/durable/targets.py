@@ -1,8 +1,8 @@
 """Where durable copies go: a local/shared directory or an fsspec URL (``s3://bucket/prefix``).
 
 :class:`DurableTarget` is the whole I/O surface the durable tier needs (write a whole object
-atomically, read, size, list, delete); decisions live in :mod:`.tiers`. Paths given to a target
-are relative, ``/``-separated.
+atomically, read, size, list, delete); decisions live in :mod:`lightning_ft.checkpoint.tiers`.
+Paths given to a target are relative, ``/``-separated.
 
 * :class:`LocalDirTarget`: write to a temporary name in the same directory, ``fsync``, then
   ``rename`` (atomic within a directory) and ``fsync`` the directory, so a reader sees the
@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from lightning_ft.checkpoint.files import make_private_dir
+from lightning_ft.checkpoint.memory.files import make_private_dir
 
 ENV_PERSIST_STORAGE_OPTIONS = "LIGHTNING_FT_PERSIST_STORAGE_OPTIONS"
 

@@ -15,10 +15,11 @@ import logging
 import threading
 from typing import Any, Callable
 
-from lightning_ft.checkpoint import snapshot_format as fmt
-from lightning_ft.checkpoint.files import read_snapshot_bytes
+from lightning_ft.checkpoint.memory import format as fmt
+from lightning_ft.checkpoint.memory.files import read_snapshot_bytes
 from lightning_ft.checkpoint.policy import replica_needed, should_pull_replica
-from lightning_ft.checkpoint.store import SnapshotInfo, SnapshotStore
+from lightning_ft.checkpoint.memory.listing import SnapshotInfo
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.events import names as ev
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.schema.round import (

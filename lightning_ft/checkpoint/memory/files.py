@@ -1,6 +1,6 @@
 """The file layer of the snapshot store: safe file operations and the memory maps they use.
 
-:class:`~lightning_ft.checkpoint.store.SnapshotStore` decides what to write where; this module
+:class:`~lightning_ft.checkpoint.memory.store.SnapshotStore` decides what to write where; this module
 knows how a snapshot file is allocated (never a SIGBUS on a full tmpfs), mapped, recycled
 without re-faulting its pages, and mapped again for reading, and which directories and files
 may be trusted at all:
@@ -21,8 +21,8 @@ import os
 import stat
 from typing import Any
 
-from lightning_ft.checkpoint import snapshot_format as fmt
-from lightning_ft.checkpoint.snapshot_format import SnapshotError
+from lightning_ft.checkpoint.memory import format as fmt
+from lightning_ft.checkpoint.memory.format import SnapshotError
 
 log = logging.getLogger(__name__)
 
@@ -240,13 +240,23 @@ class WritableMaps:
         self._maps.clear()
 
 
-def delete_file(maps: WritableMaps, path: str) -> None:
-    """Remove ``path`` (and its map); a file already gone is fine."""
-    maps.forget(path)
+def unlink_quietly(path: str) -> None:
+    """Remove ``path``; a file already gone is fine."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def fmt_size(nbytes: int) -> str:
+    """``nbytes`` in MiB, for log lines."""
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def delete_file(maps: WritableMaps, path: str) -> None:
+    """Remove ``path`` (and its map); a file already gone is fine."""
+    maps.forget(path)
+    unlink_quietly(path)
 
 
 class ReadMap:

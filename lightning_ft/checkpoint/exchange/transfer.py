@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_ft.checkpoint.policy import TransferPlan, plan_snapshot_transfer
-from lightning_ft.checkpoint.resume import gather_steps
-from lightning_ft.checkpoint.store import SnapshotStore
+from lightning_ft.checkpoint.exchange.agreement import gather_steps
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.events import names as ev
 
 log = logging.getLogger(__name__)

@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from lightning_ft.checkpoint.identity import ExpectedIdentity
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.policy import choose_resume_step
-from lightning_ft.checkpoint.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import ResumeChoice, choose_resume_source
 
 if TYPE_CHECKING:
-    from lightning_ft.checkpoint.durable import DurableTier
+    from lightning_ft.checkpoint.durable.tier import DurableTier
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +52,6 @@ def agree_on_step(local_steps: Sequence[int], rank: int | None = None) -> int | 
     if len(per_rank) > 1:
         log.info("rank %s: snapshot steps readable per rank %s -> resume step %s", rank, per_rank, step)
     return step
-
-
-def agree_resume_step(store: SnapshotStore, include_peers: bool, expect: ExpectedIdentity | None = None) -> int | None:
-    """Newest step with an intact snapshot (fitting ``expect``) readable by every rank (None if there is none)."""
-    return agree_on_step(store.readable_steps(include_peers=include_peers, expect=expect), store.rank)
 
 
 def agree_across_tiers(local_steps: Sequence[int], durable: DurableTier | None, rank: int) -> ResumeChoice:

@@ -1,0 +1,392 @@
+"""The durable tier: committed snapshot files copied verbatim to a directory or object store.
+
+Layout under the target (``persist_to``)::
+
+    <run_id>/steps/step-<12 digits>/<timeline>/rank<R>.snap        one rank's shard (the snapshot file)
+    <run_id>/steps/step-<12 digits>/<timeline>/rank<R>.done.json   its done marker (written after verify)
+    <run_id>/manifests/step-<12 digits>.json                       the step is complete (written last)
+
+A timeline is one stretch of training between two resumes (:mod:`lightning_ft.checkpoint.tiers`);
+markers and manifests name it in their field ``segment``.
+
+Protocol (decisions in :mod:`lightning_ft.checkpoint.tiers`): each rank uploads its shard
+(temp name + rename, or one put), checks its size (an object store's is read back and checked
+against the snapshot's own checksums), then writes its done marker (rank, step, timeline, world
+size, bytes, the CRC-32 of the shard's snapshot header). Whoever then sees every rank's marker
+of one timeline writes the step's manifest; readers read only manifests, so a partial step is
+never seen. Retention (:func:`lightning_ft.checkpoint.tiers.plan_durable_retention`) keeps the
+newest ``keep_last`` complete steps and never removes what the newest manifest names.
+
+Shards are downloaded into the local snapshot root (``SnapshotStore.write_bytes``: format and
+run id checked) and then loaded by the ordinary verified loader (restricted unpickler).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_ft.checkpoint.durable.settings import DEFAULT_PERSIST_KEEP_LAST, DurableSettings
+from lightning_ft.checkpoint.durable.targets import DurableTarget, FileRanges, open_target
+from lightning_ft.checkpoint.memory import format as fmt
+from lightning_ft.checkpoint.memory.files import close_map, open_snapshot_file
+from lightning_ft.checkpoint.memory.listing import SnapshotInfo
+from lightning_ft.checkpoint.memory.store import SnapshotStore
+from lightning_ft.checkpoint.tiers import (
+    Completion,
+    abandoned_manifests,
+    ShardMarker,
+    bucket_delay,
+    complete_steps,
+    plan_durable_retention,
+    shard_rank_to_fetch,
+)
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 4 << 20
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_MANIFEST = re.compile(r"^step-(\d+)\.json$")
+_MARKER = re.compile(r"^rank(\d+)\.done\.json$")
+_CHECKSUM_KIND = "snapshot-crc32:"
+
+
+class UploadCancelled(Exception):
+    """An upload passed its deadline (the SIGTERM grace budget) and was abandoned (not durable)."""
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def shard_checksum(header: fmt.Header) -> str:
+    """A shard's checksum in markers and manifests: ``snapshot-crc32:<8 hex digits>``, the CRC-32
+    of its snapshot header's fields (stored in the header, :meth:`lightning_ft.checkpoint.memory.format.Header.crc`).
+
+    A shard is a snapshot file, which checks itself: the header's CRC covers the body's CRC
+    (identity, block-sum table, metadata), and the block sums cover the data. So the header's
+    CRC names one exact snapshot (step, creation time, sizes, content), and a shard is checked
+    against its manifest by comparing it and then verifying the whole file
+    (:func:`lightning_ft.checkpoint.memory.format.verify`, block sums at memory speed). An upload never reads the
+    data on the CPU: a CRC over the shard's bytes had been most of a direct upload's CPU and
+    memory traffic competing with training (benchmarks/RESULTS.md). Not a cryptographic digest
+    either way: markers and manifests are not signed, so it catches accidental damage only (a
+    torn, truncated, stale or misplaced upload, a flipped bit); what is loaded is read only by
+    the restricted unpickler.
+    """
+    return f"{_CHECKSUM_KIND}{header.crc():08x}"
+
+
+def _checked_checksum(raw: Any) -> str:
+    """A checksum read from a marker or manifest; another kind (an earlier build's) is unreadable."""
+    if not (isinstance(raw, str) and raw.startswith(_CHECKSUM_KIND)):
+        raise ValueError(f"checksum {raw!r} is not a {_CHECKSUM_KIND}... value")
+    return raw
+
+
+def marker_record(marker: ShardMarker) -> bytes:
+    """A done marker as stored: JSON whose timeline field is named ``segment`` (its name on storage)."""
+    return json.dumps({"step": marker.step, "segment": marker.timeline, "rank": marker.rank,
+                       "world_size": marker.world_size, "nbytes": marker.nbytes, "checksum": marker.checksum}).encode()
+
+
+def range_bytes(max_bytes_per_second: float | None) -> int:
+    """Bytes per upload range: 1/8 s at the bandwidth bound, at most CHUNK_BYTES, and a multiple
+    of 64 KiB so that a target can write every range but the last with direct I/O."""
+    if not max_bytes_per_second:
+        return CHUNK_BYTES
+    return max(1, min(CHUNK_BYTES, int(max_bytes_per_second / 8)) >> 16) << 16
+
+
+class _ShardSource(FileRanges):
+    """A committed snapshot file as the source of one upload: paced ranges of a read-only map.
+
+    Ranges are at most 1/8 s of the bandwidth bound in size (:func:`range_bytes`), paced by a
+    token bucket (a burst of one range). The bound is read before every range (``rate()``), so
+    a SIGTERM flush can lift it for an upload already running. The target copies the ranges (a
+    directory: direct writes from the map or ``sendfile``; fsspec: the mapped bytes); nothing
+    here reads the data.
+    """
+
+    def __init__(self, fd: int, nbytes: int, rate: Callable[[], float | None], deadline: float | None) -> None:
+        self.fd = fd
+        self.nbytes = nbytes
+        self.rate = rate
+        self.deadline = deadline
+        #: seconds spent waiting for the token bucket (the upload's time minus this: what it
+        #: takes unbounded, which the SIGTERM flush runs at)
+        self.paced_seconds = 0.0
+        self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self._view = memoryview(self._map)
+
+    def view(self, offset: int, length: int) -> memoryview:
+        return self._view[offset:offset + length]
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        offset = 0
+        chunk_bytes = range_bytes(self.rate())
+        tokens, last = float(chunk_bytes), time.monotonic()
+        while offset < self.nbytes:
+            n = min(chunk_bytes, self.nbytes - offset)
+            rate = self.rate()
+            if rate:
+                now = time.monotonic()
+                wait, tokens = bucket_delay(tokens, now - last, rate, float(chunk_bytes), n)
+                last = now + wait
+                if wait:
+                    time.sleep(wait)
+                    self.paced_seconds += wait
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise UploadCancelled(f"deadline passed after {offset} of {self.nbytes} bytes")
+            yield offset, n
+            offset += n
+
+    def close(self) -> None:
+        try:
+            self._view.release()
+        except BufferError:
+            pass  # a slice is still referenced somewhere; the map goes with the last reference
+        close_map(self._map)
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    """One shard made durable: its marker exists; ``complete`` if this rank then saw every marker."""
+
+    step: int
+    nbytes: int
+    seconds: float
+    complete: bool
+    #: of ``seconds``, the time the bandwidth bound made the upload wait
+    paced_seconds: float = 0.0
+
+    @property
+    def unbounded_bytes_per_second(self) -> float:
+        """The rate this upload would have had without the bandwidth bound."""
+        return self.nbytes / max(self.seconds - self.paced_seconds, 1e-6)
+
+
+class DurableTier:
+    """The durable copies of one run: upload a shard, publish complete steps, list, fetch, prune.
+
+    Thread safe for one uploader plus readers (every method works on the target only).
+    """
+
+    def __init__(self, target: DurableTarget, run_id: str, keep_last: int = DEFAULT_PERSIST_KEEP_LAST,
+                 max_bytes_per_second: float | None = None) -> None:
+        self.target = target
+        self.run_id = run_id
+        self.keep_last = keep_last
+        self.max_bytes_per_second = max_bytes_per_second
+        #: (step, time.monotonic()) of the last manifest this process wrote: when a step became durable
+        self.last_published: tuple[int, float] | None = None
+
+    @classmethod
+    def from_settings(cls, settings: DurableSettings, run_id: str) -> DurableTier:
+        return cls(open_target(settings.url, settings.storage_options), run_id, settings.keep_last,
+                   settings.max_bytes_per_second)
+
+    # ------------------------------------------------------------------ paths
+    def _timeline_dir(self, step: int, timeline: str) -> str:
+        return f"{self.run_id}/steps/{_step_name(step)}/{timeline}"
+
+    def shard_path(self, step: int, timeline: str, rank: int) -> str:
+        return f"{self._timeline_dir(step, timeline)}/rank{rank}.snap"
+
+    def marker_path(self, step: int, timeline: str, rank: int) -> str:
+        return f"{self._timeline_dir(step, timeline)}/rank{rank}.done.json"
+
+    def manifest_path(self, step: int) -> str:
+        return f"{self.run_id}/manifests/{_step_name(step)}.json"
+
+    # ------------------------------------------------------------------ writing
+    def upload(self, info: SnapshotInfo, timeline: str, world_size: int, deadline: float | None = None,
+               fd: int | None = None, rate: Callable[[], float | None] | None = None) -> UploadResult:
+        """Copy the committed snapshot file ``info`` verbatim as this rank's shard, verify, mark done,
+        and publish the step's manifest when every rank's marker is there.
+
+        The caller keeps the file from being overwritten meanwhile (``SnapshotStore.hold``); ``fd``:
+        the file opened beforehand (then it may be pruned meanwhile; closed here); ``rate``: the
+        bandwidth bound in bytes/s, asked before every range (None from it: unbounded; default:
+        this tier's ``max_bytes_per_second``). Raises UploadCancelled past ``deadline``
+        (time.monotonic()), OSError/SnapshotError otherwise; then no marker is written and the
+        step is not durable.
+        """
+        start = time.monotonic()
+        if fd is None:
+            fd, st = open_snapshot_file(info.path, for_write=False)
+        else:
+            st = os.fstat(fd)
+        try:
+            header = fmt.Header.unpack(os.pread(fd, fmt.HEADER_SIZE, 0))
+            if header.step != info.step:
+                raise fmt.SnapshotError(f"{info.path} holds step {header.step}, not {info.step} (recycled)")
+            nbytes = header.file_size
+            if st.st_size < nbytes:
+                raise fmt.SnapshotError(f"{info.path} is shorter than its header says")
+            checksum = shard_checksum(header)
+            source = _ShardSource(fd, nbytes, rate or (lambda: self.max_bytes_per_second), deadline)
+            shard = self.shard_path(info.step, timeline, info.rank)
+            try:
+                self.target.write(shard, source)
+            finally:
+                source.close()
+            paced = source.paced_seconds
+        finally:
+            os.close(fd)
+        self._verify(shard, nbytes, checksum, read_back=self.target.read_back_verifies)
+        marker = ShardMarker(info.step, timeline, info.rank, world_size, nbytes, checksum)
+        self.target.write(self.marker_path(info.step, timeline, info.rank), [marker_record(marker)])
+        seconds = time.monotonic() - start
+        complete = self.publish_if_complete(info.step, timeline)
+        return UploadResult(info.step, nbytes, seconds, complete, paced)
+
+    def _verify(self, path: str, nbytes: int, checksum: str, read_back: bool) -> None:
+        size = self.target.size(path)
+        if size != nbytes:
+            raise OSError(f"{self.target.describe(path)} has {size} bytes after the upload, expected {nbytes}")
+        if not read_back:
+            return
+        try:
+            header = fmt.verify_chunks(self.target.read_chunks(path, CHUNK_BYTES), nbytes)
+        except fmt.SnapshotError as exc:
+            raise OSError(f"{self.target.describe(path)}: damaged when read back after the upload: {exc}") from None
+        if shard_checksum(header) != checksum:
+            raise OSError(f"{self.target.describe(path)}: read back as another snapshot than was uploaded")
+
+    def _json_records(self, directory: str, pattern: re.Pattern, what: str,
+                      parse: Callable[[dict], Any]) -> Iterator[tuple[re.Match, Any]]:
+        """(name match, parsed record) of every JSON file in ``directory`` whose name matches
+        ``pattern``; one that cannot be read or parsed is logged and skipped (never trusted)."""
+        for name in self.target.list(directory):
+            m = pattern.match(name)
+            if not m:
+                continue
+            path = f"{directory}/{name}"
+            try:
+                yield m, parse(json.loads(self.target.read(path)))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring durable %s %s: %s", what, self.target.describe(path), exc)
+
+    def markers(self, step: int, timeline: str) -> list[ShardMarker]:
+        """The valid done markers of one (step, timeline); unreadable ones are ignored."""
+        def parse(raw: dict) -> ShardMarker:
+            return ShardMarker(int(raw["step"]), str(raw["segment"]), int(raw["rank"]), int(raw["world_size"]),
+                               int(raw["nbytes"]), _checked_checksum(raw["checksum"]))
+
+        return [marker for m, marker in self._json_records(self._timeline_dir(step, timeline), _MARKER, "marker", parse)
+                if (marker.step, marker.timeline, marker.rank) == (step, timeline, int(m.group(1)))]
+
+    def publish_if_complete(self, step: int, timeline: str) -> bool:
+        """Write the manifest of ``step`` if every rank of ``timeline`` has its marker; then apply retention."""
+        completion = complete_steps(self.markers(step, timeline)).get(step)
+        if completion is None:
+            return False
+        body = {"step": step, "segment": timeline, "world_size": completion.world_size, "run_id": self.run_id,
+                "shards": [{"rank": r, "nbytes": n, "checksum": c} for r, n, c in completion.shards]}
+        # every rank that sees completion writes the same bytes: a race between them is harmless
+        self.target.write(self.manifest_path(step), [json.dumps(body, sort_keys=True).encode()])
+        self.last_published = (step, time.monotonic())
+        log.debug("durable: step %d complete (%d shards of segment %s) -> %s", step, completion.world_size, timeline,
+                 self.target.describe(self.manifest_path(step)))
+        self.apply_retention()
+        return True
+
+    # ------------------------------------------------------------------ reading
+    def complete(self) -> dict[int, Completion]:
+        """Complete durable steps by step, read from the manifests only (unreadable ones ignored)."""
+        def parse(raw: dict) -> Completion:
+            shards = tuple((int(s["rank"]), int(s["nbytes"]), _checked_checksum(s["checksum"])) for s in raw["shards"])
+            return Completion(int(raw["step"]), str(raw["segment"]), int(raw["world_size"]), shards)
+
+        result = {}
+        for m, completion in self._json_records(f"{self.run_id}/manifests", _MANIFEST, "manifest", parse):
+            ranks = [shard[0] for shard in completion.shards]
+            if completion.step == int(m.group(1)) and ranks == list(range(completion.world_size)):
+                result[completion.step] = completion
+        return result
+
+    def complete_steps(self, attempts: int = 3) -> list[int] | None:
+        """Complete durable steps, ascending; None when the target cannot be listed (after
+        ``attempts`` tries half a second apart; logged): unknown is not "nothing there"."""
+        listed = self._complete_or_unknown(attempts)
+        return None if listed is None else sorted(listed)
+
+    def _complete_or_unknown(self, attempts: int) -> dict[int, Completion] | None:
+        """:meth:`complete`, tried ``attempts`` times half a second apart; None (logged) when it cannot be listed."""
+        for attempt in range(attempts):
+            try:
+                return self.complete()
+            except OSError as exc:
+                log.warning("durable storage %s cannot be listed (attempt %d of %d): %s", self.target.url,
+                            attempt + 1, attempts, exc)
+                if attempt + 1 < attempts:
+                    time.sleep(0.5)
+        return None
+
+    def fetch_into(self, step: int, rank: int, store: SnapshotStore) -> SnapshotInfo:
+        """Download the shard of ``step`` this rank needs, check size and checksum against the manifest,
+        and commit it into ``store`` (which checks the format and run id)."""
+        completion = self.complete().get(step)
+        if completion is None:
+            raise FileNotFoundError(f"no complete durable step {step} under {self.target.describe(self.run_id)}")
+        source = shard_rank_to_fetch(rank, completion.world_size)
+        _, nbytes, checksum = completion.shards[source]
+        path = self.shard_path(step, completion.timeline, source)
+        start = time.monotonic()
+        blob = self.target.read(path)
+        try:
+            if len(blob) != nbytes or shard_checksum(fmt.Header.unpack(blob)) != checksum:
+                raise fmt.SnapshotError("size or header checksum")
+            info = store.write_bytes(blob)  # verifies the whole file (block sums) and the run id
+        except fmt.SnapshotError as exc:
+            raise fmt.SnapshotError(f"{self.target.describe(path)} does not match its manifest: {exc}") from None
+        log.info("rank %d: downloaded durable step %d (rank %d's shard, %.1f MiB) in %.2f s from %s", rank, step,
+                 source, nbytes / 2**20, time.monotonic() - start, self.target.describe(path))
+        return info
+
+    # ------------------------------------------------------------------ pruning
+    def apply_retention(self) -> None:
+        """Remove what :func:`lightning_ft.checkpoint.tiers.plan_durable_retention` says (manifests first,
+        then shards)."""
+        try:
+            completions = self.complete()
+            manifests = {step: c.timeline for step, c in completions.items()}
+            step_dirs = [int(m.group(1)) for m in map(_STEP_DIR.match, self.target.list(f"{self.run_id}/steps")) if m]
+            kept = sorted(manifests)[-self.keep_last:]
+            timelines = {s: self.target.list(f"{self.run_id}/steps/{_step_name(s)}") for s in kept}
+            plan = plan_durable_retention(manifests, step_dirs, timelines, self.keep_last)
+            for step in plan.manifests:
+                self.target.delete(self.manifest_path(step))
+            for step in plan.step_dirs:
+                self.target.delete(f"{self.run_id}/steps/{_step_name(step)}")
+            for step, timeline in plan.timeline_dirs:
+                self.target.delete(self._timeline_dir(step, timeline))
+        except OSError as exc:
+            log.warning("durable retention under %s failed (retried after the next upload): %s", self.target.url, exc)
+
+    def drop_abandoned(self, resumed_step: int, timeline: str, attempts: int = 3) -> list[int]:
+        """Training (re)starts at ``resumed_step`` in ``timeline``: remove the manifests of the
+        steps :func:`lightning_ft.checkpoint.tiers.abandoned_manifests` names (newer, written by
+        another timeline); returns them. Nothing when the storage cannot be listed (see
+        :meth:`complete_steps`)."""
+        listed = self._complete_or_unknown(attempts)
+        if listed is None:
+            return []
+        steps = abandoned_manifests({step: c.timeline for step, c in listed.items()}, resumed_step, timeline)
+        self.drop_manifests(steps)
+        return steps
+
+    def drop_manifests(self, steps: list[int]) -> None:
+        """Remove manifests (steps of an abandoned timeline); their shards go with retention."""
+        for step in steps:
+            self.target.delete(self.manifest_path(step))
+            log.info("durable: removed manifest of step %d (a timeline this job left)", step)

@@ -1,0 +1,109 @@
+"""Auto-resume of ``EmergencyCheckpoint``: on ``fit()``, the newest snapshot every rank can get
+(memory or durable) replaces an older checkpoint the user passed, or none."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from lightning_ft._lightning.checkpointing import loaded_global_step, requested_ckpt_path, restore_from
+from lightning_ft.checkpoint.durable.tier import DurableTier
+from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
+from lightning_ft.checkpoint.identity import state_dict_fingerprint
+from lightning_ft.checkpoint.memory.listing import SnapshotInfo
+from lightning_ft.checkpoint.memory.store import SnapshotStore
+from lightning_ft.checkpoint.policy import parse_mem_url
+
+log = logging.getLogger(__name__)
+
+_SKIPPED_SHOWN = 3  # skipped snapshots named in the auto-resume warning
+
+
+def skipped_snapshots_message(rank: int, skipped: list[tuple[SnapshotInfo, str]], outcome: str) -> str:
+    """The auto-resume warning for snapshots of another job or model: which, why, and what happens instead."""
+    shown = "; ".join(f"step {info.step} ({info.path}): {why}" for info, why in skipped[:_SKIPPED_SHOWN])
+    more = f" (and {len(skipped) - _SKIPPED_SHOWN} more)" if len(skipped) > _SKIPPED_SHOWN else ""
+    return f"rank {rank}: auto-resume skipped snapshots of another job or model: {shown}{more}. {outcome}"
+
+
+def replicated(trainer: pl.Trainer) -> bool:
+    """Whether every rank's checkpoint holds the whole state (single device, DDP), so a rank may
+    resume from any rank's snapshot."""
+    strategy = trainer.strategy
+    return isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)) and not strategy.restore_checkpoint_after_setup
+
+
+class AutoResume:
+    """Where the last ``fit()`` resumed from, and the resume itself (:meth:`run`, at ``on_fit_start``)."""
+
+    def __init__(self) -> None:
+        #: (step, wall-clock time it was taken) of the snapshot the last fit() resumed from
+        self.resumed_from: tuple[int, float] | None = None
+        #: the tier the last fit() resumed from ("memory", "durable") and why
+        self.resumed_tier: tuple[str, str] | None = None
+        # newer durable steps may be dropped as an abandoned timeline only when every rank could list them
+        self.durable_listed_everywhere = False
+
+    def reset(self) -> None:
+        """A new ``fit()`` begins: nothing resumed yet."""
+        self.resumed_from = None
+        self.resumed_tier = None
+        self.durable_listed_everywhere = False
+
+    def run(self, trainer: pl.Trainer, store: SnapshotStore, durable: DurableTier | None) -> None:
+        """Resume from the newest snapshot of this run and model every rank can get, when it is
+        newer than what ``fit()`` restored (collective: every rank calls it in ``on_fit_start``).
+
+        How: :func:`~lightning_ft._lightning.checkpointing.restore_from` replaces the checkpoint
+        Lightning restored; Lightning's own code restores the rest right after on_fit_start.
+        """
+        # Why not elsewhere: no callback hook runs before fit() resolves ckpt_path, so setting
+        # trainer.ckpt_path from a hook is too late; in `setup` the user's choice is not yet
+        # known (it is a local of Trainer._run) and pre-filling _loaded_checkpoint there would
+        # rely on resume_start(None) happening to leave it untouched. Here we know what the
+        # user's checkpoint contained and can keep it when it is newer. The process group is
+        # up and every rank runs this hook, so the rank agreement (one all_gather) is safe.
+        if not replicated(trainer):
+            return
+        given = requested_ckpt_path(trainer)
+        if parse_mem_url(given) is not None:
+            return  # already restored from a snapshot by MemoryCheckpointIO
+        # Only this job's snapshots of this model: the run id, and the parameter names and shapes
+        # of the module as it is now (after configure_model and the precision plugin's cast).
+        expect = store.expected_identity(model=state_dict_fingerprint(trainer.lightning_module.state_dict()))
+        if store.configured_run_id is None:
+            local, skipped = [], []  # every rank still joins the agreement below
+            log.info("rank %d: not resuming from snapshots: no run id is set", store.rank)
+        else:
+            scan = store.scan(include_peers=True, expect=expect)
+            local, skipped = scan.readable, scan.foreign
+        choice = agree_across_tiers(local, durable, store.rank)
+        self.durable_listed_everywhere = choice.durable_listed_everywhere
+        step = choice.step
+        loaded_step = loaded_global_step(trainer)
+        resumes = step is not None and (loaded_step is None or loaded_step < step)
+        if skipped:
+            outcome = (f"Resuming from this run's step {step} instead." if resumes else
+                       f"Using ckpt_path={given} instead." if given else "Starting fresh.")
+            log.warning(skipped_snapshots_message(store.rank, skipped, outcome))
+        if step is None:
+            log.info("rank %d: no snapshot of run %r to resume from%s", store.rank, store.run_id,
+                     f"; using ckpt_path={given}" if given else "; starting fresh")
+            return
+        if not resumes:
+            log.info("rank %d: keeping ckpt_path=%s (step %d); newest snapshot is step %d",
+                     store.rank, given, loaded_step, step)
+            return
+        bring_into_memory(choice, durable, store)
+        self.resumed_tier = (choice.tier, choice.reason)
+        info = store.find(step, include_peers=True, expect=expect)
+        if info is None:
+            raise RuntimeError(f"rank {store.rank}: snapshot at step {step} vanished or broke after the ranks "
+                               f"agreed on it (run {store.run_id!r}, {store.run_dir})")
+        checkpoint = store.load(info, expect=expect)
+        self.resumed_from = (step, store.created(info))
+        restore_from(trainer, checkpoint, f"mem://{step}")
+        log.info("rank %d: auto-resume from snapshot step %d (rank %d's copy)%s", store.rank, step, info.rank,
+                 f", newer than ckpt_path={given} (step {loaded_step})" if given else "")

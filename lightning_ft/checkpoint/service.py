@@ -1,0 +1,58 @@
+"""The snapshot service: what the code around training (the strategy, a hot spare waiting in the
+rendezvous) does with a run's snapshots, so that it never builds a ``SnapshotStore`` itself.
+
+Obtained from the ``EmergencyCheckpoint`` of the Trainer (``checkpoint.snapshots``); imports no
+Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
+from lightning_ft.checkpoint.exchange.transfer import exchange_snapshots
+from lightning_ft.checkpoint.memory.store import SnapshotStore
+from lightning_ft.checkpoint.policy import TransferPlan
+
+
+class SnapshotService:
+    """The snapshots of one run on this host (``<root>/<run_id>``, ``keep_last`` per rank).
+
+    ``run_id`` is what ``EmergencyCheckpoint.run_id`` holds: the configured run id, or
+    ``"default"`` without one. The stores built here then take ``"default"`` as their run id,
+    so the snapshots of a run without a run id (which record none) are neither exchanged nor
+    kept as replicas, as they are never resumed either.
+
+    A store is built only when one is needed (building one checks the directories and removes
+    the temp files of writers that are gone).
+    """
+
+    def __init__(self, root: str, run_id: str, keep_last: int) -> None:
+        self.root = root
+        self.run_id = run_id
+        self.keep_last = keep_last
+
+    def open_store_for(self, rank: int) -> SnapshotStore:
+        """A store of ``rank``'s directory of this run (the caller closes it; a context manager)."""
+        return SnapshotStore(self.root, self.run_id, rank, self.keep_last)
+
+    def exchange(self, rank: int, world_size: int, emit: Callable[..., None]) -> TransferPlan | None:
+        """After a round formed: make the newest snapshot any rank holds available on every rank
+        (collective over the default group; see
+        :func:`~lightning_ft.checkpoint.exchange.transfer.exchange_snapshots`). ``emit(event,
+        **fields)`` records the plan, sends and receipts. Returns the plan (None: no rank holds
+        a snapshot); its step is where training resumes."""
+        with self.open_store_for(rank) as store:
+            return exchange_snapshots(store, rank, world_size, emit)
+
+
+def replica_puller(service: SnapshotService | None, domain_id: str, replication_factor: int,
+                   emit: Callable[..., None]) -> ReplicaPuller:
+    """A hot spare's :class:`~lightning_ft.checkpoint.exchange.replication.ReplicaPuller`: the
+    copies it keeps go into rank 0's directory of ``service``'s run (a spare has no rank yet; the
+    next round's exchange finds a copy in any rank directory of the host). ``service`` None (no
+    ``EmergencyCheckpoint``): the spare keeps no copies."""
+    def open_snapshot_store() -> SnapshotStore | None:
+        return service.open_store_for(0) if service is not None else None
+
+    return ReplicaPuller(domain_id, replication_factor, open_snapshot_store, emit)
