@@ -32,10 +32,11 @@ test itself accepts in more than one form (e.g. 143 or 81) has ``"one_of"``: a l
 any of which matches; an option without ``"events"`` compares the exit code only (an outcome
 the test accepts but no run was seen to take); ``"rounds_opened": {"one_of": [...]}`` likewise. ``"ignore": {"name": "reason"}`` leaves a process
 out that is no participant of the job and whose end is timing (the forger of the trust tests,
-which runs until its store is gone). A test left out on purpose has ``"skip": "reason"``.
+which runs until its store is gone). ``"note"`` says why an entry has alternatives. A test left
+out on purpose has ``"skip": "reason"``.
 A test that makes a ``Cluster`` and has no record fails, saying how to record it.
 
-Regenerate after a deliberate change (``"names"``, ``"ignore"``, ``"skip"`` and ``"one_of"``
+Regenerate after a deliberate change (``"names"``, ``"ignore"``, ``"note"``, ``"skip"`` and ``"one_of"``
 alternatives the new record still matches are kept; review the diff of the JSON file like code)::
 
     LIGHTNING_FT_UPDATE_CHARACTERIZATION=1 python -m pytest -n 2 tests/test_fault_matrix.py ...
@@ -284,8 +285,8 @@ def differences(entry: dict, got: dict) -> list[str]:
     lines: list[str] = []
     rounds = entry.get("rounds_opened", [])
     if got["rounds_opened"] not in (rounds["one_of"] if isinstance(rounds, dict) else [rounds]):
-        expected = " or ".join(map(str, rounds["one_of"])) if isinstance(rounds, dict) else rounds
-        lines.append(f"rounds opened: expected {expected}, got {got['rounds_opened']}")
+        wanted = " or ".join(map(str, rounds["one_of"])) if isinstance(rounds, dict) else rounds
+        lines.append(f"rounds opened: expected {wanted}, got {got['rounds_opened']}")
     ignored = entry.get("ignore", {})
     expected: dict[str, dict] = entry["participants"]
     seen: dict[str, dict] = {key: record for key, record in got["participants"].items() if key not in ignored}
@@ -344,8 +345,8 @@ def _updated_entry(old: dict | None, got: dict) -> dict:
     rounds = old.get("rounds_opened")
     if not (isinstance(rounds, dict) and got["rounds_opened"] in rounds["one_of"]):
         rounds = got["rounds_opened"]
-    return {"names": names, **({"ignore": ignored} if ignored else {}), "participants": participants,
-            "rounds_opened": rounds}
+    return {**({"note": old["note"]} if "note" in old else {}), "names": names,
+            **({"ignore": ignored} if ignored else {}), "participants": participants, "rounds_opened": rounds}
 
 
 def store(key: str, got: dict) -> None:

@@ -74,7 +74,8 @@ def test_every_record_is_well_formed():
         if "skip" in entry:
             assert isinstance(entry["skip"], str) and entry["skip"], key
             continue
-        assert set(entry) <= {"names", "ignore", "participants", "rounds_opened"}, key
+        assert set(entry) <= {"note", "names", "ignore", "participants", "rounds_opened"}, key
+        assert isinstance(entry.get("note", ""), str), key
         assert all(isinstance(reason, str) and reason for reason in entry.get("ignore", {}).values()), key
         assert isinstance(entry["names"], bool) and entry["participants"], key
         rounds = entry["rounds_opened"]
