@@ -8,6 +8,7 @@ import pytest
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+import characterization  # noqa: E402
 from proc_utils import ProcessSet, free_port  # noqa: E402
 
 
@@ -37,6 +38,16 @@ def pytest_collection_modifyitems(config, items):
         return 10 if item.get_closest_marker("multiprocess") else 20
 
     items.sort(key=rank)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """After a test that made a ``Cluster`` passed: its participants' exit codes and decisions
+    against tests/characterization.json (tests/characterization.py); a difference fails it."""
+    characterization.ft_cluster.CREATED.clear()
+    result = yield
+    characterization.check(item.nodeid, list(characterization.ft_cluster.CREATED))
+    return result
 
 
 @pytest.fixture

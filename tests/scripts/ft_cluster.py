@@ -22,6 +22,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "ft_train.py")
 #: how long processes may take to start and train their first step (imports on a loaded machine)
 STARTUP_ALLOWANCE = 60.0
+#: every Cluster made in this process, in order: the characterization record
+#: (tests/characterization.py) reads those a test made; the tests clear it before each test
+CREATED: list["Cluster"] = []
 
 
 def free_port() -> int:
@@ -55,6 +58,11 @@ class Cluster:
     run_id: str = "ft-test"
     port: int = field(default_factory=free_port)
     procs: dict[str, Any] = field(default_factory=dict)
+    #: name -> store process started by :meth:`start_store` (not a participant)
+    stores: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        CREATED.append(self)
 
     @property
     def out(self) -> Path:
@@ -71,6 +79,7 @@ class Cluster:
         proc = self.launcher.start(name, [sys.executable, "-m", "lightning_ft.cli", "store", "--host", "127.0.0.1",
                                           "--port", str(self.port), *scope, "--grace-timeout", "5"],
                                    env=base_env(**env))
+        self.stores[name] = proc
         deadline = time.monotonic() + 30
         while "listening" not in proc.log():
             if proc.popen.poll() is not None or time.monotonic() > deadline:
