@@ -49,7 +49,8 @@ def _torchrun(processes, name: str, root: Path, max_steps: int, mode: str):
     result_dir.mkdir()
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             HELPERS, "ddp", str(root), "ddp-run", str(max_steps), mode, str(result_dir)]
-    env = child_env(OMP_NUM_THREADS="1", LIGHTNING_FT_RUN_ID="ignored-explicit-run-id-wins")
+    env = child_env(OMP_NUM_THREADS="1")  # the explicit run id names the run (one that contradicted
+    # LIGHTNING_FT_RUN_ID would be refused: tests/test_settings.py)
     proc = processes.start(name, argv, env=env)
     try:
         code = proc.popen.wait(timeout=90)

@@ -296,7 +296,11 @@ def test_run_id_scoping(tmp_path, monkeypatch):
     assert resolve_run_id() == "te"
     monkeypatch.setenv("LIGHTNING_FT_RUN_ID", "mine/../x")
     assert resolve_run_id() == "mine_.._x"  # never escapes the root
+    with pytest.raises(ValueError, match="contradictory settings: run_id='explicit' but LIGHTNING_FT_RUN_ID"):
+        resolve_run_id("explicit")  # one resolver for every entry point: a contradiction is an error
+    monkeypatch.delenv("LIGHTNING_FT_RUN_ID")
     assert resolve_run_id("explicit") == "explicit"
+    monkeypatch.setenv("LIGHTNING_FT_RUN_ID", "mine/../x")
     monkeypatch.setenv("LIGHTNING_FT_SNAPSHOT_DIR", str(tmp_path / "env-root"))
     assert resolve_root() == str(tmp_path / "env-root")
     assert SnapshotStore(rank=0).run_dir == str(tmp_path / "env-root" / "mine_.._x")

@@ -160,8 +160,9 @@ def test_daly_interval_and_the_durable_default():
     # C = 1 s, M = 4 h: Young's sqrt(2CM) = 169.7 s; Daly's higher-order terms and "- C" give 169.0 s
     assert daly_interval_seconds(1.0, 14400) == pytest.approx(169.04, abs=0.01)
     assert daly_interval_seconds(100.0, 10.0) == 200.0  # C >= 2M: M, but never below 2C
-    assert DurableSettings("x", mtbf_seconds=14400).interval_seconds(1.0) == daly_interval_seconds(1.0, 14400)
-    assert DurableSettings("x", every_n_seconds=5.0).interval_seconds(1.0) == 5.0
+    daly = daly_interval_seconds(1.0, 14400)
+    assert DurableSettings(persist_to="x", persist_mtbf_seconds=14400).interval_seconds(1.0) == daly
+    assert DurableSettings(persist_to="x", persist_every_n_seconds=5.0).interval_seconds(1.0) == 5.0
     assert durable_copy_seconds(2**30, None, 512 * 2**20) == pytest.approx(2.0)  # the bound until measured
     assert durable_copy_seconds(2**30, 2**29, 512 * 2**20) == pytest.approx(2.0)
     assert durable_copy_seconds(2**30, None, None) == pytest.approx(1.0)

@@ -121,3 +121,41 @@ def test_strategy_arguments_that_are_no_setting_are_named_not_handed_to_ddp():
     assert given == {"replication_factor": 2} and ddp == {"find_unused_parameters": True}
     with pytest.raises(StrategyConfigError, match="'replicaton_factor' \\(did you mean 'replication_factor'\\?\\)"):
         split_strategy_kwargs({"replicaton_factor": 2})
+
+
+def test_every_snapshot_and_persist_setting_is_a_strategy_argument(tmp_path, monkeypatch):
+    """The strategy's snapshot_* and persist_* settings configure the EmergencyCheckpoint it adds;
+    with one of the user's own they are an error, and the user's takes the strategy's run id."""
+    from types import SimpleNamespace
+
+    from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
+    from lightning_ft.strategy.launcher import add_default_callbacks
+    from lightning_ft.strategy.settings import StrategyConfigError, resolve_settings
+
+    for key in ("LIGHTNING_FT_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "LIGHTNING_FT_PERSIST_TO"):
+        monkeypatch.delenv(key, raising=False)
+    env = {"LIGHTNING_FT_ENDPOINT": "h:1", "LIGHTNING_FT_NNODES": "2:3"}
+    settings = resolve_settings(env, run_id="job", snapshot_every_n_steps=7, snapshot_root=str(tmp_path / "shm"),
+                                persist_to=str(tmp_path / "durable"), persist_keep_last=3, graceful_termination=False)
+    trainer = SimpleNamespace(callbacks=[])
+    add_default_callbacks(trainer, settings)
+    (added,) = trainer.callbacks
+    assert isinstance(added, EmergencyCheckpoint)
+    assert (added.every_n_steps, added.root, added.run_id) == (7, str(tmp_path / "shm"), "job")
+    assert added.durable_settings.persist_to == str(tmp_path / "durable")
+    assert added.durable_settings.keep_last == 3 and added.max_overhead == 0.005
+
+    own = EmergencyCheckpoint(every_n_steps=3, root=str(tmp_path / "own"))
+    assert own.run_id == "default"  # nothing in the environment names the run
+    add_default_callbacks(SimpleNamespace(callbacks=[own]), resolve_settings(env, run_id="job"))
+    assert own.run_id == "job"  # one run id for the strategy and its snapshots
+    with pytest.raises(StrategyConfigError, match="persist_keep_last, persist_to, snapshot_every_n_steps, "
+                                                  "snapshot_root configure the EmergencyCheckpoint"):
+        add_default_callbacks(SimpleNamespace(callbacks=[own]), settings)
+    with pytest.raises(ValueError, match="run_id='mine' but the strategy's run id is 'job'"):
+        EmergencyCheckpoint(root=str(tmp_path / "own"), run_id="mine").adopt_run_id("job")
+
+
+def test_none_given_for_a_setting_whose_default_was_overridden_is_a_value():
+    assert load(Outer, {"target": None}, env={}, defaults={"target": "/d"}).target is None
+    assert load(Outer, {}, env={}, defaults={"target": "/d"}).target == "/d"

@@ -142,6 +142,7 @@ def _settings_documented_in(page: str, kind: type) -> list[str]:
 @pytest.mark.parametrize("page, kind", [
     ("strategy.md", "lightning_ft.strategy.settings:StrategySettings"),
     ("torchrun.md", "lightning_ft.rendezvous.settings:TorchrunConfig"),
+    ("snapshots.md", "lightning_ft.checkpoint.settings:SnapshotSettings"),
     ("sigterm.md", "lightning_ft.termination.settings:TerminationSettings"),
     ("sigterm.md", "lightning_ft.health.settings:HealthSettings"),
 ])

@@ -10,6 +10,7 @@ from lightning_ft.settings.fields import markdown_table
 TABLES = {
     "docs/strategy.md": ["lightning_ft.strategy.settings:StrategySettings"],
     "docs/torchrun.md": ["lightning_ft.rendezvous.settings:TorchrunConfig"],
+    "docs/snapshots.md": ["lightning_ft.checkpoint.settings:SnapshotSettings"],
     "docs/sigterm.md": ["lightning_ft.termination.settings:TerminationSettings",
                         "lightning_ft.health.settings:HealthSettings"],
 }

@@ -166,6 +166,20 @@ def describe(kind: type, prefix: str = "", exclude: tuple[str, ...] = ()) -> lis
     return found
 
 
+def setting_values(settings: Any, prefix: str = "", exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A settings object as the keyword arguments that :func:`load` would build it from."""
+    values: dict[str, Any] = {}
+    for name, item in _fields(type(settings)):
+        if name in exclude:
+            continue
+        meta = item.metadata
+        if "group" in meta:
+            values.update(setting_values(getattr(settings, name), prefix + meta["prefix"], meta["exclude"]))
+        elif "doc" in meta:
+            values[prefix + name] = getattr(settings, name)
+    return values
+
+
 def setting_names(kind: type, prefix: str = "", exclude: tuple[str, ...] = ()) -> set[str]:
     """The keyword names :func:`load` accepts for ``kind``: its settings and its plain (required) fields."""
     names = set()
@@ -227,7 +241,8 @@ def _build(kind: type[T], given: Mapping[str, Any], env: Mapping[str, str], erro
             continue
         # None means "not given" (the environment or the default decide) unless None is a value of
         # the setting of its own, other than its default (e.g. "no budget" where the default is one)
-        if key in given and not (given[key] is None and (item.default is None or meta["rule"](None) is not None)):
+        default = defaults.get(key, item.default)
+        if key in given and not (given[key] is None and (default is None or meta["rule"](None) is not None)):
             value, source = given[key], key
             if strings and isinstance(value, str):
                 value = _parse(meta, value, key, error, prefix)

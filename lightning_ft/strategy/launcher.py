@@ -69,15 +69,22 @@ class _SpareTerminated(BaseException):
 
 
 def add_default_callbacks(trainer: Any, settings: StrategySettings) -> None:
-    """Recovery needs snapshots and the SIGTERM path: add what the Trainer does not have."""
-    if first_callback_of_type(trainer, EmergencyCheckpoint) is None:
-        trainer.callbacks.append(EmergencyCheckpoint(every_n_steps=settings.snapshot_every_n_steps,
-                                                     every_n_seconds=settings.snapshot_every_n_seconds,
-                                                     max_overhead=settings.snapshot_max_overhead,
-                                                     run_id=settings.run_id))
-        log.info("ddp_ft: added EmergencyCheckpoint(every_n_steps=%s, every_n_seconds=%s, max_overhead=%s) for "
+    """Recovery needs snapshots and the SIGTERM path: add what the Trainer does not have. The
+    user's own EmergencyCheckpoint without a run id of its own takes the strategy's."""
+    checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
+    if checkpoint is None:
+        trainer.callbacks.append(EmergencyCheckpoint(**settings.snapshot_kwargs()))
+        log.info("ddp_ft: added EmergencyCheckpoint(every_n_steps=%s, every_n_seconds=%s, max_overhead=%s%s) for "
                  "recovery", settings.snapshot_every_n_steps, settings.snapshot_every_n_seconds,
-                 settings.snapshot_max_overhead)
+                 settings.snapshot_max_overhead,
+                 f", persist_to={settings.durable.persist_to}" if settings.durable.persist_to else "")
+    else:
+        given = settings.snapshot_arguments_given()
+        if given:
+            raise StrategyConfigError(
+                f"ddp_ft: {', '.join(given)} configure the EmergencyCheckpoint the strategy adds, but the Trainer "
+                "has one of its own: set them on that EmergencyCheckpoint instead")
+        checkpoint.adopt_run_id(settings.run_id)
     if settings.graceful_termination and first_callback_of_type(trainer, GracefulTermination) is None:
         trainer.callbacks.append(GracefulTermination())
         log.info("ddp_ft: added GracefulTermination() for the SIGTERM path")

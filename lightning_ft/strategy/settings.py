@@ -17,14 +17,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_ft.checkpoint.durable.settings import DurableSettings
+from lightning_ft.checkpoint.settings import SnapshotSettings
 from lightning_ft.checkpoint.tiers import DEFAULT_SNAPSHOT_OVERHEAD
 from lightning_ft.events.log import EventSettings
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousOptions, RendezvousSettings
 from lightning_ft.rendezvous.store import Endpoint, parse_endpoint
 from lightning_ft.schema.signing import SecretError, read_secret
-from lightning_ft.settings import SettingsError, Timeouts, group, load, setting
+from lightning_ft.settings import SettingsError, Timeouts, describe, group, load, setting
 from lightning_ft.settings.environment import ENV_DOMAIN_ID, environ, resolve_domain_id, resolve_run_id
-from lightning_ft.settings.fields import boolean, number, optional_text, parse_text
+from lightning_ft.settings.fields import boolean, number, optional_text, parse_text, setting_values
 from lightning_ft.strategy.decisions import merge_setting, parse_nnodes
 
 ENV_ENDPOINT = "LIGHTNING_FT_ENDPOINT"
@@ -100,15 +102,6 @@ class StrategySettings:
     infra_rank: int | None = setting(None, "the scheduler's node index (default: from SLURM/JobSet variables)",
                                      rule=number(integer=True, inclusive=True, allow_none=True))
     events: EventSettings = group(EventSettings)
-    snapshot_every_n_steps: int | None = setting(
-        None, "snapshot schedule of the EmergencyCheckpoint the strategy adds when the Trainer has none: every "
-              "so many steps", rule=number(integer=True, allow_none=True))
-    snapshot_every_n_seconds: float | None = setting(
-        None, "... about every so many seconds", rule=number(allow_none=True))
-    snapshot_max_overhead: float | None = setting(
-        DEFAULT_SNAPSHOT_OVERHEAD, "... by default (neither steps nor seconds) as often as keeps the measured save "
-                                   "time within this share of training time; the first at step 8",
-        rule=number(allow_none=True))
     graceful_termination: bool = setting(True, "add a GracefulTermination (default probes) when the Trainer has "
                                                "none, so SIGTERM takes the SIGTERM path (stop step, snapshot, exit "
                                                "81) instead of Lightning's handling, which exits 0 without saving",
@@ -125,6 +118,25 @@ class StrategySettings:
     hang: HangSettings = group(HangSettings)
     rendezvous: RendezvousOptions = group(RendezvousOptions, exclude=("health_check",))
     timeouts: Timeouts = group(Timeouts)
+    #: the EmergencyCheckpoint the strategy adds when the Trainer has none (its run id is the strategy's)
+    snapshot: SnapshotSettings = group(SnapshotSettings, prefix="snapshot_", exclude=("run_id", "durable"))
+    #: that EmergencyCheckpoint's durable tier
+    durable: DurableSettings = group(DurableSettings)
+    #: the settings given as arguments, by keyword name
+    given: frozenset[str] = frozenset()
+
+    def snapshot_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of the EmergencyCheckpoint the strategy adds."""
+        return {**setting_values(self.snapshot, exclude=("run_id", "durable")), **setting_values(self.durable),
+                "run_id": self.run_id}
+
+    def snapshot_arguments_given(self) -> list[str]:
+        """The snapshot_* and persist_* settings given as arguments (they configure the added
+        EmergencyCheckpoint, so they contradict one of the user's own)."""
+        defaults = {info.name: info.default for info in describe(StrategySettings)}
+        defaults["snapshot_max_overhead"] = DEFAULT_SNAPSHOT_OVERHEAD
+        values = {**setting_values(self.snapshot, "snapshot_"), **setting_values(self.durable)}
+        return sorted(name for name in self.given if name in values and values[name] != defaults.get(name))
 
     @property
     def run_id(self) -> str:
@@ -133,6 +145,18 @@ class StrategySettings:
     @property
     def mode(self) -> LaunchMode:
         return self.launch.mode
+
+    @property
+    def snapshot_every_n_steps(self) -> int | None:
+        return self.snapshot.every_n_steps
+
+    @property
+    def snapshot_every_n_seconds(self) -> float | None:
+        return self.snapshot.every_n_seconds
+
+    @property
+    def snapshot_max_overhead(self) -> float | None:
+        return self.snapshot.max_overhead
 
     @property
     def events_dir(self) -> str | None:
@@ -172,8 +196,10 @@ def resolve_settings(env: Mapping[str, str] | None = None, *, timeout: Any = Non
     if not (timeout is None or isinstance(timeout, datetime.timedelta)):
         raise StrategyConfigError(f"{_PREFIX}timeout must be a datetime.timedelta, got {timeout!r}")
     settings = load(StrategySettings, {**given, "launch": launch, "pg_timeout": timeout}, env=env,
-                    error=StrategyConfigError, prefix=_PREFIX)
-    return dataclasses.replace(settings, domain_id=resolve_domain_id(settings.domain_id, env))
+                    error=StrategyConfigError, prefix=_PREFIX,
+                    defaults={"snapshot_max_overhead": DEFAULT_SNAPSHOT_OVERHEAD})
+    return dataclasses.replace(settings, domain_id=resolve_domain_id(settings.domain_id, env),
+                               given=frozenset(given))
 
 
 def resolve_launch_config(endpoint: str | None, run_id: str | None, min_nodes: int | None,

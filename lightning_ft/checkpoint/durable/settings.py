@@ -2,45 +2,90 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from lightning_ft._validation import require_number
-from lightning_ft.checkpoint.durable.targets import storage_options_from_env
 from lightning_ft.checkpoint.tiers import (
     DEFAULT_MTBF_SECONDS,
     DEFAULT_PERSIST_OVERHEAD,
     UploadPacer,
     daly_interval_seconds,
 )
-
-ENV_PERSIST_TO = "LIGHTNING_FT_PERSIST_TO"
-ENV_PERSIST_EVERY_SECONDS = "LIGHTNING_FT_PERSIST_EVERY_SECONDS"
-ENV_PERSIST_MAX_MIB_PER_SECOND = "LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND"
-ENV_PERSIST_KEEP_LAST = "LIGHTNING_FT_PERSIST_KEEP_LAST"
-ENV_MTBF_SECONDS = "LIGHTNING_FT_MTBF_SECONDS"
-ENV_PERSIST_MAX_OVERHEAD = "LIGHTNING_FT_PERSIST_MAX_OVERHEAD"
+from lightning_ft.settings import load, setting
+from lightning_ft.settings.fields import mapping, number, optional_path, parse_json, parse_text
 
 DEFAULT_MAX_MIB_PER_SECOND = 512.0
 DEFAULT_PERSIST_KEEP_LAST = 2
 
 
+def _finite(value: object) -> str | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return None if ok else "a number (<= 0: unbounded)"
+
+
 @dataclass(frozen=True)
 class DurableSettings:
-    """Where and how often snapshots are copied durably (see :func:`resolve_durable_settings`)."""
+    """Where and how often snapshots are copied durably (the durable tier is off without ``persist_to``)."""
 
-    url: str
-    #: seconds between durable copies; None: Daly's interval from the measured copy time and ``mtbf_seconds``
-    every_n_seconds: float | None = None
-    max_bytes_per_second: float | None = DEFAULT_MAX_MIB_PER_SECOND * 2**20
-    keep_last: int = DEFAULT_PERSIST_KEEP_LAST
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
-    mtbf_seconds: float = DEFAULT_MTBF_SECONDS
-    #: share of step time that steps overlapping an upload may lose (the bound is paced to keep
-    #: it, ``max_bytes_per_second`` the most it may reach); 0: a fixed bound
-    max_overhead: float = DEFAULT_PERSIST_OVERHEAD
+    persist_to: str | None = setting(
+        None, "the durable tier: a directory (local or shared filesystem) or an fsspec URL (s3://bucket/prefix, "
+              "needs pip install 'lightning-ft[s3]'); None: memory only. Committed snapshots are copied there in "
+              "the background, a step counts only once every rank's copy is verified, and resume falls back to it "
+              "when memory lacks the step. Needs a run id", rule=optional_path, env="LIGHTNING_FT_PERSIST_TO",
+        parse=parse_text)
+    persist_every_n_seconds: float | None = setting(
+        None, "about how often a snapshot is copied durably; None: Daly's interval for the measured copy time "
+              "and persist_mtbf_seconds; 0: every snapshot. Converted to a power-of-two multiple of the snapshot "
+              "interval in steps, agreed at the calibration steps", rule=number(inclusive=True, allow_none=True),
+        env="LIGHTNING_FT_PERSIST_EVERY_SECONDS")
+    persist_mtbf_seconds: float = setting(DEFAULT_MTBF_SECONDS, "the job's mean time between failures assumed "
+                                                                "for the default interval", rule=number(),
+                                          env="LIGHTNING_FT_MTBF_SECONDS")
+    persist_max_mib_per_second: float = setting(DEFAULT_MAX_MIB_PER_SECOND, "upload bandwidth bound per rank "
+                                                                            "(<= 0: unbounded)", rule=_finite,
+                                                env="LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND")
+    persist_max_overhead: float = setting(
+        DEFAULT_PERSIST_OVERHEAD, "share of step time that steps overlapping a durable copy may lose against the "
+                                  "others: the upload bound is paced from the measured step times, starting at "
+                                  "64 MiB/s and never above persist_max_mib_per_second; 0: that bound, fixed",
+        rule=number(inclusive=True, below=1), env="LIGHTNING_FT_PERSIST_MAX_OVERHEAD")
+    persist_keep_last: int = setting(DEFAULT_PERSIST_KEEP_LAST, "complete durable steps kept",
+                                     rule=number(integer=True, minimum=1, inclusive=True),
+                                     env="LIGHTNING_FT_PERSIST_KEEP_LAST")
+    storage_options: Mapping[str, Any] = setting({}, "fsspec options for persist_to (e.g. {\"endpoint_url\": "
+                                                     "...}); credentials come from the usual places",
+                                                 rule=mapping, env="LIGHTNING_FT_PERSIST_STORAGE_OPTIONS",
+                                                 parse=parse_json)
+
+    @property
+    def url(self) -> str:
+        assert self.persist_to is not None
+        return os.fspath(self.persist_to)
+
+    @property
+    def every_n_seconds(self) -> float | None:
+        return None if self.persist_every_n_seconds is None else float(self.persist_every_n_seconds)
+
+    @property
+    def max_bytes_per_second(self) -> float | None:
+        """The upload bound in bytes per second (None: unbounded)."""
+        rate = self.persist_max_mib_per_second
+        return rate * 2**20 if rate > 0 else None
+
+    @property
+    def keep_last(self) -> int:
+        return self.persist_keep_last
+
+    @property
+    def mtbf_seconds(self) -> float:
+        return float(self.persist_mtbf_seconds)
+
+    @property
+    def max_overhead(self) -> float:
+        return float(self.persist_max_overhead)
 
     def pacer(self) -> UploadPacer | None:
         """The upload pacer these settings ask for (None: a fixed bound, or unbounded)."""
@@ -58,48 +103,18 @@ class DurableSettings:
         return daly_interval_seconds(copy_seconds, self.mtbf_seconds)
 
 
-def _env_float(env: Mapping[str, str], key: str) -> float | None:
-    raw = env.get(key)
-    if raw in (None, ""):
-        return None
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{key} must be a number, got {raw!r}") from None
-
-
 def resolve_durable_settings(persist_to: str | os.PathLike | None = None, every_n_seconds: float | None = None,
                              max_mib_per_second: float | None = None, keep_last: int | None = None,
                              storage_options: Mapping[str, Any] | None = None,
                              environ: Mapping[str, str] | None = None,
                              mtbf_seconds: float | None = None,
                              max_overhead: float | None = None) -> DurableSettings | None:
-    """Arguments win, else ``LIGHTNING_FT_PERSIST_*``; None when no ``persist_to`` is set anywhere.
-
-    ``max_mib_per_second <= 0`` means unbounded; ``max_overhead`` 0: the bound is not paced.
-    """
-    env = os.environ if environ is None else environ
-    url = os.fspath(persist_to) if persist_to is not None else env.get(ENV_PERSIST_TO) or None
-    if url is None:
-        return None
-    every = every_n_seconds if every_n_seconds is not None else _env_float(env, ENV_PERSIST_EVERY_SECONDS)
-    require_number("persist_every_n_seconds", every, minimum=0, inclusive=True, allow_none=True)
-    mtbf = mtbf_seconds if mtbf_seconds is not None else _env_float(env, ENV_MTBF_SECONDS)
-    mtbf = DEFAULT_MTBF_SECONDS if mtbf is None else mtbf
-    require_number("persist_mtbf_seconds", mtbf, minimum=0)
-    rate = max_mib_per_second if max_mib_per_second is not None else _env_float(env, ENV_PERSIST_MAX_MIB_PER_SECOND)
-    rate = DEFAULT_MAX_MIB_PER_SECOND if rate is None else rate
-    require_number("persist_max_mib_per_second", rate, minimum=float("-inf"))
-    keep = keep_last if keep_last is not None else _env_float(env, ENV_PERSIST_KEEP_LAST)
-    keep = DEFAULT_PERSIST_KEEP_LAST if keep is None else keep
-    if isinstance(keep, float) and keep.is_integer():
-        keep = int(keep)
-    require_number("persist_keep_last", keep, integer=True, minimum=1, inclusive=True)
-    overhead = max_overhead if max_overhead is not None else _env_float(env, ENV_PERSIST_MAX_OVERHEAD)
-    overhead = DEFAULT_PERSIST_OVERHEAD if overhead is None else overhead
-    require_number("persist_max_overhead", overhead, minimum=0, inclusive=True)
-    if overhead >= 1:
-        raise ValueError(f"persist_max_overhead is a share of step time below 1 (0.02: 2 %), got {overhead!r}")
-    options = dict(storage_options) if storage_options is not None else storage_options_from_env(env)
-    return DurableSettings(url, None if every is None else float(every), rate * 2**20 if rate > 0 else None, keep,
-                           options, float(mtbf), float(overhead))
+    """:class:`DurableSettings` from these arguments (None: not given) and the environment; None when
+    no ``persist_to`` is set anywhere (the durable tier is off)."""
+    given = {"persist_to": None if persist_to is None else os.fspath(persist_to),
+             "persist_every_n_seconds": every_n_seconds, "persist_max_mib_per_second": max_mib_per_second,
+             "persist_keep_last": keep_last, "storage_options": storage_options,
+             "persist_mtbf_seconds": mtbf_seconds, "persist_max_overhead": max_overhead}
+    settings = load(DurableSettings, {k: v for k, v in given.items() if v is not None}, env=environ,
+                    error=ValueError)
+    return settings if settings.persist_to else None

@@ -26,7 +26,6 @@ from typing import Any
 
 from lightning_ft.checkpoint.memory.files import make_private_dir
 
-ENV_PERSIST_STORAGE_OPTIONS = "LIGHTNING_FT_PERSIST_STORAGE_OPTIONS"
 
 log = logging.getLogger(__name__)
 
@@ -356,21 +355,6 @@ class FsspecTarget(DurableTarget):
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache(full.rsplit("/", 1)[0])
-
-
-def storage_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``$LIGHTNING_FT_PERSIST_STORAGE_OPTIONS`` (a JSON object), else ``{}``."""
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_PERSIST_STORAGE_OPTIONS)
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{ENV_PERSIST_STORAGE_OPTIONS} must be a JSON object, got {raw!r} ({exc})") from exc
-    if not isinstance(value, dict):
-        raise ValueError(f"{ENV_PERSIST_STORAGE_OPTIONS} must be a JSON object, got {raw!r}")
-    return value
 
 
 def open_target(url: str, storage_options: Mapping[str, Any] | None = None) -> DurableTarget:

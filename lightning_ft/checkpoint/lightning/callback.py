@@ -17,9 +17,7 @@ import lightning.pytorch as pl
 
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._lightning.checkpointing import dump_checkpoint, next_is_a_training_batch
-from lightning_ft._validation import require_bool, require_number
 from lightning_ft.checkpoint.durable.persister import DurablePersister
-from lightning_ft.checkpoint.durable.settings import resolve_durable_settings
 from lightning_ft.checkpoint.durable.tier import DurableTier
 from lightning_ft.checkpoint.lightning.auto_resume import AutoResume, replicated
 from lightning_ft.checkpoint.lightning.background import BackgroundSnapshots
@@ -38,8 +36,10 @@ from lightning_ft.checkpoint.memory.roots import (
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.policy import snapshot_due
 from lightning_ft.checkpoint.service import SnapshotService
+from lightning_ft.checkpoint.settings import SnapshotSettings
 from lightning_ft.checkpoint.tiers import Schedule, persist_due, snapshot_copies, space_shortfall
 from lightning_ft.events import NullEventLog, open_event_log
+from lightning_ft.settings import load
 
 log = logging.getLogger(__name__)
 
@@ -65,90 +65,38 @@ class EmergencyCheckpoint(pl.Callback):
 
     Args:
         every_n_steps: snapshot when ``global_step % every_n_steps == 0``.
-        every_n_seconds: snapshot about every so many seconds: a power-of-two number of steps
-            from the measured step time, agreed by all ranks (the smallest) at the calibration
-            steps 8, 16, 32, ... after the start of training (one small collective each).
-        max_overhead: without ``every_n_steps``/``every_n_seconds``: snapshot as often as keeps the
-            measured save time within this share of training time (e.g. 0.005: 0.5 %), a
-            power-of-two number of steps agreed by all ranks (the largest) at the calibration
-            steps; the first snapshot is taken at the first calibration step (step 8 of a fit) to
-            measure the save. None (default): no periodic snapshots without a schedule; the
-            ``ddp_ft`` strategy's own ``EmergencyCheckpoint`` uses 0.005.
-        keep_last: snapshots kept per rank (>= 1). With >= 2 the oldest file is overwritten in
-            place by the next snapshot, which is ~3x faster than a fresh tmpfs file.
-        root: snapshot root (default ``$LIGHTNING_FT_SNAPSHOT_DIR`` or ``/dev/shm/lightning_ft-<uid>``).
-        run_id: scope (default LIGHTNING_FT_RUN_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID). Without any,
-            snapshots are written to ``<root>/default`` but never resumed (a warning says so once).
-        auto_resume: on ``fit()``, restore the newest snapshot of this run id and this model (same
-            parameter names and shapes); snapshots of another job or model are skipped with a
-            warning that says which and why.
-        preallocate: keep a spare snapshot file with its shared-memory pages allocated whenever
-            the next save could not overwrite an old snapshot (before the first ``keep_last``
-            snapshots exist). Costs one state-size of shared memory and a one-off allocation at
-            a step boundary, and makes the first emergency save as fast as later ones.
-        persist_to: the durable tier: a directory (local or shared filesystem) or an fsspec URL
-            (``s3://bucket/prefix``, needs ``pip install 'lightning-ft[s3]'``); default
-            ``$LIGHTNING_FT_PERSIST_TO``; None: memory only. Committed snapshots are copied there
-            in the background (training never waits for an upload), a step counts only once
-            every rank's copy is verified, and resume falls back to it when memory lacks the step.
-            Needs a run id.
-        persist_every_n_seconds: about how often a snapshot is copied durably (default
-            ``$LIGHTNING_FT_PERSIST_EVERY_SECONDS``, else Daly's interval for the measured copy
-            time and ``persist_mtbf_seconds``; 0: every snapshot). Converted to a power-of-two
-            multiple of the snapshot interval in steps, agreed at the calibration steps with a
-            budget or ``every_n_seconds`` schedule so all ranks copy the same steps (with
-            ``every_n_steps`` each rank's own multiple).
-        persist_mtbf_seconds: the job's mean time between failures assumed for that default
-            (``$LIGHTNING_FT_MTBF_SECONDS``, else 4 h).
-        persist_max_mib_per_second: upload bandwidth bound per rank (default
-            ``$LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND`` or 512; <= 0: unbounded).
-        persist_max_overhead: share of step time that steps overlapping a durable copy may lose
-            against the others (default ``$LIGHTNING_FT_PERSIST_MAX_OVERHEAD`` or 0.02): the
-            upload bound is paced from the measured step times, starting at 64 MiB/s and never
-            above ``persist_max_mib_per_second``; 0: that bound, fixed.
-        persist_keep_last: complete durable steps kept (default ``$LIGHTNING_FT_PERSIST_KEEP_LAST`` or 2).
-        storage_options: fsspec options for ``persist_to`` (e.g. ``{"endpoint_url": ...}``; default
-            ``$LIGHTNING_FT_PERSIST_STORAGE_OPTIONS`` as JSON). Credentials come from the usual places.
-        background_copy: periodic snapshots copy the parameters and the optimizer state on a
-            helper thread while the next batch's forward and backward run, and commit before the
-            next optimizer step changes them (an optimizer step pre-hook); training blocks only
-            for the rest (buffers, metadata) and for what is left of the copy at that step. The
-            tensors' version counters are checked at the commit: a snapshot whose tensors were
-            changed in place meanwhile (by something other than the optimizer) is abandoned
-            with a warning and later snapshots are copied synchronously. Emergency (``save_now``)
-            snapshots are always synchronous. False: every snapshot is copied synchronously.
+        every_n_seconds: snapshot about every so many seconds (see ``SnapshotSettings``).
+        **settings: any setting of :class:`~lightning_ft.checkpoint.settings.SnapshotSettings`
+            (``max_overhead``, ``keep_last``, ``root``, ``run_id``, ``auto_resume``,
+            ``preallocate``, ``background_copy``) and of the durable tier,
+            :class:`~lightning_ft.checkpoint.durable.settings.DurableSettings` (``persist_to``,
+            ``persist_every_n_seconds``, ``persist_mtbf_seconds``, ``persist_max_mib_per_second``,
+            ``persist_max_overhead``, ``persist_keep_last``, ``storage_options``), each documented
+            there and in ``docs/snapshots.md``; a setting with an environment variable takes it
+            when not given.
 
     Supported strategies: single device and DDP (replicated state). Not a ``Checkpoint``
     subclass, so it works with ``enable_checkpointing=False``.
     """
 
     def __init__(self, every_n_steps: int | None = None, every_n_seconds: float | None = None,
-                 keep_last: int = 2, root: str | None = None, run_id: str | None = None,
-                 auto_resume: bool = True, preallocate: bool = True, persist_to: str | None = None,
-                 persist_every_n_seconds: float | None = None, persist_max_mib_per_second: float | None = None,
-                 persist_keep_last: int | None = None, storage_options: dict[str, Any] | None = None,
-                 max_overhead: float | None = None, persist_mtbf_seconds: float | None = None,
-                 background_copy: bool = True, persist_max_overhead: float | None = None) -> None:
-        require_number("every_n_steps", every_n_steps, integer=True, allow_none=True)
-        require_number("every_n_seconds", every_n_seconds, allow_none=True)
-        require_number("max_overhead", max_overhead, allow_none=True)
-        if every_n_seconds is not None:
-            every_n_seconds = float(every_n_seconds)
-        require_number("keep_last", keep_last, integer=True, minimum=1, inclusive=True)
-        require_bool("auto_resume", auto_resume)
-        require_bool("preallocate", preallocate)
-        require_bool("background_copy", background_copy)
-        self.background_copy = background_copy
-        self.every_n_steps = every_n_steps
-        self.every_n_seconds = every_n_seconds
-        self.max_overhead = max_overhead
-        self.keep_last = keep_last
-        self.root = resolve_root(root)
+                 **settings: Any) -> None:
+        #: everything this callback was configured with (frozen, validated)
+        self.settings: SnapshotSettings = load(
+            SnapshotSettings, {"every_n_steps": every_n_steps, "every_n_seconds": every_n_seconds, **settings},
+            error=ValueError, prefix="EmergencyCheckpoint: ")
+        config = self.settings
+        self.background_copy = config.background_copy
+        self.every_n_steps = config.every_n_steps
+        self.every_n_seconds = None if config.every_n_seconds is None else float(config.every_n_seconds)
+        self.max_overhead = config.max_overhead
+        self.keep_last = config.keep_last
+        self.root = resolve_root(config.root)
         ensure_writable_root(self.root)
-        self.run_id = resolve_run_id(run_id)
-        self._configured_run_id = configured_run_id(run_id)
-        self.auto_resume = auto_resume
-        self.preallocate = preallocate
+        self.run_id = resolve_run_id(config.run_id)
+        self._configured_run_id = configured_run_id(config.run_id)
+        self.auto_resume = config.auto_resume
+        self.preallocate = config.preallocate
         self._store: SnapshotStore | None = None
         self._trainer: pl.Trainer | None = None
         self._events: Any = NullEventLog()
@@ -157,17 +105,27 @@ class EmergencyCheckpoint(pl.Callback):
         self._check_spare = True
         self._space_checked = False
         self._estimated_bytes: int | None = None
-        self._calibration = ScheduleCalibration(every_n_steps, every_n_seconds, max_overhead)
+        self._calibration = ScheduleCalibration(self.every_n_steps, self.every_n_seconds, self.max_overhead)
         self._background = BackgroundSnapshots()
         self._resume = AutoResume()
-        self.durable_settings = resolve_durable_settings(persist_to, persist_every_n_seconds,
-                                                         persist_max_mib_per_second, persist_keep_last, storage_options,
-                                                         mtbf_seconds=persist_mtbf_seconds,
-                                                         max_overhead=persist_max_overhead)
+        self.durable_settings = config.durable if config.durable.persist_to else None
         self._durable = DurableCopies(self.durable_settings, self._configured_run_id)
         skip_unused_batch_hooks(self)
 
     # ------------------------------------------------------------------ public API
+    def adopt_run_id(self, run_id: str) -> None:
+        """Take the strategy's run id when this callback was given none of its own (the strategy's
+        may come from an argument the environment does not show); one given that differs is an
+        error naming both. Call before ``setup``."""
+        if self.settings.run_id is not None:
+            if configured_run_id(self.settings.run_id) != configured_run_id(run_id):
+                raise ValueError(f"EmergencyCheckpoint: run_id={self.settings.run_id!r} but the strategy's run id is "
+                                 f"{run_id!r}; drop one or make them equal")
+            return
+        self.run_id = resolve_run_id(run_id)
+        self._configured_run_id = configured_run_id(run_id)
+        self._durable = DurableCopies(self.durable_settings, self._configured_run_id)
+
     @property
     def store(self) -> SnapshotStore | None:
         """This rank's store (created at ``setup``)."""

@@ -17,18 +17,21 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from lightning_ft._validation import require
 from lightning_ft.checkpoint.memory.files import require_private_dir
+from lightning_ft.settings import load, setting
+from lightning_ft.settings.environment import RUN_ID_VARIABLES as RUN_ID_ENV_VARS
+from lightning_ft.settings.environment import launcher_rank
+from lightning_ft.settings.environment import resolve_run_id as resolve_run_id_from
+from lightning_ft.settings.fields import optional_path, parse_text
 
 ENV_SNAPSHOT_DIR = "LIGHTNING_FT_SNAPSHOT_DIR"
-RUN_ID_ENV_VARS = ("LIGHTNING_FT_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 #: directory of snapshots written without a configured run id (never resumed)
 DEFAULT_RUN_ID = "default"
-# what torchrun puts in TORCHELASTIC_RUN_ID when --rdzv-id is not given: not a job's name
-_TORCHRUN_PLACEHOLDER_RUN_ID = "none"
 
 
 def default_root() -> str:
@@ -38,12 +41,20 @@ def default_root() -> str:
     return os.path.join(base, f"lightning_ft-{os.getuid()}")
 
 
-def resolve_root(root: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """Explicit ``root``, else ``$LIGHTNING_FT_SNAPSHOT_DIR``, else ``/dev/shm/lightning_ft-<uid>``."""
-    env = os.environ if environ is None else environ
-    if root is not None:
+@dataclass(frozen=True)
+class RootSettings:
+    """Where this host's snapshots live."""
+
+    root: str | None = setting(None, "snapshot root (default: /dev/shm/lightning_ft-<uid>, the temp dir when there "
+                                     "is no /dev/shm); a private directory of this user", rule=optional_path,
+                               env=ENV_SNAPSHOT_DIR, parse=parse_text)
+
+
+def resolve_root(root: str | os.PathLike | None = None) -> str:
+    """``root``, else the ``root`` setting's variable ``LIGHTNING_FT_SNAPSHOT_DIR``, else ``/dev/shm/lightning_ft-<uid>``."""
+    if root:
         return os.fspath(root)
-    return env.get(ENV_SNAPSHOT_DIR) or default_root()
+    return load(RootSettings, {}).root or default_root()
 
 
 def _safe_run_id(run_id: object) -> str:
@@ -53,17 +64,12 @@ def _safe_run_id(run_id: object) -> str:
 
 
 def configured_run_id(run_id: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
-    """Explicit ``run_id``, else the first set of LIGHTNING_FT_RUN_ID, TORCHELASTIC_RUN_ID (not
-    torchrun's placeholder ``none``), SLURM_JOB_ID; made safe as a directory name. None when no
-    run id is configured anywhere: then no snapshot can be shown to belong to this job."""
-    if run_id is not None:
-        return _safe_run_id(run_id)
-    env = os.environ if environ is None else environ
-    for key in RUN_ID_ENV_VARS:
-        value = env.get(key)
-        if value and not (key == "TORCHELASTIC_RUN_ID" and value == _TORCHRUN_PLACEHOLDER_RUN_ID):
-            return _safe_run_id(value)
-    return None
+    """The run id every entry point resolves (:func:`lightning_ft.settings.environment.resolve_run_id`:
+    ``run_id``, else LIGHTNING_FT_RUN_ID, TORCHELASTIC_RUN_ID (not torchrun's placeholder ``none``),
+    SLURM_JOB_ID), made safe as a directory name. None when no run id is configured anywhere: then
+    no snapshot can be shown to belong to this job."""
+    resolved, _ = resolve_run_id_from(run_id, environ)
+    return None if resolved is None else _safe_run_id(resolved)
 
 
 def resolve_run_id(run_id: str | None = None, environ: Mapping[str, str] | None = None) -> str:
@@ -71,12 +77,11 @@ def resolve_run_id(run_id: str | None = None, environ: Mapping[str, str] | None 
     return configured_run_id(run_id, environ) or DEFAULT_RUN_ID
 
 
-def current_rank(environ: Mapping[str, str] | None = None) -> int:
-    """Global rank: the initialized process group's, else $RANK, else 0."""
+def current_rank() -> int:
+    """Global rank: the initialized process group's, else the launcher's ``RANK``, else 0."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    env = os.environ if environ is None else environ
-    return int(env.get("RANK", "0") or 0)
+    return launcher_rank()
 
 
 def ensure_writable_root(root: str) -> None:
