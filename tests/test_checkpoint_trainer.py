@@ -169,9 +169,19 @@ def test_the_overhead_budget_schedule_measures_the_save_then_snapshots_within_th
     assert tiny.schedule.snapshot_interval >= 64
 
 
-def test_no_schedule_means_no_periodic_snapshots(root):
-    fit(20, [EmergencyCheckpoint(root=root, run_id="none")])
+def test_without_a_schedule_the_overhead_budget_decides_and_none_means_none(root, caplog):
+    """Protected by default: EmergencyCheckpoint() snapshots on the cost-based schedule, as the
+    strategy's own does (the first at step 8); max_overhead=None turns periodic snapshots off,
+    and a warning says the progress is unprotected."""
+    fit(20, [EmergencyCheckpoint(root=root, run_id="budget-default")])
+    assert [i.step for i in SnapshotStore(root=root, run_id="budget-default", rank=0).list()][-1:] == [8]
+    from lightning_ft.checkpoint.lightning import callback as callback_module
+
+    callback_module._unprotected_warned = False
+    with caplog.at_level(logging.WARNING, logger="lightning_ft"):
+        fit(20, [EmergencyCheckpoint(root=root, run_id="none", max_overhead=None)])
     assert SnapshotStore(root=root, run_id="none", rank=0).list() == []
+    assert "leaves progress unprotected: no periodic snapshots" in caplog.text
 
 
 def test_works_with_checkpointing_disabled_and_defaults(monkeypatch, tmp_path):

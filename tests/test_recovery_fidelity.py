@@ -33,6 +33,9 @@ pytestmark = [pytest.mark.multiprocess]
 
 SNAPSHOTS_EVERY_40 = ["--snapshot-every", "40", "--pg-timeout", "60", "--hang-floor", "10"]
 NO_PERIODIC_SNAPSHOTS = ["--ft-option", "snapshot_max_overhead=null", "--pg-timeout", "60", "--hang-floor", "10"]
+#: recover from the newest snapshot, not from the survivors' live state (the path when the live
+#: state cannot be used, or the whole job restarts)
+FROM_SNAPSHOTS = ["--ft-option", "snapshot_live_state=false"]
 
 
 def sleep_at(step: int, seconds: float = 0.5, what: str = "step") -> list[str]:
@@ -70,7 +73,7 @@ def references(tmp_path_factory):
     processes = ProcessSet(root)
     cache: dict[tuple[int | None, str], Run] = {}
 
-    def make(resume_step: int | None, data: str, where) -> Run:
+    def make(resume_step: int | None, data: str, where, kill_at) -> Run:
         # the reference needs a snapshot at S: every 40 steps, or every S steps for another S
         # (snapshots do not change what is trained)
         every = SNAPSHOTS_EVERY_40 if not resume_step or resume_step % 40 == 0 else \
@@ -78,19 +81,21 @@ def references(tmp_path_factory):
         args = [*every, "--tensorboard", "--data", data]
         if resume_step is None:
             return run_ft(processes, where, args, None)
-        return run_reference(processes, where, args, resume_step)
+        return run_reference(processes, where, args, resume_step, kill_at=kill_at)
 
-    def get(resume_step: int | None, data: str = "plain") -> Run:
-        key = (resume_step, data)
+    def get(resume_step: int | None, data: str = "plain", kill_at: tuple[str, Moment, list[str]] | None = None) -> Run:
+        """``kill_at``: (its name, the moment, the arguments that hold the run there)."""
+        key = (resume_step, data, kill_at[0] if kill_at else None)
         if key not in cache:
             name = f"uninterrupted-{data}" if resume_step is None else f"ref-{resume_step}-{data}"
+            name += f"-{kill_at[0]}" if kill_at else ""
             record = shared / name / "recorded.json"
             with open(shared / f"{name}.lock", "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, also if this worker dies
                 if record.exists():
                     run = RecordedRun(shared / name, recorded=json.loads(record.read_text()))
                 else:
-                    run = make(resume_step, data, shared / name)
+                    run = make(resume_step, data, shared / name, kill_at[1:] if kill_at else None)
                     assert set(run.codes().values()) == {0}, run.logs()
                     record.write_text(json.dumps({n: [p.pid, p.popen.poll()] for n, p in run.procs.items()}))
             cache[key] = run
@@ -112,7 +117,9 @@ def assert_equal_to(run: Run, reference: Run) -> None:
     assert run.digests() == reference.digests() and len(run.digests()) == 1, (run.digests(), reference.digests())
     ours, theirs = metric_points(run), metric_points(reference)
     assert ours == theirs, sorted(set(ours.items()) ^ set(theirs.items()))[:10]
-    assert final_checkpoints(run) == final_checkpoints(reference)
+    restored = {e["step"] for e in run.events("restored") if e.get("round", 0) > 0}
+    after = min(restored) if restored else -1
+    assert final_checkpoints(run, after) == final_checkpoints(reference, after)
     # one log version, every row once, in order; nothing deleted
     assert [p.name for p in (run.logs_root / "lightning_logs").iterdir()] == ["version_0"]
     steps = [int(row["step"]) for row in metric_rows(run)]
@@ -122,9 +129,22 @@ def assert_equal_to(run: Run, reference: Run) -> None:
     assert logs.count("GPU available") == 1, "rank-zero output must come from one process only"
 
 
+def test_live_state_recovery_equals_a_relaunch_from_a_snapshot_of_the_step_in_flight(processes, tmp_path,
+                                                                                    references):
+    """Killed in step 157 (in the middle of an accumulation window): the survivor's live state is
+    step 157's, so the job resumes there -- not at the step-120 snapshot -- and ends exactly as a
+    relaunch from a snapshot of step 157 does (weights, every logged metric, checkpoints)."""
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, "--tensorboard", *sleep_at(157)], Moment("step", 157))
+    assert_recovered(run, restored=157)
+    saved = [e for e in run.events("live_state") if e.get("saved")]
+    assert {e["step"] for e in saved} == {157}, run.events("live_state")
+    assert_equal_to(run, references(157))
+
+
 def test_a_redone_modelcheckpoint_step_neither_hangs_nor_differs(processes, tmp_path, references):
     # snapshot 120, kill 157: ModelCheckpoint's step 150 is done again -- by the survivor and the spare alike
-    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, "--tensorboard", *sleep_at(157)], Moment("step", 157))
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, *FROM_SNAPSHOTS, "--tensorboard", *sleep_at(157)],
+                 Moment("step", 157))
     assert_recovered(run, restored=120)
     reference = references(120)
     assert_equal_to(run, reference)
@@ -138,23 +158,31 @@ def test_a_redone_modelcheckpoint_step_neither_hangs_nor_differs(processes, tmp_
 def test_a_kill_before_the_first_snapshot_restores_everything_from_the_start(processes, tmp_path, references):
     # no periodic snapshots: weights, optimizer, schedulers and step all come from the start
     # of the round, on every participant
-    run = run_ft(processes, tmp_path, [*NO_PERIODIC_SNAPSHOTS, *sleep_at(130)], Moment("step", 130))
+    run = run_ft(processes, tmp_path, [*NO_PERIODIC_SNAPSHOTS, *FROM_SNAPSHOTS, *sleep_at(130)], Moment("step", 130))
     assert_recovered(run, restored=0)
     assert_equal_to(run, references(0))
 
 
 def test_a_kill_during_validation_does_not_count_the_interrupted_validation(processes, tmp_path, references):
-    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, *sleep_at(150, 0.3, "val")], Moment("val_batch", 150, 3))
-    assert_recovered(run, restored=120)
-    assert_equal_to(run, references(120))
+    # the live state of step 150 (validation runs after the step's end); as in Lightning's own
+    # resume from a snapshot of that step, the interrupted validation is not run again
+    during_validation = (Moment("val_batch", 150, 3), sleep_at(150, 0.3, "val"))
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, *during_validation[1]], during_validation[0])
+    assert_recovered(run, restored=150)
+    assert_equal_to(run, references(150, kill_at=("val", *during_validation)))
     survivor = next(n for n in ("A", "B") if n != run.killed)
     # every validation of the recovered round saw exactly this rank's half of the 512 samples
     assert set(run.result(survivor)["val_samples_at_end"]) == {256}
 
 
 def test_a_kill_during_a_checkpoint_save(processes, tmp_path, references):
+    # ModelCheckpoint saves in its on_train_batch_end, before that of the EmergencyCheckpoint the
+    # strategy adds: the live state is past the captured boundary (the update of step 150 ran),
+    # so the recovery falls back to the newest snapshot, and says why
     run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, *sleep_at(150, 1.0, "save")], Moment("save", 150))
     assert_recovered(run, restored=120)
+    refused = [e for e in run.events("live_state") if not e.get("saved")]
+    assert refused and "optimizer step ran after the boundary" in refused[0]["reason"], run.events("live_state")
     assert_equal_to(run, references(120))
 
 
@@ -168,20 +196,18 @@ def test_a_kill_during_setup(processes, tmp_path, references):
 
 def test_lightning_cli_with_a_config_file(processes, tmp_path, references):
     run = run_ft(processes, tmp_path, [], Moment("step", 157), cli="config", knobs=cli_sleep_at(157))
-    assert_recovered(run, restored=120)
-    assert_equal_to(run, references(120))
+    assert_recovered(run, restored=157)
+    assert_equal_to(run, references(157))
     assert (run.logs_root / "lightning_logs" / "version_0" / "config.yaml").is_file()
 
 
 def test_lightning_cli_with_the_strategy_flag(processes, tmp_path, references):
-    # the strategy's default snapshot schedule (from the measured save cost): the restored step
-    # is the newest snapshot it had taken by step 157, at least the first one (step 8)
+    # the strategy's defaults: snapshots on the schedule from the measured save cost, and the
+    # recovery from the survivor's live state of step 157
     run = run_ft(processes, tmp_path, [], Moment("step", 157), cli="ddp_ft", knobs=cli_sleep_at(157))
-    restored = {e["step"] for e in run.events("restored") if e.get("round", 0) > 0}
-    assert len(restored) == 1 and 8 <= min(restored) <= 157, run.events("restored")
     assert run.events("snapshot_schedule"), run.logs()
-    assert_recovered(run, restored=min(restored))
-    assert_equal_to(run, references(min(restored)))
+    assert_recovered(run, restored=157)
+    assert_equal_to(run, references(157))
 
 
 def test_with_a_resumable_loader_recovery_equals_the_uninterrupted_run(processes, tmp_path, references):
@@ -189,7 +215,7 @@ def test_with_a_resumable_loader_recovery_equals_the_uninterrupted_run(processes
     # the tests above); a loader whose position is in the snapshot continues exactly
     args = [*SNAPSHOTS_EVERY_40, "--data", "resumable"]
     recovered = run_ft(processes, tmp_path, [*args, *sleep_at(157)], Moment("step", 157))
-    assert_recovered(recovered, restored=120)
+    assert_recovered(recovered, restored=157)
     uninterrupted = references(None, "resumable")
     assert recovered.digests() == uninterrupted.digests()
     train_loss = {k: v for k, v in metric_points(recovered).items() if k[1] == "train_loss"}

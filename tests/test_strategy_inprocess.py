@@ -111,7 +111,7 @@ def _quiet():
         dist.destroy_process_group()
 
 
-def test_collective_failure_recovers_in_place_from_the_snapshot(tmp_path, port):
+def test_collective_failure_recovers_in_place_from_the_live_state(tmp_path, port):
     trainer = make_trainer(tmp_path, port)
     assert isinstance(trainer.strategy.launcher, FaultTolerantLauncher)
     model = Model(fail_at=[15])
@@ -122,15 +122,19 @@ def test_collective_failure_recovers_in_place_from_the_snapshot(tmp_path, port):
     assert trainer.state.finished
     assert trainer.strategy.recoveries == 1
     assert trainer.fit_loop is not first_loop  # fresh loops for the re-run
-    # steps 0..15 ran, 15 failed; the re-run resumed at the step-10 snapshot
+    # steps 0..15 ran, 15 failed before its update; the re-run resumed from the live state of
+    # step 15 (not the step-10 snapshot): only the step in flight is trained again
     assert model.steps_seen[:16] == list(range(16))
-    assert model.steps_seen[16:] == list(range(10, 30))
+    assert model.steps_seen[16:] == list(range(15, 30))
     assert model.setup_calls == 2
     names = [e["event"] for e in events(tmp_path)]
-    for name in ("failure_detected", "decision", "round_open", "restored", "first_step_after_recovery", "finished"):
+    for name in ("failure_detected", "decision", "live_state", "round_open", "restored",
+                 "first_step_after_recovery", "finished"):
         assert name in names, names
+    live = [e for e in events(tmp_path) if e["event"] == "live_state"]
+    assert [(e["step"], e["saved"]) for e in live] == [(15, True)]
     restored = [e for e in events(tmp_path) if e["event"] == "restored"]
-    assert restored[-1]["step"] == 10
+    assert restored[-1]["step"] == 15
     import torch.distributed as dist
 
     assert not dist.is_initialized()  # the group is destroyed at the end (Lightning would not)
@@ -260,3 +264,100 @@ def test_recovery_after_a_failure_before_forward_restores_the_module_forward(tmp
     assert trainer.strategy.recoveries == 1
     # Lightning restores forward as an instance attribute (the bound method); never its patch
     assert getattr(vars(model).get("forward"), "__name__", "forward") == "forward"
+
+
+# ------------------------------------------------------------------ live state
+
+
+class FailAfterTheUpdate(pl.Callback):
+    """A peer dies in a collective after this rank's update of step ``at`` (e.g. in another callback's
+    ``on_train_batch_end``): the live state is past the last boundary and must not be used."""
+
+    def __init__(self, at):
+        TRACKERS[id(self)] = Tracker(fail_at=[at])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        fail_at = TRACKERS[id(self)].fail_at
+        if trainer.global_step in fail_at:
+            fail_at.discard(trainer.global_step)
+            raise RuntimeError(GLOO_ERROR)
+
+
+def test_a_failure_after_the_update_resumes_from_the_newest_snapshot_and_says_why(tmp_path, port):
+    trainer = make_trainer(tmp_path, port)
+    trainer.callbacks.insert(0, FailAfterTheUpdate(at=14))  # before EmergencyCheckpoint's hook: no capture
+    model = Model()
+    trainer.fit(model)
+    assert trainer.global_step == 30 and trainer.strategy.recoveries == 1
+    live = [e for e in events(tmp_path) if e["event"] == "live_state"]
+    assert len(live) == 1 and not live[0]["saved"] and "optimizer step ran after the boundary" in live[0]["reason"]
+    assert [e for e in events(tmp_path) if e["event"] == "restored"][-1]["step"] == 10
+
+
+class BatchNormModel(Model):
+    """BatchNorm's running statistics change in every forward: in place, before the failure."""
+
+    def __init__(self, fail_after_forward_at, accumulate=1):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+        self.fail_after_forward_at = fail_after_forward_at
+
+    def training_step(self, batch, batch_idx):
+        step = self.trainer.global_step
+        self.steps_seen.append(step)
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if step == self.fail_after_forward_at and step not in self.tracker.fail_at:
+            self.tracker.fail_at.add(step)  # once
+            raise RuntimeError(GLOO_ERROR)  # after the forward moved the running statistics
+        return loss
+
+
+class RecordBoundaryState(pl.Callback):
+    """The state at the end of each optimizer step, and what training starts from after a restore
+    (kept outside the callback: a recovery puts callbacks back to their state at fit() start)."""
+
+    def __init__(self):
+        RECORDS[id(self)] = ({}, [])
+
+    @property
+    def at_step(self) -> dict[int, dict]:
+        return RECORDS[id(self)][0]
+
+    @property
+    def restored(self) -> list[tuple[int, dict]]:
+        return RECORDS[id(self)][1]
+
+    @staticmethod
+    def _state(pl_module):
+        return {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.at_step.setdefault(trainer.global_step, self._state(pl_module))  # the first: before any redo
+
+    def on_train_start(self, trainer, pl_module):
+        self.restored.append((trainer.global_step, self._state(pl_module)))
+
+
+RECORDS: dict[int, tuple[dict, list]] = {}
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_live_state_resumes_with_the_boundarys_buffers_and_weights(tmp_path, port, accumulate):
+    """The snapshot from the live state equals the state at the end of the last completed optimizer
+    step: parameters, and BatchNorm buffers that the interrupted step's forward had already
+    changed; with gradient accumulation the interrupted window is redone whole."""
+    trainer = make_trainer(tmp_path, port, max_steps=20)
+    trainer.accumulate_grad_batches = accumulate
+    recorder = RecordBoundaryState()
+    trainer.callbacks.append(recorder)
+    model = BatchNormModel(fail_after_forward_at=13)
+    trainer.fit(model)
+    assert trainer.global_step == 20 and trainer.strategy.recoveries == 1
+    step, state = recorder.restored[-1]
+    assert step == 13  # resumed at the step in flight, not at the step-10 snapshot
+    expected = recorder.at_step[13]
+    assert set(state) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+    assert any("running_mean" in name for name in expected)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from lightning_ft.checkpoint.durable.settings import DurableSettings
 from lightning_ft.checkpoint.memory.roots import RootSettings
+from lightning_ft.checkpoint.tiers import DEFAULT_SNAPSHOT_OVERHEAD
 from lightning_ft.settings import group, setting
 from lightning_ft.settings.fields import boolean, number, optional_text, parse_text
 
@@ -22,9 +23,10 @@ class SnapshotSettings:
               "agreed by all ranks (the smallest) at the calibration steps 8, 16, 32, ... (one small collective "
               "each)", rule=number(allow_none=True))
     max_overhead: float | None = setting(
-        None, "without every_n_steps/every_n_seconds: snapshot as often as keeps the measured save time within "
-              "this share of training time (0.005: 0.5 %), a power-of-two number of steps agreed by all ranks at "
-              "the calibration steps, the first at step 8; None: no periodic snapshots without a schedule",
+        DEFAULT_SNAPSHOT_OVERHEAD, "without every_n_steps/every_n_seconds: snapshot as often as keeps the measured "
+                                   "save time within this share of training time (0.005: 0.5 %), a power-of-two "
+                                   "number of steps agreed by all ranks at the calibration steps, the first at "
+                                   "step 8; None: no periodic snapshots without a schedule (a warning says so)",
         rule=number(allow_none=True))
     keep_last: int = setting(2, "snapshots kept per rank (>= 1); with >= 2 the oldest file is overwritten in place "
                                 "by the next snapshot, ~3x faster than a fresh tmpfs file",
@@ -42,6 +44,10 @@ class SnapshotSettings:
                                           "thread during the next forward and backward and commit before the next "
                                           "optimizer step; False: every snapshot is copied synchronously",
                                     rule=boolean)
+    live_state: bool = setting(True, "after a failure inside an optimizer step (a peer's death fails its gradient "
+                                     "all-reduce), snapshot the last step boundary from the live state, so the "
+                                     "recovery resumes there instead of at the last periodic snapshot; False: the "
+                                     "newest snapshot", rule=boolean)
     location: RootSettings = group(RootSettings)
     durable: DurableSettings = group(DurableSettings)
 

@@ -530,3 +530,31 @@ def upload_decision(busy_with: int | None, offered: int, last_uploaded: int | No
     if offered == busy_with or offered == last_uploaded:
         return "skip"
     return "start" if busy_with is None else "supersede"
+
+
+# ---------------------------------------------------------------------- protected or not
+
+
+def protection_gaps(*, periodic: bool, persist_to: str | None, auto_resume: bool) -> list[str]:
+    """What leaves a run's progress unprotected under these snapshot settings (empty: nothing).
+
+    ``periodic``: periodic snapshots are taken (a step, time or overhead schedule); without
+    them a failure goes back to the start of the round (or an older snapshot), and a durable
+    tier copies nothing, since it copies periodic snapshots.
+    """
+    gaps = []
+    if not periodic:
+        gaps.append("no periodic snapshots (every_n_steps, every_n_seconds and max_overhead are all off), so a "
+                    "failure loses every step since the start of the round")
+        if persist_to:
+            gaps.append(f"persist_to={persist_to} copies nothing: durable copies are made of periodic snapshots")
+    if not auto_resume:
+        gaps.append("auto_resume=False: a restart does not resume from the snapshots")
+    return gaps
+
+
+def first_durable_copy_due(offered_in_timeline: int) -> bool:
+    """The first snapshot of a stretch of training is copied durably at once, whatever the
+    interval, so that even a short run has a durable copy (every rank's first periodic snapshot
+    is at the same step: the schedule is the same on every rank)."""
+    return offered_in_timeline == 0

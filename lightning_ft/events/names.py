@@ -58,6 +58,9 @@ Snapshots (``EmergencyCheckpoint``, any strategy):
 ``durable_upload``             step, bytes, seconds, complete (this rank's shard is durable; ``complete``:
                                every rank's shard of the step is, and its manifest is written)
 ``durable_failed``             step, error (a durable copy failed; the step is not durable)
+``live_state``                 step, saved (bool), reason, seconds, bytes (after a failure inside the next
+                               optimizer step: the last step boundary snapshotted from the live state, or why
+                               not -- then the newest snapshot stands)
 ``durable_pacing``             slowdown (None: raised to keep up with the copies), busy_steps,
                                idle_steps, mib_per_second_before, mib_per_second (the upload bound changed)
 =============================  ==================================================================
@@ -102,6 +105,7 @@ SNAPSHOT_SCHEDULE = "snapshot_schedule"
 DURABLE_UPLOAD = "durable_upload"
 DURABLE_FAILED = "durable_failed"
 DURABLE_PACING = "durable_pacing"
+LIVE_STATE = "live_state"
 
 #: a participant whose log ends with one of these left on its own terms
 EXIT_EVENTS = (FINISHED, SPARE_EXIT, NO_RESTART, NODE_FAULT, STOPPED, TERMINATION_DECISION, UNHEALTHY_EXIT)

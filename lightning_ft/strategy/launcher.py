@@ -53,7 +53,12 @@ from lightning_ft.strategy.decisions import (
     looks_like_collective_error,
 )
 from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
-from lightning_ft.strategy.recovery import RecoveryExecutor, exception_chain, give_up_without_session
+from lightning_ft.strategy.recovery import (
+    RecoveryExecutor,
+    exception_chain,
+    give_up_without_session,
+    save_live_state,
+)
 from lightning_ft.strategy.run import RunState, StrategyHost
 from lightning_ft.strategy.session import RoundRuntime, Session
 from lightning_ft.settings.environment import torchelastic_restart_count
@@ -311,9 +316,11 @@ class ElasticLauncher(_Launcher):
             output = function(*args, **kwargs)
         except BaseException as exc:
             if looks_like_collective_error(exception_chain(exc)):
-                # torchrun restarts this worker; Lightning's teardown must not wait on the broken group
+                # torchrun restarts this worker; Lightning's teardown must not wait on the broken group.
+                # The restarted workers resume from /dev/shm: leave them this rank's live state.
                 log.warning("ddp_ft: collective failed (%s: %s); torchrun restarts the workers",
                             type(exc).__name__, first_line(exc))
+                save_live_state(trainer, "collective failure under torchrun")
                 run.round.retire_group()
             raise
         destroy_process_group()

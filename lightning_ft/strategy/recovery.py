@@ -23,10 +23,11 @@ import sys
 import time
 from typing import Any, NoReturn
 
-from lightning_ft._lightning.callbacks import callbacks_of_type
+from lightning_ft._lightning.callbacks import callbacks_of_type, first_callback_of_type
 from lightning_ft._lightning.history import finalize_failed
 from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer_reset import reset_trainer_for_rerun, teardown_trainer
+from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.deadlines import call_with_timeout, first_line
 from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
@@ -161,6 +162,10 @@ class RecoveryExecutor:
             raise exc
         session.events.emit(ev.DECISION, round=result.round, kind=kind.value, action=outcome.action.value,
                             reason=outcome.reason)
+        if outcome.action is FailureAction.RECOVER:
+            # before anything resets the Trainer: the survivors' live state is the step the next
+            # round resumes from (the snapshot exchange sends the newest step to whoever lacks it)
+            save_live_state(trainer, f"{kind.value} in round {result.round}")
         self._teardown(trainer, runtime)
         if outcome.action is FailureAction.NO_RESTART:
             peer = f" ({facts.peer_error})" if facts.peer_error else ""
@@ -291,6 +296,14 @@ def give_up_without_session(host: StrategyHost, message: str, cause: BaseExcepti
     host.stop_round_threads()
     destroy_process_group()
     raise FaultTolerantExit(ExitCode.NO_RESTART, message) from cause
+
+
+def save_live_state(trainer: Any, reason: str) -> None:
+    """Snapshot the last optimizer-step boundary from the live state, when the Trainer keeps
+    snapshots (see ``EmergencyCheckpoint.save_live_state``; it says why when it cannot)."""
+    checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
+    if checkpoint is not None:
+        checkpoint.save_live_state(trainer, reason)
 
 
 def _call_on_exception(trainer: Any, exc: BaseException) -> None:

@@ -19,7 +19,6 @@ from typing import Any
 
 from lightning_ft.checkpoint.durable.settings import DurableSettings
 from lightning_ft.checkpoint.settings import SnapshotSettings
-from lightning_ft.checkpoint.tiers import DEFAULT_SNAPSHOT_OVERHEAD
 from lightning_ft.events.log import EventSettings
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousOptions, RendezvousSettings
 from lightning_ft.rendezvous.store import Endpoint, parse_endpoint
@@ -134,7 +133,6 @@ class StrategySettings:
         """The snapshot_* and persist_* settings given as arguments (they configure the added
         EmergencyCheckpoint, so they contradict one of the user's own)."""
         defaults = {info.name: info.default for info in describe(StrategySettings)}
-        defaults["snapshot_max_overhead"] = DEFAULT_SNAPSHOT_OVERHEAD
         values = {**setting_values(self.snapshot, "snapshot_"), **setting_values(self.durable)}
         return sorted(name for name in self.given if name in values and values[name] != defaults.get(name))
 
@@ -196,8 +194,7 @@ def resolve_settings(env: Mapping[str, str] | None = None, *, timeout: Any = Non
     if not (timeout is None or isinstance(timeout, datetime.timedelta)):
         raise StrategyConfigError(f"{_PREFIX}timeout must be a datetime.timedelta, got {timeout!r}")
     settings = load(StrategySettings, {**given, "launch": launch, "pg_timeout": timeout}, env=env,
-                    error=StrategyConfigError, prefix=_PREFIX,
-                    defaults={"snapshot_max_overhead": DEFAULT_SNAPSHOT_OVERHEAD})
+                    error=StrategyConfigError, prefix=_PREFIX)
     return dataclasses.replace(settings, domain_id=resolve_domain_id(settings.domain_id, env),
                                given=frozenset(given))
 

@@ -430,7 +430,7 @@ class GracefulTermination(pl.Callback):
         step = trainer.global_step
         where = (f"{type(exception).__name__} during the termination (unhealthy peers: {peers or 'none'}); "
                  f"saving from the last completed step {step}")
-        code, _ = self._executor.decide_and_execute(trainer, termination, step, where)
+        code, _ = self._executor.decide_and_execute(trainer, termination, step, where, mid_step=True)
         self._finish(trainer, exiting=True)
         # Lightning re-raises the original exception (exit status 1); make the status ours.
         plan_exit(destroy_process_group=True, force_code=code)

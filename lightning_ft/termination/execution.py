@@ -127,8 +127,11 @@ class TerminationExecutor:
                               unanswered="going on without it", log_problem=True)
             exit_now(decision.exit_code)
 
-    def decide_and_execute(self, trainer: Any, termination: Termination, step: int, where: str) -> tuple[int, Decision]:
-        """At the stop step: exit if unhealthy, else save when it fits, record, and return the exit code."""
+    def decide_and_execute(self, trainer: Any, termination: Termination, step: int, where: str,
+                           mid_step: bool = False) -> tuple[int, Decision]:
+        """At the stop step: exit if unhealthy, else save when it fits, record, and return the exit code.
+        ``mid_step``: the stop comes from inside a step (a peer's failure during the termination);
+        the snapshot is then the last step boundary's, from the live state when it still is that."""
         report = self._await_report(termination)
         if not report.healthy:
             self.exit_unhealthy(termination, report)
@@ -155,7 +158,7 @@ class TerminationExecutor:
         decision = Decision(decision.action, decision.exit_code, (where, *decision.reasons))
         tier = "none"
         if decision.action is Action.SAVE_THEN_EXIT:
-            decision = self._save(trainer, checkpoint, termination, step, decision)
+            decision = self._save(trainer, checkpoint, termination, step, decision, mid_step)
             if decision.action is Action.SAVE_THEN_EXIT:
                 decision, tier = self._flush_durable(checkpoint, termination, decision)
         else:
@@ -169,11 +172,13 @@ class TerminationExecutor:
         return code, decision
 
     def _save(self, trainer: Any, checkpoint: EmergencyCheckpoint, termination: Termination, step: int,
-              decision: Decision) -> Decision:
+              decision: Decision, mid_step: bool = False) -> Decision:
         """Take the emergency snapshot; a failure turns the decision into "not saved"."""
         started = time.monotonic()
+        reason = f"{termination.cause}; stop after step {step}"
         try:
-            info = checkpoint.save_now(trainer, reason=f"{termination.cause}; stop after step {step}")
+            info = checkpoint.save_live_state(trainer, reason) if mid_step else None
+            info = info or checkpoint.save_now(trainer, reason=reason)
         except Exception as exc:
             code = not_saved_exit_code(termination.signum)
             log.exception("rank %d: emergency snapshot failed; exiting with %d (state NOT saved)", self.rank, code)

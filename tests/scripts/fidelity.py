@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -162,21 +163,28 @@ def run_ft(processes, root: Path, args: list[str], moment: Moment | None, *, cli
 
 
 def run_reference(processes, root: Path, args: list[str], resume_step: int, *, cli: str | None = None,
-                  knobs: dict[str, str] | None = None, timeout: float = 90.0) -> Run:
-    """Lightning's own resume from the snapshot of ``resume_step`` (see the module docstring)."""
+                  knobs: dict[str, str] | None = None, timeout: float = 90.0,
+                  kill_at: tuple[Moment, list[str]] | None = None) -> Run:
+    """Lightning's own resume from the snapshot of ``resume_step`` (see the module docstring).
+
+    The first launch is killed in step S+1, or at ``kill_at`` (a moment after the snapshot of S
+    exists, and the arguments that hold the run there): the job lost during what followed the
+    step's end (its validation, a checkpoint save), as the recovered run was."""
     names = NAMES[:2]
     # the first launch waits at step S+1 (4 s in each of its two accumulated batches, inside the
     # 10-s hang floor) to be killed there: a test process slow to notice (a loaded machine) must
     # not let it run on until the snapshot of S has been pruned
     hold = str(resume_step + 1)
-    if cli is None:
+    if kill_at is not None:
+        first_args, first_knobs = [*args, *kill_at[1]], knobs or {}
+    elif cli is None:
         first_args = [*args, "--step-sleep", "4", "--sleep-from-step", hold, "--sleep-until-step", hold]
         first_knobs = knobs or {}
     else:
         first_args = args
         first_knobs = {**(knobs or {}), "LU_STEP_SLEEP": "4", "LU_SLEEP_FROM_STEP": hold, "LU_SLEEP_UNTIL_STEP": hold}
     _, first = _start(processes, root, names, "2:2", first_args, cli, first_knobs, tag=f"-{root.name}-1")
-    reached = Moment("step", resume_step + 1)
+    reached = kill_at[0] if kill_at is not None else Moment("step", resume_step + 1)
     wait_for_moment(root, first, reached, timeout)
     for proc in first.values():  # freeze both first: neither runs a line after the "node loss"
         proc.signal(signal.SIGSTOP)
@@ -212,8 +220,16 @@ def metric_rows(run: Run, version: int = 0) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def final_checkpoints(run: Run) -> list[str]:
-    """Checkpoint file names in the newest log version (what a user finds after the run)."""
+def final_checkpoints(run: Run, after_step: int = -1) -> list[str]:
+    """Checkpoint file names of the newest log version (what a user finds after the run) that were
+    written for a step after ``after_step``, and ``last.ckpt``. What came before the step training
+    resumed from is history both runs share; the relaunch keeps it in an older version, whose files
+    its ModelCheckpoint no longer manages, while a recovery keeps one version and manages them."""
     versions = sorted((run.logs_root / "lightning_logs").glob("version_*"), key=lambda p: int(p.name[8:]))
     directory = versions[-1] / "checkpoints"
-    return sorted(p.name for p in directory.iterdir() if p.is_file())
+    names = []
+    for path in directory.iterdir():
+        step = re.search(r"step=(\d+)", path.name)
+        if path.is_file() and (step is None or int(step.group(1)) > after_step):
+            names.append(path.name)
+    return sorted(names)

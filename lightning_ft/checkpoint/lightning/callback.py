@@ -23,6 +23,7 @@ from lightning_ft.checkpoint.lightning.auto_resume import AutoResume, replicated
 from lightning_ft.checkpoint.lightning.background import BackgroundSnapshots
 from lightning_ft.checkpoint.lightning.calibration import ScheduleCalibration
 from lightning_ft.checkpoint.lightning.durable_copies import DurableCopies
+from lightning_ft.checkpoint.lightning.live import LiveState
 from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.roots import (
@@ -37,13 +38,22 @@ from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.policy import snapshot_due
 from lightning_ft.checkpoint.service import SnapshotService
 from lightning_ft.checkpoint.settings import SnapshotSettings
-from lightning_ft.checkpoint.tiers import Schedule, persist_due, snapshot_copies, space_shortfall
+from lightning_ft.checkpoint.tiers import (
+    Schedule,
+    first_durable_copy_due,
+    persist_due,
+    protection_gaps,
+    snapshot_copies,
+    space_shortfall,
+)
 from lightning_ft.events import NullEventLog, open_event_log
+from lightning_ft.events import names as ev
 from lightning_ft.settings import load
 
 log = logging.getLogger(__name__)
 
 _no_run_id_warned = False  # the "set a run id" warning is given once per process
+_unprotected_warned = False  # the "progress unprotected" warning too
 
 
 def no_run_id_message(run_dir: str) -> str:
@@ -108,6 +118,7 @@ class EmergencyCheckpoint(pl.Callback):
         self._calibration = ScheduleCalibration(self.every_n_steps, self.every_n_seconds, self.max_overhead)
         self._background = BackgroundSnapshots()
         self._resume = AutoResume()
+        self._live = LiveState()
         self.durable_settings = config.durable if config.durable.persist_to else None
         self._durable = DurableCopies(self.durable_settings, self._configured_run_id)
         skip_unused_batch_hooks(self)
@@ -176,6 +187,43 @@ class EmergencyCheckpoint(pl.Callback):
                   store.rank, reason, step, seconds, info.nbytes / 2**20)
         return info
 
+    def save_live_state(self, trainer: pl.Trainer, reason: str) -> SnapshotInfo | None:
+        """After a failure inside the next optimizer step (a peer's death fails its gradient
+        all-reduce before any update): snapshot the last optimizer-step boundary from the live
+        parameters and optimizer state plus what was captured there (see :mod:`.live`), so a
+        recovery -- or the workers torchrun restarts -- resume at that step. None when the live
+        state cannot be shown to be that boundary's (an update ran since); the newest snapshot
+        then stands. Synchronous, this rank only, no collectives. Emits ``live_state``."""
+        self.commit_pending("live state")
+        problem = self._live.problem(trainer) if self.settings.live_state else "live_state=False"
+        step = self._live.step
+        if problem is None and self._last_snapshot is not None and self._last_snapshot.step == step:
+            # the boundary's snapshot exists already (a periodic one): nothing to add
+            self._events.emit(ev.LIVE_STATE, step=step, saved=True, reason="the snapshot of this step exists",
+                              seconds=0.0)
+            return self._last_snapshot
+        if problem is not None:
+            log.warning("rank %d: not resuming from the live state (%s); the newest snapshot stands",
+                        trainer.global_rank, problem)
+            self._events.emit(ev.LIVE_STATE, step=step, saved=False, reason=problem, seconds=None)
+            return None
+        start = time.perf_counter()
+        try:
+            info = self._get_store(trainer).save(self._live.checkpoint(trainer), step, reason=reason)
+        except Exception as exc:  # noqa: BLE001 - the newest snapshot stands; said why
+            log.exception("rank %d: live-state snapshot of step %s failed; the newest snapshot stands",
+                          trainer.global_rank, step)
+            self._events.emit(ev.LIVE_STATE, step=step, saved=False, reason=f"{type(exc).__name__}: {exc}"[:300],
+                              seconds=None)
+            return None
+        seconds = time.perf_counter() - start
+        self._committed(info)
+        log.info("rank %d: live state of step %d snapshotted in %.3f s (%s)", trainer.global_rank, step, seconds,
+                 reason)
+        self._events.emit(ev.LIVE_STATE, step=step, saved=True, reason=reason, seconds=round(seconds, 4),
+                          bytes=info.nbytes)
+        return info
+
     def commit_pending(self, where: str = "") -> SnapshotInfo | None:
         """Commit the periodic snapshot still copying in the background, if any (waits for the
         copy). A snapshot that cannot be committed is abandoned with a logged reason; the older
@@ -234,6 +282,7 @@ class EmergencyCheckpoint(pl.Callback):
                         type(trainer.strategy).__name__)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._warn_if_unprotected(trainer)
         self._resume.reset()
         self._space_checked, self._estimated_bytes = False, None  # once per fit: the model may differ
         self._durable.new_timeline()
@@ -250,6 +299,8 @@ class EmergencyCheckpoint(pl.Callback):
                 log.warning("sharded optimizer %s: dump_checkpoint runs a collective; save_now() is not "
                             "collective-free with it", type(optimizer).__name__)
         self._calibration.start(trainer.global_step)
+        if replicated(trainer):
+            self._live.start(trainer)
         self._durable.mark_step_start()
         self._check_spare = True
         self._background.off = None
@@ -258,6 +309,7 @@ class EmergencyCheckpoint(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         self.commit_pending("batch end")  # no optimizer step since (gradient accumulation)
+        self._live.at_batch_end(trainer)
         step = trainer.global_step
         sample = self._calibration.step_time(step)
         if sample is not None:
@@ -297,11 +349,23 @@ class EmergencyCheckpoint(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.commit_pending("teardown")
         self._background.remove_hooks()
+        self._live.stop()
         if self._store is not None:
             self._store.discard_spare()  # committed snapshots stay; the spare is only for this process
             self._store.close()
 
     # ------------------------------------------------------------------ internals
+    def _warn_if_unprotected(self, trainer: pl.Trainer) -> None:
+        """Say once per process, in one line, what leaves this run's progress unprotected."""
+        global _unprotected_warned
+        periodic = bool(self.every_n_steps or self.every_n_seconds or self.max_overhead)
+        gaps = protection_gaps(periodic=periodic, persist_to=self.settings.durable.persist_to,
+                               auto_resume=self.auto_resume)
+        if gaps and not _unprotected_warned:
+            _unprotected_warned = True
+            log.warning("rank %d: EmergencyCheckpoint leaves progress unprotected: %s", trainer.global_rank,
+                        "; ".join(gaps))
+
     def _periodic_save(self, trainer: pl.Trainer, step: int, persist: bool) -> SnapshotInfo | None:
         try:
             info = self.save_now(trainer, reason="periodic")
@@ -321,7 +385,7 @@ class EmergencyCheckpoint(pl.Callback):
         if not self._durable.offering:
             return
         every = self._calibration.persist_every(lambda: self._persist_seconds(trainer))
-        if persist_due(info.step, every):
+        if first_durable_copy_due(self._durable.offered_in_timeline) or persist_due(info.step, every):
             self._durable.offer(info, trainer.world_size)
 
     def _get_store(self, trainer: pl.Trainer) -> SnapshotStore:

@@ -42,6 +42,8 @@ class DurableCopies:
         #: this rank's background uploader (created by :meth:`start`)
         self.persister: DurablePersister | None = None
         self._timeline: str | None = None
+        #: snapshots offered for upload in the current timeline (the first is copied at once)
+        self.offered_in_timeline = 0
         self._upload_activity: tuple[bool, int] | None = None  # the persister's activity when the step began
 
     def start(self, snapshot_store: Callable[[], SnapshotStore], rank: int, emit: Callable[..., None]) -> None:
@@ -60,6 +62,7 @@ class DurableCopies:
         """
         if self.tier is not None:
             self._timeline = f"{gather_steps([secrets.randbits(62)])[0][0]:016x}"
+        self.offered_in_timeline = 0
 
     @property
     def offering(self) -> bool:
@@ -78,6 +81,7 @@ class DurableCopies:
 
     def offer(self, info: SnapshotInfo, world_size: int) -> None:
         """Queue a committed snapshot for upload (call only while :attr:`offering`)."""
+        self.offered_in_timeline += 1
         self.persister.offer(info, self._timeline, world_size)
 
     # ------------------------------------------------------------------ step times for the pacer
