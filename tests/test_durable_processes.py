@@ -177,6 +177,34 @@ def test_after_kill_9_of_every_process_resume_from_the_newest_complete_durable_s
     assert partial_step not in manifest_steps(durable, run_id)
 
 
+@pytest.mark.timeout(150)
+def test_with_callbacks_given_no_arguments_a_short_run_still_leaves_a_durable_step(launch, tmp_path):
+    """Protected by default: EmergencyCheckpoint() and GracefulTermination() with no arguments and
+    only LIGHTNING_FT_PERSIST_TO set (no interval: Daly's, minutes here). The first periodic
+    snapshot (step 8, the cost schedule's first) is copied durably at once, so kill -9 of every
+    process and new nodes resume from a durable step, not from step 0."""
+    run_id, durable = "durable-f", tmp_path / "durable"
+    env = {"LIGHTNING_FT_PERSIST_TO": str(durable)}
+    args = ["--resumable-data", "--step-sleep", "0.03", "--ft-by-name", "--explicit-callbacks"]
+    first = Cluster(launch("first"), tmp_path / "first", "2:2", run_id=run_id)
+    first.start(["A", "B"], ["--max-steps", "400", *args], **env)
+    assert wait_until(lambda: manifest_steps(durable, run_id), 60), first.logs()
+    newest = max(manifest_steps(durable, run_id))
+    assert newest == 8, manifest_steps(durable, run_id)
+    first.wait_for_step(30, 60)
+    for name in ("A", "B"):
+        first.kill(name, signal.SIGKILL)
+    assert first.wait(["A", "B"], 20) == {"A": -9, "B": -9}
+    newest = max(manifest_steps(durable, run_id))
+    wipe_memory(first)
+    second = Cluster(launch("second"), tmp_path / "second", "2:2", run_id=run_id)
+    second.start(["A", "B"], ["--max-steps", str(newest + 5), *args], **env)
+    results = finish(second, 90)
+    assert resumed_steps(second) == [newest, newest] and newest > 0, second.logs()
+    assert all(r["step"] == newest + 5 for r in results)
+    assert "from the durable tier" in second.procs["A"].log(), second.logs()
+
+
 @pytest.mark.timeout(120)
 def test_a_hot_spare_steps_in_while_uploads_are_in_flight(launch, tmp_path):
     # ~2 MiB of state at 4 MiB/s per rank: when an active is killed, uploads of the old round are

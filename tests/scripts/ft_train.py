@@ -110,6 +110,10 @@ def main() -> int:
     parser.add_argument("--background-copy-min-bytes", type=int, default=None,
                         help="copy deferred snapshot tensors on the helper thread from this size on "
                              "(test knob: this script's small models stay below the library's threshold)")
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer (buffers forward changes)")
+    parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=N)")
+    parser.add_argument("--explicit-callbacks", action="store_true",
+                        help="EmergencyCheckpoint() and GracefulTermination() with no arguments, as a user adds them")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     if args.background_copy_min_bytes is not None:
@@ -147,7 +151,8 @@ def main() -> int:
     class Regression(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(16, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
+            norm = [nn.BatchNorm1d(args.hidden)] if args.batchnorm else []
+            self.net = nn.Sequential(nn.Linear(16, args.hidden), *norm, nn.ReLU(), nn.Linear(args.hidden, 1))
 
         def training_step(self, batch, batch_idx):
             if args.hold_first_step_while and self.trainer.global_step == 0:
@@ -191,9 +196,11 @@ def main() -> int:
                                     "pcpu": time.process_time()}) + "\n")
 
     callbacks: list[pl.Callback] = [Recorder()]
+    if args.explicit_callbacks:
+        callbacks += [EmergencyCheckpoint(), GracefulTermination()]
     if args.graceful:
         callbacks.append(GracefulTermination(probes=[]))
-    if not args.no_snapshots and args.snapshot_every > 0:
+    if not args.no_snapshots and args.snapshot_every > 0 and not args.explicit_callbacks:
         callbacks.append(EmergencyCheckpoint(every_n_steps=args.snapshot_every))
     ckpt_path = None
     if args.checkpoint_dir:
@@ -224,7 +231,7 @@ def main() -> int:
     pl.seed_everything(0, verbose=False)
     model = Regression()
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
-                         max_steps=args.max_steps,
+                         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate,
                          max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=bool(args.checkpoint_dir), num_sanity_val_steps=0,
                          callbacks=callbacks)
