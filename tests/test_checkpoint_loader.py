@@ -403,3 +403,45 @@ def test_no_snapshot_path_uses_an_unrestricted_unpickler(tmp_path, monkeypatch):
                                                                   probe]))
     trainer.fit(make_module())
     assert probe.start_step == 6
+
+
+# ------------------------------------------------------------------ effects, not only names (issue 24)
+
+
+def test_a_snapshot_cannot_set_attributes_of_an_allowed_class(store):
+    """Counter is allowed, but a BUILD applied to the class itself would change it for the whole
+    process (the old loader accepted ``Counter.most_common = None`` from 60 bytes of metadata)."""
+    from collections import Counter
+
+    meta = (b"\x80\x04\x8c\x0bcollections\x94\x8c\x07Counter\x94\x93\x94}\x94\x8c\x0bmost_common\x94Nsb"
+            b"\x85\x94.")
+    write_crafted(store, 5, meta)
+    original = Counter.most_common
+    with pytest.raises(SnapshotError, match=r"sets the state of collections\.Counter itself"):
+        store.load()
+    assert Counter.most_common is original and callable(Counter("aab").most_common)
+
+
+def test_a_snapshot_cannot_make_the_loader_allocate_without_bound(store):
+    """``bytearray(2**31)`` is 30 bytes of pickle; refused before anything is constructed."""
+    meta = b"\x80\x04\x8c\x08builtins\x94\x8c\tbytearray\x94\x93\x94\x8a\x05\x00\x00\x00\x80\x00\x85\x94R\x94."
+    write_crafted(store, 6, meta)
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(SnapshotError, match=r"builtins\.bytearray\(2147483648\), an allocation beyond"):
+        store.load()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024  # KiB: nothing big
+
+
+def test_tensor_classes_torch_registers_on_import_are_not_allowed():
+    """Importing torch.distributed.tensor or torch.nested makes torch add DTensor and NestedTensor to
+    its own safe globals; this format never pickles a tensor, so the loader refuses them anyway."""
+    import torch.distributed.tensor  # noqa: F401
+    import torch.nested  # noqa: F401
+
+    from lightning_ft.checkpoint.restricted_pickle import allowed_globals
+
+    names = set(allowed_globals())
+    assert not {n for n in names if "DTensor" in n or "NestedTensor" in n or n.startswith("torch.nested")}, names
+    assert "collections.OrderedDict" in names and "torch.Size" in names

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lightning_ft.checkpoint.identity import SnapshotIdentity, model_fingerprint
-from lightning_ft.checkpoint.restricted_pickle import DisallowedGlobal, RestrictedUnpickler
+from lightning_ft.checkpoint.restricted_pickle import DisallowedGlobal, RefusedEffect, RestrictedUnpickler, check_effects
 
 MAGIC = b"LFTSNAP\x01"
 VERSION = 2
@@ -288,7 +288,10 @@ class _ShapesOnly:
 
 def _unpickle(meta: bytes, resolve: Callable[[Any], torch.Tensor]) -> Any:
     try:
+        check_effects(meta)
         return _Unpickler(io.BytesIO(meta), resolve).load()
+    except RefusedEffect as exc:
+        raise SnapshotError(f"snapshot metadata refused: {exc}") from None
     except DisallowedGlobal as exc:
         raise SnapshotError(f"snapshot metadata refused: {exc}") from None
     except SnapshotError:
