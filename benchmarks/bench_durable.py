@@ -63,12 +63,12 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from lightning_ft.checkpoint.memory import format as fmt
-from lightning_ft.checkpoint.lightning.background import changed_only_by_optimizer_steps
 from lightning_ft.checkpoint.durable.persister import DurablePersister
 from lightning_ft.checkpoint.durable.settings import DEFAULT_MAX_MIB_PER_SECOND
 from lightning_ft.checkpoint.durable.targets import LocalDirTarget
 from lightning_ft.checkpoint.durable.tier import DurableTier
+from lightning_ft.checkpoint.lightning.background import changed_only_by_optimizer_steps
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.roots import default_root
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import PACING_START_BYTES_PER_SECOND, UploadPacer

@@ -23,7 +23,8 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.settings.timeouts import DEFAULT_TIMEOUTS
@@ -80,7 +81,7 @@ class ExitWatchdog:
         self._disarmed = False
 
     @classmethod
-    def within(cls, seconds: float, code: int, what: str) -> "ExitWatchdog":
+    def within(cls, seconds: float, code: int, what: str) -> ExitWatchdog:
         """A watchdog armed to exit with ``code`` unless disarmed within ``seconds``."""
         watchdog = cls(lambda: code, what)
         watchdog.arm(time.monotonic() + seconds)

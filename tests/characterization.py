@@ -62,7 +62,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-import ft_cluster  # noqa: E402
+import ft_cluster  # noqa: F401 - conftest.py reads characterization.ft_cluster.CREATED
 
 GOLDEN = Path(__file__).resolve().with_name("characterization.json")
 UPDATE_ENV = "LIGHTNING_FT_UPDATE_CHARACTERIZATION"

@@ -17,7 +17,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
-from ckpt_helpers import tensors_equal
 from lightning.pytorch.cli import LightningCLI, LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -26,6 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ft.checkpoint import SnapshotError, SnapshotStore
 from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.restricted_pickle import allowed_globals, default_allowed_globals
+
+from ckpt_helpers import tensors_equal
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -368,11 +369,12 @@ def test_no_snapshot_path_uses_an_unrestricted_unpickler(tmp_path, monkeypatch):
     through the restricted loader: with every unrestricted decoder made to fail, they all work."""
     import torch.distributed as dist
 
-    from ckpt_helpers import make_module, resume_probe, trainer_kwargs
     from lightning_ft import EmergencyCheckpoint
     from lightning_ft.checkpoint import MemoryCheckpointIO
     from lightning_ft.checkpoint.exchange.agreement import agree_on_step
     from lightning_ft.checkpoint.exchange.replication import read_snapshot_file
+
+    from ckpt_helpers import make_module, resume_probe, trainer_kwargs
 
     def forbidden(*args, **kwargs):
         raise AssertionError("an unrestricted unpickler was used")

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from proc_utils import REPO_ROOT, child_env, wait_for
 
 from lightning_ft.checkpoint import SnapshotStore
+
+from proc_utils import REPO_ROOT, child_env, wait_for
 
 HELPERS = str(REPO_ROOT / "tests" / "ckpt_helpers.py")
 

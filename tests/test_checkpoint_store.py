@@ -9,12 +9,13 @@ import time
 
 import pytest
 import torch
-from ckpt_helpers import tensors_equal
 
 from lightning_ft.checkpoint import SnapshotError, SnapshotStore
-from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory import copying
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.roots import configured_run_id, resolve_root, resolve_run_id
+
+from ckpt_helpers import tensors_equal
 
 Point = collections.namedtuple("Point", "x y")
 

@@ -17,7 +17,7 @@ import pytest
 from proc_utils import REPO_ROOT, child_pids, kill_pids, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from ft_cluster import SCRIPT, Cluster, base_env  # noqa: E402
+from ft_cluster import SCRIPT, Cluster, base_env
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -295,7 +295,6 @@ def test_under_torchrun_the_new_worker_receives_the_snapshot(processes, tmp_path
     # workers; the strategy behaves like DDP and hands the in-memory snapshot to the worker of
     # the spare node, which has none
     from ft_cluster import _read_jsonl
-
     from proc_utils import free_port
 
     port, out = free_port(), tmp_path / "out"

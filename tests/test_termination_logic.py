@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from lightning_ft.exit_codes import ExitCode
 from lightning_ft.deadlines import call_with_timeout
+from lightning_ft.exit_codes import ExitCode
 from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
 from lightning_ft.termination.decision import (
     Action,

@@ -51,7 +51,7 @@ class PristineState:
 
     @classmethod
     def capture(cls, trainer: pl.Trainer, module: pl.LightningModule | None, datamodule: Any,
-                keep: tuple[type, ...]) -> "PristineState":
+                keep: tuple[type, ...]) -> PristineState:
         """Copy the callbacks (except instances of ``keep``), loggers, datamodule and module."""
         state = cls()
         targets: list[Any] = [cb for cb in trainer.callbacks if not isinstance(cb, keep)]

@@ -21,7 +21,6 @@ from lightning_ft._lightning.compat import silence_known_warnings
 from lightning_ft._lightning.names import STRATEGY_DESCRIPTION, STRATEGY_NAME
 from lightning_ft._lightning.slurm import install as install_slurm_compat
 
-
 # The whole package, not ``lightning.pytorch.strategies``: that one loads while
 # ``lightning.pytorch`` is still half-initialized. The registry is read only when a Trainer
 # is built, later.
@@ -49,7 +48,7 @@ class _LoaderThatRegistersAfterwards(importlib.abc.Loader):
     def __init__(self, inner: importlib.abc.Loader) -> None:
         self._inner = inner
 
-    def create_module(self, spec):  # noqa: D401 - importlib protocol
+    def create_module(self, spec):
         return self._inner.create_module(spec)
 
     def exec_module(self, module) -> None:

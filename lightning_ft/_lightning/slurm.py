@@ -24,7 +24,8 @@ other strategy goes through Lightning's detection unchanged.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 

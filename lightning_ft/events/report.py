@@ -38,9 +38,10 @@ import json
 import re
 import signal
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from lightning_ft.events import names as ev
 from lightning_ft.events.log import read_events

@@ -276,7 +276,7 @@ class CloseReason:
         return SEP.join((self.kind.value, repr(float(self.closed_at)), self.text))
 
     @classmethod
-    def decode(cls, raw: bytes) -> "CloseReason | None":
+    def decode(cls, raw: bytes) -> CloseReason | None:
         """None for a value that is not a close reason of this format."""
         try:
             kind_text, when, text = raw.decode().split(SEP, 2)

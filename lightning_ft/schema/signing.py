@@ -24,8 +24,8 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Mapping
 from functools import lru_cache
-from typing import Mapping
 
 from lightning_ft.settings.environment import environ
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 import errno
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from lightning_ft.schema.run import CloseKind
 

@@ -18,11 +18,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -40,11 +40,13 @@ from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer_reset import mark_finished
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.service import replica_puller
-from lightning_ft.events import names as ev
 from lightning_ft.deadlines import call_with_timeout, first_line
+from lightning_ft.events import names as ev
+from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
 from lightning_ft.process import destroy_process_group
 from lightning_ft.rendezvous.barrier import ParticipantExcludedError, RoundResult
 from lightning_ft.schema.run import CloseKind
+from lightning_ft.settings.environment import torchelastic_restart_count
 from lightning_ft.strategy.decisions import (
     EndAction,
     EndCause,
@@ -52,11 +54,9 @@ from lightning_ft.strategy.decisions import (
     decide_on_rendezvous_end,
     looks_like_collective_error,
 )
-from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
 from lightning_ft.strategy.recovery import RecoveryExecutor, exception_chain, give_up_without_session
 from lightning_ft.strategy.run import RunState, StrategyHost
 from lightning_ft.strategy.session import RoundRuntime, Session
-from lightning_ft.settings.environment import torchelastic_restart_count
 from lightning_ft.strategy.settings import StrategyConfigError, StrategySettings
 from lightning_ft.strategy.spare_monitor import SpareMonitor
 from lightning_ft.termination.callback import GracefulTermination

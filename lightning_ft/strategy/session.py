@@ -10,23 +10,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
+from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
 from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
-from lightning_ft.deadlines import raw_store
 from lightning_ft.rendezvous.store import connect_store
 from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore
-from lightning_ft.strategy.process_group import GroupTransport, retire_group
 from lightning_ft.settings import Timeouts
 from lightning_ft.strategy.decisions import Detector
+from lightning_ft.strategy.process_group import GroupTransport, retire_group
 from lightning_ft.strategy.settings import HangSettings, StrategySettings
 from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
 
@@ -45,7 +46,7 @@ class Session:
     events: EventLog | NullEventLog
 
     @classmethod
-    def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> "Session":
+    def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> Session:
         """Reach (or host) the store and build this participant. Raises ``RendezvousError``
         when the store cannot be reached; ``events_for(participant_id)`` opens the event log."""
         launch = settings.launch

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
 from lightning_ft.deadlines import BackgroundThread

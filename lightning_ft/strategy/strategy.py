@@ -37,8 +37,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.setup import _log_device_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch.nn.parallel import DistributedDataParallel
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.history import (
@@ -54,22 +54,21 @@ from lightning_ft._lightning.slurm import install as install_slurm_compat
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
-from lightning_ft.checkpoint.tiers import DEFAULT_SNAPSHOT_OVERHEAD
+from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
 from lightning_ft.process import plan_exit
-from lightning_ft.deadlines import raw_store
 from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
 from lightning_ft.schema.run import decode_log_versions, encode_log_versions
 from lightning_ft.schema.signing import SealedStore
+from lightning_ft.settings import describe
+from lightning_ft.settings.environment import local_rank, master_port, scheduler_node_index
+from lightning_ft.settings.fields import setting_names
 from lightning_ft.strategy.environment import NO_RANK, ElasticEnvironment, RoundEnvironment
 from lightning_ft.strategy.launcher import ElasticLauncher, FaultTolerantLauncher
 from lightning_ft.strategy.process_group import GroupTransport, init_round_group, open_sockets
 from lightning_ft.strategy.run import RunState
 from lightning_ft.strategy.session import RoundRuntime, Session
-from lightning_ft.settings import describe
-from lightning_ft.settings.environment import local_rank, master_port, scheduler_node_index
-from lightning_ft.settings.fields import setting_names
 from lightning_ft.strategy.settings import (
     LAUNCH_ARGUMENTS,
     LaunchMode,

@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from types import FrameType
-from typing import Callable
 
 from lightning_ft.deadlines import BackgroundThread
 from lightning_ft.schema.round import decode_member, decode_progress, encode_progress, member_key, progress_key

@@ -32,12 +32,12 @@ decide as in 4. and log why -- it never waits out the store's own op timeout (mi
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import signal
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -45,19 +45,19 @@ import torch.distributed as dist
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._logging import ensure_log_output
 from lightning_ft._validation import require
+from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.events import NullEventLog, open_event_log
 from lightning_ft.events import names as ev
+from lightning_ft.exit_codes import FaultTolerantExit
 from lightning_ft.health import NodeHealthCheck
 from lightning_ft.health.probes import default_probes
-from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.process import install_exit_hook, plan_exit
 from lightning_ft.schema.termination import namespace_prefix
-from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
 from lightning_ft.settings import SettingsError, load
 from lightning_ft.settings.environment import torchelastic_run_id, torchelastic_shutdown_timeout
+from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
 from lightning_ft.termination.decision import BoundaryAction, decide_at_boundary, resolve_grace_seconds
 from lightning_ft.termination.execution import Termination, TerminationExecutor
-from lightning_ft.exit_codes import FaultTolerantExit
 from lightning_ft.termination.settings import TerminationSettings, check_reserve
 from lightning_ft.termination.signals import SignalListener
 from lightning_ft.termination.watcher import StopWatcher

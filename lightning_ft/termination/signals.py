@@ -16,7 +16,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from lightning_ft.deadlines import BackgroundThread
 from lightning_ft.settings.timeouts import DEFAULT_TIMEOUTS

@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.identity import state_dict_fingerprint
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.schema.round import (
     REPLICA_BLOB_KEY,
     REPLICA_META_KEY,

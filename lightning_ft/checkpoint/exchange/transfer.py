@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from lightning_ft.checkpoint.policy import TransferPlan, plan_snapshot_transfer
 from lightning_ft.checkpoint.exchange.agreement import gather_steps
 from lightning_ft.checkpoint.memory.store import SnapshotStore
+from lightning_ft.checkpoint.policy import TransferPlan, plan_snapshot_transfer
 from lightning_ft.events import names as ev
 
 log = logging.getLogger(__name__)

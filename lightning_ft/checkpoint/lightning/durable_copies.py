@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from lightning_ft.checkpoint.durable.persister import DurablePersister
 from lightning_ft.checkpoint.durable.settings import DurableSettings

@@ -35,8 +35,9 @@ import pickle
 import struct
 import warnings
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
