@@ -39,7 +39,7 @@ def flush_output(timeout_s: float = DEFAULT_TIMEOUTS.flush_timeout) -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:
+            except Exception:  # noqa: BLE001 - a closed or broken stream must not stop the exit
                 pass
         loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
                                            if isinstance(lg, logging.Logger)]
@@ -47,7 +47,7 @@ def flush_output(timeout_s: float = DEFAULT_TIMEOUTS.flush_timeout) -> None:
             for handler in logger.handlers:
                 try:
                     handler.flush()
-                except Exception:
+                except Exception:  # noqa: BLE001 - neither must a failing handler
                     pass
 
     call_with_timeout(_flush, timeout_s, "flushing output")

@@ -165,7 +165,8 @@ def test_tensor_placeholders_are_checked_against_the_data_region(store, pid, mat
 
 def test_the_allow_list_is_torchs_without_tensor_rebuild_machinery_plus_user_additions():
     base = default_allowed_globals()
-    assert {"collections.OrderedDict", "collections.Counter", "builtins.set", "torch.device", "torch.float32"} <= set(base)
+    expected = {"collections.OrderedDict", "collections.Counter", "builtins.set", "torch.device", "torch.float32"}
+    assert expected <= set(base)
     assert not any(name.startswith("torch._utils._rebuild") for name in base)
     assert "torch.Tensor" not in base and "torch.FloatStorage" not in base and "posix.system" not in base
     assert f"{__name__}.UserConfig" not in allowed_globals()
@@ -328,7 +329,8 @@ REALISTIC = {
         gradient_clip_algorithm="value"),
     "ReduceLROnPlateau+accumulation": lambda tmp: _checkpoint_of(
         tmp, RealisticModule(schedule="plateau"), accumulate_grad_batches=2, max_steps=3),
-    "MultiStepLR+bf16-true": lambda tmp: _checkpoint_of(tmp, RealisticModule(schedule="multistep"), precision="bf16-true"),
+    "MultiStepLR+bf16-true": lambda tmp: _checkpoint_of(
+        tmp, RealisticModule(schedule="multistep"), precision="bf16-true"),
     "LightningCLI": _cli_checkpoint,
 }
 

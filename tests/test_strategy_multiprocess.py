@@ -31,7 +31,7 @@ def snapshot_steps(schedules: list[dict], until: int) -> set[int]:
     it was agreed at until the next agreement."""
     steps = {schedules[0]["step"]}
     ends = [e["step"] for e in schedules[1:]] + [until + 1]
-    for event, end in zip(schedules, ends):
+    for event, end in zip(schedules, ends, strict=True):
         every = event["snapshot_every_n_steps"]
         steps |= {s for s in range(event["step"], end) if s % every == 0}
     return steps

@@ -52,7 +52,7 @@ def pin_versions(loggers: Sequence[Logger], versions: Sequence[Version]) -> None
         log.warning("ddp_ft: %d logger(s) but %d agreed version(s); versions left as they are", len(loggers),
                     len(versions))
         return
-    for logger, version in zip(loggers, versions):
+    for logger, version in zip(loggers, versions, strict=True):
         logger._version = version  # what the version property returns from now on, on every rank
 
 

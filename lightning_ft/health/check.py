@@ -146,7 +146,7 @@ def _run_probe(probe: Probe, index: int, deadline: float,
         if not isinstance(result, ProbeResult):
             result = ProbeResult(probe.name, False, f"probe returned {type(result).__name__}, not ProbeResult",
                                  time.monotonic() - start)
-    except Exception as exc:  # a probe that crashes cannot vouch for the node
+    except Exception as exc:  # noqa: BLE001 - a probe that crashes cannot vouch for the node
         result = ProbeResult(probe.name, False, f"probe raised {type(exc).__name__}: {exc}",
                              time.monotonic() - start)
     answers.put((index, result))

@@ -210,7 +210,7 @@ class AcceleratorProbe:
             for index in range(count):
                 free, total = torch.cuda.mem_get_info(index)
             return ProbeResult(self.name, True, f"{count} CUDA device(s) answered", time.monotonic() - start)
-        except Exception as exc:  # a driver error is exactly what this probe looks for
+        except Exception as exc:  # noqa: BLE001 - a driver error is exactly what this probe looks for
             return ProbeResult(self.name, False, f"CUDA query failed: {type(exc).__name__}: {_short(str(exc))}",
                                time.monotonic() - start)
 

@@ -193,11 +193,13 @@ class SealedStore:
     def multi_get(self, names: list[str]) -> list[bytes | None]:
         """Authentic values of ``names`` that all exist (``multi_get`` waits for missing keys)."""
         keys = [self.key(n) for n in names]
-        return [self.signer.open(k, raw) for k, raw in zip(keys, self.store.multi_get(keys))] if keys else []
+        if not keys:
+            return []
+        return [self.signer.open(k, raw) for k, raw in zip(keys, self.store.multi_get(keys), strict=True)]
 
     def multi_put(self, names: list[str], values: list[bytes | str]) -> None:
         keys = [self.key(n) for n in names]
-        self.store.multi_set(keys, [self.signer.seal(k, v) for k, v in zip(keys, values)])
+        self.store.multi_set(keys, [self.signer.seal(k, v) for k, v in zip(keys, values, strict=True)])
 
     def put_if_absent(self, name: str, value: bytes | str) -> bytes:
         """Store ``value`` unless an authentic one is there; returns the authentic value in force.

@@ -156,7 +156,8 @@ class RoundRuntime:
         self.watchdog = RoundWatchdog(
             round_values=round_values, rdzv_store=clone, round_key=keys.round,
             heartbeat_key=keys.heartbeat, round_id=result.round, rank=result.rank, world_size=result.world_size,
-            clock=self.clock, hang_detection=hang.hang_detection, hang_floor=hang.hang_timeout_floor, hang_factor=hang.hang_safety_factor,
+            clock=self.clock, hang_detection=hang.hang_detection, hang_floor=hang.hang_timeout_floor,
+            hang_factor=hang.hang_safety_factor,
             dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,
             break_group=transport.abort if transport is not None else (lambda: 0),
             poll_interval=hang.watchdog_interval, join_timeout=timeouts.thread_stop_timeout)

@@ -195,7 +195,8 @@ class RoundWatchdog(BackgroundThread):
         timeout = hang_timeout(self.clock.durations(), self.hang_floor, self.hang_factor)
         if idle < timeout:
             return False
-        reason = f"no progress for {idle:.1f}s, longer than the hang timeout {timeout:.1f}s, and {why}; nobody can be blamed"
+        reason = (f"no progress for {idle:.1f}s, longer than the hang timeout {timeout:.1f}s, and {why}; "
+                  "nobody can be blamed")
         self.triggered = (Detector.HANG, reason, ())
         broken = self.break_group()
         log.warning("rank %d: %s; broke the process group (%d connection(s))", self.rank, reason, broken)

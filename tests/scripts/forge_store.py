@@ -79,7 +79,7 @@ def main() -> int:
             break
         prefix = keys.round_store_prefix(current)
         for signer in (plain, wrong):
-            def put(key: str, value: bytes | str) -> None:
+            def put(key: str, value: bytes | str, signer: Signer = signer) -> None:
                 try:
                     store.set(key, signer.seal(key, value))
                 except (RuntimeError, OSError):

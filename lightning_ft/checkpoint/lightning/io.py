@@ -130,7 +130,8 @@ class MemoryCheckpointIO(CheckpointIO):
                 raise ValueError(f"{path}: {no_run_id}")
         info = store.find(step, include_peers=self.replicated)
         if info is None:
-            raise FileNotFoundError(f"{path}: no intact snapshot at step {step} for rank {store.rank} of run {store.run_id!r}")
+            raise FileNotFoundError(f"{path}: no intact snapshot at step {step} for rank {store.rank} "
+                                    f"of run {store.run_id!r}")
         refusal = identity_mismatch(store.identity(info), expect)
         if refusal is not None:
             raise SnapshotError(f"{path}: refusing to load the snapshot at step {step} ({info.path}): {refusal}. "

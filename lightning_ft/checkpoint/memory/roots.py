@@ -52,7 +52,8 @@ class RootSettings:
 
 
 def resolve_root(root: str | os.PathLike | None = None) -> str:
-    """``root``, else the ``root`` setting's variable ``LIGHTNING_FT_SNAPSHOT_DIR``, else ``/dev/shm/lightning_ft-<uid>``."""
+    """``root``, else the ``root`` setting's variable ``LIGHTNING_FT_SNAPSHOT_DIR``, else
+    ``/dev/shm/lightning_ft-<uid>``."""
     if root:
         return os.fspath(root)
     return load(RootSettings, {}).root or default_root()
