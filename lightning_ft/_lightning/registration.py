@@ -15,6 +15,9 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 from typing import Any
 
 from lightning_ft._lightning.compat import silence_known_warnings
@@ -48,10 +51,10 @@ class _LoaderThatRegistersAfterwards(importlib.abc.Loader):
     def __init__(self, inner: importlib.abc.Loader) -> None:
         self._inner = inner
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:  # the importlib loader protocol
         return self._inner.create_module(spec)
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
         _register_strategy()
 
@@ -59,7 +62,8 @@ class _LoaderThatRegistersAfterwards(importlib.abc.Loader):
 class _LightningImportWatcher(importlib.abc.MetaPathFinder):
     """Waits for ``lightning.pytorch`` to load, then registers ``ddp_ft``."""
 
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
         if fullname != _TRIGGER_MODULE:
             return None
         sys.meta_path.remove(self)

@@ -119,9 +119,12 @@ _SLOT_VERSION = "1"
 
 
 class SlotWriter(Protocol):
-    participant_id: str
-    infra_rank: int
-    domain_id: str
+    @property
+    def participant_id(self) -> str: ...
+    @property
+    def infra_rank(self) -> int: ...
+    @property
+    def domain_id(self) -> str: ...
 
 
 class Slot(NamedTuple):

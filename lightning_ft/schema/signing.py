@@ -24,9 +24,10 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
+from lightning_ft.deadlines import StoreClient
 from lightning_ft.settings.environment import environ
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class SealedStore:
     torch's own keys are not values and stay on the raw store.
     """
 
-    def __init__(self, store, signer: Signer, prefix: str = "") -> None:
+    def __init__(self, store: StoreClient, signer: Signer, prefix: str = "") -> None:
         self.store = store
         self.signer = signer
         self.prefix = prefix
@@ -197,7 +198,7 @@ class SealedStore:
             return []
         return [self.signer.open(k, raw) for k, raw in zip(keys, self.store.multi_get(keys), strict=True)]
 
-    def multi_put(self, names: list[str], values: list[bytes | str]) -> None:
+    def multi_put(self, names: list[str], values: Sequence[bytes | str]) -> None:
         keys = [self.key(n) for n in names]
         self.store.multi_set(keys, [self.signer.seal(k, v) for k, v in zip(keys, values, strict=True)])
 
@@ -214,4 +215,8 @@ class SealedStore:
             return opened
         self.store.set(key, sealed)
         final = self.signer.open(key, self.store.get(key))
-        return final if final is not None else self.signer.open(key, sealed)
+        if final is not None:
+            return final
+        own = self.signer.open(key, sealed)
+        assert own is not None, "a value sealed here opens here"
+        return own

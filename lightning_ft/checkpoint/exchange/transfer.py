@@ -75,7 +75,7 @@ def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int,
             raise RuntimeError(f"ddp_ft: rank {plan.source} could not send the snapshot of step {plan.step}")
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         dist.recv(buffer, src=plan.source)
-        store.write_bytes(memoryview(buffer.numpy()))
+        store.write_bytes(buffer.numpy().data)  # a memoryview of the received bytes
         seconds = time.perf_counter() - start
         emit(ev.SNAPSHOT_RECEIVED, step=plan.step, from_rank=plan.source, bytes=nbytes, seconds=round(seconds, 4))
         log.info("rank %d: received snapshot step %d (%d bytes) from rank %d in %.3fs", rank, plan.step, nbytes,
