@@ -50,6 +50,7 @@ class Session:
         """Reach (or host) the store and build this participant. Raises ``RendezvousError``
         when the store cannot be reached; ``events_for(participant_id)`` opens the event log."""
         launch = settings.launch
+        assert launch.endpoint is not None  # a rendezvous launch has one (resolve_launch_config)
         # every call of ours on the store returns within a bound, even if the store freezes
         store, hosting = connect_store(launch.endpoint, settings.is_store_host, settings.timeouts)
         participant = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
@@ -133,6 +134,7 @@ class RoundRuntime:
                        global_step: Callable[[], int | None]) -> None:
         """Watch this round from a thread with its own store connection (see :class:`RoundWatchdog`)."""
         result, events, keys = self.result, session.events, session.keys
+        assert result is not None  # only a round of the barrier rendezvous is watched
         # a connection of its own whose every call is bounded more tightly than the session's
         clone = session.store.clone(timeouts.watchdog_store_timeout)
         round_values = session.round_values(result, clone)

@@ -156,6 +156,7 @@ class TerminationExecutor:
         decision = Decision(decision.action, decision.exit_code, (where, *decision.reasons))
         tier = "none"
         if decision.action is Action.SAVE_THEN_EXIT:
+            assert checkpoint is not None  # decided only when there is an EmergencyCheckpoint
             decision = self._save(trainer, checkpoint, termination, step, decision)
             if decision.action is Action.SAVE_THEN_EXIT:
                 decision, tier = self._flush_durable(checkpoint, termination, decision)
