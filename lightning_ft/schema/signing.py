@@ -57,7 +57,8 @@ class Signer:
         return self._secret is not None
 
     def _tag(self, key: str, value: bytes) -> bytes:
-        mac = hmac.new(self._secret, key.encode() + b"\0", hashlib.sha256)  # type: ignore[arg-type]
+        assert self._secret is not None  # callers seal and open with a secret only
+        mac = hmac.new(self._secret, key.encode() + b"\0", hashlib.sha256)
         mac.update(value)
         return mac.digest()[:TAG_BYTES]
 

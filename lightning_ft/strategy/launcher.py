@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
@@ -60,6 +61,7 @@ from lightning_ft.strategy.session import RoundRuntime, Session
 from lightning_ft.strategy.settings import StrategyConfigError, StrategySettings
 from lightning_ft.strategy.spare_monitor import SpareMonitor
 from lightning_ft.termination.callback import GracefulTermination
+from lightning_ft.termination.signals import SignalHandler
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ class FaultTolerantLauncher(_Launcher):
     def is_interactive_compatible(self) -> bool:
         return True
 
-    def kill(self, signum) -> None:
+    def kill(self, signum: int) -> None:
         pass  # no child processes
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -176,15 +178,15 @@ class FaultTolerantLauncher(_Launcher):
                     return result
                 rendezvous.wait_while_standby(result.round)
         except (RendezvousGracefulExitError, RendezvousClosedError) as exc:
-            return self._rendezvous_ended(session, EndCause.CLOSED, str(exc))
+            self._rendezvous_ended(session, EndCause.CLOSED, str(exc))
         except RendezvousTimeoutError as exc:
-            return self._rendezvous_ended(session, EndCause.TIMED_OUT, str(exc))
+            self._rendezvous_ended(session, EndCause.TIMED_OUT, str(exc))
         except _SpareTerminated:
-            return self._rendezvous_ended(session, EndCause.SIGTERM, "SIGTERM while waiting in the rendezvous")
+            self._rendezvous_ended(session, EndCause.SIGTERM, "SIGTERM while waiting in the rendezvous")
         except (RuntimeError, OSError) as exc:  # the store itself (DistStoreError is a RuntimeError)
-            return self._rendezvous_ended(session, EndCause.STORE_LOST,
-                                          f"lost the rendezvous store at {self._strategy.settings.launch.endpoint}: "
-                                          f"{type(exc).__name__}: {first_line(exc)}")
+            self._rendezvous_ended(session, EndCause.STORE_LOST,
+                                   f"lost the rendezvous store at {self._strategy.settings.launch.endpoint}: "
+                                   f"{type(exc).__name__}: {first_line(exc)}")
         except RendezvousError as exc:  # extra participant, unhealthy
             if isinstance(exc, ParticipantExcludedError) and not self.run.trained:
                 log.error("ddp_ft: %s", exc)
@@ -196,6 +198,7 @@ class FaultTolerantLauncher(_Launcher):
             _restore_sigterm(previous_handler)  # first: a SIGTERM from here on is the caller's to handle
             if monitor is not None:
                 monitor.stop()
+        return None  # the rendezvous ended: leave fit()
 
     def _role(self) -> Role:
         if self.run.trained:
@@ -251,6 +254,7 @@ class FaultTolerantLauncher(_Launcher):
         strategy = self._strategy
         settings = strategy.settings
         checkpoint = first_callback_of_type(self.run.trainer, EmergencyCheckpoint)
+        assert settings.domain_id is not None  # resolved by resolve_settings
         replicas = replica_puller(checkpoint.snapshots if checkpoint is not None else None, settings.domain_id,
                                   settings.replication_factor, session.events.emit)
         monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys, signer=session.rendezvous.signer,
@@ -296,14 +300,15 @@ class ElasticLauncher(_Launcher):
     def is_interactive_compatible(self) -> bool:
         return True
 
-    def kill(self, signum) -> None:
+    def kill(self, signum: int) -> None:
         pass
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy, run = self._strategy, self.run
         run.trainer = trainer
         # torchrun's worker-group restarts play the part of rounds; it starts workers only on active nodes
-        run.start_round(RoundRuntime(None, torchelastic_restart_count()))
+        runtime = RoundRuntime(None, torchelastic_restart_count())
+        run.start_round(runtime)
         if not self._callbacks_added and trainer is not None:
             self._callbacks_added = True
             add_default_callbacks(trainer, strategy.settings)
@@ -314,11 +319,11 @@ class ElasticLauncher(_Launcher):
                 # torchrun restarts this worker; Lightning's teardown must not wait on the broken group
                 log.warning("ddp_ft: collective failed (%s: %s); torchrun restarts the workers",
                             type(exc).__name__, first_line(exc))
-                run.round.retire_group()
+                runtime.retire_group()
             raise
         destroy_process_group()
         # the run's outcome for `lightning-ft report --exit-code` (rendezvous mode: _finish_success)
-        strategy.event_log.emit(ev.FINISHED, round=run.round.round_id, rank=trainer.global_rank if trainer else None,
+        strategy.event_log.emit(ev.FINISHED, round=runtime.round_id, rank=trainer.global_rank if trainer else None,
                                 step=trainer.global_step if trainer is not None else None)
         return output
 
@@ -331,11 +336,11 @@ def _best_effort(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         log.debug("ddp_ft: %s on the way out: %s", getattr(call, "__name__", call), exc)
 
 
-def _install_sigterm_raiser():
+def _install_sigterm_raiser() -> SignalHandler:
     if threading.current_thread() is not threading.main_thread():
         return None
 
-    def raise_in_main(signum, frame):
+    def raise_in_main(signum: int, frame: FrameType | None) -> NoReturn:
         raise _SpareTerminated()
 
     try:
@@ -344,7 +349,7 @@ def _install_sigterm_raiser():
         return None
 
 
-def _restore_sigterm(previous) -> None:
+def _restore_sigterm(previous: SignalHandler) -> None:
     if previous is None:
         return
     try:

@@ -30,7 +30,7 @@ class SpareMonitor(BackgroundThread):
     """
 
     def __init__(self, *, rdzv_store: StoreClient, keys: RunKeys, signer: Signer, dead_after: float,
-                 open_round: Callable[[int, str], None], replicas: ReplicaPuller | None = None,
+                 open_round: Callable[[int, str], object], replicas: ReplicaPuller | None = None,
                  poll_interval: float = 0.25, join_timeout: float = 2.0) -> None:
         super().__init__("lightning_ft-spare-monitor", join_timeout)
         self.store = rdzv_store

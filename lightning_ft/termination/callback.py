@@ -461,7 +461,7 @@ def _disarm_lightning_child_observer(rank: int) -> None:
     # on purpose (81/82/143), possibly while rank 0 is still writing its snapshot.
     for thread in threading.enumerate():
         if type(thread).__name__ == "_ChildProcessObserver" and thread.is_alive():
-            thread._run = lambda: True  # type: ignore[attr-defined]  # its loop ends at the next poll
+            thread._run = lambda: True  # type: ignore[attr-defined]  # Lightning's subclass; its loop ends at the next poll
             log.info("rank %d: disabled Lightning's child-process observer for the termination", rank)
 
 

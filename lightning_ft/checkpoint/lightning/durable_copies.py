@@ -48,6 +48,7 @@ class DurableCopies:
         """Create this rank's uploader once (at ``setup``); ``snapshot_store()``: the store that
         writes this rank's snapshots now."""
         if self.tier is not None and self.persister is None:
+            assert self.settings is not None  # a tier is made from settings only
             self.persister = DurablePersister(self.tier, snapshot_store, rank, emit=emit,
                                               pacer=self.settings.pacer())
 
@@ -78,6 +79,7 @@ class DurableCopies:
 
     def offer(self, info: SnapshotInfo, world_size: int) -> None:
         """Queue a committed snapshot for upload (call only while :attr:`offering`)."""
+        assert self.persister is not None and self._timeline is not None
         self.persister.offer(info, self._timeline, world_size)
 
     # ------------------------------------------------------------------ step times for the pacer
