@@ -43,7 +43,8 @@ shared, absolute times mean little):
   verification (header CRC + block sums), which is paid only when a shard is read back or
   downloaded.
 
-Usage: ``.venv/bin/python benchmarks/bench_durable.py [--sizes 100,1024] [--repeats 5] [--bounds 64,512,0] [--pacing-uploads 8] [--no-write]``
+Usage: ``.venv/bin/python benchmarks/bench_durable.py [--sizes 100,1024] [--repeats 5] [--bounds 64,512,0]
+[--pacing-uploads 8] [--no-write]``
 """
 
 from __future__ import annotations
@@ -63,12 +64,12 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from lightning_ft.checkpoint.memory import format as fmt
-from lightning_ft.checkpoint.lightning.background import changed_only_by_optimizer_steps
 from lightning_ft.checkpoint.durable.persister import DurablePersister
 from lightning_ft.checkpoint.durable.settings import DEFAULT_MAX_MIB_PER_SECOND
 from lightning_ft.checkpoint.durable.targets import LocalDirTarget
 from lightning_ft.checkpoint.durable.tier import DurableTier
+from lightning_ft.checkpoint.lightning.background import changed_only_by_optimizer_steps
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.roots import default_root
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import PACING_START_BYTES_PER_SECOND, UploadPacer
@@ -145,7 +146,8 @@ def machine_cpu_seconds() -> float:
 
 
 def upload_cpu_seconds(tier: DurableTier, info, timeline: str) -> float:
-    """Machine-wide CPU seconds of one upload at the tier's bandwidth bound (write-back included: it waits for fsync)."""
+    """Machine-wide CPU seconds of one upload at the tier's bandwidth bound (write-back included: it
+    waits for fsync)."""
     os.sync()
     before = machine_cpu_seconds()
     tier.upload(info, timeline, 1)
@@ -431,7 +433,7 @@ def run_size(size_mib: int, repeats: int, scratch: Path, bounds: list[float]) ->
         async_io = AsyncCheckpointIO(TorchCheckpointIO())
         blocked = []
         for i in range(repeats):
-            blocked.append(timed(lambda: async_io.save_checkpoint(state, disk / f"async{i % 2}.ckpt")))
+            blocked.append(timed(lambda i=i: async_io.save_checkpoint(state, disk / f"async{i % 2}.ckpt")))
             async_io.teardown()  # waits for the save: the next one starts from idle
         result["async_blocked"] = statistics.median(blocked)
         result["dcp_blocked"] = dcp_async_blocked(state, disk / "dcp", repeats)
@@ -484,13 +486,15 @@ def render(results: list[dict], load: tuple[float, float]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in full:
         ours = r["ours_blocked"]
-        lines.append(f"| {r['size_mib']} MiB | {ours:.3f} s | {r['ours_blocked_busy']:.3f} s | {r['sync_blocked']:.3f} s | "
-                     f"{r['async_blocked']:.3f} s | {r['dcp_blocked']:.3f} s | {r['sync_blocked'] / ours:.1f}x | "
+        lines.append(f"| {r['size_mib']} MiB | {ours:.3f} s | {r['ours_blocked_busy']:.3f} s | "
+                     f"{r['sync_blocked']:.3f} s | {r['async_blocked']:.3f} s | {r['dcp_blocked']:.3f} s | "
+                     f"{r['sync_blocked'] / ours:.1f}x | "
                      f"{r['async_blocked'] / ours:.1f}x | {r['dcp_blocked'] / ours:.1f}x |")
     loops = [r for result in results for r in result.get("loops", [])]
     if loops:
-        lines += ["", f"In a training loop (MLP with a third of the state as parameters, Adam, batch 16, a checkpoint every "
-                      f"{LOOP_EVERY} steps): blocked = time in the checkpoint's calls (ours, background: the start plus "
+        lines += ["", "In a training loop (MLP with a third of the state as parameters, Adam, batch 16, a checkpoint "
+                      f"every {LOOP_EVERY} steps): blocked = time in the checkpoint's calls (ours, background: the "
+                      "start plus "
                       f"the commit before the next optimizer step, which waits for what is left of the copy); cost = "
                       f"the wall time of the {LOOP_EVERY} steps from the checkpoint on minus as many without one "
                       f"(includes the background work's slowdown of training):", "",
@@ -500,10 +504,12 @@ def render(results: list[dict], load: tuple[float, float]) -> str:
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in loops:
             ours = r["ours_bg_blocked"]
-            lines.append(f"| {r['size_mib']} MiB | {r['threads']} | {r['step']:.3f} s | {ours:.3f} / {r['ours_bg_cost']:.3f} s "
+            lines.append(f"| {r['size_mib']} MiB | {r['threads']} | {r['step']:.3f} s | "
+                         f"{ours:.3f} / {r['ours_bg_cost']:.3f} s "
                          f"| {r['ours_sync_blocked']:.3f} / {r['ours_sync_cost']:.3f} s "
                          f"| {r['async_blocked']:.3f} / {r['async_cost']:.3f} s | {r['sync_blocked']:.3f} / "
-                         f"{r['sync_cost']:.3f} s | {r['async_blocked'] / ours:.1f}x | {r['sync_blocked'] / ours:.1f}x |")
+                         f"{r['sync_cost']:.3f} s | {r['async_blocked'] / ours:.1f}x | "
+                         f"{r['sync_blocked'] / ours:.1f}x |")
     lines += ["", "Time from the save call to durable (manifest written) vs a raw write + fsync of the same bytes, "
               "each checkpoint paired with a raw write right after it (ratio: median of the pairs' ratios); "
               "unbounded, as the SIGTERM flush runs, and at the bound periodic copies start at when paced "
@@ -538,9 +544,9 @@ def render(results: list[dict], load: tuple[float, float]) -> str:
         lines.append(f"| {r['size_mib']} MiB | {r['windows']} | " + " | ".join(cells) + " |")
     paced = [r["pacing"] for r in results if "pacing" in r]
     if paced:
-        lines += ["", "Pacing in a training loop (the MLP above, torch on one thread, batch 4; a snapshot and a durable "
-                      "copy every so many steps that a copy at 64 MiB/s takes a third of the interval; paced as by "
-                      "default: budget 2 %, start 64 MiB/s, at most "
+        lines += ["", "Pacing in a training loop (the MLP above, torch on one thread, batch 4; a snapshot and a "
+                      "durable copy every so many steps that a copy at 64 MiB/s takes a third of the interval; paced "
+                      "as by default: budget 2 %, start 64 MiB/s, at most "
                       f"{DEFAULT_MAX_MIB_PER_SECOND:g} MiB/s): the bound after each verdict, and over the run's second "
                       "half the median step an upload ran through against the median step no upload touched "
                       "(measured by the bench, not by the pacer):", "",
@@ -553,9 +559,9 @@ def render(results: list[dict], load: tuple[float, float]) -> str:
                          + (f"{r['slowdown'] * 100:+.1f} % |" if r["slowdown"] is not None else "n/a |")
                          + f" {r['busy']} / {r['idle']} |")
     lines += ["", "CPU: machine-wide (/proc/stat, write-back included) for one upload, ours (direct I/O) vs the same "
-              "upload through the page cache (`sendfile`); a CRC-32 pass over the shard (the upload no longer runs one: "
-              "its checksum is the snapshot header's CRC) and the snapshot's own verification (block sums; paid only by "
-              "a read back or a download):", "",
+              "upload through the page cache (`sendfile`); a CRC-32 pass over the shard (the upload no longer runs "
+              "one: its checksum is the snapshot header's CRC) and the snapshot's own verification (block sums; paid "
+              "only by a read back or a download):", "",
               "| state | upload CPU (direct) | upload CPU (page cache) | CRC-32 pass | verify (block sums) |",
               "|---|---|---|---|---|"]
     for r in full:
@@ -569,7 +575,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="100,1024", help="state sizes in MiB")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-write", action="store_true", help="print only; do not update RESULTS.md")
-    parser.add_argument("--loop-threads", default="1,2", help="torch threads of the training-loop section (empty: skip it)")
+    parser.add_argument("--loop-threads", default="1,2",
+                        help="torch threads of the training-loop section (empty: skip it)")
     parser.add_argument("--bounds", default="64,128,512,0",
                         help="bandwidth bounds (MiB/s, 0: unbounded) of the slowdown section")
     parser.add_argument("--pacing-uploads", type=int, default=8,

@@ -145,7 +145,7 @@ def main() -> int:
                        ("end_of_run", "last step -> fit() returned")):
         plain = [r[key] for r in per_round["plain"]]
         ours = [r[key] for r in per_round["ddp_ft"]]
-        ratios = sorted(o / p for o, p in zip(ours, plain))
+        ratios = sorted(o / p for o, p in zip(ours, plain, strict=True))
         print(f"{label}: plain {spread(plain)}, ddp_ft {spread(ours)}; ddp_ft / plain per round: median "
               f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})")
         summary[key] = {"plain": plain, "ddp_ft": ours, "ratio_median": statistics.median(ratios)}

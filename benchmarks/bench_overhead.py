@@ -23,6 +23,7 @@ adds a deterministic figure: Python calls per steady-state step, counted by cPro
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -61,7 +62,7 @@ def ft_snapshots(args) -> list[str]:
 def step_deltas(records: list[dict], warmup: int, rank: int, field: str) -> list[float]:
     """Per-step differences of ``field`` (wall ``t``, training-thread ``cpu``, process ``pcpu``) on ``rank``."""
     ranked = sorted((r for r in records if r["rank"] == rank), key=lambda r: r["step"])
-    return [b[field] - a[field] for a, b in zip(ranked, ranked[1:])
+    return [b[field] - a[field] for a, b in itertools.pairwise(ranked)
             if a["step"] >= warmup and b["step"] == a["step"] + 1]
 
 
@@ -198,10 +199,10 @@ def main() -> int:
     summary["plain_mean_ms"] = plain * 1e3
     for name, _ in variants[1:]:
         ours = statistics.median(means[name])
-        ratios = sorted(o / p for o, p in zip(means[name], means["plain"]))
+        ratios = sorted(o / p for o, p in zip(means[name], means["plain"], strict=True))
         ratio = statistics.median(ratios)
         pooled = statistics.fmean(means[name]) / statistics.fmean(means["plain"])
-        median_ratio = statistics.median(o / p for o, p in zip(medians[name], medians["plain"]))
+        median_ratio = statistics.median(o / p for o, p in zip(medians[name], medians["plain"], strict=True))
         summary[f"{name}_mean_ms"] = ours * 1e3
         summary[f"{name}_ratio"] = ratio
         summary[f"{name}_pooled_ratio"] = pooled
@@ -213,7 +214,7 @@ def main() -> int:
               f"of median step time {median_ratio:.4f}")
     if args.control:
         # both plain runs of a round are anchors: compare ddp_ft with their mean
-        anchors = [(p + c) / 2 for p, c in zip(means["plain"], means["plain-control"])]
+        anchors = [(p + c) / 2 for p, c in zip(means["plain"], means["plain-control"], strict=True)]
         pooled = statistics.fmean(means["ddp_ft"]) / statistics.fmean(anchors)
         low, high = bootstrap_interval(means["ddp_ft"], anchors)
         summary.update(ddp_ft_vs_both_plain=pooled, ddp_ft_vs_both_plain_ci90=[low, high])

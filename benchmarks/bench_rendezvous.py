@@ -21,14 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.elastic.rendezvous import RendezvousParameters  # noqa: E402
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend  # noqa: E402
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler  # noqa: E402
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from lightning_ft.rendezvous import BarrierRendezvous, ParticipantInfo, RendezvousSettings  # noqa: E402
-from lightning_ft.rendezvous.coordinator import Coordinator  # noqa: E402
-from lightning_ft.schema.run import encode_slot  # noqa: E402
+from lightning_ft.rendezvous import BarrierRendezvous, ParticipantInfo, RendezvousSettings
+from lightning_ft.rendezvous.coordinator import Coordinator
+from lightning_ft.schema.run import encode_slot
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
 

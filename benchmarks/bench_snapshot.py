@@ -222,7 +222,7 @@ def render(results: list[dict]) -> str:
     for r in results:
         n = r["state_bytes"]
 
-        def cell(key: str) -> str:
+        def cell(key: str, r: dict = r, n: int = n) -> str:
             return f"{r[key] * 1e3:.1f} ms ({_gbps(n, r[key]):.1f} GB/s)"
         lines.append(
             f"| {r['label']} | {cell('memcpy')} | {cell('ours')} | {cell('ours_first')} | {cell('ours_fresh')} "
@@ -246,8 +246,8 @@ def render_verdict(results: list[dict]) -> str:
     if small:
         out.append("- Where 5x is missed (small states), both paths take single-digit milliseconds: ours spends ~1 ms "
                    "per save besides the copy (Lightning's dump_checkpoint, metadata pickle, the checksum pass, "
-                   "directory listing and renames), which a few MB of copying cannot amortize; irrelevant against a 25-30 s "
-                   "SIGTERM budget.")
+                   "directory listing and renames), which a few MB of copying cannot amortize; irrelevant against a "
+                   "25-30 s SIGTERM budget.")
     return "Outcome:\n\n" + "\n".join(out)
 
 

@@ -16,8 +16,8 @@ callbacks, hyper-parameters):
 
 save = ``SnapshotStore.save`` in steady state (``keep_last=2``, the oldest file and its map are
 recycled); first save = a new store writing a fresh file (a process's first snapshot; version 2
-decodes the metadata once there as a load would); load = ``SnapshotStore.load`` (verify, decode, copy out, verify again); the new code
-loads with the expected identity, as auto-resume does.
+decodes the metadata once there as a load would); load = ``SnapshotStore.load`` (verify, decode,
+copy out, verify again); the new code loads with the expected identity, as auto-resume does.
 
 Usage: ``.venv/bin/python benchmarks/bench_snapshot_compare.py [--ref 588c8c8] [--sizes 10,100,1024]
 [--reps 7] [--write]``. The default ref is the last commit with snapshot format version 1. States
@@ -56,7 +56,8 @@ def load_reference(ref: str, into: Path):
     for name in _REF_FILES:
         source = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:lightning_ft/checkpoint/{name}"],
                                 check=True, capture_output=True, text=True).stdout
-        source = source.replace("from lightning_ft.checkpoint import snapshot_format", "from _snapshot_ref import snapshot_format")
+        source = source.replace("from lightning_ft.checkpoint import snapshot_format",
+                                "from _snapshot_ref import snapshot_format")
         source = source.replace("from lightning_ft.checkpoint.", "from _snapshot_ref.")
         (package / name).write_text(source)
     sys.path.insert(0, str(into))
@@ -91,7 +92,8 @@ def _lightning_like(state_dict: dict) -> dict:
                                    "epoch_loop.batch_progress": progress, "epoch_progress": progress}},
             "callbacks": {"ModelCheckpoint{'monitor': 'val_acc'}": {"best_model_score": torch.tensor(0.9),
                                                                       "best_k_models": {"a.ckpt": torch.tensor(0.9)}}},
-            "optimizer_states": [optimizer], "lr_schedulers": [{"base_lrs": [1e-3], "last_epoch": 100, "_step_count": 101}],
+            "optimizer_states": [optimizer],
+            "lr_schedulers": [{"base_lrs": [1e-3], "last_epoch": 100, "_step_count": 101}],
             "hparams_name": "kwargs", "hyper_parameters": {"lr": 1e-3, "hidden": 128, "name": "bench"}}
 
 
@@ -158,10 +160,10 @@ def render(results: list[dict]) -> str:
     lines = ["| state | save old | save new | **save new/old** min (median) | load old | load new "
              "| **load new/old** min (median) |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        def ms(key: str) -> str:
+        def ms(key: str, r: dict = r) -> str:
             return f"{r[key] * 1e3:.1f} ms" if r[key] >= 1e-3 else f"{r[key] * 1e6:.0f} us"
 
-        def ratio(op: str) -> str:
+        def ratio(op: str, r: dict = r) -> str:
             return (f"**{r[f'new_{op}_min'] / r[f'old_{op}_min']:.2f}** "
                     f"({r[f'new_{op}_median'] / r[f'old_{op}_median']:.2f})")
         size = f"{r['bytes'] / MiB:.0f} MiB" if r["bytes"] >= MiB else f"{r['bytes'] // 1024} KiB"

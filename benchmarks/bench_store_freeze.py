@@ -20,6 +20,7 @@ the stop when that collective fails (the exception path).
 from __future__ import annotations
 
 import argparse
+import itertools
 import signal
 import statistics
 import sys
@@ -39,7 +40,7 @@ NAMES = ("A", "B")
 
 def gaps(records: list[dict], since: float, until: float) -> list[float]:
     times = sorted(r["t"] for r in records if since <= r["t"] <= until)
-    return [b - a for a, b in zip(times, times[1:])]
+    return [b - a for a, b in itertools.pairwise(times)]
 
 
 def one_run(root: Path, frozen_seconds: float, stagger: float) -> dict:

@@ -24,7 +24,8 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 STRATEGIES = ("auto", "ddp", "ddp_ft")
 FINAL_LINE_PREFIX = "FINAL"  # tests and the demo look for this word at the start of a line

@@ -31,11 +31,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lightning_ft from this checkout, installed or not
-from lightning_ft.events import EventLog, read_events  # noqa: E402
-from lightning_ft.events.report import format_report, summarize  # noqa: E402
+from lightning_ft.events import EventLog, read_events
+from lightning_ft.events.report import format_report, summarize
 
-import common  # noqa: E402  (this directory is on sys.path when the demo runs as a script)
-from procs import Proc, ProcessSet  # noqa: E402
+import common  # this directory is on sys.path when the demo runs as a script
+from procs import Proc, ProcessSet
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent

@@ -121,7 +121,6 @@ def pretrain_body(hidden: int, steps: int, seed: int):
 
 def make_module(args: argparse.Namespace, body, train_set):
     import lightning.pytorch as pl
-    import torch
     from torch import nn
     from torchmetrics.classification import MulticlassAccuracy
 

@@ -150,7 +150,6 @@ def pretrain_encoder(args: argparse.Namespace):
 
 def make_module(args: argparse.Namespace, encoder, train_set):
     import lightning.pytorch as pl
-    import torch
     from torch import nn
     from torchmetrics.classification import MulticlassAccuracy
 

@@ -51,7 +51,7 @@ def require_number(name: str, value: Any, *, error: type[Exception] = ValueError
                    integer: bool = False, minimum: float = 0, inclusive: bool = False,
                    allow_none: bool = False) -> None:
     """Raise ``error`` naming ``name`` unless ``value`` satisfies the number rule."""
-    rule = dict(integer=integer, minimum=minimum, inclusive=inclusive, allow_none=allow_none)
+    rule: dict[str, Any] = dict(integer=integer, minimum=minimum, inclusive=inclusive, allow_none=allow_none)
     require(check_number(value, **rule), name, number_rule(**rule), value, error=error, prefix=prefix)
 
 

@@ -111,6 +111,12 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str,
     return outcome
 
 
+#: A ``torch.distributed.Store`` client, or a :class:`BoundedStore` in front of one (which forwards
+#: the same calls through ``__getattr__``). ``Any``: no type states both, and torch's stub of
+#: ``Store`` lacks ``multi_set`` and says ``str`` for values its binding takes as ``bytes`` too.
+StoreClient = Any
+
+
 class BoundedStore:
     """A Store client whose calls return -- or raise StoreUnresponsiveError -- within ``bound`` seconds.
 

@@ -23,7 +23,9 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn
 
 from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.settings.timeouts import DEFAULT_TIMEOUTS
@@ -38,7 +40,7 @@ def flush_output(timeout_s: float = DEFAULT_TIMEOUTS.flush_timeout) -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:
+            except Exception:  # noqa: BLE001 - a closed or broken stream must not stop the exit
                 pass
         loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
                                            if isinstance(lg, logging.Logger)]
@@ -46,7 +48,7 @@ def flush_output(timeout_s: float = DEFAULT_TIMEOUTS.flush_timeout) -> None:
             for handler in logger.handlers:
                 try:
                     handler.flush()
-                except Exception:
+                except Exception:  # noqa: BLE001 - neither must a failing handler
                     pass
 
     call_with_timeout(_flush, timeout_s, "flushing output")
@@ -80,7 +82,7 @@ class ExitWatchdog:
         self._disarmed = False
 
     @classmethod
-    def within(cls, seconds: float, code: int, what: str) -> "ExitWatchdog":
+    def within(cls, seconds: float, code: int, what: str) -> ExitWatchdog:
         """A watchdog armed to exit with ``code`` unless disarmed within ``seconds``."""
         watchdog = cls(lambda: code, what)
         watchdog.arm(time.monotonic() + seconds)
@@ -105,7 +107,8 @@ class ExitWatchdog:
     def _run(self) -> None:
         with self._cond:
             while not self._disarmed:
-                remaining = self._deadline - time.monotonic()  # type: ignore[operator]
+                assert self._deadline is not None  # arm() set it before it started this thread; never unset
+                remaining = self._deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
@@ -130,7 +133,14 @@ def destroy_process_group() -> None:
 
 
 # --- at interpreter exit ----------------------------------------------------------------
-_exit_plan: dict[str, object] = {"destroy_process_group": False, "force_code": None, "quick_teardown": False}
+@dataclass
+class _ExitPlan:
+    destroy_process_group: bool = False
+    force_code: int | None = None
+    quick_teardown: bool = False
+
+
+_exit_plan = _ExitPlan()
 _hook_installed = False
 
 
@@ -167,26 +177,24 @@ def plan_exit(*, destroy_process_group: bool = True, force_code: int | None = No
     """
     install_exit_hook()
     if destroy_process_group:
-        _exit_plan["destroy_process_group"] = True
+        _exit_plan.destroy_process_group = True
     if force_code is not None:
-        _exit_plan["force_code"] = int(force_code)
+        _exit_plan.force_code = int(force_code)
     if quick_teardown:
-        _exit_plan["quick_teardown"] = True
+        _exit_plan.quick_teardown = True
 
 
 def planned_exit_code() -> int | None:
     """The exit code :func:`plan_exit` forced for interpreter exit, or None."""
-    code = _exit_plan["force_code"]
-    return None if code is None else int(code)  # type: ignore[arg-type]
+    return _exit_plan.force_code
 
 
 def _at_exit() -> None:
-    if _exit_plan["destroy_process_group"]:
+    if _exit_plan.destroy_process_group:
         destroy_process_group()
-    code = _exit_plan["force_code"]
-    if code is not None:
-        exit_now(int(code))  # type: ignore[arg-type]
-    if _exit_plan["quick_teardown"]:
+    if _exit_plan.force_code is not None:
+        exit_now(_exit_plan.force_code)
+    if _exit_plan.quick_teardown:
         import gc
 
         gc.collect()  # finalizers of today's garbage run (files flushed), as finalization would run them

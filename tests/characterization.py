@@ -30,10 +30,10 @@ arrives first is active) is compared as a multiset of participants (``"names": f
 records must match one to one, whichever name each one has. A participant whose outcome the
 test itself accepts in more than one form (e.g. 143 or 81) has ``"one_of"``: a list of records,
 any of which matches; an option without ``"events"`` compares the exit code only (an outcome
-the test accepts but no run was seen to take); ``"rounds_opened": {"one_of": [...]}`` likewise. ``"ignore": {"name": "reason"}`` leaves a process
-out that is no participant of the job and whose end is timing (the forger of the trust tests,
-which runs until its store is gone). ``"note"`` says why an entry has alternatives. A test left
-out on purpose has ``"skip": "reason"``.
+the test accepts but no run was seen to take); ``"rounds_opened": {"one_of": [...]}`` likewise.
+``"ignore": {"name": "reason"}`` leaves a process out that is no participant of the job and
+whose end is timing (the forger of the trust tests, which runs until its store is gone).
+``"note"`` says why an entry has alternatives. A test left out on purpose has ``"skip": "reason"``.
 A test that makes a ``Cluster`` and has no record fails, saying how to record it.
 
 Regenerate after a deliberate change (``"names"``, ``"ignore"``, ``"note"``, ``"skip"`` and ``"one_of"``
@@ -62,7 +62,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-import ft_cluster  # noqa: E402
+import ft_cluster  # noqa: F401 - conftest.py reads characterization.ft_cluster.CREATED
 
 GOLDEN = Path(__file__).resolve().with_name("characterization.json")
 UPDATE_ENV = "LIGHTNING_FT_UPDATE_CHARACTERIZATION"
@@ -299,7 +299,7 @@ def differences(entry: dict, got: dict) -> list[str]:
     # names do not matter (roles by arrival): a one-to-one matching of the stored records to the seen ones
     exp_keys, seen_keys = list(expected), list(seen)
     if len(exp_keys) == len(seen_keys) and any(
-            all(_matches(expected[e], seen[g]) for e, g in zip(exp_keys, order))
+            all(_matches(expected[e], seen[g]) for e, g in zip(exp_keys, order, strict=True))
             for order in itertools.permutations(seen_keys)):
         return lines
     lines.append("participants (compared whatever their names: no one-to-one match):")

@@ -22,7 +22,7 @@ def tensors_equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 

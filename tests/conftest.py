@@ -8,9 +8,8 @@ import pytest
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-import characterization  # noqa: E402
-from proc_utils import ProcessSet, free_port  # noqa: E402
-
+import characterization
+from proc_utils import ProcessSet, free_port
 
 #: modules whose tests take longest (``--durations``): they start first
 LONGEST_MODULES = ("test_recovery_fidelity.py", "test_examples_demo.py", "test_termination_processes.py")

@@ -253,9 +253,8 @@ def _become(request: dict) -> None:
 
 
 if __name__ == "__main__":
-    import importlib
-
     import gc
+    import importlib
 
     for name in PRELOADED:
         importlib.import_module(name)

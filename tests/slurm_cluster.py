@@ -188,7 +188,7 @@ class SlurmCluster:
     # ------------------------------------------------------------------ life cycle
 
     @classmethod
-    def start(cls, python: str = sys.executable) -> "SlurmCluster":
+    def start(cls, python: str = sys.executable) -> SlurmCluster:
         base = Path(tempfile.mkdtemp(prefix="lightning_ft-slurm-"))
         base.chmod(0o755)  # munged wants every directory above its socket searchable by all
         cluster = cls(base, python)

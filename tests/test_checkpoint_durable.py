@@ -13,11 +13,11 @@ import zlib
 import pytest
 import torch
 
-from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.durable.persister import DurablePersister
 from lightning_ft.checkpoint.durable.settings import resolve_durable_settings
 from lightning_ft.checkpoint.durable.targets import FileRanges, LocalDirTarget, open_target
 from lightning_ft.checkpoint.durable.tier import DurableTier, UploadCancelled
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 
 
@@ -94,8 +94,9 @@ def test_fetch_downloads_into_an_empty_snapshot_root_and_loads_verified(tmp_path
     manifest = json.loads((tmp_path / "durable/job/manifests/step-000000000007.json").read_text())
     shard_bytes = (tmp_path / "durable/job/steps/step-000000000007/seg/rank1.snap").read_bytes()
     assert manifest["shards"][0]["checksum"] != manifest["shards"][1]["checksum"]
+    header_crc = zlib.crc32(shard_bytes[:fmt.HEADER_FIELDS_SIZE])
     assert manifest["shards"][1] == {"rank": 1, "nbytes": len(shard_bytes),
-                                     "checksum": f"snapshot-crc32:{zlib.crc32(shard_bytes[:fmt.HEADER_FIELDS_SIZE]):08x}"}
+                                     "checksum": f"snapshot-crc32:{header_crc:08x}"}
     fresh = SnapshotStore(tmp_path / "new-node-shm", run_id="job", rank=1)
     info = tier.fetch_into(7, 1, fresh)
     loaded = fresh.load(info, expect=fresh.expected_identity())
@@ -228,6 +229,7 @@ def test_the_persister_paces_by_steps_an_upload_ran_through_and_leaves_out_the_r
 
 def _fit(max_steps, callbacks, ckpt_path=None, plugins=None):
     import lightning.pytorch as pl
+
     from ckpt_helpers import make_module, trainer_kwargs
 
     trainer = pl.Trainer(**trainer_kwargs(max_steps=max_steps, callbacks=callbacks, plugins=plugins or []))
@@ -236,11 +238,11 @@ def _fit(max_steps, callbacks, ckpt_path=None, plugins=None):
 
 
 def test_auto_resume_and_mem_latest_take_a_durable_step_when_memory_is_empty(tmp_path, caplog, monkeypatch):
-    from ckpt_helpers import resume_probe
-
     from lightning_ft import EmergencyCheckpoint
     from lightning_ft.checkpoint import MemoryCheckpointIO
     from lightning_ft.events import read_events
+
+    from ckpt_helpers import resume_probe
 
     monkeypatch.setenv("LIGHTNING_FT_EVENTS_DIR", str(tmp_path / "events"))
     durable = str(tmp_path / "durable")
@@ -273,12 +275,13 @@ def test_in_a_trainer_steps_during_uploads_pace_the_bound_and_say_so(tmp_path, m
     import time
 
     import lightning.pytorch as pl
-    from ckpt_helpers import make_module, trainer_kwargs
 
     from lightning_ft import EmergencyCheckpoint
     from lightning_ft.checkpoint.durable.settings import DurableSettings
     from lightning_ft.checkpoint.tiers import UploadPacer
     from lightning_ft.events import read_events
+
+    from ckpt_helpers import make_module, trainer_kwargs
 
     # the copy is held until 24 steps ran during it, however slow the machine makes each step
     gate = threading.Event()
@@ -339,9 +342,10 @@ def test_the_durable_tier_is_off_without_a_run_id(tmp_path, monkeypatch, caplog)
 
 def test_a_too_small_shm_is_reported_before_the_first_save_with_the_fix(tmp_path, small_tmpfs, caplog):
     import lightning.pytorch as pl
-    from ckpt_helpers import make_module, trainer_kwargs
 
     from lightning_ft import EmergencyCheckpoint
+
+    from ckpt_helpers import make_module, trainer_kwargs
 
     tiny = small_tmpfs("shm", "64k")  # a container's /dev/shm, scaled down
     callback = EmergencyCheckpoint(every_n_steps=2, root=str(tiny), run_id="t")

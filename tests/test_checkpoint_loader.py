@@ -17,7 +17,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
-from ckpt_helpers import tensors_equal
 from lightning.pytorch.cli import LightningCLI, LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -26,6 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ft.checkpoint import SnapshotError, SnapshotStore
 from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.restricted_pickle import allowed_globals, default_allowed_globals
+
+from ckpt_helpers import tensors_equal
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -164,7 +165,8 @@ def test_tensor_placeholders_are_checked_against_the_data_region(store, pid, mat
 
 def test_the_allow_list_is_torchs_without_tensor_rebuild_machinery_plus_user_additions():
     base = default_allowed_globals()
-    assert {"collections.OrderedDict", "collections.Counter", "builtins.set", "torch.device", "torch.float32"} <= set(base)
+    expected = {"collections.OrderedDict", "collections.Counter", "builtins.set", "torch.device", "torch.float32"}
+    assert expected <= set(base)
     assert not any(name.startswith("torch._utils._rebuild") for name in base)
     assert "torch.Tensor" not in base and "torch.FloatStorage" not in base and "posix.system" not in base
     assert f"{__name__}.UserConfig" not in allowed_globals()
@@ -327,7 +329,8 @@ REALISTIC = {
         gradient_clip_algorithm="value"),
     "ReduceLROnPlateau+accumulation": lambda tmp: _checkpoint_of(
         tmp, RealisticModule(schedule="plateau"), accumulate_grad_batches=2, max_steps=3),
-    "MultiStepLR+bf16-true": lambda tmp: _checkpoint_of(tmp, RealisticModule(schedule="multistep"), precision="bf16-true"),
+    "MultiStepLR+bf16-true": lambda tmp: _checkpoint_of(
+        tmp, RealisticModule(schedule="multistep"), precision="bf16-true"),
     "LightningCLI": _cli_checkpoint,
 }
 
@@ -368,11 +371,12 @@ def test_no_snapshot_path_uses_an_unrestricted_unpickler(tmp_path, monkeypatch):
     through the restricted loader: with every unrestricted decoder made to fail, they all work."""
     import torch.distributed as dist
 
-    from ckpt_helpers import make_module, resume_probe, trainer_kwargs
     from lightning_ft import EmergencyCheckpoint
     from lightning_ft.checkpoint import MemoryCheckpointIO
     from lightning_ft.checkpoint.exchange.agreement import agree_on_step
     from lightning_ft.checkpoint.exchange.replication import read_snapshot_file
+
+    from ckpt_helpers import make_module, resume_probe, trainer_kwargs
 
     def forbidden(*args, **kwargs):
         raise AssertionError("an unrestricted unpickler was used")
@@ -437,7 +441,7 @@ def test_a_snapshot_cannot_make_the_loader_allocate_without_bound(store):
 def test_tensor_classes_torch_registers_on_import_are_not_allowed():
     """Importing torch.distributed.tensor or torch.nested makes torch add DTensor and NestedTensor to
     its own safe globals; this format never pickles a tensor, so the loader refuses them anyway."""
-    import torch.distributed.tensor  # noqa: F401
+    import torch.distributed.tensor
     import torch.nested  # noqa: F401
 
     from lightning_ft.checkpoint.restricted_pickle import allowed_globals

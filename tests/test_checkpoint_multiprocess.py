@@ -7,13 +7,15 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from proc_utils import REPO_ROOT, child_env, wait_for
 
 from lightning_ft.checkpoint import SnapshotStore
+
+from proc_utils import REPO_ROOT, child_env, wait_for
 
 HELPERS = str(REPO_ROOT / "tests" / "ckpt_helpers.py")
 
@@ -54,7 +56,7 @@ def _torchrun(processes, name: str, root: Path, max_steps: int, mode: str):
     proc = processes.start(name, argv, env=env)
     try:
         code = proc.popen.wait(timeout=90)
-    except Exception:
+    except subprocess.TimeoutExpired:
         pytest.fail(f"{name} did not finish\n{processes.dump_logs()}")
     assert code == 0, processes.dump_logs()
     results = {}
@@ -111,7 +113,7 @@ def _job(processes, name: str, tmp_path: Path, root: Path, args: list[str], expe
         return proc, out
     try:
         code = proc.popen.wait(timeout=90)
-    except Exception:
+    except subprocess.TimeoutExpired:
         pytest.fail(f"{name} did not finish\n{processes.dump_logs()}")
     assert code == expect_code, processes.dump_logs()
     result = json.loads((out / "result.json").read_text()) if code == 0 else None

@@ -9,12 +9,13 @@ import time
 
 import pytest
 import torch
-from ckpt_helpers import tensors_equal
 
 from lightning_ft.checkpoint import SnapshotError, SnapshotStore
-from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory import copying
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.roots import configured_run_id, resolve_root, resolve_run_id
+
+from ckpt_helpers import tensors_equal
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -125,7 +126,8 @@ def test_the_sums_that_follow_the_copy_equal_a_pass_after_it(store, monkeypatch,
     monkeypatch.setattr(copying, "_PIECE_BYTES", 3 << 18)  # 768 KiB: pieces end inside blocks
     base = torch.randn(1200, 700)
     state = {"big": torch.randn(1 << 20), "odd": torch.randn(5), "t": base.t(), "half": torch.randn(777_777).half(),
-             "ints": torch.arange(300_001), "bool": torch.rand(99) > 0.5, "empty": torch.empty(0), "tail": torch.ones(3)}
+             "ints": torch.arange(300_001), "bool": torch.rand(99) > 0.5, "empty": torch.empty(0),
+             "tail": torch.ones(3)}
     enc = fmt.encode(state)
     assert enc.data_len % fmt.BLOCK_SIZE  # the last block is partial
     got = torch.randint(0, 255, (enc.data_len,), dtype=torch.uint8)  # a recycled file's old bytes

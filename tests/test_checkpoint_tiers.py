@@ -7,11 +7,11 @@ import pytest
 from lightning_ft.checkpoint.durable.settings import DurableSettings
 from lightning_ft.checkpoint.policy import plan_write
 from lightning_ft.checkpoint.tiers import (
-    abandoned_manifests,
     Schedule,
     ScheduleProposal,
     ShardMarker,
     UploadPacer,
+    abandoned_manifests,
     agree_schedule,
     bucket_delay,
     calibration_due,
@@ -21,12 +21,12 @@ from lightning_ft.checkpoint.tiers import (
     durable_copy_seconds,
     flush_fits,
     next_upload_rate,
-    slowdown_estimate,
     persist_due,
     persist_interval_steps,
     plan_durable_retention,
     propose_schedule,
     shard_rank_to_fetch,
+    slowdown_estimate,
     snapshot_interval_for_budget,
     space_shortfall,
     upload_decision,

@@ -8,13 +8,14 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-from ckpt_helpers import make_module, matches_snapshot, resume_probe, tensors_equal, trainer_kwargs
 
 from lightning_ft import EmergencyCheckpoint
 from lightning_ft.checkpoint import MemoryCheckpointIO, SnapshotError, SnapshotStore
 from lightning_ft.checkpoint.lightning import callback as callback_module
 from lightning_ft.checkpoint.memory import copying
 from lightning_ft.events import read_events
+
+from ckpt_helpers import make_module, matches_snapshot, resume_probe, tensors_equal, trainer_kwargs
 
 
 def fit(max_steps: int, callbacks: list, seed: int = 0, ckpt_path=None, plugins=None, hidden: int = 16,

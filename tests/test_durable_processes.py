@@ -22,7 +22,7 @@ import pytest
 from proc_utils import REPO_ROOT, ProcessSet, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from ft_cluster import Cluster  # noqa: E402
+from ft_cluster import Cluster
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -6,8 +6,8 @@ import os
 import re
 import signal
 import subprocess
-import time
 import sys
+import time
 
 import pytest
 

@@ -17,7 +17,7 @@ import pytest
 from proc_utils import REPO_ROOT, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from ft_cluster import Cluster, in_order, ordered_start, release  # noqa: E402
+from ft_cluster import Cluster, in_order, ordered_start, release
 
 pytestmark = [pytest.mark.multiprocess]
 

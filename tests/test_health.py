@@ -23,6 +23,7 @@ from lightning_ft.health import (
 )
 from lightning_ft.health import cli as health_cli
 from lightning_ft.health.probes import available_memory_bytes
+
 from proc_utils import wait_for
 
 

@@ -27,7 +27,7 @@ import pytest
 from proc_utils import REPO_ROOT, ProcessSet
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from fidelity import Moment, Run, final_checkpoints, metric_points, metric_rows, run_ft, run_reference  # noqa: E402
+from fidelity import Moment, Run, final_checkpoints, metric_points, metric_rows, run_ft, run_reference
 
 pytestmark = [pytest.mark.multiprocess]
 

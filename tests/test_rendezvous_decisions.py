@@ -15,8 +15,8 @@ from lightning_ft.rendezvous.decisions import (
     newly_dead,
 )
 from lightning_ft.rendezvous.participant import ParticipantInfo
-from lightning_ft.schema.run import Slot, decode_slot, encode_slot
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousSettings, settings_from_config
+from lightning_ft.schema.run import Slot, decode_slot, encode_slot
 
 
 def info(n, infra=-1, domain="none"):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from proc_utils import REPO_ROOT, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from ft_cluster import Cluster, base_env  # noqa: E402
+from ft_cluster import Cluster, base_env
 
 pytestmark = [pytest.mark.multiprocess]
 

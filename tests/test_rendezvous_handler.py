@@ -14,6 +14,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from lightning_ft.rendezvous import RendezvousConfigError
 from lightning_ft.rendezvous.handler import LightningFTRendezvousHandler, parse_endpoint
+
 from proc_utils import free_port, wait_for
 
 pytestmark = pytest.mark.timeout(150)

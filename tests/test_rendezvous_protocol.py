@@ -64,8 +64,8 @@ def test_64_participants_split_into_actives_and_standby(tcp_store):
         results = join_all(rdzvs)
     finally:
         stop(rdzvs)
-    active = [(r.rank, rd.participant.infra_rank) for r, rd in zip(results, rdzvs) if r.is_active]
-    standby = [rd.participant.infra_rank for r, rd in zip(results, rdzvs) if not r.is_active]
+    active = [(r.rank, rd.participant.infra_rank) for r, rd in zip(results, rdzvs, strict=True) if r.is_active]
+    standby = [rd.participant.infra_rank for r, rd in zip(results, rdzvs, strict=True) if not r.is_active]
     assert sorted(rank for rank, _ in active) == list(range(48))
     # deterministic: lowest scheduler node index first
     assert sorted(active) == [(rank, rank) for rank in range(48)]
@@ -104,7 +104,7 @@ def test_rounds_reuse_slots_and_ignore_previous_round(tcp_store):
     rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(3)]
     try:
         first = join_all(rdzvs)
-        actives = [rd for rd, r in zip(rdzvs, first) if r.is_active]
+        actives = [rd for rd, r in zip(rdzvs, first, strict=True) if r.is_active]
         # a failure: both actives re-join; slot 2 still holds round 0's standby
         second = join_all(actives)
     finally:
@@ -119,7 +119,7 @@ def test_close_for_good_releases_waiting_spares(tcp_store):
     rdzvs = [make(tcp_store, i) for i in range(3)]
     try:
         results = join_all(rdzvs)
-        spare = next(rd for rd, r in zip(rdzvs, results) if not r.is_active)
+        spare = next(rd for rd, r in zip(rdzvs, results, strict=True) if not r.is_active)
         errors = []
 
         def wait():
@@ -143,7 +143,7 @@ def test_exit_barrier_key_releases_standby(tcp_store):
     rdzvs = [make(tcp_store, i) for i in range(3)]
     try:
         results = join_all(rdzvs)
-        spare = next(rd for rd, r in zip(rdzvs, results) if not r.is_active)
+        spare = next(rd for rd, r in zip(rdzvs, results, strict=True) if not r.is_active)
         round_id = results[0].round
         # what torch's agent writes after its exit barrier, through the round's store
         round_store = dist.PrefixStore(results[0].store_prefix, tcp_store)
@@ -273,8 +273,8 @@ def test_shutdown_closes_first_then_host_waits_for_acknowledgements(tcp_store):
     rdzvs[0].is_store_host = True
     try:
         results = join_all(rdzvs)
-        spare = next(rd for rd, r in zip(rdzvs, results) if not r.is_active)
-        other_active = next(rd for rd, r in zip(rdzvs, results) if r.is_active and rd is not rdzvs[0])
+        spare = next(rd for rd, r in zip(rdzvs, results, strict=True) if not r.is_active)
+        other_active = next(rd for rd, r in zip(rdzvs, results, strict=True) if r.is_active and rd is not rdzvs[0])
         spare_done = threading.Event()
 
         def spare_waits():
@@ -318,7 +318,7 @@ def test_num_nodes_waiting_ignores_spares(tcp_store):
     rdzvs = [make(tcp_store, i) for i in range(3)]
     try:
         results = join_all(rdzvs)
-        active = next(rd for rd, r in zip(rdzvs, results) if r.is_active)
+        active = next(rd for rd, r in zip(rdzvs, results, strict=True) if r.is_active)
         assert active.num_nodes_waiting() == 0
         active.open_next_round(results[0].round, "test")
         assert active.num_nodes_waiting() >= 1

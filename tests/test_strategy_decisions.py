@@ -10,10 +10,10 @@ from lightning_ft.schema.run import CloseKind
 from lightning_ft.strategy.decisions import (
     EndAction,
     EndCause,
+    FailureAction,
     FailureFacts,
     FailureKind,
     PeerState,
-    FailureAction,
     Role,
     classify_failure,
     decide_on_rendezvous_end,

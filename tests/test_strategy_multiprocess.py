@@ -17,7 +17,7 @@ import pytest
 from proc_utils import REPO_ROOT, child_pids, kill_pids, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from ft_cluster import SCRIPT, Cluster, base_env  # noqa: E402
+from ft_cluster import SCRIPT, Cluster, base_env
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -31,7 +31,7 @@ def snapshot_steps(schedules: list[dict], until: int) -> set[int]:
     it was agreed at until the next agreement."""
     steps = {schedules[0]["step"]}
     ends = [e["step"] for e in schedules[1:]] + [until + 1]
-    for event, end in zip(schedules, ends):
+    for event, end in zip(schedules, ends, strict=True):
         every = event["snapshot_every_n_steps"]
         steps |= {s for s in range(event["step"], end) if s % every == 0}
     return steps
@@ -314,7 +314,6 @@ def test_under_torchrun_the_new_worker_receives_the_snapshot(processes, tmp_path
     # workers; the strategy behaves like DDP and hands the in-memory snapshot to the worker of
     # the spare node, which has none
     from ft_cluster import _read_jsonl
-
     from proc_utils import free_port
 
     port, out = free_port(), tmp_path / "out"

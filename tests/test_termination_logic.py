@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from lightning_ft.exit_codes import ExitCode
 from lightning_ft.deadlines import call_with_timeout
+from lightning_ft.exit_codes import ExitCode
 from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
 from lightning_ft.termination.decision import (
     Action,
@@ -233,11 +233,11 @@ def test_wrapper_exits_with_the_recorded_code(tmp_path):
     # another job's (or an earlier attempt's) records in the same --dir never speak for this launch
     write_exit_record(tmp_path, 3, 81, "save-then-exit", ["stale"], 1)
     write_exit_record(tmp_path / "launch-other-job", 0, 81, "save-then-exit", ["other job"], 1)
-    script = ("import sys; sys.path.insert(0, %r);"
+    script = (f"import sys; sys.path.insert(0, {str(__import__('proc_utils').REPO_ROOT)!r});"
               "from lightning_ft.termination.exit_records import write_exit_record as w;"
               "import os; d = os.environ['LIGHTNING_FT_EXIT_RECORD_DIR'];"
               "w(d, 0, 81, 'save-then-exit', [], 5); w(d, 1, 82, 'exit-without-save', ['xid'], 5);"
-              "sys.exit(1)") % str(__import__("proc_utils").REPO_ROOT)
+              "sys.exit(1)")
     assert run_and_summarize([sys.executable, "-c", script], tmp_path) == ExitCode.UNHEALTHY_NODE
     [launch] = [d for d in tmp_path.glob("launch-*") if d.name != "launch-other-job"]
     assert oct(launch.stat().st_mode & 0o777) == "0o700"

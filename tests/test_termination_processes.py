@@ -17,6 +17,7 @@ import pytest
 from lightning_ft.checkpoint import SnapshotStore
 from lightning_ft.exit_codes import ExitCode
 from lightning_ft.termination.exit_records import read_exit_records
+
 from proc_utils import REPO_ROOT, kill_pids, wait_for
 
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "graceful_train.py")

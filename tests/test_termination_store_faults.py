@@ -17,10 +17,11 @@ import time
 import pytest
 
 from lightning_ft.exit_codes import ExitCode
+
 from proc_utils import REPO_ROOT, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from ft_cluster import Cluster  # noqa: E402
+from ft_cluster import Cluster
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -68,9 +68,9 @@ def kill_node(proc, out):
 
 def assert_all_gone(procs):
     for proc in procs:
-        assert wait_for(lambda: not session_alive(proc.pid), 15), f"{proc.name} left processes behind"
+        assert wait_for(lambda proc=proc: not session_alive(proc.pid), 15), f"{proc.name} left processes behind"
         for pid in worker_pids(proc.log_path.parent / "out", proc.name):
-            assert wait_for(lambda: not pid_alive(pid), 15), f"{proc.name}'s worker {pid} is still running"
+            assert wait_for(lambda pid=pid: not pid_alive(pid), 15), f"{proc.name}'s worker {pid} is still running"
 
 
 def test_no_failure_spare_exits_zero_promptly(processes, tmp_path):

@@ -14,6 +14,7 @@ All of it is private Lightning API (``trainer._checkpoint_connector``, the epoch
 from __future__ import annotations
 
 import sys
+from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,9 +36,9 @@ def next_is_a_training_batch(trainer: pl.Trainer) -> bool:
     a background copy safe from other callbacks' epoch, validation and end hooks, which may swap
     weights through ``.data`` (e.g. Lightning's ``WeightAveraging``), unseen by version counters."""
     try:
-        epoch_loop = trainer.fit_loop.epoch_loop
-        return not (trainer.should_stop or epoch_loop._is_training_done
-                    or epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+        epoch_loop, fetcher = trainer.fit_loop.epoch_loop, trainer.fit_loop._data_fetcher
+        assert fetcher is not None  # set for the whole of fit(), whose batch ends call this
+        return not (trainer.should_stop or epoch_loop._is_training_done or epoch_loop._should_check_val_fx(fetcher))
     except Exception:  # noqa: BLE001 - another Lightning version or loop: copy synchronously
         return False
 
@@ -80,12 +81,12 @@ def module_being_restored() -> torch.nn.Module | None:
     saying for which model; the strategy a frame or two up the stack knows it. Used only to
     refuse another model's snapshot with a clear message instead of a state_dict size mismatch.
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1).f_back
     for _ in range(_CALLER_FRAMES):
-        frame = frame.f_back
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
         if isinstance(owner, Strategy):
             return owner.lightning_module
+        frame = frame.f_back
     return None

@@ -24,34 +24,36 @@ from __future__ import annotations
 import csv
 import logging
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 log = logging.getLogger(__name__)
 
 Version = int | str | None
+VersionedLogger = CSVLogger | TensorBoardLogger
 
 
-def versioned_loggers(trainer: Any) -> list[Logger]:
+def versioned_loggers(trainer: Any) -> list[VersionedLogger]:
     """The Trainer's loggers whose log directory has a version Lightning resolves by listing files."""
     return [logger for logger in trainer.loggers if isinstance(logger, (CSVLogger, TensorBoardLogger))]
 
 
-def resolve_versions(loggers: Sequence[Logger]) -> list[Version]:
+def resolve_versions(loggers: Sequence[VersionedLogger]) -> list[Version]:
     """Each logger's version, resolving it now (call on one process only: it lists the directory)."""
     return [logger.version for logger in loggers]
 
 
-def pin_versions(loggers: Sequence[Logger], versions: Sequence[Version]) -> None:
+def pin_versions(loggers: Sequence[VersionedLogger], versions: Sequence[Version]) -> None:
     if len(loggers) != len(versions):
         log.warning("ddp_ft: %d logger(s) but %d agreed version(s); versions left as they are", len(loggers),
                     len(versions))
         return
-    for logger, version in zip(loggers, versions):
+    for logger, version in zip(loggers, versions, strict=True):
         logger._version = version  # what the version property returns from now on, on every rank
 
 

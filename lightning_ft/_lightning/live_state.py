@@ -55,7 +55,7 @@ def _progress_objects(loop: _Loop) -> list[_BaseProgress]:
 def _persistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
     """The module's buffers that its state dict holds (non-persistent ones are not checkpointed)."""
     buffers = []
-    for prefix, submodule in module.named_modules():
+    for _, submodule in module.named_modules():
         for name, buffer in submodule.named_buffers(prefix="", recurse=False):
             if buffer is not None and name not in submodule._non_persistent_buffers_set:
                 buffers.append(buffer)

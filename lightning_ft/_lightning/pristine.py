@@ -27,6 +27,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import nn
 
+from lightning_ft._lightning.callbacks import trainer_callbacks
+
 log = logging.getLogger(__name__)
 
 # attributes of an nn.Module that hold the tensors and the module tree: shared, never copied
@@ -51,10 +53,10 @@ class PristineState:
 
     @classmethod
     def capture(cls, trainer: pl.Trainer, module: pl.LightningModule | None, datamodule: Any,
-                keep: tuple[type, ...]) -> "PristineState":
+                keep: tuple[type, ...]) -> PristineState:
         """Copy the callbacks (except instances of ``keep``), loggers, datamodule and module."""
         state = cls()
-        targets: list[Any] = [cb for cb in trainer.callbacks if not isinstance(cb, keep)]
+        targets: list[Any] = [cb for cb in trainer_callbacks(trainer) if not isinstance(cb, keep)]
         targets += list(trainer.loggers)
         if datamodule is not None:
             targets.append(datamodule)
@@ -102,7 +104,7 @@ def _shared_memo(trainer: pl.Trainer, module: pl.LightningModule | None, targets
     strategy, every object copied on its own (a callback that refers to another refers to the
     live one), the module tree and every tensor of it (their values come from the snapshot)."""
     memo: dict[int, Any] = {id(trainer): trainer, id(trainer.strategy): trainer.strategy}
-    for target in (*trainer.callbacks, *trainer.loggers, *targets):
+    for target in (*trainer_callbacks(trainer), *trainer.loggers, *targets):
         memo[id(target)] = target
     if module is not None:
         for submodule in module.modules():

@@ -15,12 +15,14 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 from typing import Any
 
 from lightning_ft._lightning.compat import silence_known_warnings
 from lightning_ft._lightning.names import STRATEGY_DESCRIPTION, STRATEGY_NAME
 from lightning_ft._lightning.slurm import install as install_slurm_compat
-
 
 # The whole package, not ``lightning.pytorch.strategies``: that one loads while
 # ``lightning.pytorch`` is still half-initialized. The registry is read only when a Trainer
@@ -49,10 +51,10 @@ class _LoaderThatRegistersAfterwards(importlib.abc.Loader):
     def __init__(self, inner: importlib.abc.Loader) -> None:
         self._inner = inner
 
-    def create_module(self, spec):  # noqa: D401 - importlib protocol
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:  # the importlib loader protocol
         return self._inner.create_module(spec)
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
         _register_strategy()
 
@@ -60,7 +62,8 @@ class _LoaderThatRegistersAfterwards(importlib.abc.Loader):
 class _LightningImportWatcher(importlib.abc.MetaPathFinder):
     """Waits for ``lightning.pytorch`` to load, then registers ``ddp_ft``."""
 
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
         if fullname != _TRIGGER_MODULE:
             return None
         sys.meta_path.remove(self)

@@ -24,7 +24,12 @@ other strategy goes through Lightning's detection unchanged.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +37,7 @@ _OWN_FACTORIES: list[Callable[..., Any]] = []
 _WRAPPED_MARK = "_lightning_ft_original"
 
 
-def skips_cluster_detection(strategy_flag: Any, cluster_environment_flag: Any, registry: Mapping[str, Any],
+def skips_cluster_detection(strategy_flag: Any, cluster_environment_flag: Any, registry: dict[str, Any],
                             own_factories: Sequence[Callable[..., Any]]) -> bool:
     """True when Lightning's cluster-environment detection must not run for this Trainer.
 
@@ -68,7 +73,7 @@ def install(strategy_factory: Callable[..., Any]) -> None:
     if hasattr(original, _WRAPPED_MARK):
         return
 
-    def _choose_and_init_cluster_environment(self):
+    def _choose_and_init_cluster_environment(self: _AcceleratorConnector) -> ClusterEnvironment:
         from lightning.fabric.plugins.environments import LightningEnvironment
         from lightning.pytorch.strategies import StrategyRegistry
 
@@ -78,4 +83,5 @@ def install(strategy_factory: Callable[..., Any]) -> None:
         return original(self)
 
     setattr(_choose_and_init_cluster_environment, _WRAPPED_MARK, original)
-    _AcceleratorConnector._choose_and_init_cluster_environment = _choose_and_init_cluster_environment
+    # the patch this module exists for
+    _AcceleratorConnector._choose_and_init_cluster_environment = _choose_and_init_cluster_environment  # type: ignore[method-assign]

@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import logging
 
+import lightning.pytorch as pl
 from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
 
-def reset_trainer_for_rerun(trainer) -> None:
+def reset_trainer_for_rerun(trainer: pl.Trainer) -> None:
     old_fit = trainer.fit_loop
     old_epoch = old_fit.epoch_loop
     if type(old_fit) is _FitLoop and type(old_epoch) is _TrainingEpochLoop \
@@ -66,8 +68,10 @@ def reset_trainer_for_rerun(trainer) -> None:
     trainer.should_stop = False
 
 
-def _remove_leftover_forward_patch(module) -> None:
-    patched = vars(module).get("forward") if module is not None else None
+def _remove_leftover_forward_patch(module: nn.Module | None) -> None:
+    if module is None:
+        return
+    patched = vars(module).get("forward")
     # only Lightning's own patch (a closure named ``wrapped_forward``); a user's instance
     # attribute stays
     if patched is not None and getattr(patched, "__name__", "") == "wrapped_forward":
@@ -75,7 +79,7 @@ def _remove_leftover_forward_patch(module) -> None:
         log.info("ddp_ft: removed Lightning's forward redirection left on the module by the failure")
 
 
-def teardown_trainer(trainer) -> None:
+def teardown_trainer(trainer: pl.Trainer) -> None:
     """Lightning's exception-path teardown (``Trainer._teardown``: strategy, loop, logger connector,
     signal handlers), as ``_call_and_handle_interrupt`` runs it after ``on_exception``; the
     stage is cleared as ``fit()`` leaves it."""
@@ -85,7 +89,7 @@ def teardown_trainer(trainer) -> None:
         trainer.state.stage = None
 
 
-def mark_finished(trainer) -> None:
+def mark_finished(trainer: pl.Trainer) -> None:
     """The Trainer's state as ``fit()`` leaves it when this process ends fit() without training."""
     trainer.state.status = TrainerStatus.FINISHED
     trainer.state.stage = None

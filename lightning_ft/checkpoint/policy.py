@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 
 def snapshots_to_delete(steps: Iterable[int], keep_last: int, protect: int | None = None) -> list[int]:
@@ -106,7 +107,7 @@ def pick_disk_checkpoint(candidates: Iterable[tuple[str, float]]) -> str | None:
 MEM_SCHEME = "mem://"
 
 
-def parse_mem_url(path: object) -> str | int | None:
+def parse_mem_url(path: object) -> Literal["latest"] | int | None:
     """``"mem://latest"`` (or ``"mem://"``) -> "latest", ``"mem://<step>"`` -> step, other paths -> None."""
     if not isinstance(path, str) or not path.startswith(MEM_SCHEME):
         return None

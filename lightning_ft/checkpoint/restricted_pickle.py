@@ -139,8 +139,8 @@ def check_effects(data: bytes, max_allocation: int = MAX_ALLOCATION) -> None:
             module, _, qualname = str(arg).partition(" ")
             stack.append(("global", f"{module}.{qualname}"))
         elif name == "STACK_GLOBAL":
-            qualname, module = stack.pop(), stack.pop()
-            stack.append(("global", f"{module[1]}.{qualname[1]}"))
+            name_item, module_item = stack.pop(), stack.pop()
+            stack.append(("global", f"{module_item[1]}.{name_item[1]}"))
         elif op.stack_after and op.stack_after[0].name in ("int", "int_or_bool") and not op.stack_before:
             stack.append(("int", arg))
         elif op.stack_after and op.stack_after[0].name in ("str", "bytes_or_str") and not op.stack_before:

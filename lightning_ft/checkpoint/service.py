@@ -7,7 +7,7 @@ Lightning.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
 from lightning_ft.checkpoint.exchange.transfer import exchange_snapshots

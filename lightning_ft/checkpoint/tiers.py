@@ -153,7 +153,7 @@ def choose_resume_source(memory_per_rank: Sequence[Iterable[int]], durable_per_r
         raise ValueError("memory_per_rank and durable_per_rank must have one entry per rank")
     memory = [set(m) for m in memory_per_rank]
     durable = [set(d) for d in durable_per_rank]
-    common = set.intersection(*(m | d for m, d in zip(memory, durable)))
+    common = set.intersection(*(m | d for m, d in zip(memory, durable, strict=True)))
     mine_mem, mine_dur = memory[rank], durable[rank]
     if not common:
         detail = f"memory here holds {_newest(mine_mem)}, durable storage {_newest(mine_dur)}"

@@ -15,9 +15,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from lightning_ft.settings import load, setting
 from lightning_ft.settings.fields import optional_path, parse_text

@@ -45,8 +45,10 @@ The SIGTERM path (``GracefulTermination``):
 ``termination_signal``         signal, step
 ``health_report``              healthy, reasons, duration_s
 ``stop_agreed``                step, stop_step, proposer, reason
-``termination_decision``       step, action, exit_code, tier (``memory``, ``memory+shard``, ``durable``: where the state is; ``none``), reasons (the first says where and why this rank stopped:
-                               the agreed step, an unhealthy peer, a store that did not answer), seconds_since_signal
+``termination_decision``       step, action, exit_code, tier (``memory``, ``memory+shard``, ``durable``:
+                               where the state is; ``none``), reasons (the first says where and why
+                               this rank stopped: the agreed step, an unhealthy peer, a store that did
+                               not answer), seconds_since_signal
 ``unhealthy_exit``             exit_code, reasons, step, seconds_since_signal
 =============================  ==================================================================
 

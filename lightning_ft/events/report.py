@@ -38,9 +38,10 @@ import json
 import re
 import signal
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from lightning_ft.events import names as ev
 from lightning_ft.events.log import read_events
@@ -213,8 +214,8 @@ def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[Timelin
     if first_step is not None:
         lost = first_step.seconds - detected_at
         if lost <= 0:  # wall clocks of different hosts disagree: trust the event's own measure
-            lost = next((float(v) for k in _LOST_SECONDS_FIELDS if (v := _number(first_step.fields.get(k))) is not None),
-                        None)
+            lost = next((float(v) for k in _LOST_SECONDS_FIELDS
+                         if (v := _number(first_step.fields.get(k))) is not None), None)
         # a hang is detected only after the step was stuck for the hang timeout: that time is lost too
         stuck = [v for e in incident if (v := _number(e.fields.get("stuck_seconds"))) is not None]
         if lost is not None and stuck:
@@ -262,8 +263,8 @@ def _participants(timeline: Sequence[TimelineEntry]) -> tuple[ParticipantSummary
         roles = tuple("standby" if e.fields.get("standby") else "active"
                       for e in entries if e.event == ev.ROUND_COMPLETE)
         pids = tuple(dict.fromkeys(e.pid for e in entries if e.pid is not None))
-        result.append(ParticipantSummary(who=who, participant_id=entries[0].participant_id, pids=pids, roles=roles, last_event=entries[-1].event,
-                                         last_seen=entries[-1].seconds))
+        result.append(ParticipantSummary(who=who, participant_id=entries[0].participant_id, pids=pids, roles=roles,
+                                         last_event=entries[-1].event, last_seen=entries[-1].seconds))
     return tuple(result)
 
 
@@ -422,7 +423,7 @@ def format_timeline(summary: RunSummary) -> list[str]:
     who_width = max(len(n) for n in names)
     event_width = max(len(e.event) for e in entries)
     return [f"  {e.seconds:+8.2f}s  {name:<{who_width}}  {e.event:<{event_width}}  {_fmt_fields(e.fields)}".rstrip()
-            for e, name in zip(entries, names)]
+            for e, name in zip(entries, names, strict=True)]
 
 
 def format_summary(summary: RunSummary) -> list[str]:

@@ -6,9 +6,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from collections.abc import Mapping
-from typing import Any, Sequence
+from typing import Any
 
 from lightning_ft.health.probes import Probe, ProbeResult, default_probes
 from lightning_ft.settings import Timeouts, load
@@ -139,14 +139,14 @@ class NodeHealthCheck:
 
 
 def _run_probe(probe: Probe, index: int, deadline: float,
-               answers: "queue.SimpleQueue[tuple[int, ProbeResult]]") -> None:
+               answers: queue.SimpleQueue[tuple[int, ProbeResult]]) -> None:
     start = time.monotonic()
     try:
         result = probe.check(deadline)
         if not isinstance(result, ProbeResult):
             result = ProbeResult(probe.name, False, f"probe returned {type(result).__name__}, not ProbeResult",
                                  time.monotonic() - start)
-    except Exception as exc:  # a probe that crashes cannot vouch for the node
+    except Exception as exc:  # noqa: BLE001 - a probe that crashes cannot vouch for the node
         result = ProbeResult(probe.name, False, f"probe raised {type(exc).__name__}: {exc}",
                              time.monotonic() - start)
     answers.put((index, result))

@@ -19,10 +19,10 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from lightning_ft.health.settings import HealthSettings
 from lightning_ft.settings import load
@@ -210,7 +210,7 @@ class AcceleratorProbe:
             for index in range(count):
                 free, total = torch.cuda.mem_get_info(index)
             return ProbeResult(self.name, True, f"{count} CUDA device(s) answered", time.monotonic() - start)
-        except Exception as exc:  # a driver error is exactly what this probe looks for
+        except Exception as exc:  # noqa: BLE001 - a driver error is exactly what this probe looks for
             return ProbeResult(self.name, False, f"CUDA query failed: {type(exc).__name__}: {_short(str(exc))}",
                                time.monotonic() - start)
 

@@ -15,8 +15,8 @@ from lightning_ft.rendezvous.barrier import (
 from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
 from lightning_ft.rendezvous.settings import (
     RendezvousConfigError,
-    RendezvousSettings,
     RendezvousOptions,
+    RendezvousSettings,
     settings_from_config,
 )
 from lightning_ft.rendezvous.store import DEFAULT_PORT, Endpoint, connect_store, parse_endpoint

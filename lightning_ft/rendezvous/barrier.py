@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -32,7 +33,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from lightning_ft.deadlines import BackgroundThread
+from lightning_ft.deadlines import BackgroundThread, StoreClient
 from lightning_ft.rendezvous.coordinator import Coordinator, CoordinatorWatch
 from lightning_ft.rendezvous.decisions import is_extra_participant
 from lightning_ft.rendezvous.lifecycle import resolve_incarnation, wait_for_acknowledgements
@@ -92,7 +93,7 @@ class BarrierRendezvous:
     for the others to acknowledge so they can read the final state first.
     """
 
-    def __init__(self, store, settings: RendezvousSettings, participant: ParticipantInfo, *,
+    def __init__(self, store: StoreClient, settings: RendezvousSettings, participant: ParticipantInfo, *,
                  is_store_host: bool = False, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
                  heartbeat_store_factory: Callable[[], object] | None = None,

@@ -119,12 +119,12 @@ class Coordinator:
             # exist one check at a time; missing ones, and stale ones from earlier rounds, count
             # as absent.
             present = [k for k in slot_keys if self.store.check([k])]
-            fetched = dict(zip(present, self.store.multi_get(present))) if present else {}
+            fetched = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
             raw_values = [fetched.get(k, b"") for k in slot_keys]
         # decoded by (key, raw value): a value is authentic only under the key it was sealed for
         cache, signer = self.rdzv.decode_cache, self.rdzv.signer
         slots = []
-        for key, raw in zip(slot_keys, raw_values):
+        for key, raw in zip(slot_keys, raw_values, strict=True):
             slot = cache.get((key, raw))
             if slot is None and (key, raw) not in cache:
                 opened = signer.open(key, raw) if raw else None
@@ -162,7 +162,7 @@ class Coordinator:
             return False
         hb_keys = [self.keys.heartbeat(p) for p in missing]
         values = {}
-        for pid, key in zip(missing, hb_keys):
+        for pid, key in zip(missing, hb_keys, strict=True):
             values[pid] = self.store.add(key, 0) if self.store.check([key]) else None
         before = {p: self._heartbeats_seen.get(p) for p in self._suspects}
         dead = newly_dead(values, self._heartbeats_seen, self.clock(), self.settings.dead_after)

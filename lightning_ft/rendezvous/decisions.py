@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 from lightning_ft.rendezvous.settings import RendezvousSettings
 from lightning_ft.schema.run import Slot

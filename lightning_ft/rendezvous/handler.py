@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (

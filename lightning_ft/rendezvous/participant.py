@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from lightning_ft.schema.run import SEP
 from lightning_ft.settings.environment import resolve_domain_id, scheduler_node_index

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_ft.settings import SettingsError, Timeouts, group, load, setting
-from lightning_ft.settings.timeouts import RENDEZVOUS_TIMEOUTS
 from lightning_ft.settings.fields import boolean, number, optional_text, parse_flag, parse_int, parse_text
+from lightning_ft.settings.timeouts import RENDEZVOUS_TIMEOUTS
 
 _POSITIVE_INT = number(integer=True)
 

@@ -15,6 +15,8 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
+from types import FrameType
 
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.rendezvous.lifecycle import wait_for_acknowledgements
@@ -42,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
-          stop_requested=lambda: False, linger: float = 0.0) -> int:
+          stop_requested: Callable[[], bool] = lambda: False, linger: float = 0.0) -> int:
     try:
         signer = job_signer()
     except SecretError as exc:
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_log_output()
     stop = {"requested": False}
 
-    def request_stop(signum, _frame):
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
         stop["requested"] = True
 
     signal.signal(signal.SIGTERM, request_stop)

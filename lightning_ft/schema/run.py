@@ -119,9 +119,12 @@ _SLOT_VERSION = "1"
 
 
 class SlotWriter(Protocol):
-    participant_id: str
-    infra_rank: int
-    domain_id: str
+    @property
+    def participant_id(self) -> str: ...
+    @property
+    def infra_rank(self) -> int: ...
+    @property
+    def domain_id(self) -> str: ...
 
 
 class Slot(NamedTuple):
@@ -276,7 +279,7 @@ class CloseReason:
         return SEP.join((self.kind.value, repr(float(self.closed_at)), self.text))
 
     @classmethod
-    def decode(cls, raw: bytes) -> "CloseReason | None":
+    def decode(cls, raw: bytes) -> CloseReason | None:
         """None for a value that is not a close reason of this format."""
         try:
             kind_text, when, text = raw.decode().split(SEP, 2)

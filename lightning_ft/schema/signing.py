@@ -24,9 +24,10 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import Mapping
 
+from lightning_ft.deadlines import StoreClient
 from lightning_ft.settings.environment import environ
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ class Signer:
         return self._secret is not None
 
     def _tag(self, key: str, value: bytes) -> bytes:
-        mac = hmac.new(self._secret, key.encode() + b"\0", hashlib.sha256)  # type: ignore[arg-type]
+        assert self._secret is not None  # callers seal and open with a secret only
+        mac = hmac.new(self._secret, key.encode() + b"\0", hashlib.sha256)
         mac.update(value)
         return mac.digest()[:TAG_BYTES]
 
@@ -156,7 +158,7 @@ class SealedStore:
     torch's own keys are not values and stay on the raw store.
     """
 
-    def __init__(self, store, signer: Signer, prefix: str = "") -> None:
+    def __init__(self, store: StoreClient, signer: Signer, prefix: str = "") -> None:
         self.store = store
         self.signer = signer
         self.prefix = prefix
@@ -193,11 +195,13 @@ class SealedStore:
     def multi_get(self, names: list[str]) -> list[bytes | None]:
         """Authentic values of ``names`` that all exist (``multi_get`` waits for missing keys)."""
         keys = [self.key(n) for n in names]
-        return [self.signer.open(k, raw) for k, raw in zip(keys, self.store.multi_get(keys))] if keys else []
+        if not keys:
+            return []
+        return [self.signer.open(k, raw) for k, raw in zip(keys, self.store.multi_get(keys), strict=True)]
 
-    def multi_put(self, names: list[str], values: list[bytes | str]) -> None:
+    def multi_put(self, names: list[str], values: Sequence[bytes | str]) -> None:
         keys = [self.key(n) for n in names]
-        self.store.multi_set(keys, [self.signer.seal(k, v) for k, v in zip(keys, values)])
+        self.store.multi_set(keys, [self.signer.seal(k, v) for k, v in zip(keys, values, strict=True)])
 
     def put_if_absent(self, name: str, value: bytes | str) -> bytes:
         """Store ``value`` unless an authentic one is there; returns the authentic value in force.
@@ -212,4 +216,8 @@ class SealedStore:
             return opened
         self.store.set(key, sealed)
         final = self.signer.open(key, self.store.get(key))
-        return final if final is not None else self.signer.open(key, sealed)
+        if final is not None:
+            return final
+        own = self.signer.open(key, sealed)
+        assert own is not None, "a value sealed here opens here"
+        return own

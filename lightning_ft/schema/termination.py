@@ -55,7 +55,7 @@ class StopRequest:
         return json.dumps({"step": self.step, "rank": self.rank, "signum": self.signum, "reason": self.reason})
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "StopRequest":
+    def decode(cls, raw: bytes | str) -> StopRequest:
         data = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
         return cls(int(data["step"]), int(data["rank"]), int(data["signum"]), str(data["reason"]))
 

@@ -85,7 +85,7 @@ def any_value(value: Any) -> str | None:
 def _reads(expects: str) -> Callable[[Callable[[str], Any]], Callable[[str], Any]]:
     """Name what a parse function accepts (the error message says it when the text is not that)."""
     def mark(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-        parse.expects = expects  # type: ignore[attr-defined]
+        parse.expects = expects  # type: ignore[attr-defined]  # a function attribute, read with getattr
         return parse
     return mark
 
@@ -96,9 +96,10 @@ def parse_float(raw: str) -> float:
 
 
 @_reads("an integer")
-def parse_int(raw: str) -> int:
+def parse_int(raw: str) -> int | float:
+    """An integer; a fraction stays a float, which the setting's rule then refuses, saying why."""
     value = float(raw)
-    return int(value) if value.is_integer() else value  # type: ignore[return-value]  # the rule says why not
+    return int(value) if value.is_integer() else value
 
 
 @_reads("JSON")

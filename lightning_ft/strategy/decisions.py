@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 import errno
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from lightning_ft.schema.run import CloseKind
 
@@ -389,7 +389,7 @@ def parse_nnodes(text: str, source: str) -> tuple[int, int]:
 
 
 def merge_setting(name: str, explicit: object, env_name: str, env_value: str | None,
-                  parse=lambda v: v) -> object:
+                  parse: Callable[[str], object] = lambda v: v) -> object:
     """An explicit argument or its environment variable; both set and different is an error."""
     from_env = parse(env_value) if env_value not in (None, "") else None
     if explicit is not None and from_env is not None and explicit != from_env:

@@ -18,11 +18,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -40,11 +41,13 @@ from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer_reset import mark_finished
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.service import replica_puller
-from lightning_ft.events import names as ev
 from lightning_ft.deadlines import call_with_timeout, first_line
+from lightning_ft.events import names as ev
+from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
 from lightning_ft.process import destroy_process_group
 from lightning_ft.rendezvous.barrier import ParticipantExcludedError, RoundResult
 from lightning_ft.schema.run import CloseKind
+from lightning_ft.settings.environment import torchelastic_restart_count
 from lightning_ft.strategy.decisions import (
     EndAction,
     EndCause,
@@ -52,7 +55,6 @@ from lightning_ft.strategy.decisions import (
     decide_on_rendezvous_end,
     looks_like_collective_error,
 )
-from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
 from lightning_ft.strategy.recovery import (
     RecoveryExecutor,
     exception_chain,
@@ -61,10 +63,10 @@ from lightning_ft.strategy.recovery import (
 )
 from lightning_ft.strategy.run import RunState, StrategyHost
 from lightning_ft.strategy.session import RoundRuntime, Session
-from lightning_ft.settings.environment import torchelastic_restart_count
 from lightning_ft.strategy.settings import StrategyConfigError, StrategySettings
 from lightning_ft.strategy.spare_monitor import SpareMonitor
 from lightning_ft.termination.callback import GracefulTermination
+from lightning_ft.termination.signals import SignalHandler
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +122,7 @@ class FaultTolerantLauncher(_Launcher):
     def is_interactive_compatible(self) -> bool:
         return True
 
-    def kill(self, signum) -> None:
+    def kill(self, signum: int) -> None:
         pass  # no child processes
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -181,15 +183,15 @@ class FaultTolerantLauncher(_Launcher):
                     return result
                 rendezvous.wait_while_standby(result.round)
         except (RendezvousGracefulExitError, RendezvousClosedError) as exc:
-            return self._rendezvous_ended(session, EndCause.CLOSED, str(exc))
+            self._rendezvous_ended(session, EndCause.CLOSED, str(exc))
         except RendezvousTimeoutError as exc:
-            return self._rendezvous_ended(session, EndCause.TIMED_OUT, str(exc))
+            self._rendezvous_ended(session, EndCause.TIMED_OUT, str(exc))
         except _SpareTerminated:
-            return self._rendezvous_ended(session, EndCause.SIGTERM, "SIGTERM while waiting in the rendezvous")
+            self._rendezvous_ended(session, EndCause.SIGTERM, "SIGTERM while waiting in the rendezvous")
         except (RuntimeError, OSError) as exc:  # the store itself (DistStoreError is a RuntimeError)
-            return self._rendezvous_ended(session, EndCause.STORE_LOST,
-                                          f"lost the rendezvous store at {self._strategy.settings.launch.endpoint}: "
-                                          f"{type(exc).__name__}: {first_line(exc)}")
+            self._rendezvous_ended(session, EndCause.STORE_LOST,
+                                   f"lost the rendezvous store at {self._strategy.settings.launch.endpoint}: "
+                                   f"{type(exc).__name__}: {first_line(exc)}")
         except RendezvousError as exc:  # extra participant, unhealthy
             if isinstance(exc, ParticipantExcludedError) and not self.run.trained:
                 log.error("ddp_ft: %s", exc)
@@ -201,6 +203,7 @@ class FaultTolerantLauncher(_Launcher):
             _restore_sigterm(previous_handler)  # first: a SIGTERM from here on is the caller's to handle
             if monitor is not None:
                 monitor.stop()
+        return None  # the rendezvous ended: leave fit()
 
     def _role(self) -> Role:
         if self.run.trained:
@@ -256,6 +259,7 @@ class FaultTolerantLauncher(_Launcher):
         strategy = self._strategy
         settings = strategy.settings
         checkpoint = first_callback_of_type(self.run.trainer, EmergencyCheckpoint)
+        assert settings.domain_id is not None  # resolved by resolve_settings
         replicas = replica_puller(checkpoint.snapshots if checkpoint is not None else None, settings.domain_id,
                                   settings.replication_factor, session.events.emit)
         monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys, signer=session.rendezvous.signer,
@@ -301,14 +305,15 @@ class ElasticLauncher(_Launcher):
     def is_interactive_compatible(self) -> bool:
         return True
 
-    def kill(self, signum) -> None:
+    def kill(self, signum: int) -> None:
         pass
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy, run = self._strategy, self.run
         run.trainer = trainer
         # torchrun's worker-group restarts play the part of rounds; it starts workers only on active nodes
-        run.start_round(RoundRuntime(None, torchelastic_restart_count()))
+        runtime = RoundRuntime(None, torchelastic_restart_count())
+        run.start_round(runtime)
         if not self._callbacks_added and trainer is not None:
             self._callbacks_added = True
             add_default_callbacks(trainer, strategy.settings)
@@ -321,11 +326,11 @@ class ElasticLauncher(_Launcher):
                 log.warning("ddp_ft: collective failed (%s: %s); torchrun restarts the workers",
                             type(exc).__name__, first_line(exc))
                 save_live_state(trainer, "collective failure under torchrun")
-                run.round.retire_group()
+                runtime.retire_group()
             raise
         destroy_process_group()
         # the run's outcome for `lightning-ft report --exit-code` (rendezvous mode: _finish_success)
-        strategy.event_log.emit(ev.FINISHED, round=run.round.round_id, rank=trainer.global_rank if trainer else None,
+        strategy.event_log.emit(ev.FINISHED, round=runtime.round_id, rank=trainer.global_rank if trainer else None,
                                 step=trainer.global_step if trainer is not None else None)
         return output
 
@@ -338,11 +343,11 @@ def _best_effort(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         log.debug("ddp_ft: %s on the way out: %s", getattr(call, "__name__", call), exc)
 
 
-def _install_sigterm_raiser():
+def _install_sigterm_raiser() -> SignalHandler:
     if threading.current_thread() is not threading.main_thread():
         return None
 
-    def raise_in_main(signum, frame):
+    def raise_in_main(signum: int, frame: FrameType | None) -> NoReturn:
         raise _SpareTerminated()
 
     try:
@@ -351,7 +356,7 @@ def _install_sigterm_raiser():
         return None
 
 
-def _restore_sigterm(previous) -> None:
+def _restore_sigterm(previous: SignalHandler) -> None:
     if previous is None:
         return
     try:

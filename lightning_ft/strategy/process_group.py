@@ -14,6 +14,7 @@ import datetime
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -77,7 +78,7 @@ class GroupTransport:
         return count
 
 
-def _with_socket(fd: int, action) -> bool:
+def _with_socket(fd: int, action: Callable[[socket.socket], object]) -> bool:
     """``action(sock)`` on a private duplicate of ``fd``; False when ``fd`` is no socket any more."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
@@ -107,11 +108,11 @@ def _shut_down(sock: socket.socket) -> bool:
         return False
 
 
-def _port(address) -> int | None:
+def _port(address: object) -> int | None:
     return address[1] if isinstance(address, tuple) and len(address) >= 2 else None
 
 
-def init_round_group(backend: str, rank: int, world_size: int, store, init_timeout: float,
+def init_round_group(backend: str, rank: int, world_size: int, store: dist.Store, init_timeout: float,
                      pg_timeout: datetime.timedelta | None, store_port: int | None) -> GroupTransport:
     """Create the default group of a round over ``store`` (a prefix of the rendezvous store).
 

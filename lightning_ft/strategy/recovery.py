@@ -85,6 +85,7 @@ def read_failure_facts(exc: BaseException, runtime: RoundRuntime, session: Sessi
 
     def read_notices() -> tuple[str | None, Detector | None, bool]:
         found_error, found_detector = None, detector
+        assert result is not None  # a round of the barrier rendezvous
         values = session.round_values(result)
         for rank in range(result.world_size):
             text = values.get(failed_key(rank)) if rank != result.rank else None

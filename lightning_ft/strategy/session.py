@@ -10,23 +10,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
+from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
 from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
-from lightning_ft.deadlines import raw_store
 from lightning_ft.rendezvous.store import connect_store
 from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore
-from lightning_ft.strategy.process_group import GroupTransport, retire_group
 from lightning_ft.settings import Timeouts
 from lightning_ft.strategy.decisions import Detector
+from lightning_ft.strategy.process_group import GroupTransport, retire_group
 from lightning_ft.strategy.settings import HangSettings, StrategySettings
 from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
 
@@ -45,10 +46,11 @@ class Session:
     events: EventLog | NullEventLog
 
     @classmethod
-    def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> "Session":
+    def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> Session:
         """Reach (or host) the store and build this participant. Raises ``RendezvousError``
         when the store cannot be reached; ``events_for(participant_id)`` opens the event log."""
         launch = settings.launch
+        assert launch.endpoint is not None  # a rendezvous launch has one (resolve_launch_config)
         # every call of ours on the store returns within a bound, even if the store freezes
         store, hosting = connect_store(launch.endpoint, settings.is_store_host, settings.timeouts)
         participant = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
@@ -132,6 +134,7 @@ class RoundRuntime:
                        global_step: Callable[[], int | None]) -> None:
         """Watch this round from a thread with its own store connection (see :class:`RoundWatchdog`)."""
         result, events, keys = self.result, session.events, session.keys
+        assert result is not None  # only a round of the barrier rendezvous is watched
         # a connection of its own whose every call is bounded more tightly than the session's
         clone = session.store.clone(timeouts.watchdog_store_timeout)
         round_values = session.round_values(result, clone)
@@ -155,7 +158,8 @@ class RoundRuntime:
         self.watchdog = RoundWatchdog(
             round_values=round_values, rdzv_store=clone, round_key=keys.round,
             heartbeat_key=keys.heartbeat, round_id=result.round, rank=result.rank, world_size=result.world_size,
-            clock=self.clock, hang_detection=hang.hang_detection, hang_floor=hang.hang_timeout_floor, hang_factor=hang.hang_safety_factor,
+            clock=self.clock, hang_detection=hang.hang_detection, hang_floor=hang.hang_timeout_floor,
+            hang_factor=hang.hang_safety_factor,
             dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,
             break_group=transport.abort if transport is not None else (lambda: 0),
             poll_interval=hang.watchdog_interval, join_timeout=timeouts.thread_stop_timeout)

@@ -171,9 +171,9 @@ class StrategySettings:
     def rendezvous_settings(self) -> RendezvousSettings:
         """The barrier rendezvous settings (rendezvous mode only)."""
         launch = self.launch
+        assert launch.min_nodes is not None and launch.max_nodes is not None  # a rendezvous launch has both
         try:
-            return RendezvousSettings(launch.run_id, launch.min_nodes, launch.max_nodes,  # type: ignore[arg-type]
-                                      self.rendezvous, self.timeouts)
+            return RendezvousSettings(launch.run_id, launch.min_nodes, launch.max_nodes, self.rendezvous, self.timeouts)
         except RendezvousConfigError as exc:
             raise StrategyConfigError(f"{exc}") from None
 
@@ -186,7 +186,8 @@ def resolve_settings(env: Mapping[str, str] | None = None, *, timeout: Any = Non
     ``timeout``: DDP's process-group timeout.
     """
     env = environ() if env is None else env
-    launch = resolve_launch_config(*(given.pop(name, None) for name in LAUNCH_ARGUMENTS), env)
+    endpoint, run_id, min_nodes, max_nodes = (given.pop(name, None) for name in LAUNCH_ARGUMENTS)
+    launch = resolve_launch_config(endpoint, run_id, min_nodes, max_nodes, env)
     try:
         read_secret(env)  # an unusable secret is a configuration error now, not a traceback at fit()
     except SecretError as exc:

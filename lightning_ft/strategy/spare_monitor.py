@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
-from lightning_ft.deadlines import BackgroundThread
+from lightning_ft.deadlines import BackgroundThread, StoreClient
 from lightning_ft.schema.round import decode_member, member_key
 from lightning_ft.schema.run import RunKeys
 from lightning_ft.schema.signing import SealedStore, Signer
@@ -29,8 +29,8 @@ class SpareMonitor(BackgroundThread):
     keeps copies of published snapshots.
     """
 
-    def __init__(self, *, rdzv_store, keys: RunKeys, signer: Signer, dead_after: float,
-                 open_round: Callable[[int, str], None], replicas: ReplicaPuller | None = None,
+    def __init__(self, *, rdzv_store: StoreClient, keys: RunKeys, signer: Signer, dead_after: float,
+                 open_round: Callable[[int, str], object], replicas: ReplicaPuller | None = None,
                  poll_interval: float = 0.25, join_timeout: float = 2.0) -> None:
         super().__init__("lightning_ft-spare-monitor", join_timeout)
         self.store = rdzv_store

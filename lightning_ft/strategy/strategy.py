@@ -26,7 +26,8 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.setup import _log_device_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch.nn.parallel import DistributedDataParallel
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.history import (
@@ -54,22 +57,21 @@ from lightning_ft._lightning.slurm import install as install_slurm_compat
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
-from lightning_ft.checkpoint.tiers import DEFAULT_SNAPSHOT_OVERHEAD
+from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
 from lightning_ft.process import plan_exit
-from lightning_ft.deadlines import raw_store
 from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
 from lightning_ft.schema.run import decode_log_versions, encode_log_versions
 from lightning_ft.schema.signing import SealedStore
+from lightning_ft.settings import describe
+from lightning_ft.settings.environment import local_rank, master_port, scheduler_node_index
+from lightning_ft.settings.fields import setting_names
 from lightning_ft.strategy.environment import NO_RANK, ElasticEnvironment, RoundEnvironment
 from lightning_ft.strategy.launcher import ElasticLauncher, FaultTolerantLauncher
 from lightning_ft.strategy.process_group import GroupTransport, init_round_group, open_sockets
 from lightning_ft.strategy.run import RunState
 from lightning_ft.strategy.session import RoundRuntime, Session
-from lightning_ft.settings import describe
-from lightning_ft.settings.environment import local_rank, master_port, scheduler_node_index
-from lightning_ft.settings.fields import setting_names
 from lightning_ft.strategy.settings import (
     LAUNCH_ARGUMENTS,
     LaunchMode,
@@ -77,6 +79,10 @@ from lightning_ft.strategy.settings import (
     StrategySettings,
     resolve_settings,
 )
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.strategies import _StrategyRegistry
 
 log = logging.getLogger(__name__)
 
@@ -241,12 +247,14 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     def set_world_ranks(self) -> None:
         # ranks come from the round (or torchrun), never from num_nodes/devices
         rank = self.cluster_environment.global_rank() if self.cluster_environment is not None else 0
-        rank_zero_only.rank = utils_rank_zero_only.rank = rank
+        # a function attribute Lightning sets at import; its typed overloads do not declare it
+        rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]
 
     def setup_distributed(self) -> None:
         if self.settings.mode is LaunchMode.TORCHELASTIC:
             before = open_sockets()
             super().setup_distributed()
+            assert self.round is not None  # started by the ElasticLauncher
             self.round.transport = GroupTransport(before, open_sockets(), master_port())
             self._share_snapshots()
             return
@@ -269,6 +277,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                             seconds=round(seconds, 4))
         log.info("ddp_ft: round %d: process group up as rank %d of %d in %.3fs (%s)", result.round,
                  result.rank, result.world_size, seconds, self._process_group_backend)
+        assert self.settings.domain_id is not None  # resolved by resolve_settings
         session.round_values(result).put(member_key(result.rank),
                                          encode_member(session.participant.participant_id, self.settings.domain_id))
         if result.rank == 0 and not self._printed_device_info:
@@ -334,6 +343,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
         if self._checkpoint is not None and self.settings.mode is LaunchMode.RENDEZVOUS:
             resumed = self._checkpoint.resumed_from
+            assert runtime is not None  # the launcher started the round
             if runtime.follows_a_failure and self.global_rank == 0 and resumed is not None:
                 set_aside_abandoned_checkpoints(trainer, snapshot_created=resumed[1])
             self._snapshot_round_start(step)
@@ -359,16 +369,19 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         # A round must always have a snapshot to fall back to: without one, a failure before the
         # first periodic snapshot would restart optimizer and step from scratch on top of weights
         # DDP broadcast from a survivor's trained model. With it, "from the start" is a restore too.
-        store = self._checkpoint.store
+        checkpoint, runtime = self._checkpoint, self.round
+        assert checkpoint is not None and runtime is not None  # see on_train_start
+        store = checkpoint.store
         if store is None or not any(info.step == step for info in store.list()):
-            self._checkpoint.save_now(self.trainer, reason=f"start of round {self.round.round_id}")
+            checkpoint.save_now(self.trainer, reason=f"start of round {runtime.round_id}")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self.round is not None:
             self.round.step_started()
 
-    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | Module | None = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         # forward, backward (with its all-reduce) and the update are done: the step completed
         runtime = self.round
@@ -383,6 +396,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             log.info("ddp_ft: first step after recovery completed (step %d, %.3fs after the failure)",
                      step, since_failure)
         if self._replicas is not None and runtime.result is not None:
+            assert self._checkpoint is not None  # replicas are published only with one
             result = runtime.result
             self._replicas.offer(self._checkpoint.last_snapshot, result.round, result.store_prefix,
                                  result.world_size)
@@ -430,7 +444,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             self._replicas.stop()
 
     @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         if STRATEGY_NAME not in strategy_registry:
             strategy_registry.register(STRATEGY_NAME, cls, description=STRATEGY_DESCRIPTION)
             install_slurm_compat(cls)
@@ -473,6 +487,7 @@ def _signature() -> inspect.Signature:
     return inspect.Signature([*own, *settings, inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
 
 
+# a function attribute inspect.signature reads (typeshed knows no __signature__ on functions)
 FaultTolerantDDPStrategy.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
 
 

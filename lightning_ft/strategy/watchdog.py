@@ -20,10 +20,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from types import FrameType
-from typing import Callable
 
-from lightning_ft.deadlines import BackgroundThread
+from lightning_ft.deadlines import BackgroundThread, StoreClient
 from lightning_ft.schema.round import decode_member, decode_progress, encode_progress, member_key, progress_key
 from lightning_ft.schema.signing import SealedStore
 from lightning_ft.strategy.decisions import Detector, PeerState, find_stalled_ranks, hang_timeout
@@ -99,7 +99,7 @@ def waiting_in_collective(frame: FrameType | None) -> str | None:
     in_backward = _BACKWARD[0] in code.co_filename and code.co_name == _BACKWARD[1]
     if not (in_collective or in_backward):
         return None
-    caller = frame
+    caller: FrameType | None = frame
     while caller is not None and any(p in caller.f_code.co_filename for p in _PLUMBING):
         caller = caller.f_back
     where = "" if caller is None else \
@@ -125,9 +125,9 @@ class RoundWatchdog(BackgroundThread):
     training thread: that is the thread whose stack tells where this rank waits.
     """
 
-    def __init__(self, *, round_values: SealedStore, rdzv_store, round_key: str, heartbeat_key: Callable[[str], str],
-                 round_id: int, rank: int, world_size: int, clock: StepClock, hang_detection: bool,
-                 hang_floor: float, hang_factor: float, dead_after: float,
+    def __init__(self, *, round_values: SealedStore, rdzv_store: StoreClient, round_key: str,
+                 heartbeat_key: Callable[[str], str], round_id: int, rank: int, world_size: int, clock: StepClock,
+                 hang_detection: bool, hang_floor: float, hang_factor: float, dead_after: float,
                  on_trigger: Callable[[Detector, str, tuple[int, ...]], None], break_group: Callable[[], int],
                  poll_interval: float = 0.2, progress_interval: float = 1.0, join_timeout: float = 2.0) -> None:
         super().__init__("lightning_ft-round-watchdog", join_timeout)
@@ -195,7 +195,8 @@ class RoundWatchdog(BackgroundThread):
         timeout = hang_timeout(self.clock.durations(), self.hang_floor, self.hang_factor)
         if idle < timeout:
             return False
-        reason = f"no progress for {idle:.1f}s, longer than the hang timeout {timeout:.1f}s, and {why}; nobody can be blamed"
+        reason = (f"no progress for {idle:.1f}s, longer than the hang timeout {timeout:.1f}s, and {why}; "
+                  "nobody can be blamed")
         self.triggered = (Detector.HANG, reason, ())
         broken = self.break_group()
         log.warning("rank %d: %s; broke the process group (%d connection(s))", self.rank, reason, broken)

@@ -32,12 +32,12 @@ decide as in 4. and log why -- it never waits out the store's own op timeout (mi
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import signal
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -45,19 +45,19 @@ import torch.distributed as dist
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._logging import ensure_log_output
 from lightning_ft._validation import require
+from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.events import NullEventLog, open_event_log
 from lightning_ft.events import names as ev
+from lightning_ft.exit_codes import FaultTolerantExit
 from lightning_ft.health import NodeHealthCheck
 from lightning_ft.health.probes import default_probes
-from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.process import install_exit_hook, plan_exit
 from lightning_ft.schema.termination import namespace_prefix
-from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
 from lightning_ft.settings import SettingsError, load
 from lightning_ft.settings.environment import torchelastic_run_id, torchelastic_shutdown_timeout
+from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
 from lightning_ft.termination.decision import BoundaryAction, decide_at_boundary, resolve_grace_seconds
 from lightning_ft.termination.execution import Termination, TerminationExecutor
-from lightning_ft.exit_codes import FaultTolerantExit
 from lightning_ft.termination.settings import TerminationSettings, check_reserve
 from lightning_ft.termination.signals import SignalListener
 from lightning_ft.termination.watcher import StopWatcher
@@ -99,8 +99,8 @@ class GracefulTermination(pl.Callback):
         signals: Sequence[int] = (signal.SIGTERM,),
         **settings: Any,
     ) -> None:
-        self.settings = load(TerminationSettings, settings, error=ValueError, prefix=_PREFIX,
-                             sources=(sources := {}))
+        sources: dict[str, str] = {}
+        self.settings = load(TerminationSettings, settings, error=ValueError, prefix=_PREFIX, sources=sources)
         timeouts = self.settings.timeouts
         if probes is not None and (isinstance(probes, (str, bytes)) or not hasattr(probes, "__iter__")):
             raise ValueError(f"{_PREFIX}probes must be a sequence of probes or None, got {probes!r}")
@@ -214,6 +214,7 @@ class GracefulTermination(pl.Callback):
         # agent keeps one TCPStore across worker restarts and membership changes, so a
         # stop key left by an earlier group would stop the restarted one at once.
         namespace = trainer.strategy.broadcast(secrets.token_hex(8) if self._rank == 0 else None, src=0)
+        assert namespace is not None  # rank 0's, on every rank
         return StoreStopCoordinator(store, self._rank, self._world_size, prefix=namespace_prefix(namespace))
 
     def _finish(self, trainer: pl.Trainer | None = None, exiting: bool = False) -> None:
@@ -229,6 +230,7 @@ class GracefulTermination(pl.Callback):
         self._fit_active = False
         watcher, self._watcher = self._watcher, None
         if watcher is not None:  # on the way out nothing needs it gone: do not spend time waking it
+            assert isinstance(self._coordinator, StoreStopCoordinator)  # the only kind a watcher is made for
             watcher.close(None if exiting else self._coordinator)
         if self._listener is None:
             return
@@ -266,6 +268,7 @@ class GracefulTermination(pl.Callback):
             termination = Termination(signum, started_at, cause)
             self._termination = termination
         _disarm_lightning_child_observer(self._rank)
+        assert self._executor is not None  # made in setup(), before anything can begin a termination
         self._executor.start(termination)
         return termination
 
@@ -337,7 +340,7 @@ class GracefulTermination(pl.Callback):
             log.error("rank %d: %s; no agreed stop step: stopping at step %d", self._rank, outcome.problem, step)
             self._stop_here(self._trainer, termination, step,
                             f"stopping at step {step} without an agreed stop step: {outcome.problem}")
-        stop: StopRequest = outcome.value  # type: ignore[assignment]
+        stop: StopRequest = outcome.value
         log.warning("rank %d: at step %d; agreed stop after step %d (proposed by rank %d: %s)",
                     self._rank, step, stop.step, stop.rank, stop.reason)
         return stop
@@ -350,6 +353,8 @@ class GracefulTermination(pl.Callback):
         does not know the stop step might train past it, so nobody trains it.
         """
         coordinator, timeout = self._coordinator, self.timeouts.stop_store_timeout
+        stop = termination.stop
+        assert stop is not None  # agreed on by _at_boundary before it holds
 
         def _wait() -> tuple[bool, dict[int, list[str]]]:
             confirmed = coordinator.wait_until_all_confirmed(timeout)
@@ -359,21 +364,21 @@ class GracefulTermination(pl.Callback):
         # the outer bound is a little longer: the inner wait returns False by itself when the
         # store answers but a rank did not confirm
         outcome = call_with_timeout(_wait, timeout + 0.5, "waiting for every rank to confirm the stop step")
-        if outcome.ok:
-            confirmed, unhealthy = outcome.value  # type: ignore[misc]
+        if outcome.problem is None:
+            confirmed, unhealthy = outcome.value
             if unhealthy:
                 return unhealthy
             if confirmed:
                 termination.all_confirmed = True
                 log.info("rank %d: every rank confirmed the stop after step %d (waited %.0f ms)", self._rank,
-                         termination.stop.step, (time.monotonic() - started) * 1000)
+                         stop.step, (time.monotonic() - started) * 1000)
                 return {}
             problem = f"not every rank confirmed the stop step within {timeout:g} s"
         else:
             problem = outcome.problem
-        log.error("rank %d: %s; stopping at step %d instead of %d", self._rank, problem, step, termination.stop.step)
+        log.error("rank %d: %s; stopping at step %d instead of %d", self._rank, problem, step, stop.step)
         self._stop_here(trainer, termination, step, f"stopping at step {step} before the agreed stop step "
-                                                    f"{termination.stop.step}: {problem}")
+                                                    f"{stop.step}: {problem}")
         return {}  # not reached
 
     def _propose_margin(self) -> int:
@@ -388,7 +393,8 @@ class GracefulTermination(pl.Callback):
         # and stops at its first boundary.
         return self.margin_steps if self._world_size > 1 else 0
 
-    def _stop_here(self, trainer: pl.Trainer, termination: Termination, step: int, where: str) -> None:
+    def _stop_here(self, trainer: pl.Trainer | None, termination: Termination, step: int, where: str) -> NoReturn:
+        assert self._executor is not None  # made in setup(), before any termination
         code, decision = self._executor.decide_and_execute(trainer, termination, step, where)
         self._finish(trainer, exiting=True)
         # The code is forced at interpreter exit (os._exit after the atexit handlers), not left to
@@ -416,7 +422,7 @@ class GracefulTermination(pl.Callback):
             outcome = call_with_timeout(lambda: (coordinator.poll(), coordinator.unhealthy_peers()),
                                         self.timeouts.stop_store_timeout, "asking the store about a termination")
             if outcome.ok:
-                stop, peers = outcome.value  # type: ignore[misc]
+                stop, peers = outcome.value
             else:
                 log.warning("rank %d: %s; using what the stop watcher knew", self._rank, outcome.problem)
                 stop, peers = (watcher.request, dict(watcher.unhealthy)) if watcher is not None else (None, {})
@@ -430,6 +436,7 @@ class GracefulTermination(pl.Callback):
         step = trainer.global_step
         where = (f"{type(exception).__name__} during the termination (unhealthy peers: {peers or 'none'}); "
                  f"saving from the last completed step {step}")
+        assert self._executor is not None  # made in setup(), before any termination
         code, _ = self._executor.decide_and_execute(trainer, termination, step, where, mid_step=True)
         self._finish(trainer, exiting=True)
         # Lightning re-raises the original exception (exit status 1); make the status ours.
@@ -454,7 +461,7 @@ def _disarm_lightning_child_observer(rank: int) -> None:
     # on purpose (81/82/143), possibly while rank 0 is still writing its snapshot.
     for thread in threading.enumerate():
         if type(thread).__name__ == "_ChildProcessObserver" and thread.is_alive():
-            thread._run = lambda: True  # type: ignore[attr-defined]  # its loop ends at the next poll
+            thread._run = lambda: True  # type: ignore[attr-defined]  # Lightning's subclass; its loop ends at the next poll
             log.info("rank %d: disabled Lightning's child-process observer for the termination", rank)
 
 

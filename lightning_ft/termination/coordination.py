@@ -56,7 +56,7 @@ class StoreStopCoordinator:
         self.prefix = prefix
         self.values = SealedStore(store, job_signer() if signer is None else signer, prefix)
 
-    def clone(self) -> "StoreStopCoordinator":
+    def clone(self) -> StoreStopCoordinator:
         """A coordinator on its own connection, for use from another thread."""
         clone = getattr(self.store, "clone", None)
         store = self.store
@@ -161,7 +161,7 @@ class LocalStopCoordinator:
         self.world_size = 1
         self._stop: StopRequest | None = None
 
-    def clone(self) -> "LocalStopCoordinator":
+    def clone(self) -> LocalStopCoordinator:
         return self
 
     def propose(self, step: int, signum: int, reason: str) -> StopRequest:

@@ -15,13 +15,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
+from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.events import names as ev
 from lightning_ft.health import HealthReport, NodeHealthCheck, ProbeResult
-from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.process import ExitWatchdog, exit_now
 from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
 from lightning_ft.termination.decision import (
@@ -158,6 +159,7 @@ class TerminationExecutor:
         decision = Decision(decision.action, decision.exit_code, (where, *decision.reasons))
         tier = "none"
         if decision.action is Action.SAVE_THEN_EXIT:
+            assert checkpoint is not None  # decided only when there is an EmergencyCheckpoint
             decision = self._save(trainer, checkpoint, termination, step, decision, mid_step)
             if decision.action is Action.SAVE_THEN_EXIT:
                 decision, tier = self._flush_durable(checkpoint, termination, decision)

@@ -29,9 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Sequence
 
 from lightning_ft.exit_codes import ExitCode
 from lightning_ft.settings.environment import child_environment, environ, job_label

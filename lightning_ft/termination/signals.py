@@ -16,7 +16,9 @@ import signal
 import socket
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any
 
 from lightning_ft.deadlines import BackgroundThread
 from lightning_ft.settings.timeouts import DEFAULT_TIMEOUTS
@@ -25,6 +27,8 @@ log = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.1
 _STOP_SENTINEL = b"\x00"  # signal 0 does not exist, so this byte can never be a real signal
+#: what ``signal.getsignal`` returns and ``signal.signal`` takes
+SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class SignalListener:
@@ -40,7 +44,7 @@ class SignalListener:
         self._recorded: tuple[int, float] | None = None  # written only by the handler
         self._first: tuple[int, float] | None = None
         self._first_lock = threading.Lock()
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, SignalHandler] = {}
         self._previous_wakeup_fd = -1
         self._owns_wakeup_fd = False
         self._reader: socket.socket | None = None
@@ -84,7 +88,7 @@ class SignalListener:
         self.installed = True
         return True
 
-    def uninstall(self, restore: dict[int, object] | None = None) -> None:
+    def uninstall(self, restore: dict[int, SignalHandler] | None = None) -> None:
         """Put back handlers (``restore[signum]`` if given, else what ``install`` replaced)."""
         if not self.installed:
             return
@@ -96,13 +100,14 @@ class SignalListener:
             if target is None:
                 target = self._previous.get(signum, signal.SIG_DFL)
             if signal.getsignal(signum) == self._handler:
-                signal.signal(signum, target)  # type: ignore[arg-type]
+                signal.signal(signum, target)
         if self._owns_wakeup_fd:
             signal.set_wakeup_fd(self._previous_wakeup_fd)
             self._owns_wakeup_fd = False
         self._watcher.stopping.set()
+        assert self._writer is not None  # install() made it
         try:
-            self._writer.send(_STOP_SENTINEL)  # type: ignore[union-attr]
+            self._writer.send(_STOP_SENTINEL)
         except OSError:
             pass
         self._watcher.stop(join=True)
@@ -114,6 +119,7 @@ class SignalListener:
 
     def _watch(self) -> None:
         reader = self._reader
+        assert reader is not None  # install() made it before it started this thread
         wanted = {int(s) for s in self.signals}
         # Owning the wakeup fd, every signal and the stop sentinel arrive on the socket: block
         # on it (a thread that wakes 10 times a second competes with training for the GIL and
@@ -127,7 +133,7 @@ class SignalListener:
             now = time.monotonic()
             if ready:
                 try:
-                    data = reader.recv(256)  # type: ignore[union-attr]
+                    data = reader.recv(256)
                 except (BlockingIOError, OSError):
                     data = b""
                 for byte in data:

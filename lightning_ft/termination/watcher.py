@@ -14,7 +14,7 @@ agreement exact: see ``GracefulTermination._hold_until_confirmed``.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from lightning_ft.deadlines import BackgroundThread, call_with_timeout
 from lightning_ft.termination.coordination import StopRequest, StoreStopCoordinator
@@ -105,7 +105,7 @@ class StopWatcher(BackgroundThread):
                 learned = True
                 try:
                     self._on_stop(stop)
-                except Exception:  # noqa: BLE001 - the watcher must survive a failing callback
+                except Exception:  # the watcher must survive a failing callback
                     log.exception("rank %d: handling the stop request failed", self._coordinator.rank)
         peers = self._coordinator.unhealthy_peers()
         if peers != self.unhealthy and peers:

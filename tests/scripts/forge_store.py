@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.identity import state_dict_fingerprint
+from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.schema.round import (
     REPLICA_BLOB_KEY,
     REPLICA_META_KEY,
@@ -79,7 +79,7 @@ def main() -> int:
             break
         prefix = keys.round_store_prefix(current)
         for signer in (plain, wrong):
-            def put(key: str, value: bytes | str) -> None:
+            def put(key: str, value: bytes | str, signer: Signer = signer) -> None:
                 try:
                     store.set(key, signer.seal(key, value))
                 except (RuntimeError, OSError):

@@ -24,7 +24,7 @@ SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "ft_train.py")
 STARTUP_ALLOWANCE = 60.0
 #: every Cluster made in this process, in order: the characterization record
 #: (tests/characterization.py) reads those a test made; the tests clear it before each test
-CREATED: list["Cluster"] = []
+CREATED: list[Cluster] = []
 
 
 def free_port() -> int:

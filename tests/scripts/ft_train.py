@@ -22,8 +22,8 @@ import json
 import logging
 import os
 import signal
-import threading
 import sys
+import threading
 import time
 from pathlib import Path
 

@@ -79,8 +79,8 @@ def main() -> int:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_ft import EmergencyCheckpoint, GracefulTermination
-    from lightning_ft.health import CommandProbe, MarkerFileProbe
     from lightning_ft.exit_codes import FaultTolerantExit
+    from lightning_ft.health import CommandProbe, MarkerFileProbe
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,7 @@ class ResumableShuffleSampler(DistributedSampler):
         self._next_epoch = 0
         self._resume: tuple[int, int] | None = None
 
-    def set_epoch(self, epoch: int) -> None:  # noqa: ARG002 - see the class docstring
+    def set_epoch(self, epoch: int) -> None:  # ignores epoch: see the class docstring
         pass
 
     def __iter__(self):

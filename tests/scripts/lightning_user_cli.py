@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 import sys
 
-from lightning_user import UserDataModule, UserModel, knobs, progress, write_result
+from lightning.pytorch.cli import LightningCLI
 
 import lightning_ft  # noqa: F401  (registers "ddp_ft" before the CLI validates the strategy name)
-from lightning.pytorch.cli import LightningCLI
+
+from lightning_user import UserDataModule, UserModel, knobs, progress, write_result
 
 
 def main() -> int:

@@ -97,7 +97,8 @@ class DurablePersister:
             return decision
 
     def _drop_pending(self) -> None:
-        """Forget the waiting offer (caller holds the lock)."""
+        """Forget the waiting offer (caller holds the lock; there is one)."""
+        assert self._pending is not None
         info, _, _, fd, holder = self._pending
         self._pending = None
         os.close(fd)

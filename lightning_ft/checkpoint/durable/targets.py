@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import re
@@ -25,7 +24,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from lightning_ft.checkpoint.memory.files import make_private_dir
-
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.tiers import (
     Completion,
-    abandoned_manifests,
     ShardMarker,
+    abandoned_manifests,
     bucket_delay,
     complete_steps,
     plan_durable_retention,

@@ -38,7 +38,7 @@ def gather_steps(steps: Sequence[int]) -> list[list[int]]:
     padded[: len(steps)] = torch.tensor(steps, dtype=torch.int64)
     gathered = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)
-    return [values[: int(n.item())].tolist() for values, n in zip(gathered, lengths)]
+    return [values[: int(n.item())].tolist() for values, n in zip(gathered, lengths, strict=True)]
 
 
 def agree_on_step(local_steps: Sequence[int], rank: int | None = None) -> int | None:

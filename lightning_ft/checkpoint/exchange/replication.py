@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.files import read_snapshot_bytes
-from lightning_ft.checkpoint.policy import replica_needed, should_pull_replica
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.store import SnapshotStore
+from lightning_ft.checkpoint.policy import replica_needed, should_pull_replica
 from lightning_ft.events import names as ev
-from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.schema.round import (
     REPLICA_BLOB_KEY,
     REPLICA_META_KEY,
@@ -31,6 +31,7 @@ from lightning_ft.schema.round import (
     member_key,
     replica_pullers_key,
 )
+from lightning_ft.schema.signing import SealedStore, Signer
 
 log = logging.getLogger(__name__)
 

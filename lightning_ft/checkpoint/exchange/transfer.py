@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from lightning_ft.checkpoint.policy import TransferPlan, plan_snapshot_transfer
 from lightning_ft.checkpoint.exchange.agreement import gather_steps
 from lightning_ft.checkpoint.memory.store import SnapshotStore
+from lightning_ft.checkpoint.policy import TransferPlan, plan_snapshot_transfer
 from lightning_ft.events import names as ev
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int,
             raise RuntimeError(f"ddp_ft: rank {plan.source} could not send the snapshot of step {plan.step}")
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         dist.recv(buffer, src=plan.source)
-        store.write_bytes(memoryview(buffer.numpy()))
+        store.write_bytes(buffer.numpy().data)  # a memoryview of the received bytes
         seconds = time.perf_counter() - start
         emit(ev.SNAPSHOT_RECEIVED, step=plan.step, from_rank=plan.source, bytes=nbytes, seconds=round(seconds, 4))
         log.info("rank %d: received snapshot step %d (%d bytes) from rank %d in %.3fs", rank, plan.step, nbytes,

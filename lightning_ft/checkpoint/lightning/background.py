@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -23,7 +24,7 @@ def changed_only_by_optimizer_steps(optimizers: Iterable[torch.optim.Optimizer])
     """Whether a checkpoint tensor is (a view of) a parameter the optimizers update or one of
     their state tensors: between a batch's end and the next optimizer step only that step changes
     them. (A parameter no optimizer updates may be changed by anything, e.g. forward.)"""
-    storages = set()
+    storages: set[int] = set()
     for optimizer in optimizers:
         storages.update(parameter.untyped_storage().data_ptr()
                         for group in optimizer.param_groups for parameter in group["params"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from lightning_ft.checkpoint.exchange.agreement import gather_steps
 from lightning_ft.checkpoint.tiers import (

@@ -207,10 +207,11 @@ class EmergencyCheckpoint(pl.Callback):
                         trainer.global_rank, problem)
             self._events.emit(ev.LIVE_STATE, step=step, saved=False, reason=problem, seconds=None)
             return None
+        assert step is not None  # problem() is None only when a boundary was recorded
         start = time.perf_counter()
         try:
             info = self._get_store(trainer).save(self._live.checkpoint(trainer), step, reason=reason)
-        except Exception as exc:  # noqa: BLE001 - the newest snapshot stands; said why
+        except Exception as exc:  # the newest snapshot stands; said why
             log.exception("rank %d: live-state snapshot of step %s failed; the newest snapshot stands",
                           trainer.global_rank, step)
             self._events.emit(ev.LIVE_STATE, step=step, saved=False, reason=f"{type(exc).__name__}: {exc}"[:300],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from lightning_ft.checkpoint.durable.persister import DurablePersister
 from lightning_ft.checkpoint.durable.settings import DurableSettings
@@ -50,6 +50,7 @@ class DurableCopies:
         """Create this rank's uploader once (at ``setup``); ``snapshot_store()``: the store that
         writes this rank's snapshots now."""
         if self.tier is not None and self.persister is None:
+            assert self.settings is not None  # a tier is made from settings only
             self.persister = DurablePersister(self.tier, snapshot_store, rank, emit=emit,
                                               pacer=self.settings.pacer())
 
@@ -81,6 +82,7 @@ class DurableCopies:
 
     def offer(self, info: SnapshotInfo, world_size: int) -> None:
         """Queue a committed snapshot for upload (call only while :attr:`offering`)."""
+        assert self.persister is not None and self._timeline is not None
         self.offered_in_timeline += 1
         self.persister.offer(info, self._timeline, world_size)
 

@@ -11,10 +11,10 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
 from lightning_ft._lightning.checkpointing import module_being_restored
 from lightning_ft._validation import require_number
-from lightning_ft.checkpoint.identity import ExpectedIdentity, identity_mismatch, state_dict_fingerprint
 from lightning_ft.checkpoint.durable.settings import resolve_durable_settings
 from lightning_ft.checkpoint.durable.tier import DurableTier
 from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
+from lightning_ft.checkpoint.identity import ExpectedIdentity, identity_mismatch, state_dict_fingerprint
 from lightning_ft.checkpoint.memory.format import SnapshotError
 from lightning_ft.checkpoint.memory.roots import (
     RUN_ID_ENV_VARS,
@@ -130,7 +130,8 @@ class MemoryCheckpointIO(CheckpointIO):
                 raise ValueError(f"{path}: {no_run_id}")
         info = store.find(step, include_peers=self.replicated)
         if info is None:
-            raise FileNotFoundError(f"{path}: no intact snapshot at step {step} for rank {store.rank} of run {store.run_id!r}")
+            raise FileNotFoundError(f"{path}: no intact snapshot at step {step} for rank {store.rank} "
+                                    f"of run {store.run_id!r}")
         refusal = identity_mismatch(store.identity(info), expect)
         if refusal is not None:
             raise SnapshotError(f"{path}: refusing to load the snapshot at step {step} ({info.path}): {refusal}. "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -169,13 +169,14 @@ class BackgroundCopy:
 
     def modified(self) -> list[torch.Tensor]:
         """The tensors changed in place since the copy started (their copy may be torn)."""
-        return [tensor for (tensor, _), version in zip(self._tensors, self._versions) if tensor._version != version]
+        return [tensor for (tensor, _), version in zip(self._tensors, self._versions, strict=True)
+                if tensor._version != version]
 
 
 def has_version_counter(tensor: torch.Tensor) -> bool:
     """Whether in-place changes of ``tensor`` are counted (not an inference tensor)."""
     try:
-        tensor._version
+        _ = tensor._version  # raises for an inference tensor
     except RuntimeError:
         return False
     return True

@@ -35,13 +35,19 @@ import pickle
 import struct
 import warnings
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
 from lightning_ft.checkpoint.identity import SnapshotIdentity, model_fingerprint
-from lightning_ft.checkpoint.restricted_pickle import DisallowedGlobal, RefusedEffect, RestrictedUnpickler, check_effects
+from lightning_ft.checkpoint.restricted_pickle import (
+    DisallowedGlobal,
+    RefusedEffect,
+    RestrictedUnpickler,
+    check_effects,
+)
 
 MAGIC = b"LFTSNAP\x01"
 VERSION = 2
@@ -247,7 +253,7 @@ class _Unpickler(RestrictedUnpickler):
     def __init__(self, file: io.BytesIO, resolve: Callable[[Any], torch.Tensor]) -> None:
         # set before the base __init__, which is where the C unpickler looks the hook up: it then
         # calls ``resolve`` directly, one Python frame per tensor instead of three
-        self.persistent_load = resolve
+        self.persistent_load = resolve  # type: ignore[method-assign,assignment]  # pickle takes an attribute too
         super().__init__(file)
 
 
@@ -306,6 +312,7 @@ def _path_to(root: Any, target: Any, depth: int = 12) -> str | None:
         return ""
     if depth == 0:
         return None
+    items: Iterable[tuple[Any, Any]]
     if isinstance(root, dict):
         items = root.items()
     elif isinstance(root, (list, tuple)):

@@ -7,6 +7,7 @@ What is listed is not verified (see :mod:`.reading`).
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import re
@@ -90,7 +91,7 @@ class SnapshotListing:
             return []
         return self.files(directory, rank)
 
-    def files(self, directory: str, rank: int) -> list[SnapshotInfo]:
+    def files(self, directory: str, rank: int) -> builtins.list[SnapshotInfo]:  # list: our method here
         """The committed snapshot files in ``directory`` (``rank``'s), newest first; the caller
         has checked the directories (a save, which just made them)."""
         infos = []
@@ -110,6 +111,6 @@ class SnapshotListing:
             infos.append(SnapshotInfo(int(m.group(1)), rank, self.run_id, path, st.st_size, st.st_mtime))
         return sorted(infos, key=lambda i: i.step, reverse=True)
 
-    def ranks_to_read(self, include_peers: bool) -> list[int]:
+    def ranks_to_read(self, include_peers: bool) -> builtins.list[int]:
         """This rank, then (``include_peers``) every other rank with a directory in this run."""
         return [self.rank] + ([r for r in self.ranks() if r != self.rank] if include_peers else [])

@@ -24,11 +24,12 @@ import torch.distributed as dist
 from lightning_ft._validation import require
 from lightning_ft.checkpoint.memory.files import require_private_dir
 from lightning_ft.settings import load, setting
-from lightning_ft.settings.environment import RUN_ID_VARIABLES as RUN_ID_ENV_VARS
-from lightning_ft.settings.environment import launcher_rank
+from lightning_ft.settings.environment import RUN_ID_VARIABLES, launcher_rank
 from lightning_ft.settings.environment import resolve_run_id as resolve_run_id_from
 from lightning_ft.settings.fields import optional_path, parse_text
 
+#: the variables a run id is read from, named in the checkpoint code's messages
+RUN_ID_ENV_VARS = RUN_ID_VARIABLES
 ENV_SNAPSHOT_DIR = "LIGHTNING_FT_SNAPSHOT_DIR"
 #: directory of snapshots written without a configured run id (never resumed)
 DEFAULT_RUN_ID = "default"
@@ -51,7 +52,8 @@ class RootSettings:
 
 
 def resolve_root(root: str | os.PathLike | None = None) -> str:
-    """``root``, else the ``root`` setting's variable ``LIGHTNING_FT_SNAPSHOT_DIR``, else ``/dev/shm/lightning_ft-<uid>``."""
+    """``root``, else the ``root`` setting's variable ``LIGHTNING_FT_SNAPSHOT_DIR``, else
+    ``/dev/shm/lightning_ft-<uid>``."""
     if root:
         return os.fspath(root)
     return load(RootSettings, {}).root or default_root()

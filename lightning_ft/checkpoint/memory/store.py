@@ -9,6 +9,7 @@ changes the directory. The directory layout is :mod:`.roots`'s; the file format
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 from collections.abc import Callable
@@ -123,7 +124,8 @@ class SnapshotStore:
         (``expect``) are returned in ``foreign`` for the caller to explain."""
         return self._reader.scan(include_peers, expect)
 
-    def readable_steps(self, include_peers: bool = False, expect: ExpectedIdentity | None = None) -> list[int]:
+    def readable_steps(self, include_peers: bool = False,
+                       expect: ExpectedIdentity | None = None) -> builtins.list[int]:  # list: our method here
         """Steps with an intact snapshot (fitting ``expect`` when given) in this rank's directory,
         or (``include_peers``) in any rank directory of this run on this host. Ascending."""
         return self._reader.readable_steps(include_peers, expect)
@@ -264,13 +266,13 @@ class SnapshotStore:
         self._settle("a removal")
         self._writer.delete(info)
 
-    def discard_newer_than(self, step: int) -> list[int]:
+    def discard_newer_than(self, step: int) -> builtins.list[int]:
         """Remove this rank's snapshots newer than ``step`` (an abandoned timeline after a
         resume from an older state); returns the removed steps."""
         self._settle("removing newer snapshots")
         return self._writer.discard_newer_than(step)
 
-    def remove_stale_temp_files(self) -> list[str]:
+    def remove_stale_temp_files(self) -> builtins.list[str]:
         """Delete temp files left in this rank's directory by writers that no longer exist."""
         return self._writer.remove_stale_temp_files()
 

@@ -228,6 +228,7 @@ class SnapshotWriter:
                         f"still copying (shapes {shapes}) changed in place before the copy finished, so it would "
                         f"mix two steps. Something other than the optimizer step changes parameters or optimizer "
                         f"state between a batch's end and the next optimizer step")
+            assert sums is not None  # a PendingSave has its sums or a copier that makes them
             head = fmt.finish(p.enc, p.step, p.created, sums)
             p.mm[: len(head)] = head
             self.maps.forget(p.final)
@@ -343,7 +344,7 @@ class SnapshotWriter:
 
     def remove_stale_temp_files(self) -> list[str]:
         """Delete temp files left in this rank's directory by writers that no longer exist."""
-        removed = []
+        removed: list[str] = []
         try:
             names = os.listdir(self.rank_dir)
         except FileNotFoundError:
