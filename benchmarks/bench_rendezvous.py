@@ -2,7 +2,7 @@
 
 Both run N participants as threads in this process, each with its own TCPStore client of
 one real TCPStore server (client creation is not timed). Also times the coordinator's full
-re-read of 10,000 slots against a raw ``multi_get`` of 10,000 keys. Prints ratios measured
+re-read of a round's arrivals log of 10,000 records against a raw ``get`` of it. Prints ratios measured
 in the same run; absolute times on a shared 2-core machine mean little.
 
     python benchmarks/bench_rendezvous.py [--sizes 16 64 256] [--c10d-timeout 240]
@@ -27,8 +27,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from lightning_ft.rendezvous import BarrierRendezvous, ParticipantInfo, RendezvousSettings
-from lightning_ft.rendezvous.coordinator import Coordinator
-from lightning_ft.schema.run import encode_slot
+from lightning_ft.rendezvous.records import RunRecords
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
 
@@ -108,26 +107,21 @@ def reread(slots: int, repeats: int) -> dict[str, float]:
     settings = RendezvousSettings(run_id="reread", min_nodes=slots, max_nodes=slots)
     rdzv = BarrierRendezvous(store, settings, ParticipantInfo("reader", 1))
     keys = rdzv.keys
-    # slots as participants write them: sealed under their key (a no-op without a job secret)
-    store.multi_set(keys.slot_keys(slots),
-                    [rdzv.signer.seal(key, encode_slot(0, ParticipantInfo(f"node{i}", 1000 + i, infra_rank=i)))
-                     for i, key in enumerate(keys.slot_keys(slots))])
-    store.add(keys.arrived(0), slots)
-    store.add(keys.written(0), slots)
-    coordinator = Coordinator(rdzv, 0)
-    raw_keys = keys.slot_keys(slots)
-    timings: dict[str, list[float]] = {"raw multi_get": [], "re-read (cold decode)": [], "re-read (warm)": []}
+    # arrivals as participants append them: sealed records (unsealed without a job secret)
+    for i in range(slots):
+        rdzv.records.append_arrival(0, 1, ParticipantInfo(f"node{i}", 1000 + i, infra_rank=i))
+    timings: dict[str, list[float]] = {"raw get": [], "re-read (cold decode)": [], "re-read (warm)": []}
     for _ in range(repeats):
         t = time.perf_counter()
-        store.multi_get(raw_keys)
-        timings["raw multi_get"].append(time.perf_counter() - t)
-        rdzv.decode_cache.clear()
+        store.get(keys.arrivals(0))
+        timings["raw get"].append(time.perf_counter() - t)
+        cold = RunRecords(store, rdzv.signer, keys)
         t = time.perf_counter()
-        view = coordinator.read_view()
+        arrivals = cold.arrivals(0)
         timings["re-read (cold decode)"].append(time.perf_counter() - t)
-        assert view is not None and len(view.arrivals) == slots
+        assert len(arrivals) == slots
         t = time.perf_counter()
-        coordinator.read_view()
+        cold.arrivals(0)
         timings["re-read (warm)"].append(time.perf_counter() - t)
     return {name: statistics.median(values) for name, values in timings.items()}
 
@@ -150,10 +144,10 @@ def main() -> None:
               flush=True)
 
     medians = reread(args.slots, args.repeats)
-    base = medians["raw multi_get"]
-    print(f"\nfull re-read of {args.slots} slots (median of {args.repeats}):")
+    base = medians["raw get"]
+    print(f"\nfull re-read of an arrivals log of {args.slots} records (median of {args.repeats}):")
     for name, value in medians.items():
-        print(f"  {name:<24} {value * 1000:8.2f} ms  {value / base:5.2f}x raw multi_get")
+        print(f"  {name:<24} {value * 1000:8.2f} ms  {value / base:5.2f}x raw get")
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ class BoundedStore:
     """
 
     _METHODS = ("set", "get", "add", "compare_set", "check", "multi_get", "multi_set", "delete_key",
-                "num_keys", "wait", "list_keys")
+                "num_keys", "wait", "list_keys", "append")
 
     def __init__(self, store: Any, bound: float) -> None:
         self.raw = store

@@ -11,25 +11,25 @@ from lightning_ft.rendezvous.decisions import (
     assign_ranks,
     can_form_active_set,
     decide_completion,
-    is_extra_participant,
     newly_dead,
+    split_extras,
 )
 from lightning_ft.rendezvous.participant import ParticipantInfo
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousSettings, settings_from_config
-from lightning_ft.schema.run import Slot, decode_slot, encode_slot
+from lightning_ft.schema.run import ArrivalRecord, decode_arrival, encode_arrival
 
 
 def info(n, infra=-1, domain="none"):
     return ParticipantInfo(addr=f"node{n}", pid=1000 + n, local_id=0, infra_rank=infra, domain_id=domain)
 
 
-def arrival(slot, n, **kw):
+def arrival(position, n, **kw):
     i = info(n, **kw)
-    return Arrival(slot, i.participant_id, i.infra_rank, i.domain_id)
+    return Arrival(position, i.participant_id, i.infra_rank, i.domain_id)
 
 
-def slot(round_id, n, withdrawn=False):
-    return decode_slot(encode_slot(round_id, info(n), withdrawn))
+def record(n, seq=1, withdrawn=False):
+    return decode_arrival(encode_arrival(seq, info(n), withdrawn))
 
 
 def settings(**kw):
@@ -38,32 +38,46 @@ def settings(**kw):
     return RendezvousSettings.of(**base)
 
 
-def test_slot_round_trip_and_garbage():
+def test_arrival_record_round_trip_and_garbage():
     who = info(3, infra=5, domain="rack-a")
-    assert decode_slot(encode_slot(7, who, withdrawn=True)) == Slot(7, True, 5, "rack-a", who.participant_id)
-    assert decode_slot(b"") is None
-    assert decode_slot(b"not a slot") is None
-    assert decode_slot(b"\xff\xfe") is None
+    assert decode_arrival(encode_arrival(7, who, withdrawn=True)) == ArrivalRecord(True, 7, 5, "rack-a",
+                                                                                    who.participant_id)
+    assert decode_arrival(b"") is None
+    assert decode_arrival(b"not a record") is None
+    assert decode_arrival(b"\xff\xfe") is None
 
 
-def test_stale_and_withdrawn_slots_are_ignored():
-    slots = [slot(1, 0), slot(0, 1), None, slot(1, 3, withdrawn=True), slot(1, 4)]
-    arrivals = arrivals_of_round(1, slots)
-    assert [a.slot_index for a in arrivals] == [0, 4]
+def test_withdrawn_and_unreadable_records_are_left_out():
+    records = [record(0), record(1), None, record(3), record(3, seq=2, withdrawn=True), record(4)]
+    assert [a.position for a in arrivals_of_round(records)] == [0, 1, 5]
 
 
-def test_duplicate_participant_counts_once_at_newest_slot():
-    slots = [slot(2, 0), slot(2, 1), slot(2, 0)]
-    assert [a.slot_index for a in arrivals_of_round(2, slots)] == [1, 2]
+def test_a_participant_counts_once_by_its_newest_record_and_replays_change_nothing():
+    rejoined = [record(0), record(1), record(0, seq=2, withdrawn=True), record(0, seq=3)]
+    assert [a.position for a in arrivals_of_round(rejoined)] == [1, 3]
+    # an arrival replayed after the withdrawal (a copy of seq 1) does not bring node1 back
+    replayed = [record(0), record(1), record(1, seq=2, withdrawn=True), record(1)]
+    assert [a.participant_id for a in arrivals_of_round(replayed)] == [info(0).participant_id]
+    # a copy of a live arrival later in the log does not move it back in the order
+    assert [a.position for a in arrivals_of_round([record(0), record(1), record(0)])] == [0, 1]
+
+
+def test_arrivals_past_max_nodes_are_extra():
+    arrivals = arrivals_of_round([record(n) for n in range(5)])
+    eligible, extra = split_extras(arrivals, 3)
+    assert [a.position for a in eligible] == [0, 1, 2] and [a.position for a in extra] == [3, 4]
+    # one that withdrew frees its place for the next
+    arrivals = arrivals_of_round([record(0), record(1), record(2), record(1, seq=2, withdrawn=True), record(3)])
+    assert split_extras(arrivals, 3)[1] == ()
 
 
 def test_assignment_previous_actives_first_then_infra_rank_then_arrival():
     arrivals = [arrival(0, 0), arrival(1, 1, infra=9), arrival(2, 2, infra=1), arrival(3, 3)]
     previous = (info(3).participant_id,)
     result = assign_ranks(arrivals, previous, min_nodes=3)
-    assert [a.slot_index for a in result.active] == [3, 2, 1]
-    assert [a.slot_index for a in result.standby] == [0]
-    assert result.rank_of(3) == 0 and result.rank_of(0) == -1
+    assert [a.position for a in result.active] == [3, 2, 1]
+    assert [a.position for a in result.standby] == [0]
+    assert result.rank_of(info(3).participant_id) == 0 and result.rank_of(info(0).participant_id) == -1
 
 
 def test_previous_actives_keep_their_old_order():
@@ -120,18 +134,21 @@ def test_close_for_good_when_too_few_can_ever_arrive():
     assert decide_completion(still_possible, settings(), RoundTimer(0.0), 0.0).action is Action.WAIT
 
 
-def test_extra_participant_rule():
-    assert not is_extra_participant(2, withdrawn=0, max_nodes=3)
-    assert is_extra_participant(3, withdrawn=0, max_nodes=3)
-    assert not is_extra_participant(3, withdrawn=1, max_nodes=3)
-
-
 def test_newly_dead_needs_a_silent_heartbeat_for_dead_after():
     seen = {}
     assert newly_dead({"a": 1, "b": None}, seen, now=0.0, dead_after=1.0) == set()
     assert newly_dead({"a": 2, "b": None}, seen, now=0.9, dead_after=1.0) == set()
     assert newly_dead({"a": 2, "b": None}, seen, now=1.0, dead_after=1.0) == {"b"}
     assert newly_dead({"a": 2, "b": None}, seen, now=2.0, dead_after=1.0) == {"a", "b"}
+
+
+def test_only_a_rising_heartbeat_counts_as_a_beat():
+    seen = {}
+    assert newly_dead({"a": 5}, seen, now=0.0, dead_after=1.0) == set()
+    # a replayed older value, or one that failed its check (None), is silence
+    assert newly_dead({"a": 3}, seen, now=0.6, dead_after=1.0) == set()
+    assert newly_dead({"a": None}, seen, now=1.0, dead_after=1.0) == {"a"}
+    assert newly_dead({"a": 6}, seen, now=1.1, dead_after=1.0) == set()
 
 
 @pytest.mark.parametrize("kwargs, needle", [

@@ -33,10 +33,12 @@ def start(processes, cluster: Cluster, name: str, *extra: str):
 
 
 def arrived(cluster: Cluster) -> int:
+    from lightning_ft.rendezvous.records import RunRecords
     from lightning_ft.schema.run import RunKeys
+    from lightning_ft.schema.signing import Signer
 
     store = dist.TCPStore("127.0.0.1", cluster.port, is_master=False, timeout=datetime.timedelta(seconds=10))
-    return store.add(RunKeys(cluster.run_id, 0).arrived(0), 0)
+    return len(RunRecords(store, Signer(None), RunKeys(cluster.run_id, 0)).arrivals(0))
 
 
 def result(proc) -> tuple[int, int] | None:

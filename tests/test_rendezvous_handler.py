@@ -95,8 +95,9 @@ def test_standalone_store_server_outlives_nodes_and_exits_after_the_run(processe
                                         "--port", str(port), "--run-id", "srv", "--grace-timeout", "5",
                                         "--linger", "0"])
     assert wait_for(lambda: "listening" in server.log(), 30), server.log()
-    handlers = [get_rendezvous_handler(params(port, run_id="srv", min_nodes=1, max_nodes=2, is_host="false"))
-                for _ in range(2)]
+    handlers = [get_rendezvous_handler(params(port, run_id="srv", min_nodes=1, max_nodes=2, is_host="false",
+                                              local_id=str(i)))  # two participants of one process
+                for i in range(2)]
     try:
         assert not any(h.rendezvous.is_store_host for h in handlers)
         results = {}
@@ -147,7 +148,6 @@ def test_store_server_rejects_bad_arguments():
 
 def test_unhealthy_node_is_counted_and_excluded(port, tmp_path, monkeypatch):
     from lightning_ft.rendezvous import UnhealthyNodeError
-    from lightning_ft.schema.run import RunKeys
 
     marker = tmp_path / "node-problem"
     marker.write_text("ECC errors on gpu 3")
@@ -156,9 +156,8 @@ def test_unhealthy_node_is_counted_and_excluded(port, tmp_path, monkeypatch):
     try:
         with pytest.raises(UnhealthyNodeError, match="failed its health check"):
             handler.next_rendezvous()
-        store = handler.rendezvous.store
-        assert store.add(RunKeys("sick").unhealthy_count, 0) == 1
-        assert store.add(RunKeys("sick").lost_count, 0) == 1
+        lost = handler.rendezvous.records.lost()
+        assert len(lost) == 1 and "ECC errors on gpu 3" in next(iter(lost.values()))
         handler.shutdown()
         assert not handler.is_closed()  # an excluded node does not end the job
     finally:

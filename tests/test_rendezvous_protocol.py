@@ -21,7 +21,9 @@ from lightning_ft.rendezvous import (
     ParticipantInfo,
     RendezvousSettings,
 )
-from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys, encode_coordinator, encode_slot
+from lightning_ft.rendezvous.records import RunRecords
+from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys, encode_coordinator
+from lightning_ft.schema.signing import Signer
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -31,14 +33,15 @@ def client(server) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=20))
 
 
-def make(server, n, run_id="job", infra=-1, domain="none", store=None, **kw) -> BarrierRendezvous:
+def make(server, n, run_id="job", infra=-1, domain="none", store=None, signer=None, **kw) -> BarrierRendezvous:
     base = dict(run_id=run_id, min_nodes=2, max_nodes=3, last_call_timeout=0.2,
                 previous_active_grace=3.0, heartbeat_interval=0.05, join_timeout=20.0)
     base.update(kw)
     info = ParticipantInfo(addr=f"node{n}", pid=10_000 + n, local_id=0, infra_rank=infra, domain_id=domain)
     # one client per participant; its heartbeat thread shares it (TCPStore clients are
     # thread-safe), because torch's TCPStore server stalls ~5 s on every ~25th new connection
-    return BarrierRendezvous(store or client(server), RendezvousSettings.of(**base), info)
+    return BarrierRendezvous(store or client(server), RendezvousSettings.of(**base), info,
+                             signer=signer or Signer(None))
 
 
 def clients(server, n):
@@ -83,29 +86,31 @@ def test_round_completes_at_min_nodes_after_last_call(tcp_store):
     assert sorted(r.rank for r in results) == [0, 1]
 
 
-def test_stale_slots_from_an_earlier_round_are_ignored(tcp_store):
-    keys = RunKeys("job")
-    # A participant of round 0 that took a slot and died before writing it leaves whatever
-    # the slot held before: here a slot of a much older run state (round 7 > current is
-    # impossible, so use a stale round of -1) for slot index 2.
+def test_lines_that_are_not_our_records_are_ignored(tcp_store):
+    """The arrivals log holds what a store client appended too: a partial line without a newline,
+    garbage, and (with a secret) a record of a ghost sealed with another secret. None of it
+    counts, and none of it swallows the participants' own records."""
+    secret, keys = Signer(b"job-secret"), RunKeys("job")
     ghost = ParticipantInfo(addr="ghost", pid=1, local_id=0)
-    tcp_store.set(keys.slot(2), encode_slot(-1, ghost))
-    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3, unwritten_slot_timeout=0.3) for i in range(2)]
+    RunRecords(tcp_store, Signer(b"not-the-job-secret"), keys).append_arrival(0, 1, ghost)
+    tcp_store.append(keys.arrivals(0), b"no newline, not base64: \xff")
+    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3, signer=secret) for i in range(2)]
     try:
-        tcp_store.add(keys.arrived(0), 1)  # the ghost's slot: taken at index 0, never written
+        tcp_store.append(keys.arrivals(0), b"half a line")
         results = join_all(rdzvs)
     finally:
         stop(rdzvs)
-    assert sorted(r.slot_index for r in results) == [1, 2]
-    assert sorted(r.rank for r in results) == [0, 1]
+    assert sorted(r.rank for r in results) == [0, 1] and {r.world_size for r in results} == {2}
+    assert [a.participant_id for a in rdzvs[0].records.arrivals(0)] != [] and ghost.participant_id not in {
+        a.participant_id for a in rdzvs[0].records.arrivals(0)}
 
 
-def test_rounds_reuse_slots_and_ignore_previous_round(tcp_store):
+def test_every_round_has_an_arrivals_log_of_its_own(tcp_store):
     rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(3)]
     try:
         first = join_all(rdzvs)
         actives = [rd for rd, r in zip(rdzvs, first, strict=True) if r.is_active]
-        # a failure: both actives re-join; slot 2 still holds round 0's standby
+        # a failure: both actives re-join; round 0's standby is not an arrival of round 1
         second = join_all(actives)
     finally:
         stop(rdzvs)
@@ -198,12 +203,11 @@ def test_withdrawal_frees_the_place(tcp_store):
     rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=2, join_timeout=0.5) for i in range(2)]
     try:
         with pytest.raises(RendezvousTimeoutError, match="did not complete within join_timeout"):
-            rdzvs[0].join_round()  # alone: times out and withdraws its slot
-        keys = RunKeys("job")
-        assert tcp_store.add(keys.withdrawn(0), 0) == 1
+            rdzvs[0].join_round()  # alone: times out and withdraws
+        assert rdzvs[1].records.arrivals(0) == ()
         rdzvs[0].settings = rdzvs[0].settings.with_timeouts(join_timeout=20.0)
         rdzvs[0]._excluded = False
-        results = join_all(rdzvs)  # the withdrawn slot does not count; the round completes
+        results = join_all(rdzvs)  # the withdrawn arrival does not count; the round completes
     finally:
         stop(rdzvs)
     assert sorted(r.rank for r in results) == [0, 1]
@@ -214,7 +218,7 @@ def test_unhealthy_nodes_close_the_rendezvous_when_min_cannot_be_met(tcp_store):
     try:
         rdzvs[1].report_unhealthy("gpu 0 lost")
         rdzvs[2].report_unhealthy("disk full")
-        assert tcp_store.add(RunKeys("job").unhealthy_count, 0) == 2
+        assert sorted(rdzvs[0].records.lost().values()) == ["unhealthy: disk full", "unhealthy: gpu 0 lost"]
         with pytest.raises(RendezvousClosedError, match="fewer than min_nodes=2"):
             rdzvs[0].join_round()
         assert "2 lost for good" in str(rdzvs[0].closed_reason())
@@ -235,13 +239,11 @@ def test_extra_participant_gets_clear_error_and_job_goes_on(tcp_store):
 
 
 def join_after_a_dead_first_arrival(tcp_store, coordinator_value) -> list:
-    """The first arrival took slot 0, wrote it, and died; the coordinator key holds
+    """The first arrival arrived, claimed the coordinator, and died; the coordinator key holds
     ``coordinator_value(dead_participant_id)``. Two live participants join; their results."""
     keys = RunKeys("job")
     dead = ParticipantInfo(addr="dead", pid=2, local_id=0)
-    tcp_store.add(keys.arrived(0), 1)
-    tcp_store.set(keys.slot(0), encode_slot(0, dead))
-    tcp_store.add(keys.written(0), 1)
+    RunRecords(tcp_store, Signer(None), keys).append_arrival(0, 1, dead)
     tcp_store.compare_set(keys.coordinator(0), "", coordinator_value(dead.participant_id))
     rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(2)]
     try:
@@ -324,3 +326,56 @@ def test_num_nodes_waiting_ignores_spares(tcp_store):
         assert active.num_nodes_waiting() >= 1
     finally:
         stop(rdzvs)
+
+
+def test_more_arrivals_than_max_nodes_at_once_make_the_last_ones_extra(tcp_store):
+    rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=3) for i in range(5)]
+    outcomes = []
+
+    def join(r):
+        try:
+            outcomes.append(r.join_round().rank)
+        except ExtraParticipantError as exc:
+            outcomes.append(str(exc))
+
+    try:
+        threads = [threading.Thread(target=join, args=(r,)) for r in rdzvs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        stop(rdzvs)
+    assert sorted(o for o in outcomes if isinstance(o, int)) == [-1, 0, 1]
+    assert len([o for o in outcomes if isinstance(o, str) and "more than max_nodes=3" in o]) == 2
+    assert len(rdzvs[0].records.arrivals(0)) == 3  # the extras withdrew
+
+
+def test_a_replayed_heartbeat_does_not_keep_a_dead_participant_alive(tcp_store):
+    """A store client that copies a participant's sealed heartbeat and writes it back after the
+    participant died (a replay) cannot keep it alive: only a rising number is a beat."""
+    secret = Signer(b"job-secret")
+    rdzvs = [make(tcp_store, i, infra=i, previous_active_grace=60.0, signer=secret) for i in range(3)]
+    keys = RunKeys("job")
+    replaying = threading.Event()
+    try:
+        first = join_all(rdzvs)
+        assert [r.is_active for r in first] == [True, True, False]
+        rdzvs[0].stop_heartbeat()  # node 0 "dies"; its last sealed beat is replayed from now on
+        time.sleep(0.1)
+        captured = tcp_store.get(keys.heartbeat(rdzvs[0].participant_id))
+
+        def replay():
+            while not replaying.is_set():
+                tcp_store.set(keys.heartbeat(rdzvs[0].participant_id), captured)
+                time.sleep(0.01)
+
+        replayer = threading.Thread(target=replay, daemon=True)
+        replayer.start()
+        second = join_all([rdzvs[1], rdzvs[2]], method="next_active_round")
+    finally:
+        replaying.set()
+        stop(rdzvs)
+    assert sorted(r.rank for r in second) == [0, 1]
+    lost = rdzvs[1].records.lost()
+    assert "heartbeat silent" in lost.get(rdzvs[0].participant_id, ""), lost

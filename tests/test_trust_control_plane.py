@@ -11,7 +11,7 @@ import time
 import pytest
 
 from lightning_ft.rendezvous.decisions import choose_incarnation
-from lightning_ft.rendezvous.lifecycle import resolve_incarnation
+from lightning_ft.rendezvous.records import resolve_incarnation
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import ENV_SECRET, ENV_SECRET_FILE, SealedStore, SecretError, Signer, read_secret
 

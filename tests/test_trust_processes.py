@@ -24,6 +24,7 @@ from ft_cluster import Cluster, base_env
 pytestmark = [pytest.mark.multiprocess]
 
 FORGE = str(REPO_ROOT / "tests" / "scripts" / "forge_store.py")
+BUMP = str(REPO_ROOT / "tests" / "scripts" / "bump_counters.py")
 SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
 
 
@@ -90,6 +91,36 @@ def test_forged_values_from_a_client_without_the_secret_change_nothing(processes
     everything = cluster.logs() + store.log()
     assert "ignored the value of store key" in everything
     assert "forged" not in "".join(str(e) for e in cluster.events_of("run_closed"))
+
+
+@pytest.mark.timeout(150)
+def test_a_job_whose_counters_are_bumped_trains_to_the_end(processes, tmp_path):
+    """Issue 24, finding 1: counters are hints, sealed records are truth. Before any node
+    arrives the attacker bumps the arrivals of rounds 0-5 by 10 (all three nodes exited 0 with
+    0 steps as "extra"), the lost count by 1000 (the coordinator closed the run TOO_FEW_NODES
+    under the job's own seal at the first failure: exit 83) and the incarnation; then it adds
+    to every integer key it lists, as keys appear. The job trains to the end anyway, through
+    the loss of an active that the spare replaces, and nobody exits with a made-up reason."""
+    secret = {"LIGHTNING_FT_SECRET_FILE": secret_file(tmp_path)}
+    cluster = Cluster(processes, tmp_path, "2:3", run_id="bumped")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store(**secret)
+    bumper = processes.start("bumper", [sys.executable, BUMP, "--endpoint", f"127.0.0.1:{cluster.port}",
+                                        "--run-id", cluster.run_id, "--seconds", "120"], env=base_env())
+    assert wait_for(lambda: "bumping" in bumper.log(), 30), bumper.log()
+    for name in "ABC":
+        cluster.start_participant(name, ["--max-steps", "100", *SLOW], **secret)
+
+    victim, survivors = kill_an_active_after(cluster, 35)
+    codes = cluster.wait(survivors, 90)
+    assert codes == {n: 0 for n in survivors}, cluster.logs()
+    for name in survivors:
+        result = cluster.result(name)
+        assert result["trained"] and result["step"] == 100, (name, result)
+    assert "Traceback" not in bumper.log(), bumper.log()
+    assert cluster.events_of("restored"), cluster.logs()
+    closes = "".join(str(e) for e in cluster.events_of("run_closed"))
+    assert "too_few_nodes" not in closes and "extra" not in cluster.logs(), cluster.logs()
 
 
 @pytest.mark.timeout(120)

@@ -1,30 +1,37 @@
 """Barrier rendezvous over a ``torch.distributed.Store``: the part that talks to the store.
 
-Protocol (one run, keys and values in :mod:`lightning_ft.schema.run`):
+Protocol (one run incarnation; keys and values in :mod:`lightning_ft.schema.run`, the sealed
+state in :mod:`lightning_ft.rendezvous.records`):
 
-* ``round`` holds the current round. A participant takes a slot of round N with an atomic
-  ``add`` on ``r{N}/arrived``, writes its :class:`Slot` (carrying N) and bumps ``r{N}/written``.
-* The first arrival coordinates the round (others take over if its beat stops). It re-reads
-  all slots with one ``multi_get`` when the counters say every slot is written, re-checks
-  the counters, and asks :func:`decide_completion`. To complete it wins ``r{N}/closed`` with
-  ``compare_set``, writes every slot's rank, then sets ``r{N}/ready``.
-* Actives of a closed round open round N+1 after a failure (``compare_set`` on ``round``).
-  Standby and late participants wait for that, for ``closed_for_good``, or for torch's
+* ``round`` holds the current round, a sealed number. A participant arrives in round N by
+  appending a sealed arrival record to ``r{N}/arrivals`` (torch's atomic ``append``) and then
+  claims ``r{N}/coordinator``; the first claim wins.
+* The coordinator re-reads the arrivals log when its hint moves (and every heartbeat interval
+  regardless), asks :func:`decide_completion`, and completes the round by writing an answer
+  per participant under a decision of its own and then ``r{N}/ready`` naming that decision
+  (first writer wins). Arrivals past ``max_nodes`` are answered "extra".
+* Actives of a closed round open round N+1 after a failure (``compare_set`` on the sealed
+  round). Standby and late participants wait for that, for ``closed_for_good``, or for torch's
   exit-barrier key of round N (the actives finished).
+* The coordinator renews a sealed lease every step; if it stops rising for ``dead_after``, a
+  waiter replaces the claim (``compare_set`` on the bytes it read) and coordinates instead.
 * The first round a participant joins must complete within ``join_timeout``; a round after
   it trained in one (a failure) within ``rejoin_timeout``.
 
-Waits poll in short slices (signals are handled between them) at an interval that scales
-with ``max_nodes`` so the total load on the store stays bounded.
+No counter decides anything (a store client can ``add`` to any key): who arrived, who is
+lost for good, whose heartbeat rises, who coordinates and who acknowledged are sealed values
+and records. Waits poll in short slices (signals are handled between them) at an interval
+that scales with ``max_nodes`` so the total load on the store stays bounded.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -35,20 +42,18 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from lightning_ft.deadlines import BackgroundThread, StoreClient
 from lightning_ft.rendezvous.coordinator import Coordinator, CoordinatorWatch
-from lightning_ft.rendezvous.decisions import is_extra_participant
-from lightning_ft.rendezvous.lifecycle import resolve_incarnation, wait_for_acknowledgements
+from lightning_ft.rendezvous.lifecycle import wait_for_acknowledgements
 from lightning_ft.rendezvous.participant import ParticipantInfo, process_start_time
+from lightning_ft.rendezvous.records import RunRecords, resolve_incarnation
 from lightning_ft.rendezvous.settings import RendezvousSettings
 from lightning_ft.schema.run import (
+    EXTRA_RANK,
     CloseKind,
     CloseReason,
     RunKeys,
-    Slot,
-    decode_coordinator,
+    decode_rank_answer,
     decode_ready,
-    decode_slot_rank,
-    encode_coordinator,
-    encode_slot,
+    encode_number,
 )
 from lightning_ft.schema.signing import SealedStore, Signer, job_signer
 
@@ -76,7 +81,6 @@ class RoundResult:
     rank: int
     #: number of actives in the round
     world_size: int
-    slot_index: int
     #: prefix (on the rendezvous store) for the job's own keys in this round
     store_prefix: str
 
@@ -96,7 +100,7 @@ class BarrierRendezvous:
     def __init__(self, store: StoreClient, settings: RendezvousSettings, participant: ParticipantInfo, *,
                  is_store_host: bool = False, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
-                 heartbeat_store_factory: Callable[[], object] | None = None,
+                 heartbeat_store_factory: Callable[[], Any] | None = None,
                  signer: Signer | None = None, incarnation: int | None = None,
                  started_at: float | None = None) -> None:
         self.store = store
@@ -109,6 +113,7 @@ class BarrierRendezvous:
             incarnation = resolve_incarnation(store, self.signer, settings.run_id,
                                               process_start_time() if started_at is None else started_at)
         self.keys = RunKeys(settings.run_id, incarnation)
+        self.records = RunRecords(store, self.signer, self.keys)
         self.clock = clock
         self._sleep = sleep
         self._heartbeat_store_factory = heartbeat_store_factory
@@ -117,7 +122,8 @@ class BarrierRendezvous:
         self._last_result: RoundResult | None = None
         self._excluded = False
         self._acked = False
-        self.decode_cache: dict[tuple[str, bytes], Slot | None] = {}
+        #: numbers this participant's arrival records (a reader keeps each writer's newest)
+        self._record_seq = itertools.count(1)
 
     # ----------------------------------------------------------------- public API
 
@@ -146,7 +152,7 @@ class BarrierRendezvous:
         self._start_heartbeat()
         while True:
             self._raise_if_closed_for_good()
-            round_id = self._current_round()
+            round_id = self.records.current_round()
             last = self._last_result
             if last is not None and not last.is_active and round_id <= last.round:
                 self.wait_while_standby(last.round)  # still standby: wait for a newer round
@@ -173,19 +179,19 @@ class BarrierRendezvous:
                 self._graceful_exit(f"rendezvous closed for good while standby: {reason}")
             if watch_exit_barrier and self.store.check([exit_barrier]):
                 self._graceful_exit(f"the active nodes of round {round_id} finished")
-            if self._current_round() > round_id:
+            if self.records.current_round() > round_id:
                 return
             self._sleep(poll)
 
     def open_next_round(self, failed_round: int, reason: str) -> int:
         """Open round ``failed_round + 1`` (idempotent; concurrent callers agree). Returns it."""
-        current = int(self.store.compare_set(self.keys.round, str(failed_round), str(failed_round + 1)))
+        current = self.records.open_round(failed_round + 1)
         if current == failed_round + 1:
             log.info("round %d opened after round %d: %s", current, failed_round, reason)
-        return max(current, failed_round + 1)
+        return current
 
     def current_round(self) -> int:
-        return self._current_round()
+        return self.records.current_round()
 
     def num_nodes_waiting(self) -> int:
         """Participants in a round newer than the one this (active) participant trains in.
@@ -195,12 +201,10 @@ class BarrierRendezvous:
         """
         if self._last_active_round is None:
             return 0
-        round_id = self._current_round()
+        round_id = self.records.current_round()
         if round_id <= self._last_active_round:
             return 0
-        arrived = self.store.add(self.keys.arrived(round_id), 0)
-        withdrawn = self.store.add(self.keys.withdrawn(round_id), 0)
-        return max(1, arrived - withdrawn)
+        return max(1, len(self.records.arrivals(round_id)))
 
     def is_closed(self) -> bool:
         return self._closed_reason() is not None
@@ -218,24 +222,23 @@ class BarrierRendezvous:
         return CloseReason.decode(current) or reason
 
     def report_unhealthy(self, reasons: str) -> None:
-        """Count this node as unhealthy and lost; it will not be placed again."""
-        if self.mark_lost(self.participant_id, f"unhealthy: {reasons}"):
-            self.store.add(self.keys.unhealthy_count, 1)
+        """Record this node as unhealthy and lost; it will not be placed again."""
+        self.mark_lost(self.participant_id, f"unhealthy: {reasons}")
         self._excluded = True
 
     def withdraw(self, reason: str, stopping: bool = False) -> None:
-        """Leave the job for good: free our slot in an open round and count us as lost.
+        """Leave the job for good: withdraw from an open round and record us as lost.
 
         ``stopping``: this participant leaves because it was told to stop (SIGTERM). If the
         run cannot reach ``min_nodes`` without it, the run is closed STOPPED *before* it is
-        counted lost -- a preemption, which a requeue repairs -- rather than left for the
+        recorded lost -- a preemption, which a requeue repairs -- rather than left for the
         coordinator to close as TOO_FEW_NODES (which means "no spare left; do not requeue").
         """
         result = self._last_result
         if result is not None and not self._is_ready(result.round):
-            self._withdraw_slot(result.round, result.slot_index)
+            self._withdraw_arrival(result.round)
         if stopping:
-            capacity = self.settings.max_nodes - self.store.add(self.keys.lost_count, 0) - 1
+            capacity = self.settings.max_nodes - len(self.records.lost()) - 1
             if capacity < self.settings.min_nodes:
                 self.close_for_good(CloseReason(CloseKind.STOPPED, (
                     f"{self.participant_id} was stopped ({reason}); without it {capacity} of max_nodes="
@@ -245,7 +248,7 @@ class BarrierRendezvous:
 
     def finished_round(self, round_id: int) -> bool:
         """True when the actives of ``round_id`` passed torch's elastic exit barrier."""
-        return self.store.check([self.keys.exit_barrier(round_id)])
+        return bool(self.store.check([self.keys.exit_barrier(round_id)]))
 
     def shutdown(self, job_finished: bool, reason: str = "training finished") -> bool:
         """Leave the rendezvous at process end.
@@ -271,62 +274,44 @@ class BarrierRendezvous:
     # ----------------------------------------------------------------- joining
 
     def _join(self, round_id: int) -> RoundResult | None:
-        keys, store = self.keys, self.store
-        index = store.add(keys.arrived(round_id), 1) - 1
-        withdrawn = store.add(keys.withdrawn(round_id), 0)
-        if is_extra_participant(index, withdrawn, self.settings.max_nodes):
-            self._write_slot(round_id, index, withdrawn=True)
-            store.add(keys.withdrawn(round_id), 1)
-            self._excluded = True
-            raise ExtraParticipantError(
-                f"participant {self.participant_id} is extra: more than max_nodes="
-                f"{self.settings.max_nodes} participants arrived in round {round_id} of run "
-                f"{self.settings.run_id!r}; check --nnodes=MIN:MAX and how many nodes were "
-                "launched. The job goes on without this node.")
-        self._write_slot(round_id, index, withdrawn=False)
-        log.debug("%s took slot %d of round %d", self.participant_id, index, round_id)
-        if index == 0:
-            store.compare_set(keys.coordinator(round_id), "", encode_coordinator(self.participant_id))
+        self.records.append_arrival(round_id, next(self._record_seq), self.participant)
+        if self.records.claim_coordinator(round_id, self.participant_id):
+            log.debug("%s coordinates round %d", self.participant_id, round_id)
         try:
-            return self._await_round(round_id, index)
+            return self._await_round(round_id)
         except (RendezvousGracefulExitError, ParticipantExcludedError):
             raise
         except BaseException:
-            # signal, timeout or closed: free the slot so the round does not wait for us
+            # signal, timeout or closed: withdraw so the round does not wait for us
             try:
                 if not self._is_ready(round_id):
-                    self._withdraw_slot(round_id, index)
+                    self._withdraw_arrival(round_id)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
             raise
 
-    def _write_slot(self, round_id: int, index: int, withdrawn: bool) -> None:
-        self.values.put(self.keys.slot(index), encode_slot(round_id, self.participant, withdrawn))
-        self.store.add(self.keys.written(round_id), 1)
-
-    def _withdraw_slot(self, round_id: int, index: int) -> None:
-        self.values.put(self.keys.slot(index), encode_slot(round_id, self.participant, withdrawn=True))
-        self.store.add(self.keys.withdrawn(round_id), 1)
+    def _withdraw_arrival(self, round_id: int) -> None:
+        self.records.append_arrival(round_id, next(self._record_seq), self.participant, withdrawn=True)
         log.info("%s withdrew from round %d", self.participant_id, round_id)
 
-    def _await_round(self, round_id: int, index: int) -> RoundResult | None:
-        keys, store, settings = self.keys, self.store, self.settings
+    def _await_round(self, round_id: int) -> RoundResult | None:
+        settings = self.settings
         join_timeout = settings.timeouts.join_timeout_for(was_active=self._last_active_round is not None)
         deadline = self.clock() + join_timeout
-        coordinator = Coordinator(self, round_id) if index == 0 else None
+        coordinator = Coordinator(self, round_id) if self._holds_claim(round_id) else None
         watch = CoordinatorWatch(self.clock())
         poll = settings.poll_interval
         while True:
             if self._is_ready(round_id):
-                return self._read_result(round_id, index)
+                return self._read_result(round_id)
             reason = self._closed_reason()
             if reason is not None:
                 raise RendezvousClosedError(
                     f"rendezvous {settings.run_id!r} was closed for good before round {round_id} "
                     f"completed: {reason}")
-            if self._current_round() > round_id:
+            if self.records.current_round() > round_id:
                 # a newer round opened before this one completed: leave this one, join that
-                self._withdraw_slot(round_id, index)
+                self._withdraw_arrival(round_id)
                 return None
             if coordinator is None and self._should_take_over(round_id, watch):
                 coordinator = Coordinator(self, round_id, replaces=watch.replaced)
@@ -338,33 +323,33 @@ class BarrierRendezvous:
                     if self._is_ready(round_id):
                         continue
             if self.clock() > deadline:
-                arrived = store.add(keys.arrived(round_id), 0) - store.add(keys.withdrawn(round_id), 0)
+                arrived = len(self.records.arrivals(round_id))
                 raise RendezvousTimeoutError(
                     f"round {round_id} of run {settings.run_id!r} did not complete within "
                     f"{'rejoin' if join_timeout != settings.timeouts.join_timeout else 'join'}_timeout="
                     f"{join_timeout:g}s: {arrived} participant(s) arrived, "
-                    f"min_nodes={settings.min_nodes}")
+                    f"min_nodes={settings.min_nodes}{self.signer.invalid_values_note()}")
             self._sleep(poll)
 
+    def _holds_claim(self, round_id: int) -> bool:
+        _, claim = self.records.coordinator(round_id)
+        return claim is not None and claim[0] == self.participant_id
+
     def _should_take_over(self, round_id: int, watch: CoordinatorWatch) -> bool:
-        # The coordinator bumps a beat each poll. If it stops for ``dead_after`` (it died),
-        # one waiter wins a compare_set and coordinates instead.
+        # The coordinator renews a sealed lease each step. If it does not rise for ``dead_after``
+        # (the coordinator died), one waiter replaces the claim and coordinates instead.
         now = self.clock()
         if now < watch.next_check:
             return False
         watch.next_check = now + self.settings.timeouts.heartbeat_interval
-        beat = self.store.add(self.keys.coordinator_beat(round_id), 0)
-        if beat != watch.beat:
-            watch.beat, watch.since = beat, now
+        if watch.lease_rose(self.records.lease(round_id), now):
             return False
         if now - watch.since < self.settings.dead_after:
             return False
-        value = self._get_or_empty(self.keys.coordinator(round_id))
-        holder, earlier = decode_coordinator(value)
+        seen, claim = self.records.coordinator(round_id)
+        holder, earlier = claim if claim is not None else ("", ())
         replaced = tuple(dict.fromkeys(p for p in (holder, *earlier) if p and p != self.participant_id))
-        mine = encode_coordinator(self.participant_id, replaced)
-        won = self.store.compare_set(self.keys.coordinator(round_id), value, mine)
-        if won.decode() == mine:
+        if self.records.take_over_coordinator(round_id, seen, self.participant_id, replaced):
             log.info("%s took over coordinating round %d from %r (silent for %.1fs)",
                      self.participant_id, round_id, holder, now - watch.since)
             watch.replaced = replaced
@@ -372,28 +357,42 @@ class BarrierRendezvous:
         watch.since = now
         return False
 
-    def _read_result(self, round_id: int, index: int) -> RoundResult:
+    def _read_result(self, round_id: int) -> RoundResult:
         raw_ready = self.values.get(self.keys.ready(round_id))
         ready = decode_ready(raw_ready) if raw_ready is not None else None
-        raw = self.values.get(self.keys.decided_rank(round_id, ready.decision, index)) if ready else None
-        answer = decode_slot_rank(raw) if raw is not None else None
+        raw = (self.values.get(self.keys.decided_rank(round_id, ready.decision, self.participant_id))
+               if ready else None)
+        answer = decode_rank_answer(raw) if raw is not None else None
         store_prefix = self.keys.round_store_prefix(round_id)
         if answer is not None and answer.round == round_id:
+            if answer.rank == EXTRA_RANK:
+                self._leave_as_extra(round_id)
             rank, world_size = answer.rank, answer.world_size
-        else:  # our slot was not part of the decision: we arrived after the round closed
+        elif self._is_extra_late_arrival(round_id):
+            self._leave_as_extra(round_id)
+        else:  # we were not part of the decision: we arrived after the round closed
             world_size = self.settings.min_nodes
             rank = -1
             log.info("%s arrived after round %d closed; waiting as standby", self.participant_id, round_id)
-        result = RoundResult(round_id, rank, world_size, index, store_prefix)
+        result = RoundResult(round_id, rank, world_size, store_prefix)
         log.info("round %d complete: %s is %s", round_id, self.participant_id,
                  f"active rank {rank} of {world_size}" if rank >= 0 else "standby")
         return result
 
-    # ----------------------------------------------------------------- helpers
+    def _is_extra_late_arrival(self, round_id: int) -> bool:
+        ids = [a.participant_id for a in self.records.arrivals(round_id)]
+        return self.participant_id in ids and ids.index(self.participant_id) >= self.settings.max_nodes
 
-    def _current_round(self) -> int:
-        # compare_set with expected "" creates the key at 0 on first use, else returns it
-        return int(self.store.compare_set(self.keys.round, "", "0"))
+    def _leave_as_extra(self, round_id: int) -> NoReturn:
+        self._withdraw_arrival(round_id)
+        self._excluded = True
+        raise ExtraParticipantError(
+            f"participant {self.participant_id} is extra: more than max_nodes="
+            f"{self.settings.max_nodes} participants arrived in round {round_id} of run "
+            f"{self.settings.run_id!r}; check --nnodes=MIN:MAX and how many nodes were "
+            "launched. The job goes on without this node.")
+
+    # ----------------------------------------------------------------- helpers
 
     def _closed_reason(self) -> CloseReason | None:
         raw = self.values.get(self.values.unlisted(self.keys.closed_for_good))
@@ -412,34 +411,28 @@ class BarrierRendezvous:
         log.info("%s leaves the rendezvous: %s", self.participant_id, message)
         raise RendezvousGracefulExitError(message)
 
-    def _get_or_empty(self, key: str) -> str:
-        return self.store.get(key).decode() if self.store.check([key]) else ""
-
     def mark_lost(self, participant_id: str, why: str) -> bool:
-        marker = self.keys.lost_marker(participant_id)
-        if self.store.compare_set(marker, "", why).decode() != why:
-            return False  # already counted
-        self.store.add(self.keys.lost_count, 1)
+        """Record ``participant_id`` as lost for good; False when it already was."""
+        if not self.records.mark_lost(participant_id, why):
+            return False
         log.warning("participant %s lost for good: %s", participant_id, why)
         return True
 
     def _acknowledge(self) -> None:
         if self._acked or self._excluded:
             return
-        marker = self.keys.ack(self.participant_id)
-        if self.store.compare_set(marker, "", "1").decode() == "1":
-            self.store.add(self.keys.shutdown_acks, 1)
+        self.records.acknowledge(self.participant_id)
         self._acked = True
 
     def _wait_for_acknowledgements(self) -> None:
-        wait_for_acknowledgements(self.store, self.keys, self.settings.timeouts.store_grace_timeout,
+        wait_for_acknowledgements(self.records, self.settings.timeouts.store_grace_timeout, self.settings.max_nodes,
                                   self.clock, self._sleep)
 
     def _start_heartbeat(self) -> None:
         if self._heartbeat is not None:
             return
         store = self._heartbeat_store_factory() if self._heartbeat_store_factory else self.store
-        self._heartbeat = Heartbeat(store, self.keys.heartbeat(self.participant_id),
+        self._heartbeat = Heartbeat(SealedStore(store, self.signer), self.keys.heartbeat(self.participant_id),
                                     self.settings.timeouts.heartbeat_interval)
         self._heartbeat.start()
 
@@ -449,21 +442,27 @@ class BarrierRendezvous:
 
 
 class Heartbeat(BackgroundThread):
-    """Bumps this participant's heartbeat counter every ``interval`` on a connection of its own
-    (one silent for ``dead_after`` counts as dead); stops quietly when the store is gone."""
+    """Raises this participant's sealed heartbeat number every ``interval`` on a connection of its
+    own (one that does not rise for ``dead_after`` counts as dead); stops quietly when the store
+    is gone. A sealed number, not a counter: a store client can neither bump it nor replay an
+    older one to keep a dead participant alive."""
 
-    def __init__(self, store: Any, key: str, interval: float) -> None:
+    def __init__(self, values: SealedStore, key: str, interval: float) -> None:
         super().__init__("lightning_ft-heartbeat", join_timeout=interval)
-        self.store, self.key, self.interval = store, key, interval
+        self.values, self.key, self.interval = values, key, interval
+        self._beats = itertools.count(1)
+
+    def beat(self) -> None:
+        self.values.put(self.key, encode_number(next(self._beats)))
 
     def start(self) -> None:
-        self.store.add(self.key, 1)  # the first beat before returning: the round may judge at once
+        self.beat()  # the first beat before returning: the round may judge at once
         super().start()
 
     def run(self) -> None:
         while not self.stopping.is_set():
             try:
-                self.store.add(self.key, 1)
+                self.beat()
             except Exception as exc:  # noqa: BLE001 - store gone: stop beating quietly
                 log.debug("heartbeat stopped: %s", exc)
                 return

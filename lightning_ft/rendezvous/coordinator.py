@@ -1,17 +1,18 @@
-"""The coordinator of one round of the barrier rendezvous: reads the slots, asks the pure
+"""The coordinator of one round of the barrier rendezvous: reads the arrivals, asks the pure
 decision (:func:`~lightning_ft.rendezvous.decisions.decide_completion`), writes the result.
 
-The first arrival coordinates; a waiter takes over when its beat stops
+The first participant to claim a round coordinates it; a waiter takes over when its lease stops rising
 (:class:`CoordinatorWatch` in :class:`~lightning_ft.rendezvous.barrier.BarrierRendezvous`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lightning_ft.rendezvous.decisions import (
@@ -19,23 +20,23 @@ from lightning_ft.rendezvous.decisions import (
     Arrival,
     RoundTimer,
     RoundView,
-    arrivals_of_round,
     assign_ranks,
     decide_completion,
     newly_dead,
+    split_extras,
 )
+from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.rendezvous.settings import RendezvousSettings
 from lightning_ft.schema.run import (
+    EXTRA_RANK,
+    Beat,
     CloseKind,
     CloseReason,
     RunKeys,
-    Slot,
-    decode_coordinator,
     decode_last_actives,
-    decode_slot,
     encode_last_actives,
+    encode_rank_answer,
     encode_ready,
-    encode_slot_rank,
 )
 from lightning_ft.schema.signing import SealedStore, Signer
 
@@ -49,10 +50,9 @@ class RendezvousMember(Protocol):
     keys: RunKeys
     settings: RendezvousSettings
     values: SealedStore
+    records: RunRecords
     signer: Signer
     clock: Callable[[], float]
-    #: sealed slot values decoded so far, by (key, raw value)
-    decode_cache: dict[tuple[str, bytes], Slot | None]
 
     @property
     def participant_id(self) -> str: ...
@@ -64,19 +64,30 @@ class RendezvousMember(Protocol):
 
 @dataclass
 class CoordinatorWatch:
+    """A waiter's watch on the coordinator's lease."""
+
     since: float
-    beat: int = -1
     next_check: float = 0.0
+    #: the highest lease renewal seen per holder: only a higher one shows the holder alive
+    renewals: dict[str, int] = field(default_factory=dict)
     #: the coordinators this one took over from: the silent one, and those it had replaced
     replaced: tuple[str, ...] = ()
 
+    def lease_rose(self, lease: Beat | None, now: float) -> bool:
+        """Record ``lease`` (read at ``now``); True when it rose (a replayed older one does not)."""
+        if lease is None or lease.seq <= self.renewals.get(lease.holder, -1):
+            return False
+        self.renewals[lease.holder] = lease.seq
+        self.since = now
+        return True
+
 
 class Coordinator:
-    """Decides one round: reads the slots, asks the pure decision, writes the result."""
+    """Decides one round: reads the arrivals, asks the pure decision, writes the result."""
 
     def __init__(self, rendezvous: RendezvousMember, round_id: int, replaces: tuple[str, ...] = ()) -> None:
         self.rdzv = rendezvous
-        self.store = rendezvous.store
+        self.records = rendezvous.records
         self.keys = rendezvous.keys
         self.settings = rendezvous.settings
         self.round_id = round_id
@@ -89,15 +100,18 @@ class Coordinator:
         # is dead, and must not get a place in the round it failed to decide. The same for the
         # ones it had replaced: a takeover from a slow coordinator still judges the dead one.
         self._suspects: set[str] = set(replaces)
-        self._unwritten_since: float | None = None
+        self._renewals = itertools.count(1)
+        self._arrivals: tuple[Arrival, ...] | None = None
+        self._hint: int | None = None
+        self._read_at = 0.0
         self._last_reason = ""
         log.debug("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,
-                 round_id, len(self.previous_actives))
+                  round_id, len(self.previous_actives))
 
     def still_mine(self) -> bool:
-        value = self.store.get(self.keys.coordinator(self.round_id)).decode() \
-            if self.store.check([self.keys.coordinator(self.round_id)]) else ""
-        return decode_coordinator(value)[0] in ("", self.rdzv.participant_id)
+        _, claim = self.records.coordinator(self.round_id)
+        # a claim that fails its check is tampering, not a successor: keep coordinating
+        return claim is None or claim[0] in ("", self.rdzv.participant_id)
 
     def _read_previous_actives(self) -> tuple[str, ...]:
         raw = self.rdzv.values.get(self.keys.last_actives)
@@ -106,51 +120,21 @@ class Coordinator:
         last = decode_last_actives(raw)
         return last[1] if last is not None and last[0] < self.round_id else ()
 
-    def _read_counts(self) -> tuple[int, int, int]:
-        store, keys, c = self.store, self.keys, self.round_id
-        return (store.add(keys.arrived(c), 0), store.add(keys.written(c), 0), store.add(keys.withdrawn(c), 0))
+    def _read_arrivals(self, now: float) -> tuple[Arrival, ...]:
+        # the hint is read before the log: an arrival it counts is in the log read after it. Read
+        # again every heartbeat interval regardless: a hint is only a hint.
+        hint = self.records.appended_hint(self.round_id)
+        if (self._arrivals is None or hint != self._hint
+                or now - self._read_at >= self.settings.timeouts.heartbeat_interval):
+            self._arrivals = self.records.arrivals(self.round_id)
+            self._hint, self._read_at = hint, now
+        return self._arrivals
 
-    def _read_slots(self, arrived: int, all_written: bool) -> list[Slot | None]:
-        slot_keys = self.keys.slot_keys(arrived)
-        if all_written:
-            raw_values = self.store.multi_get(slot_keys)
-        else:
-            # Someone took a slot and never wrote it (died in between): read the slots that
-            # exist one check at a time; missing ones, and stale ones from earlier rounds, count
-            # as absent.
-            present = [k for k in slot_keys if self.store.check([k])]
-            fetched = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
-            raw_values = [fetched.get(k, b"") for k in slot_keys]
-        # decoded by (key, raw value): a value is authentic only under the key it was sealed for
-        cache, signer = self.rdzv.decode_cache, self.rdzv.signer
-        slots = []
-        for key, raw in zip(slot_keys, raw_values, strict=True):
-            slot = cache.get((key, raw))
-            if slot is None and (key, raw) not in cache:
-                opened = signer.open(key, raw) if raw else None
-                slot = decode_slot(opened) if opened is not None else None
-                if len(cache) < 100_000:
-                    cache[(key, raw)] = slot
-            slots.append(slot)
-        return slots
-
-    def read_view(self) -> RoundView | None:
-        """Full re-read of the round; ``None`` when it must be retried (counts moved)."""
-        now = self.clock()
-        arrived, written, withdrawn = self._read_counts()
-        if written < arrived:
-            if self._unwritten_since is None:
-                self._unwritten_since = now
-            if now - self._unwritten_since < self.settings.timeouts.unwritten_slot_timeout:
-                return None
-        else:
-            self._unwritten_since = None
-        slots = self._read_slots(arrived, all_written=written >= arrived)
-        if self._read_counts()[0::2] != (arrived, withdrawn):
-            return None  # someone arrived or withdrew while we read: read again
-        arrivals = arrivals_of_round(self.round_id, slots)
-        lost = self.store.add(self.keys.lost_count, 0)
-        return RoundView(self.round_id, arrivals, self.previous_actives, frozenset(self._dead), lost)
+    def read_view(self) -> RoundView:
+        """The round as the store says now (arrivals in log order, lost participants)."""
+        arrivals = self._read_arrivals(self.clock())
+        return RoundView(self.round_id, arrivals, self.previous_actives, frozenset(self._dead),
+                         len(self.records.lost()))
 
     def _update_dead(self, view: RoundView) -> bool:
         """Mark silent previous actives dead; True when someone newly died."""
@@ -160,15 +144,13 @@ class Coordinator:
         missing += [p for p in self._suspects if p in arrived_ids and p not in self._dead and p not in missing]
         if not missing:
             return False
-        hb_keys = [self.keys.heartbeat(p) for p in missing]
-        values = {}
-        for pid, key in zip(missing, hb_keys, strict=True):
-            values[pid] = self.store.add(key, 0) if self.store.check([key]) else None
+        values = self.records.heartbeats(missing)
         before = {p: self._heartbeats_seen.get(p) for p in self._suspects}
         dead = newly_dead(values, self._heartbeats_seen, self.clock(), self.settings.dead_after)
         for pid, seen in before.items():
-            if seen is not None and values.get(pid, seen[0]) != seen[0]:
-                self._suspects.discard(pid)  # its heartbeat moves: slow, not dead; it keeps its place
+            beat = values.get(pid)
+            if seen is not None and beat is not None and (seen[0] is None or beat > seen[0]):
+                self._suspects.discard(pid)  # its heartbeat rises: slow, not dead; it keeps its place
         for pid in dead:
             self._dead.add(pid)
             why = ("coordinator of this round that went silent" if pid in self._suspects
@@ -177,29 +159,30 @@ class Coordinator:
         return bool(dead)
 
     def step(self) -> None:
-        self.store.add(self.keys.coordinator_beat(self.round_id), 1)
+        self.records.renew_lease(self.round_id, self.rdzv.participant_id, next(self._renewals))
         view = self.read_view()
-        if view is None:
-            return
-        if self._update_dead(view):  # deaths just counted as lost change what the view says
+        if self._update_dead(view):  # deaths just recorded as lost change what the view says
             view = dataclasses.replace(view, dead_previous_actives=frozenset(self._dead),
-                                       lost_count=self.store.add(self.keys.lost_count, 0))
+                                       lost_count=len(self.records.lost()))
         if self._suspects:
             if self._suspects - self._dead:
                 return  # not judged yet: deciding now could give a dead coordinator a place
+        if self._dead:
             view = dataclasses.replace(view, arrivals=tuple(a for a in view.arrivals
                                                             if a.participant_id not in self._dead))
+        eligible, extras = split_extras(view.arrivals, self.settings.max_nodes)
+        view = dataclasses.replace(view, arrivals=eligible)
         now = self.clock()
         decision = decide_completion(view, self.settings, self.timer, now)
         if decision.reason != self._last_reason:
             log.debug("round %d: %s -> %s", self.round_id, decision.reason, decision.action.value)
             self._last_reason = decision.reason
         if decision.action is Action.COMPLETE:
-            self._complete(view.arrivals)
+            self._complete(eligible, extras)
         elif decision.action is Action.CLOSE_FOR_GOOD:
             self.rdzv.close_for_good(CloseReason(CloseKind.TOO_FEW_NODES, decision.reason))
 
-    def _complete(self, arrivals: tuple[Arrival, ...]) -> None:
+    def _complete(self, arrivals: tuple[Arrival, ...], extras: tuple[Arrival, ...]) -> None:
         # Each decision writes its answers under a name of its own; ``ready`` -- first writer
         # wins -- names the one in force. A coordinator that dies (or stalls) anywhere in here
         # therefore never blocks the round: whoever takes over decides again and publishes its
@@ -209,19 +192,15 @@ class Coordinator:
         assignment = assign_ranks(arrivals, self.previous_actives, self.settings.min_nodes,
                                   self.settings.segment)
         world = len(assignment.active)
-        rank_keys, rank_values = [], []
-        for rank, arrival in enumerate(assignment.active):
-            rank_keys.append(self.keys.decided_rank(self.round_id, decision, arrival.slot_index))
-            rank_values.append(encode_slot_rank(self.round_id, rank, world))
-        for arrival in assignment.standby:
-            rank_keys.append(self.keys.decided_rank(self.round_id, decision, arrival.slot_index))
-            rank_values.append(encode_slot_rank(self.round_id, -1, world))
+        answers = [(a, rank) for rank, a in enumerate(assignment.active)]
+        answers += [(a, -1) for a in assignment.standby] + [(a, EXTRA_RANK) for a in extras]
         values = self.rdzv.values
-        values.multi_put(rank_keys, rank_values)
+        values.multi_put([self.keys.decided_rank(self.round_id, decision, a.participant_id) for a, _ in answers],
+                         [encode_rank_answer(self.round_id, rank, world) for _, rank in answers])
         mine = encode_ready(world, len(assignment.standby), self.clock() - self.timer.opened_at, decision)
         if values.put_if_absent(self.keys.ready(self.round_id), mine) != mine.encode():
             return  # another coordinator's decision is in force
         values.put(self.keys.last_actives,
                    encode_last_actives(self.round_id, [a.participant_id for a in assignment.active]))
-        log.debug("round %d closed: %d active, %d standby (decided in %.3fs)", self.round_id, world,
-                 len(assignment.standby), self.clock() - self.timer.opened_at)
+        log.debug("round %d closed: %d active, %d standby, %d extra (decided in %.3fs)", self.round_id, world,
+                  len(assignment.standby), len(extras), self.clock() - self.timer.opened_at)

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_ft.rendezvous.settings import RendezvousSettings
-from lightning_ft.schema.run import Slot
+from lightning_ft.schema.run import ArrivalRecord
 
 
 class Arrival(NamedTuple):
-    """A participant that took slot ``slot_index`` in the round under decision."""
+    """A participant that arrived in the round under decision (and did not withdraw)."""
 
-    slot_index: int
+    #: where its arrival record is in the round's arrivals log: earlier arrivals come first
+    position: int
     participant_id: str
     infra_rank: int = -1
     domain_id: str = "none"
@@ -40,22 +41,27 @@ class RoundView:
     lost_count: int = 0
 
 
-def arrivals_of_round(round_id: int, slots: Sequence[Slot | None]) -> tuple[Arrival, ...]:
-    """Arrivals of round ``round_id`` from the slot values read at indexes 0..n-1.
+def arrivals_of_round(records: Sequence[ArrivalRecord | None]) -> tuple[Arrival, ...]:
+    """The live arrivals of a round from its arrivals log (authentic records, in log order).
 
-    Slots written in other rounds (stale: slot keys are never cleared), unreadable slots
-    and withdrawn participants are left out. A participant that appears twice (it took a
-    second slot after a restart) counts once, at its newest slot.
+    Each participant counts by its newest record (highest ``seq``) at the position where that
+    record first appears: a participant that withdrew is left out, one that arrived again counts
+    at its new place, and a record replayed later in the log (a copy) changes neither.
     """
-    by_id: dict[str, Arrival] = {}
-    for index, slot in enumerate(slots):
-        if slot is None or slot.round != round_id or slot.withdrawn:
+    newest: dict[str, tuple[int, ArrivalRecord]] = {}
+    for position, record in enumerate(records):
+        if record is None:
             continue
-        pid = slot.participant_id
-        if pid in by_id:
-            del by_id[pid]  # re-inserted below, so the dict stays in slot order without a sort
-        by_id[pid] = Arrival(index, pid, slot.infra_rank, slot.domain_id)
-    return tuple(by_id.values())
+        seen = newest.get(record.participant_id)
+        if seen is None or record.seq > seen[1].seq:
+            newest[record.participant_id] = (position, record)
+    live = sorted((position, record) for position, record in newest.values() if not record.withdrawn)
+    return tuple(Arrival(position, r.participant_id, r.infra_rank, r.domain_id) for position, r in live)
+
+
+def split_extras(arrivals: Sequence[Arrival], max_nodes: int) -> tuple[tuple[Arrival, ...], tuple[Arrival, ...]]:
+    """``(eligible, extra)``: the first ``max_nodes`` live arrivals have a place; later ones do not."""
+    return tuple(arrivals[:max_nodes]), tuple(arrivals[max_nodes:])
 
 
 @dataclass(frozen=True)
@@ -65,9 +71,9 @@ class Assignment:
     active: tuple[Arrival, ...]
     standby: tuple[Arrival, ...]
 
-    def rank_of(self, slot_index: int) -> int:
+    def rank_of(self, participant_id: str) -> int:
         for rank, arrival in enumerate(self.active):
-            if arrival.slot_index == slot_index:
+            if arrival.participant_id == participant_id:
                 return rank
         return -1
 
@@ -76,9 +82,9 @@ def _priority(arrival: Arrival, previous_rank: dict[str, int]) -> tuple:
     # previous actives first (in their old rank order), then scheduler node index, then arrival
     old = previous_rank.get(arrival.participant_id)
     if old is not None:
-        return (0, old, 0, arrival.slot_index)
+        return (0, old, 0, arrival.position)
     infra = arrival.infra_rank if arrival.infra_rank >= 0 else math.inf
-    return (1, 0, infra, arrival.slot_index)
+    return (1, 0, infra, arrival.position)
 
 
 def assign_ranks(arrivals: Iterable[Arrival], previous_actives: Sequence[str], min_nodes: int,
@@ -105,8 +111,8 @@ def assign_ranks(arrivals: Iterable[Arrival], previous_actives: Sequence[str], m
             break
         usable = (len(members) // segment) * segment
         active.extend(members[:min(usable, (room // segment) * segment)])
-    chosen = {a.slot_index for a in active}
-    return Assignment(tuple(active), tuple(a for a in ordered if a.slot_index not in chosen))
+    chosen = {a.position for a in active}
+    return Assignment(tuple(active), tuple(a for a in ordered if a.position not in chosen))
 
 
 def can_form_active_set(arrivals: Sequence[Arrival], min_nodes: int, segment: int = 1) -> bool:
@@ -180,22 +186,19 @@ def decide_completion(view: RoundView, settings: RendezvousSettings, timer: Roun
                                      f"the last call ended")
 
 
-def is_extra_participant(slot_index: int, withdrawn: int, max_nodes: int) -> bool:
-    """A slot past ``max_nodes`` live arrivals belongs to a participant the job has no room for."""
-    return slot_index >= max_nodes + withdrawn
-
-
 def newly_dead(heartbeats: dict[str, int | None], last_seen: dict[str, tuple[int | None, float]],
                now: float, dead_after: float) -> set[str]:
-    """Participants whose heartbeat counter did not move for ``dead_after``.
+    """Participants whose heartbeat did not rise for ``dead_after``.
 
-    ``last_seen`` maps id -> (counter, time it was first seen at that value) and is
-    updated in place. A participant that never wrote a heartbeat counts as silent.
+    ``heartbeats`` maps id -> the authentic heartbeat number read (None: absent or not
+    authentic); ``last_seen`` maps id -> (highest number seen, when it was first seen) and is
+    updated in place. Only a *higher* number counts as a beat: a replayed older value, or a
+    value that fails its check, is silence. A participant that never beat counts as silent.
     """
     dead = set()
     for pid, value in heartbeats.items():
         previous = last_seen.get(pid)
-        if previous is None or previous[0] != value:
+        if previous is None or (value is not None and (previous[0] is None or value > previous[0])):
             last_seen[pid] = (value, now)
             continue
         if now - previous[1] >= dead_after:

@@ -20,8 +20,9 @@ from types import FrameType
 
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.rendezvous.lifecycle import wait_for_acknowledgements
+from lightning_ft.rendezvous.records import RunRecords, current_incarnation
 from lightning_ft.rendezvous.store import host_store
-from lightning_ft.schema.run import CloseReason, RunKeys, incarnation_key
+from lightning_ft.schema.run import CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore, SecretError, job_signer
 
 log = logging.getLogger(__name__)
@@ -60,12 +61,16 @@ def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
     while not stop_requested():
         if run_id:
             # the incarnation in progress (a run id may be launched again on a long-lived store)
-            keys = RunKeys(run_id, store.add(incarnation_key(run_id), 0))
+            incarnation = current_incarnation(store, signer, run_id)
+            if incarnation is None:  # tampered with: judge the one seen last
+                time.sleep(0.5)
+                continue
+            keys = RunKeys(run_id, incarnation)
             raw = values.get(values.unlisted(keys.closed_for_good))
             reason = CloseReason.decode(raw) if raw is not None else None
             if reason is not None:
                 log.info("run %s closed for good (%s); waiting for acknowledgements", run_id, reason)
-                wait_for_acknowledgements(store, keys, grace_timeout)
+                wait_for_acknowledgements(RunRecords(store, signer, keys), grace_timeout)
                 if linger > 0:
                     log.info("serving %.0fs more for participants that start late", linger)
                     deadline = time.monotonic() + linger

@@ -4,10 +4,15 @@ A run id can be used again -- a requeued job keeps its scheduler job id, a long-
 outlives jobs -- so every launch of a run is an *incarnation* with keys of its own; nothing
 of an earlier incarnation ("closed for good" above all) is seen by a later one (see
 :func:`~lightning_ft.rendezvous.decisions.choose_incarnation`). Round-scoped keys carry the
-round number (``r{N}/...``). Slot keys are shared by all rounds of an incarnation and never
-cleared; the round inside each slot value tells readers which round wrote it. Every value a
-reader decodes has its encoder here, next to it; values are sealed with the job secret by
+round number (``r{N}/...``). Every value a reader decodes has its encoder here, next to it;
+values and log records are sealed with the job secret by
 :class:`~lightning_ft.schema.signing.SealedStore`.
+
+*Counters are hints, sealed records are truth.* ``add`` cannot be sealed, so no counter decides
+anything: the round, the incarnation, who arrived or withdrew, who is lost for good, heartbeats,
+the coordinator's lease and the acknowledgements are sealed values or sealed records in
+append-only logs. The only counter left (``appended``) tells a reader *when* to re-read a log;
+bumping it costs a re-read, nothing else.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import enum
 import json
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import NamedTuple, Protocol
 
 # torch's elastic agent writes this key under the store a rendezvous returns once every
@@ -34,8 +38,21 @@ SEP = "\x1f"
 
 
 def incarnation_key(run_id: str) -> str:
-    """The counter of a run's incarnations (the newest one is current)."""
+    """The run's newest incarnation (a sealed number, see :func:`encode_number`)."""
     return f"lightning_ft/{run_id}/incarnation"
+
+
+def encode_number(value: int) -> str:
+    """A round or incarnation number as stored (sealed, so ``add`` can neither read nor bump it)."""
+    return str(int(value))
+
+
+def decode_number(raw: bytes | None) -> int | None:
+    try:
+        value = int(raw.decode()) if raw is not None else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if value is not None and value >= 0 else None
 
 
 class RunKeys:
@@ -46,29 +63,27 @@ class RunKeys:
         self.incarnation = incarnation
         self.prefix = f"lightning_ft/{run_id}/i{incarnation}"
         p = self.prefix
-        #: the current round (an integer counter; ``compare_set`` moves it on)
+        #: the current round (a sealed number; ``compare_set`` on its bytes moves it on)
         self.round = f"{p}/round"
         #: the run is over (a CloseReason); stored under ``SealedStore.unlisted(...)`` of this
-        #: name, so that a client without the secret cannot find it to overwrite it
+        #: name, so that a client without the secret cannot compute it
         self.closed_for_good = f"{p}/closed_for_good"
-        self.lost_count = f"{p}/lost_count"
-        self.unhealthy_count = f"{p}/unhealthy_count"
+        #: log of :class:`LostRecord`: participants lost for good (dead, unhealthy, withdrawn)
+        self.lost = f"{p}/lost"
         self.last_actives = f"{p}/last_actives"
-        self.shutdown_acks = f"{p}/shutdown_acks"
         #: the log versions of the run's loggers, decided once by rank 0 of the first round
         self.log_versions = f"{p}/log_versions"
 
     def round_key(self, round_id: int, name: str) -> str:
         return f"{self.prefix}/r{round_id}/{name}"
 
-    def arrived(self, round_id: int) -> str:
-        return self.round_key(round_id, "arrived")
+    def arrivals(self, round_id: int) -> str:
+        """Log of :class:`ArrivalRecord`: who arrived in (and withdrew from) the round, in order."""
+        return self.round_key(round_id, "arrivals")
 
-    def written(self, round_id: int) -> str:
-        return self.round_key(round_id, "written")
-
-    def withdrawn(self, round_id: int) -> str:
-        return self.round_key(round_id, "withdrawn")
+    def appended(self, round_id: int) -> str:
+        """A counter bumped after each append to :meth:`arrivals`: a hint to re-read it, no more."""
+        return self.round_key(round_id, "appended")
 
     def ready(self, round_id: int) -> str:
         return self.round_key(round_id, "ready")
@@ -77,6 +92,7 @@ class RunKeys:
         return self.round_key(round_id, "coordinator")
 
     def coordinator_beat(self, round_id: int) -> str:
+        """The coordinator's lease: a sealed :class:`Beat` it renews every step."""
         return self.round_key(round_id, "coordinator_beat")
 
     def round_store_prefix(self, round_id: int) -> str:
@@ -86,39 +102,26 @@ class RunKeys:
     def exit_barrier(self, round_id: int) -> str:
         return f"{self.round_store_prefix(round_id)}/{EXIT_BARRIER_KEY}"
 
-    def slot(self, index: int) -> str:
-        return f"{self.prefix}/slot/{index}"
-
-    def decided_rank(self, round_id: int, decision: str, index: int) -> str:
-        """A coordinator's answer for one slot, under its own decision: the ``ready`` marker names
-        the decision in force, so answers of a coordinator that lost the race (or died half-way
-        and was taken over) can never mix with the effective ones."""
-        return self.round_key(round_id, f"decision/{decision}/slot/{index}")
+    def decided_rank(self, round_id: int, decision: str, participant_id: str) -> str:
+        """A coordinator's answer for one participant, under its own decision: the ``ready`` marker
+        names the decision in force, so answers of a coordinator that lost the race (or died
+        half-way and was taken over) can never mix with the effective ones."""
+        return self.round_key(round_id, f"decision/{decision}/{participant_id}")
 
     def heartbeat(self, participant_id: str) -> str:
+        """A participant's heartbeat: a sealed number it raises every ``heartbeat_interval``."""
         return f"{self.prefix}/heartbeat/{participant_id}"
-
-    def lost_marker(self, participant_id: str) -> str:
-        return f"{self.prefix}/lost/{participant_id}"
 
     def ack(self, participant_id: str) -> str:
         return f"{self.prefix}/ack/{participant_id}"
 
-    def slot_keys(self, count: int) -> list[str]:
-        return list(_slot_keys(self.prefix, count))
+
+# ---------------------------------------------------------------------------- arrivals
+
+_ARRIVED, _WITHDREW = "a1", "w1"
 
 
-@lru_cache(maxsize=8)
-def _slot_keys(prefix: str, count: int) -> tuple[str, ...]:
-    return tuple(f"{prefix}/slot/{i}" for i in range(count))
-
-
-# ---------------------------------------------------------------------------- slots
-
-_SLOT_VERSION = "1"
-
-
-class SlotWriter(Protocol):
+class ArrivalWriter(Protocol):
     @property
     def participant_id(self) -> str: ...
     @property
@@ -127,53 +130,94 @@ class SlotWriter(Protocol):
     def domain_id(self) -> str: ...
 
 
-class Slot(NamedTuple):
-    """What a slot key holds: the round it was written in, the participant, its status.
+class ArrivalRecord(NamedTuple):
+    """One record of a round's arrivals log: a participant arrived, or withdrew.
 
-    A NamedTuple, not a dataclass: the coordinator decodes every slot of a round on each
-    re-read, and for 10,000 slots object construction cost more than the ``multi_get``.
+    ``seq`` grows with every record a participant writes, so a reader keeps each participant's
+    newest record and a replayed older one (an arrival copied after the withdrawal) changes
+    nothing. A NamedTuple: the coordinator decodes every record of a round on each re-read.
     """
 
-    round: int
     withdrawn: bool
+    seq: int
     infra_rank: int
     domain_id: str
     participant_id: str
 
 
-def encode_slot(round_id: int, info: SlotWriter, withdrawn: bool = False) -> bytes:
-    # flat separator format; round first, so stale slots can be told apart before decoding
-    return SEP.join((str(round_id), _SLOT_VERSION, "1" if withdrawn else "0", str(info.infra_rank),
+def encode_arrival(seq: int, info: ArrivalWriter, withdrawn: bool = False) -> bytes:
+    return SEP.join((_WITHDREW if withdrawn else _ARRIVED, str(seq), str(info.infra_rank),
                      info.domain_id, info.participant_id)).encode()
 
 
-def decode_slot(raw: bytes) -> Slot | None:
-    """Decode a slot value; ``None`` for anything that is not a well-formed slot."""
+def decode_arrival(raw: bytes) -> ArrivalRecord | None:
+    """Decode an arrival record; ``None`` for anything that is not a well-formed one."""
     try:
-        round_text, version, withdrawn, infra, domain, participant_id = raw.decode().split(SEP)
-        if version != _SLOT_VERSION:
+        kind, seq, infra, domain, participant_id = raw.decode().split(SEP)
+        if kind not in (_ARRIVED, _WITHDREW) or not participant_id:
             return None
-        return Slot(int(round_text), withdrawn == "1", int(infra), domain, participant_id)
+        return ArrivalRecord(kind == _WITHDREW, int(seq), int(infra), domain, participant_id)
     except (ValueError, UnicodeDecodeError):
         return None
 
 
-class SlotRank(NamedTuple):
-    """The coordinator's answer for one slot: rank ``-1`` is standby."""
+class LostRecord(NamedTuple):
+    """One record of the run's ``lost`` log: a participant lost for good, and why."""
+
+    participant_id: str
+    why: str
+
+
+def encode_lost(participant_id: str, why: str) -> str:
+    return SEP.join((participant_id, why))
+
+
+def decode_lost(raw: bytes) -> LostRecord | None:
+    participant_id, sep, why = raw.decode(errors="replace").partition(SEP)
+    return LostRecord(participant_id, why) if sep and participant_id else None
+
+
+class Beat(NamedTuple):
+    """A coordinator's lease renewal: who holds the lease, and how often it renewed it."""
+
+    holder: str
+    seq: int
+
+
+def encode_beat(holder: str, seq: int) -> str:
+    return SEP.join((holder, str(seq)))
+
+
+def decode_beat(raw: bytes | None) -> Beat | None:
+    if raw is None:
+        return None
+    holder, _, seq = raw.decode(errors="replace").partition(SEP)
+    try:
+        return Beat(holder, int(seq))
+    except ValueError:
+        return None
+
+
+#: the answer rank of a participant the round has no place for (more than ``max_nodes`` arrived)
+EXTRA_RANK = -2
+
+
+class RankAnswer(NamedTuple):
+    """The coordinator's answer for one participant: rank ``-1`` is standby, ``EXTRA_RANK`` extra."""
 
     round: int
     rank: int
     world_size: int
 
 
-def encode_slot_rank(round_id: int, rank: int, world_size: int) -> str:
+def encode_rank_answer(round_id: int, rank: int, world_size: int) -> str:
     return f"{round_id},{rank},{world_size}"
 
 
-def decode_slot_rank(raw: bytes) -> SlotRank | None:
+def decode_rank_answer(raw: bytes) -> RankAnswer | None:
     try:
         round_text, rank, world = raw.decode().split(",")
-        return SlotRank(int(round_text), int(rank), int(world))
+        return RankAnswer(int(round_text), int(rank), int(world))
     except (ValueError, UnicodeDecodeError):
         return None
 

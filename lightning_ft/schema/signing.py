@@ -18,13 +18,15 @@ is decoded with a restricted loader either way.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import logging
 import os
 import stat
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 
 from lightning_ft.deadlines import StoreClient
@@ -37,6 +39,15 @@ ENV_SECRET_FILE = "LIGHTNING_FT_SECRET_FILE"
 
 MAGIC = b"LFTs"
 TAG_BYTES = 16
+
+
+#: how often a writer re-tries to replace values that keep failing their check before it gives up
+_REPLACE_ATTEMPTS = 64
+_CACHE_LIMIT = 200_000
+
+
+class StoreTamperedError(RuntimeError):
+    """A store value this process must move on kept being replaced by values that fail their check."""
 
 
 class SecretError(ValueError):
@@ -88,6 +99,16 @@ class Signer:
             self._reject(key, "its seal does not match the job secret (forged, altered, or another job's)")
             return None
         return data
+
+    def rejected(self) -> list[str]:
+        """The kinds of store keys (see :func:`_family`) whose values failed their check so far."""
+        with self._lock:
+            return sorted(self._warned)
+
+    def invalid_values_note(self) -> str:
+        """`` (store values that failed their check: ...)`` for an error message, or ``""``."""
+        families = self.rejected()
+        return f" (store values that failed their check: {', '.join(families)})" if families else ""
 
     def _reject(self, key: str, why: str) -> None:
         family = _family(key)
@@ -169,10 +190,10 @@ class SealedStore:
     def unlisted(self, name: str) -> str:
         """``name`` with a suffix only holders of the secret can compute (``name`` without one).
 
-        For a value whose mere overwriting would hurt: a store client cannot list keys, so
-        without the secret it cannot find this one to overwrite or delete it (a sealed
-        ``closed_for_good`` that a forger kept overwriting left the store server waiting for
-        the run to close).
+        For a value whose mere overwriting would hurt (a sealed ``closed_for_good`` that a forger
+        kept overwriting left the store server waiting for the run to close): a client without
+        the secret cannot compute the name. Defence in depth only: torch's ``TCPStore.list_keys``
+        finds it, so readers also treat an overwritten value as tampering, never as an answer.
         """
         if not self.signer.enabled:
             return name
@@ -206,18 +227,77 @@ class SealedStore:
     def put_if_absent(self, name: str, value: bytes | str) -> bytes:
         """Store ``value`` unless an authentic one is there; returns the authentic value in force.
 
-        A value that is there but not authentic (forged) is overwritten; writers racing over a
-        forged value then agree on whichever authentic value the store holds last.
+        A value that is there but not authentic (forged, garbled) is replaced with ``compare_set``
+        on exactly those bytes, so writers racing over it agree on the first authentic value.
         """
         key = self.key(name)
         sealed = self.signer.seal(key, value)
-        opened = self.signer.open(key, self.store.compare_set(key, "", sealed))
-        if opened is not None:
-            return opened
-        self.store.set(key, sealed)
-        final = self.signer.open(key, self.store.get(key))
-        if final is not None:
-            return final
-        own = self.signer.open(key, sealed)
-        assert own is not None, "a value sealed here opens here"
-        return own
+        expected: bytes | str = ""
+        for _ in range(_REPLACE_ATTEMPTS):
+            current = bytes(self.store.compare_set(key, expected, sealed))
+            opened = self.signer.open(key, current)
+            if opened is not None:
+                return opened
+            expected = current  # not authentic: replace exactly what is there
+        raise StoreTamperedError(f"store key {key} kept changing to values that fail their check "
+                                 f"({_REPLACE_ATTEMPTS} attempts to replace them)")
+
+    def replace(self, name: str, keep: Callable[[bytes], bool], value: bytes | str) -> bytes:
+        """Set ``value`` unless the authentic value there satisfies ``keep``; returns the value in force.
+
+        Atomic against concurrent writers (``compare_set`` on exactly the bytes read); a missing
+        or inauthentic value is replaced.
+        """
+        key = self.key(name)
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        sealed = self.signer.seal(key, data)
+        current = bytes(self.store.get(key)) if self.store.check([key]) else b""
+        for _ in range(_REPLACE_ATTEMPTS):
+            opened = self.signer.open(key, current) if current else None
+            if opened is not None and keep(opened):
+                return opened
+            moved = bytes(self.store.compare_set(key, current, sealed))
+            if moved == sealed:
+                return data
+            current = moved
+        raise StoreTamperedError(f"store key {key} kept changing ({_REPLACE_ATTEMPTS} attempts to move it on)")
+
+    def append(self, name: str, record: bytes | str) -> None:
+        """Append one sealed record to the log ``name`` (torch's atomic ``append``).
+
+        A record is framed as a base64 line with a newline on both sides: whatever a store
+        client appends in between (no newline, a partial line) ends at our leading newline
+        and cannot swallow a record of ours.
+        """
+        key = self.key(name)
+        self.store.append(key, b"\n" + base64.b64encode(self.signer.seal(key, record)) + b"\n")
+
+    def records(self, name: str, cache: dict[bytes, bytes | None] | None = None) -> list[bytes]:
+        """The authentic records of the log ``name``, in the order they were appended.
+
+        Lines that are not ours (not base64, not sealed, sealed for another key) are skipped
+        and logged once per kind of key. Records are not deduplicated: a replayed line is read
+        twice, so records carry what a reader needs to tell (see the record encoders).
+        ``cache`` maps lines already opened to their record, for readers that re-read a log.
+        """
+        key = self.key(name)
+        if not self.store.check([key]):
+            return []
+        out = []
+        for line in bytes(self.store.get(key)).split(b"\n"):
+            if not line:
+                continue
+            if cache is not None and line in cache:
+                opened = cache[line]
+            else:
+                try:
+                    raw: bytes | None = base64.b64decode(line, validate=True)
+                except (binascii.Error, ValueError):
+                    self.signer._reject(key, "a line of this log is not a record of ours")
+                    raw = None
+                opened = self.signer.open(key, raw) if raw is not None else None
+                if cache is not None and len(cache) < _CACHE_LIMIT:
+                    cache[line] = opened
+            if opened is not None:
+                out.append(opened)
+        return out

@@ -22,7 +22,7 @@ def _SECONDS(value: object) -> str | None:
 
 #: the bounds the barrier rendezvous and its torchrun handler use (what ``--rdzv-conf`` may set)
 RENDEZVOUS_TIMEOUTS = ("join_timeout", "rejoin_timeout", "last_call_timeout", "previous_active_grace",
-                       "store_grace_timeout", "unwritten_slot_timeout", "heartbeat_interval", "connect_timeout",
+                       "store_grace_timeout", "heartbeat_interval", "connect_timeout",
                        "store_timeout", "health_timeout")
 
 
@@ -42,10 +42,8 @@ class Timeouts:
     store_grace_timeout: float = setting(3.0, "the store host waits at most this long for the others to "
                                               "acknowledge the end before its process (and the store) goes",
                                          rule=_SECONDS)
-    unwritten_slot_timeout: float = setting(2.0, "a participant that took a slot but did not write it within this "
-                                                 "is skipped", rule=_SECONDS)
-    heartbeat_interval: float = setting(0.1, "participants bump a heartbeat this often; one silent for 4 beats "
-                                             "is dead", rule=_SECONDS)
+    heartbeat_interval: float = setting(0.1, "participants raise a sealed heartbeat this often; one silent for 4 "
+                                             "beats is dead", rule=_SECONDS)
     # the store
     connect_timeout: float = setting(60.0, "bound on reaching the rendezvous store", rule=_SECONDS)
     store_timeout: float = setting(30.0, "bound on any one store call once connected: a frozen store host makes "

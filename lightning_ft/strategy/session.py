@@ -21,6 +21,7 @@ from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
 from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
+from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.rendezvous.store import connect_store
 from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
@@ -138,6 +139,7 @@ class RoundRuntime:
         # a connection of its own whose every call is bounded more tightly than the session's
         clone = session.store.clone(timeouts.watchdog_store_timeout)
         round_values = session.round_values(result, clone)
+        records = RunRecords(clone, session.rendezvous.signer, keys)
 
         def on_trigger(detector: Detector, reason: str, stalled: tuple[int, ...]) -> None:
             if detector.judges_a_stall:
@@ -149,15 +151,15 @@ class RoundRuntime:
                             stuck_seconds=None if began is None else round(time.monotonic() - began, 3))
             if detector.judges_a_stall:
                 round_values.put_if_absent(VERDICT_KEY, encode_verdict(detector.value, reason))
-            opened = int(clone.compare_set(keys.round, str(result.round), str(result.round + 1)))
+            opened = records.open_round(result.round + 1)
             if detector.judges_a_stall and opened == result.round + 1:
                 events.emit(ev.ROUND_OPEN, round=result.round + 1, after=result.round, reason=reason)
 
         transport = self.transport
         self.clock.touch()  # building the group was progress; the watchdog measures from here
         self.watchdog = RoundWatchdog(
-            round_values=round_values, rdzv_store=clone, round_key=keys.round,
-            heartbeat_key=keys.heartbeat, round_id=result.round, rank=result.rank, world_size=result.world_size,
+            round_values=round_values, records=records, round_id=result.round, rank=result.rank,
+            world_size=result.world_size,
             clock=self.clock, hang_detection=hang.hang_detection, hang_floor=hang.hang_timeout_floor,
             hang_factor=hang.hang_safety_factor,
             dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,

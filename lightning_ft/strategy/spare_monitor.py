@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
 from lightning_ft.deadlines import BackgroundThread, StoreClient
+from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.round import decode_member, member_key
 from lightning_ft.schema.run import RunKeys
 from lightning_ft.schema.signing import SealedStore, Signer
@@ -36,13 +37,14 @@ class SpareMonitor(BackgroundThread):
         self.store = rdzv_store
         self.signer = signer
         self.keys = keys
+        self.records = RunRecords(rdzv_store, signer, keys)
         self.dead_after = dead_after
         self.open_round = open_round
         self.replicas = replicas
         self.poll_interval = poll_interval
         self._watched_round = -1
         self._members: dict[int, str] = {}
-        self._beats: dict[str, tuple[int, float]] = {}
+        self._beats: dict[str, tuple[int | None, float]] = {}
 
     def run(self) -> None:
         while not self.stopping.wait(self.poll_interval):
@@ -52,8 +54,8 @@ class SpareMonitor(BackgroundThread):
                 log.debug("spare monitor: %s", exc)
 
     def _poll(self) -> None:
-        round_id = int(self.store.compare_set(self.keys.round, "", "0"))
-        if not self.store.check([self.keys.ready(round_id)]):
+        round_id = self.records.current_round()
+        if not self.records.values.has(self.keys.ready(round_id)):
             return  # the round is still forming: nothing trains yet
         values = SealedStore(self.store, self.signer, self.keys.round_store_prefix(round_id))
         if self.replicas is not None:
@@ -75,9 +77,10 @@ class SpareMonitor(BackgroundThread):
         # Only when *every* active is silent (see the module docstring).
         silent = []
         for participant in self._members.values():
-            beat = self.store.add(self.keys.heartbeat(participant), 0)
+            beat = self.records.heartbeat(participant)
             seen = self._beats.get(participant)
-            if seen is None or seen[0] != beat:
+            # only a rise counts: a replayed older value, or one that fails its check, is silence
+            if seen is None or (beat is not None and (seen[0] is None or beat > seen[0])):
                 self._beats[participant] = (beat, now)
             elif now - seen[1] >= self.dead_after:
                 silent.append(participant)

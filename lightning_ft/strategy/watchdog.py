@@ -23,7 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from types import FrameType
 
-from lightning_ft.deadlines import BackgroundThread, StoreClient
+from lightning_ft.deadlines import BackgroundThread
+from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.round import decode_member, decode_progress, encode_progress, member_key, progress_key
 from lightning_ft.schema.signing import SealedStore
 from lightning_ft.strategy.decisions import Detector, PeerState, find_stalled_ranks, hang_timeout
@@ -119,22 +120,20 @@ class RoundWatchdog(BackgroundThread):
     """Watches one round on one active rank (see the module docstring).
 
     ``round_values``: the round's sealed values (on a store connection of the watchdog's own);
-    ``rdzv_store`` + ``round_key``/``heartbeat_key``: the rendezvous keys on the same clone.
+    ``records``: the run's sealed rendezvous state (round, heartbeats) on the same clone.
     ``on_trigger(detector, reason, stalled)`` runs in the watchdog thread before the group is
     broken; ``break_group()`` makes the training thread's collective fail. Build it on the
     training thread: that is the thread whose stack tells where this rank waits.
     """
 
-    def __init__(self, *, round_values: SealedStore, rdzv_store: StoreClient, round_key: str,
-                 heartbeat_key: Callable[[str], str], round_id: int, rank: int, world_size: int, clock: StepClock,
+    def __init__(self, *, round_values: SealedStore, records: RunRecords, round_id: int, rank: int,
+                 world_size: int, clock: StepClock,
                  hang_detection: bool, hang_floor: float, hang_factor: float, dead_after: float,
                  on_trigger: Callable[[Detector, str, tuple[int, ...]], None], break_group: Callable[[], int],
                  poll_interval: float = 0.2, progress_interval: float = 1.0, join_timeout: float = 2.0) -> None:
         super().__init__("lightning_ft-round-watchdog", join_timeout)
         self.round_values = round_values
-        self.rdzv_store = rdzv_store
-        self.round_key = round_key
-        self.heartbeat_key = heartbeat_key
+        self.records = records
         self.round_id = round_id
         self.rank = rank
         self.world_size = world_size
@@ -162,7 +161,7 @@ class RoundWatchdog(BackgroundThread):
         self._published: tuple[int, int, str | None] | None = None
         self._published_at = float("-inf")
         self._members: dict[int, str] = {}
-        self._heartbeats: dict[int, tuple[int, float]] = {}
+        self._heartbeats: dict[int, tuple[int | None, float]] = {}
         self._positions: dict[int, tuple[bytes, float]] = {}
         self._warned_at = -1
 
@@ -210,7 +209,7 @@ class RoundWatchdog(BackgroundThread):
         overdue = self.hang_detection and idle >= timeout
         waiting = waiting_in_collective(sys._current_frames().get(self._training_thread)) if overdue else None
         self._publish((clock.completed, clock.activity, waiting), now, urgent=overdue)
-        current = int(self.rdzv_store.compare_set(self.round_key, "", "0"))
+        current = self.records.current_round()
         if current > self.round_id:
             return self._trigger(Detector.RENDEZVOUS, f"round {current} opened while this rank trains in round "
                                                f"{self.round_id} (a peer saw a failure)", ())
@@ -263,9 +262,10 @@ class RoundWatchdog(BackgroundThread):
             participant = self._members.get(rank)
             silent = 0.0
             if participant is not None:
-                beat = self.rdzv_store.add(self.heartbeat_key(participant), 0)
+                beat = self.records.heartbeat(participant)
                 seen = self._heartbeats.get(rank)
-                if seen is None or seen[0] != beat:
+                # only a rise counts: a replayed older value, or one that fails its check, is silence
+                if seen is None or (beat is not None and (seen[0] is None or beat > seen[0])):
                     self._heartbeats[rank] = (beat, now)
                 else:
                     silent = now - seen[1]

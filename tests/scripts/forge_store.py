@@ -1,7 +1,7 @@
 """An attacker that reaches a job's store and knows its run id, but not its secret.
 
 It keeps writing forged control-plane values while the job trains: "closed for good"
-(FINISHED), a failure notice of rank 0, a deadlock verdict, fake participants' slots, and a
+(FINISHED), a failure notice of rank 0, a deadlock verdict, fake participants' arrivals, and a
 snapshot replica whose metadata would run a command under plain pickle (it touches
 ``--marker``). Values are written unsealed and sealed with a wrong secret.
 
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from lightning_ft.checkpoint.identity import state_dict_fingerprint
 from lightning_ft.checkpoint.memory import format as fmt
+from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.round import (
     REPLICA_BLOB_KEY,
     REPLICA_META_KEY,
@@ -29,8 +30,8 @@ from lightning_ft.schema.round import (
     encode_verdict,
     failed_key,
 )
-from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys, encode_slot
-from lightning_ft.schema.signing import Signer
+from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
+from lightning_ft.schema.signing import MAGIC, TAG_BYTES, Signer
 
 
 class _Payload:
@@ -74,9 +75,11 @@ def main() -> int:
     forged = 0
     while time.monotonic() < deadline:
         try:
-            current = int(store.compare_set(keys.round, "", "0"))
+            raw = bytes(store.compare_set(keys.round, "", "0"))
         except (RuntimeError, OSError):  # torch's DistNetworkError: the job ended, its store with it
             break
+        # a sealed number is readable (sealed, not encrypted): skip the magic and the tag
+        current = int(raw[len(MAGIC) + TAG_BYTES:] if raw.startswith(MAGIC) else raw)
         prefix = keys.round_store_prefix(current)
         for signer in (plain, wrong):
             def put(key: str, value: bytes | str, signer: Signer = signer) -> None:
@@ -91,7 +94,10 @@ def main() -> int:
                 put(keys.closed_for_good, CloseReason(CloseKind.FINISHED, "forged: job finished").encode())
                 put(f"{prefix}/{failed_key(0)}", "ValueError: forged bug")
                 put(f"{prefix}/{VERDICT_KEY}", encode_verdict("deadlock", "forged deadlock"))
-                put(keys.slot(50), encode_slot(current, _Fake(), withdrawn=False))
+                try:
+                    RunRecords(store, signer, keys).append_arrival(current, 1, _Fake())
+                except (RuntimeError, OSError):
+                    pass
             forged += 1
         if forged == 2:  # one round unsealed, one sealed with a wrong secret
             print("forging", flush=True)

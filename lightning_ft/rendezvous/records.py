@@ -1,0 +1,224 @@
+"""The run's sealed state on the store: every read and write that can decide an outcome.
+
+*Counters are hints, sealed records are truth.* A store client can ``add`` to any key, and a
+counter cannot be sealed; so nothing here trusts one. The round and the incarnation are sealed
+numbers moved on with ``compare_set`` on their exact bytes (``add`` cannot even parse them);
+who arrived in a round, who withdrew and who is lost for good are sealed records appended to
+logs; heartbeats and the coordinator's lease are sealed numbers that must *rise* to count. A
+value that fails its check is ignored and logged once per kind of key
+(:class:`~lightning_ft.schema.signing.Signer`), and error messages name those kinds.
+
+Without a job secret nothing is authenticated (values pass through unsealed), as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from lightning_ft.deadlines import StoreClient
+from lightning_ft.rendezvous.decisions import Arrival, arrivals_of_round, choose_incarnation
+from lightning_ft.schema.run import (
+    ArrivalWriter,
+    Beat,
+    CloseReason,
+    RunKeys,
+    decode_arrival,
+    decode_beat,
+    decode_coordinator,
+    decode_lost,
+    decode_number,
+    encode_arrival,
+    encode_beat,
+    encode_coordinator,
+    encode_lost,
+    encode_number,
+    incarnation_key,
+)
+from lightning_ft.schema.signing import SealedStore, Signer
+
+log = logging.getLogger(__name__)
+
+
+class RunRecords:
+    """One process's view of a run incarnation's sealed state on one store connection."""
+
+    def __init__(self, store: StoreClient, signer: Signer, keys: RunKeys) -> None:
+        self.store = store
+        self.signer = signer
+        self.keys = keys
+        self.values = SealedStore(store, signer)
+        self._round_seen = 0
+        self._line_cache: dict[bytes, bytes | None] = {}
+
+    # ----------------------------------------------------------------- the round
+
+    def current_round(self) -> int:
+        """The current round: the authentic number in the store, never lower than one seen before
+        (a replayed older value cannot move anyone back). Creates round 0 on first use."""
+        key = self.keys.round
+        raw = self.store.compare_set(key, "", self.signer.seal(key, encode_number(0)))
+        value = decode_number(self.signer.open(key, bytes(raw)))
+        if value is not None and value > self._round_seen:
+            self._round_seen = value
+        return self._round_seen
+
+    def open_round(self, round_id: int) -> int:
+        """Move the current round on to ``round_id`` unless it is there or beyond; returns the round
+        in force. Idempotent: concurrent callers agree (the sealed bytes of a number are the same
+        for everyone); a value that fails its check is replaced."""
+        def at_or_beyond(raw: bytes) -> bool:
+            held = decode_number(raw)
+            return held is not None and held >= round_id
+
+        held = self.values.replace(self.keys.round, at_or_beyond, encode_number(round_id))
+        value = decode_number(held)
+        self._round_seen = max(self._round_seen, value if value is not None else round_id)
+        return self._round_seen
+
+    # ----------------------------------------------------------------- arrivals
+
+    def append_arrival(self, round_id: int, seq: int, info: ArrivalWriter, withdrawn: bool = False) -> None:
+        """Record that ``info`` arrived in (or withdrew from) ``round_id``; ``seq`` must grow per writer."""
+        self.values.append(self.keys.arrivals(round_id), encode_arrival(seq, info, withdrawn))
+        self.store.add(self.keys.appended(round_id), 1)  # a hint for readers, nothing more
+
+    def appended_hint(self, round_id: int) -> int:
+        """How often the arrivals log of ``round_id`` was appended to, as far as the counter says:
+        readers re-read the log when it moves (a bumped counter costs a re-read, nothing else)."""
+        return int(self.store.add(self.keys.appended(round_id), 0))
+
+    def arrivals(self, round_id: int) -> tuple[Arrival, ...]:
+        """The live arrivals of ``round_id``, in log order (see :func:`arrivals_of_round`)."""
+        records = self.values.records(self.keys.arrivals(round_id), self._line_cache)
+        return arrivals_of_round([decode_arrival(r) for r in records])
+
+    # ----------------------------------------------------------------- lost for good
+
+    def lost(self) -> dict[str, str]:
+        """Participants lost for good (dead, unhealthy, withdrawn) -> the first reason recorded."""
+        lost: dict[str, str] = {}
+        for raw in self.values.records(self.keys.lost, self._line_cache):
+            record = decode_lost(raw)
+            if record is not None:
+                lost.setdefault(record.participant_id, record.why)
+        return lost
+
+    def mark_lost(self, participant_id: str, why: str) -> bool:
+        """Record ``participant_id`` as lost for good; False when it already was. Racing writers
+        may both append: readers count a participant once."""
+        if participant_id in self.lost():
+            return False
+        self.values.append(self.keys.lost, encode_lost(participant_id, why))
+        return True
+
+    # ----------------------------------------------------------------- heartbeats and the lease
+
+    def heartbeat(self, participant_id: str) -> int | None:
+        """``participant_id``'s authentic heartbeat number (None: absent or not authentic)."""
+        return decode_number(self.values.get(self.keys.heartbeat(participant_id)))
+
+    def heartbeats(self, participant_ids: Iterable[str]) -> dict[str, int | None]:
+        return {pid: self.heartbeat(pid) for pid in participant_ids}
+
+    def claim_coordinator(self, round_id: int, participant_id: str) -> bool:
+        """Try to become the coordinator of ``round_id`` (the first claim wins)."""
+        mine = encode_coordinator(participant_id).encode()
+        return self.values.put_if_absent(self.keys.coordinator(round_id), mine) == mine
+
+    def coordinator(self, round_id: int) -> tuple[bytes, tuple[str, tuple[str, ...]] | None]:
+        """``(raw bytes, (holder, replaced) or None)`` of the coordinator claim of ``round_id``:
+        None when absent or not authentic (then anyone may replace it)."""
+        key = self.keys.coordinator(round_id)
+        raw = bytes(self.store.get(key)) if self.store.check([key]) else b""
+        opened = self.signer.open(key, raw) if raw else None
+        return raw, decode_coordinator(opened.decode(errors="replace")) if opened is not None else None
+
+    def take_over_coordinator(self, round_id: int, seen: bytes, participant_id: str,
+                              replaced: tuple[str, ...]) -> bool:
+        """Replace the claim ``seen`` (the raw bytes read) by ours; True when ours is in force."""
+        key = self.keys.coordinator(round_id)
+        mine = self.signer.seal(key, encode_coordinator(participant_id, replaced))
+        return bytes(self.store.compare_set(key, seen, mine)) == mine
+
+    def renew_lease(self, round_id: int, holder: str, seq: int) -> None:
+        self.values.put(self.keys.coordinator_beat(round_id), encode_beat(holder, seq))
+
+    def lease(self, round_id: int) -> Beat | None:
+        """The coordinator's newest authentic lease renewal (None: none, or not authentic)."""
+        return decode_beat(self.values.get(self.keys.coordinator_beat(round_id)))
+
+    # ----------------------------------------------------------------- shutdown acknowledgements
+
+    def acknowledge(self, participant_id: str) -> None:
+        self.values.put(self.keys.ack(participant_id), "1")
+
+    def acknowledged(self, participant_ids: Iterable[str], all_or_none: bool = False) -> set[str]:
+        """Which of ``participant_ids`` acknowledged shutdown with an authentic value.
+
+        ``all_or_none``: one request while not all of them wrote something (for a poll loop).
+        """
+        ids = list(participant_ids)
+        names = [self.keys.ack(pid) for pid in ids]
+        if not names:
+            return set()
+        if self.store.check(names):
+            return {pid for pid, value in zip(ids, self.values.multi_get(names), strict=True) if value is not None}
+        if all_or_none:
+            return set()
+        return {pid for pid, name in zip(ids, names, strict=True) if self.values.get(name) is not None}
+
+
+def current_incarnation(store: StoreClient, signer: Signer, run_id: str) -> int | None:
+    """The run's newest incarnation as an authentic number (0 when none was opened yet); None
+    when the value there fails its check."""
+    key = incarnation_key(run_id)
+    raw = store.compare_set(key, "", signer.seal(key, encode_number(0)))
+    return decode_number(signer.open(key, bytes(raw)))
+
+
+def resolve_incarnation(store: StoreClient, signer: Signer, run_id: str, started_at: float) -> int:
+    """The incarnation of ``run_id`` a participant started at ``started_at`` belongs to (see
+    :func:`~lightning_ft.rendezvous.decisions.choose_incarnation`); opens the next one if needed.
+
+    The incarnation is a sealed number: a store client can neither bump it (``add`` cannot
+    parse it) nor forge one. A value that fails its check is replaced by the number this
+    participant can prove: the newest incarnation with an authentic round (see below).
+    """
+    values = SealedStore(store, signer)
+    found = current_incarnation(store, signer, run_id)
+    if found is None:
+        found = _newest_authentic_incarnation(values, run_id)
+        log.warning("run %s: the incarnation number in the store fails its check; using %d, the newest "
+                    "incarnation with an authentic round", run_id, found)
+        _move_incarnation(values, run_id, found)
+    current = found
+    while True:
+        raw = values.get(values.unlisted(RunKeys(run_id, current).closed_for_good))
+        closed = CloseReason.decode(raw) if raw is not None else None
+        chosen = choose_incarnation(current, closed.closed_at if closed is not None else None, started_at)
+        if chosen == current:
+            return current
+        held = _move_incarnation(values, run_id, chosen)
+        if held == chosen:
+            log.info("run %s: incarnation %d was closed for good (%s) before this process started; this is "
+                     "a new launch of the run id: incarnation %d", run_id, current, closed, chosen)
+        current = held if held is not None else chosen  # judge the one in force (it may be closed too)
+
+
+def _move_incarnation(values: SealedStore, run_id: str, incarnation: int) -> int | None:
+    """Move the run's incarnation on to ``incarnation`` unless it is there or beyond; the one in force."""
+    def at_or_beyond(raw: bytes) -> bool:
+        held = decode_number(raw)
+        return held is not None and held >= incarnation
+
+    return decode_number(values.replace(incarnation_key(run_id), at_or_beyond, encode_number(incarnation)))
+
+
+def _newest_authentic_incarnation(values: SealedStore, run_id: str, limit: int = 10_000) -> int:
+    newest = 0
+    for incarnation in range(limit):
+        if values.get(RunKeys(run_id, incarnation).round) is None:
+            break
+        newest = incarnation
+    return newest
