@@ -305,7 +305,6 @@ def test_with_a_job_secret_a_manifest_whose_seal_fails_is_skipped_with_a_warning
     first, _ = _job(processes, "first", tmp_path, durable, ["--run-id", "job-s", "--max-steps", "20"],
                     LIGHTNING_FT_SECRET="secret-one")
     assert first["end_step"] == 20
-    assert not _manifest(durable, "job-s", 20).read_bytes().startswith(b"{")  # sealed, not plain JSON
     shutil.copytree(durable, copy)  # the next job's own copies would replace these manifests
 
     other, log = _job(processes, "other-secret", tmp_path, copy, ["--run-id", "job-s", "--max-steps", "30"],
@@ -317,6 +316,7 @@ def test_with_a_job_secret_a_manifest_whose_seal_fails_is_skipped_with_a_warning
     same, log = _job(processes, "same-secret", tmp_path, durable, ["--run-id", "job-s", "--max-steps", "25"],
                      LIGHTNING_FT_SECRET="secret-one")
     assert (same["start_step"], same["trained_steps"]) == (20, 5), log
+    assert not _manifest(durable, "job-s", 20).read_bytes().startswith(b"{")  # sealed, not plain JSON
 
 
 # ------------------------------------------------------------------------------- manifests and paths, in one process
