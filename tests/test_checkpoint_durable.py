@@ -46,11 +46,12 @@ def test_a_step_is_published_only_when_every_rank_uploaded(tmp_path, stores):
     assert second.complete and tier.complete_steps() == [10]
     manifest = json.loads((tmp_path / "durable/job/manifests/step-000000000010.json").read_text())
     assert [s["rank"] for s in manifest["shards"]] == [0, 1] and manifest["segment"] == "seg"
-    # on storage the timeline keeps its earlier name: what an earlier version wrote stays readable
-    marker = (tmp_path / "durable/job/steps/step-000000000010/seg/rank1.done.json").read_text()
-    checksum = json.loads(marker)["checksum"]
-    assert marker == (f'{{"step": 10, "segment": "seg", "rank": 1, "world_size": 2, "nbytes": {infos[1].nbytes}, '
-                      f'"checksum": "{checksum}"}}')
+    # on storage the timeline keeps its earlier name; a marker names its run and model (no secret: plain JSON)
+    marker = json.loads((tmp_path / "durable/job/steps/step-000000000010/seg/rank1.done.json").read_text())
+    model = stores[1].identity(infos[1]).model
+    assert marker == {"step": 10, "segment": "seg", "rank": 1, "world_size": 2, "nbytes": infos[1].nbytes,
+                      "checksum": marker["checksum"], "run_id": "job", "model": model}
+    assert manifest["run_id"] == "job" and manifest["model"] == model and len(model) == 16
 
 
 def test_a_shard_without_its_marker_or_a_torn_upload_is_never_a_step(tmp_path, stores):

@@ -45,6 +45,10 @@ def test_a_step_is_complete_only_with_every_ranks_marker_of_one_timeline():
     assert complete_steps([marker(10, 0, timeline="a"), marker(10, 1, timeline="b")]) == {}
     # disagreeing world sizes never complete
     assert complete_steps([marker(10, 0, world=2), marker(10, 1, world=3)]) == {}
+    # nor shards of different models; the complete step names its model
+    other_model = ShardMarker(10, "a", 1, 2, 10, "sum1", model="m2")
+    assert complete_steps([ShardMarker(10, "a", 0, 2, 10, "sum0", model="m1"), other_model]) == {}
+    assert complete_steps([ShardMarker(10, "a", 0, 2, 10, "sum0", model="m2"), other_model])[10].model == "m2"
 
 
 def test_when_two_timelines_completed_a_step_every_caller_picks_the_same():

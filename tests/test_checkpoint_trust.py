@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from lightning_ft.checkpoint import SnapshotError, SnapshotStore
-from lightning_ft.checkpoint.memory.files import private_dir_problem, snapshot_file_problem
-from lightning_ft.checkpoint.memory.roots import default_root, ensure_writable_root
+from lightning_ft.checkpoint.memory.files import snapshot_file_problem
+from lightning_ft.checkpoint.memory.roots import SNAPSHOT_DIRS, default_root, ensure_writable_root
+from lightning_ft.private_dirs import private_dir_problem
 
 NOBODY = 65534
 ME = os.getuid()
@@ -29,7 +30,7 @@ ME = os.getuid()
     (stat.S_IFREG | 0o600, ME, "not a directory"),
 ])
 def test_private_dir_problem(mode, uid, problem):
-    found = private_dir_problem(mode, uid, ME)
+    found = private_dir_problem(mode, uid, ME, SNAPSHOT_DIRS)
     if problem is None:
         assert found is None
     else:

@@ -257,6 +257,22 @@ def test_exit_record_is_not_written_through_a_planted_link(tmp_path):
     assert victim.read_text() == "keep"
 
 
+def test_an_exit_record_is_written_only_into_a_private_directory_of_this_user(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(ValueError, match=r"exit record directory '.*theirs' is owned by uid 65534.*plant or swap exit"):
+        write_exit_record(theirs, 0, 81, "save-then-exit", [], 1)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(ValueError, match="writable by its group and other users"):
+        write_exit_record(shared, 0, 81, "save-then-exit", [], 1)
+    assert list(theirs.iterdir()) == list(shared.iterdir()) == []
+    written = write_exit_record(tmp_path / "new" / "records", 0, 81, "save-then-exit", [], 1)
+    assert oct(written.parent.stat().st_mode & 0o777) == "0o700"
+
+
 def test_signal_listener_records_in_the_handler_and_acts_in_a_thread():
     seen: list[tuple[int, float, str, bool]] = []
     main_blocked = threading.Event()

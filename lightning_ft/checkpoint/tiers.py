@@ -40,6 +40,8 @@ class ShardMarker:
     nbytes: int
     #: the shard's checksum (``snapshot-crc32:<hex>``: its snapshot header's CRC, see durable.shard_checksum)
     checksum: str = ""
+    #: the fingerprint of the model the shard holds (identity.model_fingerprint)
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,13 @@ class Completion:
     world_size: int
     #: (rank, shard size in bytes, checksum), one per rank in rank order
     shards: tuple[tuple[int, int, str], ...]
+    #: the fingerprint of the model every shard holds
+    model: str = ""
 
 
 def complete_steps(markers: Iterable[ShardMarker]) -> dict[int, Completion]:
-    """Steps whose shards of one timeline cover ranks ``0..W-1`` with one agreed world size ``W``.
+    """Steps whose shards of one timeline cover ranks ``0..W-1`` with one agreed world size ``W``
+    and one model.
 
     Markers of different timelines never combine (a step trained twice after a failure may hold
     other bytes). When several timelines completed the same step, the greatest timeline token
@@ -66,13 +71,15 @@ def complete_steps(markers: Iterable[ShardMarker]) -> dict[int, Completion]:
     result: dict[int, Completion] = {}
     for (step, timeline), by_rank in sorted(groups.items()):
         worlds = {m.world_size for m in by_rank.values()}
-        if len(worlds) != 1:
+        models = {m.model for m in by_rank.values()}
+        if len(worlds) != 1 or len(models) != 1:
             continue
         world = worlds.pop()
         if world < 1 or set(by_rank) != set(range(world)):
             continue
         result[step] = Completion(step, timeline, world,
-                                  tuple((r, by_rank[r].nbytes, by_rank[r].checksum) for r in range(world)))
+                                  tuple((r, by_rank[r].nbytes, by_rank[r].checksum) for r in range(world)),
+                                  models.pop())
     return result
 
 

@@ -54,6 +54,10 @@ class SecretError(ValueError):
     """The job secret is configured but unusable; the message says why."""
 
 
+class SealError(ValueError):
+    """A value is not authentic (unsealed, sealed with another secret, or altered); the message says why."""
+
+
 class Signer:
     """Seals and opens store values with one job secret (or passes them through without one)."""
 
@@ -81,23 +85,29 @@ class Signer:
         return MAGIC + self._tag(key, data) + data
 
     def open(self, key: str, raw: bytes | None) -> bytes | None:
-        """The value stored under ``key``, or None when it is missing or not authentic."""
+        """The value stored under ``key``, or None when it is missing or not authentic (logged once
+        per kind of key)."""
         if raw is None:
             return None
+        try:
+            return self.unseal(key, raw)
+        except SealError as exc:
+            self._reject(key, str(exc))
+            return None
+
+    def unseal(self, key: str, raw: bytes) -> bytes:
+        """The value sealed under ``key`` in ``raw``; SealError saying why when it is not authentic."""
         raw = bytes(raw)
         if self._secret is None:
             if raw.startswith(MAGIC):
-                self._reject(key, "it is sealed, but this process has no job secret "
-                                  f"({ENV_SECRET_FILE} or {ENV_SECRET} differs between participants)")
-                return None
+                raise SealError("it is sealed, but this process has no job secret "
+                                f"({ENV_SECRET_FILE} or {ENV_SECRET} differs between participants)")
             return raw
         if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + TAG_BYTES:
-            self._reject(key, "it is not sealed with the job secret")
-            return None
+            raise SealError("it is not sealed with the job secret")
         tag, data = raw[len(MAGIC):len(MAGIC) + TAG_BYTES], raw[len(MAGIC) + TAG_BYTES:]
         if not hmac.compare_digest(tag, self._tag(key, data)):
-            self._reject(key, "its seal does not match the job secret (forged, altered, or another job's)")
-            return None
+            raise SealError("its seal does not match the job secret (forged, altered, or another job's)")
         return data
 
     def rejected(self) -> list[str]:

@@ -228,5 +228,5 @@ class TerminationExecutor:
         for directory in dict.fromkeys(os.path.abspath(d) for d in targets):
             try:
                 write_exit_record(directory, self.rank, code, decision.action.value, decision.reasons, step)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: not a private directory of this user
                 log.warning("rank %d: cannot write the exit record to %s: %s", self.rank, directory, exc)

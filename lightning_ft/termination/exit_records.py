@@ -8,11 +8,19 @@ node" (82) from a crash. ``GracefulTermination`` writes ``rank-<R>.json`` into
 exits; this module's wrapper runs the launcher, forwards termination signals to it,
 and exits with the code the records imply::
 
-    python -m lightning_ft.termination.exit_records --dir /tmp/ft-exit -- torchrun ... train.py
+    python -m lightning_ft.termination.exit_records --dir "$(mktemp -d)" -- torchrun ... train.py
 
 Every run of the wrapper gives its launcher a directory of its own inside ``--dir``
 (``launch-<job>-<host>-<random>``, mode 0700) and reads only that one, so jobs sharing
 ``--dir`` -- or an earlier attempt of the same job -- never speak for each other.
+
+A record is only as trustworthy as its directory: another local user who created ``--dir``
+(a fixed name in a shared ``/tmp``), made it a symbolic link, or could rename it could put
+records of its making where the wrapper reads, and make a crashed launcher's node exit 0 or 81.
+So ``--dir`` must be a private directory of this user (:mod:`lightning_ft.private_dirs`),
+checked before the launcher starts and again, with the launch directory, before the records are
+read. A directory that fails either check ends the wrapper with ``NO_RESTART`` (83) and a message
+naming it (a launcher that succeeded still ends it with 0: its success needs no record).
 
 No Lightning import.
 """
@@ -30,9 +38,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_ft.exit_codes import ExitCode
+from lightning_ft.private_dirs import DirPurpose, make_private_dir, require_private_dir
 from lightning_ft.settings.environment import child_environment, environ, job_label
 
 log = logging.getLogger(__name__)
@@ -42,13 +52,17 @@ ENV_EXIT_RECORD_DIR = "LIGHTNING_FT_EXIT_RECORD_DIR"
 #: script names another ``exit_record_dir``, so the wrapper never misses them.
 ENV_EXIT_RECORD_LAUNCH_DIR = "LIGHTNING_FT_EXIT_RECORD_LAUNCH_DIR"
 _PATTERN = "rank-*.json"
+#: the exit record directories, in the words of their errors
+EXIT_RECORD_DIRS = DirPurpose(
+    "exit records", f"another directory (--dir of lightning-ft exit-code, exit_record_dir= or {ENV_EXIT_RECORD_DIR})")
 
 
 def write_exit_record(directory: str | os.PathLike, rank: int, exit_code: int, action: str,
                       reasons: Sequence[str], step: int) -> Path:
-    """Atomically write this rank's record (``rank-<R>.json``)."""
+    """Atomically write this rank's record (``rank-<R>.json``) into ``directory``, a private
+    directory of this user (created 0700; ValueError naming it if it is not private)."""
+    make_private_dir(os.fspath(directory), "exit record directory", EXIT_RECORD_DIRS, parents=True)
     directory = Path(directory)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = directory / f"rank-{rank}.json"
     tmp = directory / f".rank-{rank}.{os.getpid()}.tmp"
     data = json.dumps({
@@ -65,12 +79,38 @@ def write_exit_record(directory: str | os.PathLike, rank: int, exit_code: int, a
     return path
 
 
-def launch_directory(base: str | os.PathLike, env: Mapping[str, str] | None = None) -> Path:
-    """A new directory for one launch's records inside ``base`` (created 0700; see the module doc)."""
+@dataclass(frozen=True)
+class LaunchDirectory:
+    """The records directory of one launch: ``path``, new inside ``base``, and what it was when made."""
+
+    base: str
+    path: Path
+    #: (st_dev, st_ino) of ``path`` when it was made: a directory put in its place is another one
+    made_as: tuple[int, int]
+
+
+def open_launch_directory(base: str | os.PathLike, env: Mapping[str, str] | None = None) -> LaunchDirectory:
+    """A new directory for one launch's records inside ``base`` (created 0700; see the module doc).
+    ValueError naming ``base``, its owner and mode unless it is a private directory of this user."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{job_label(env)}-{socket.gethostname()}")[:80]
-    base = Path(base)
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f"launch-{safe}-", dir=base))
+    base = os.fspath(base)
+    make_private_dir(base, "exit record directory", EXIT_RECORD_DIRS, parents=True)
+    path = Path(tempfile.mkdtemp(prefix=f"launch-{safe}-", dir=base))
+    st = os.lstat(path)
+    return LaunchDirectory(base, path, (st.st_dev, st.st_ino))
+
+
+def launch_directory_problem(launch: LaunchDirectory) -> str | None:
+    """Why the records in ``launch`` cannot be trusted now (``base`` or the launch directory
+    replaced, a symbolic link, another user's or writable by others); None if they can."""
+    try:
+        require_private_dir(launch.base, "exit record directory", EXIT_RECORD_DIRS)
+        st = require_private_dir(str(launch.path), "launch directory", EXIT_RECORD_DIRS)
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    if (st.st_dev, st.st_ino) != launch.made_as:
+        return f"launch directory {str(launch.path)!r} is not the directory made for this launch (it was replaced)"
+    return None
 
 
 def launch_record_dir() -> str | None:
@@ -104,12 +144,25 @@ def summarize_exit_codes(record_codes: Sequence[int], launcher_code: int) -> int
     return int(ExitCode.PREEMPTED) if not others else int(others[0])
 
 
+def code_without_records(launcher_code: int) -> int:
+    """The node code when the records cannot be trusted: the launcher's success stands (it needs
+    no record), anything else is ``NO_RESTART`` -- never 0 or 81 for a launcher that failed."""
+    return 0 if launcher_code == 0 else int(ExitCode.NO_RESTART)
+
+
 def run_and_summarize(command: Sequence[str], directory: str | os.PathLike,
                       forward: Sequence[int] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
                                                 signal.SIGUSR2)) -> int:
     """Run ``command`` with a record directory of its own (inside ``directory``) in its
-    environment; forward signals; return the node code."""
-    directory = launch_directory(directory)
+    environment; forward signals; return the node code. ``directory`` not private to this user:
+    the command is not run, the code is ``NO_RESTART`` (see the module doc)."""
+    try:
+        launch = open_launch_directory(directory)
+    except ValueError as exc:
+        print(f"lightning_ft: {exc} Not running the launcher; exiting {int(ExitCode.NO_RESTART)} (NO_RESTART).",
+              file=sys.stderr, flush=True)
+        return int(ExitCode.NO_RESTART)
+    directory = launch.path
     env = child_environment(**{ENV_EXIT_RECORD_DIR: str(directory), ENV_EXIT_RECORD_LAUNCH_DIR: str(directory)})
     # own session: a terminal's Ctrl-C reaches only us, and we forward it exactly once
     child = subprocess.Popen(list(command), env=env, start_new_session=True)
@@ -128,6 +181,12 @@ def run_and_summarize(command: Sequence[str], directory: str | os.PathLike,
             break
         except InterruptedError:  # pragma: no cover - PEP 475 retries for us
             continue
+    problem = launch_directory_problem(launch)
+    if problem is not None:
+        code = code_without_records(launcher_code)
+        print(f"lightning_ft: launcher exited {launcher_code}; its rank records are not read: {problem}; "
+              f"exiting {code}", file=sys.stderr, flush=True)
+        return code
     records = read_exit_records(directory)
     code = summarize_exit_codes([int(r["exit_code"]) for r in records], launcher_code)
     per_rank = ", ".join(f"rank {r['rank']}: {r['exit_code']} ({r['action']})" for r in records) or "none"
@@ -143,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                     "code its ranks recorded (81 preempted+saved, 82 unhealthy node, 143 stopped unsaved) "
                     "instead of the launcher's own status.")
     parser.add_argument("--dir", default=environ().get(ENV_EXIT_RECORD_DIR),
-                        help=f"node-local directory for the per-rank records ({ENV_EXIT_RECORD_DIR}); each run "
+                        help=f"directory for the per-rank records ({ENV_EXIT_RECORD_DIR}): one of yours that "
+                             "nobody else can write (created 0700 if missing), e.g. \"$(mktemp -d)\"; each run "
                              "of this wrapper uses a new directory of its own inside it")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = parser.parse_args(argv)

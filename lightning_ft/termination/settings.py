@@ -32,7 +32,8 @@ class TerminationSettings:
                                                "unhealthy (else it is reported and ignored)", rule=boolean)
     exit_record_dir: str | None = setting(
         None, "where to write rank-<R>.json with the decided exit code before exiting (for `lightning-ft "
-              "exit-code`, since torchrun exits 1 whatever its workers did); None: no records",
+              "exit-code`, since torchrun exits 1 whatever its workers did): a directory of this user that nobody "
+              "else can write (created 0700); None: no records",
         rule=optional_path, env="LIGHTNING_FT_EXIT_RECORD_DIR", parse=parse_text)
     timeouts: Timeouts = group(Timeouts, only=TERMINATION_TIMEOUTS)
 

@@ -2,13 +2,14 @@
 
     python snapshot_job.py --out OUT --root SNAPSHOT_ROOT [--run-id ID] [--lr LR] [--seed S]
         [--hidden H] [--max-steps N] [--snapshot-every K] [--keep-last N] [--ckpt-path mem://...]
-        [--wait-for FILE]
+        [--wait-for FILE] [--persist-to DIR]
 
 Without ``--run-id`` the run id comes from the environment (or there is none). ``--ckpt-path``
 adds a ``MemoryCheckpointIO``. ``--wait-for`` blocks before ``fit()`` until FILE exists, so a test
 can act on this process's pid first. ``OUT/result.json`` after ``fit()``: ``start_step`` (the step
 training started from), ``end_step``, ``trained_steps`` (optimizer steps run by this process) and
-``first_loss``. lightning_ft logs at INFO on stderr.
+``first_loss``. ``--persist-to`` copies every snapshot durably there (``persist_every_n_seconds=0``)
+and waits for the copies after ``fit()``. lightning_ft logs at INFO on stderr.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> int:
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--wait-for", default=None)
+    p.add_argument("--persist-to", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(levelname)s: %(message)s")
     logging.getLogger("lightning_ft").setLevel(logging.INFO)
@@ -84,13 +86,17 @@ def main() -> int:
             time.sleep(0.02)
     torch.manual_seed(args.seed)
     record = Record()
-    callbacks = [EmergencyCheckpoint(every_n_steps=args.snapshot_every, keep_last=args.keep_last, root=args.root,
-                                     run_id=args.run_id), record]
+    durable = {"persist_to": args.persist_to, "persist_every_n_seconds": 0} if args.persist_to else {}
+    snapshots = EmergencyCheckpoint(every_n_steps=args.snapshot_every, keep_last=args.keep_last, root=args.root,
+                                    run_id=args.run_id, **durable)
+    callbacks = [snapshots, record]
     plugins = [MemoryCheckpointIO(root=args.root, run_id=args.run_id)] if args.ckpt_path else []
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.max_steps, max_epochs=-1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          callbacks=callbacks, plugins=plugins)
     trainer.fit(Job(args.hidden, args.lr), ckpt_path=args.ckpt_path)
+    if snapshots.persister is not None and not snapshots.persister.wait_idle(60):
+        raise SystemExit("durable copies did not finish within 60 s")
     result = {"start_step": record.start_step, "end_step": trainer.global_step, "trained_steps": record.trained,
               "first_loss": record.first_loss}
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,8 @@ class DurableSettings:
         None, "the durable tier: a directory (local or shared filesystem) or an fsspec URL (s3://bucket/prefix, "
               "needs pip install 'lightning-ft[s3]'); None: memory only. Committed snapshots are copied there in "
               "the background, a step counts only once every rank's copy is verified, and resume falls back to it "
-              "when memory lacks the step. Needs a run id", rule=optional_path, env="LIGHTNING_FT_PERSIST_TO",
+              "when memory lacks the step. Needs a run id. A directory must be this user's and writable by nobody "
+              "else (created 0700)", rule=optional_path, env="LIGHTNING_FT_PERSIST_TO",
         parse=parse_text)
     persist_every_n_seconds: float | None = setting(
         None, "about how often a snapshot is copied durably; None: Daly's interval for the measured copy time "

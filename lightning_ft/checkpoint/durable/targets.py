@@ -2,11 +2,12 @@
 
 :class:`DurableTarget` is the whole I/O surface the durable tier needs (write a whole object
 atomically, read, size, list, delete); decisions live in :mod:`lightning_ft.checkpoint.tiers`.
-Paths given to a target are relative, ``/``-separated.
+Paths given to a target are relative, ``/``-separated, and checked component by component
+(:func:`path_parts`): none can lead outside the target, whatever a manifest said.
 
-* :class:`LocalDirTarget`: write to a temporary name in the same directory, ``fsync``, then
-  ``rename`` (atomic within a directory) and ``fsync`` the directory, so a reader sees the
-  whole object or nothing.
+* :class:`LocalDirTarget`: a private directory of this user (:mod:`lightning_ft.private_dirs`);
+  write to a temporary name in the same directory, ``fsync``, then ``rename`` (atomic within a
+  directory) and ``fsync`` the directory, so a reader sees the whole object or nothing.
 * :class:`FsspecTarget`: one ``put`` of the whole object (``open("wb")`` streams a multipart
   upload on S3; the object exists only once the upload completed, and an interrupted write
   aborts it), so no reader sees a part.
@@ -23,9 +24,23 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from lightning_ft.checkpoint.memory.files import make_private_dir
+from lightning_ft.private_dirs import DirPurpose, make_private_dir
 
 log = logging.getLogger(__name__)
+
+#: a durable directory and the directories in it, in the words of their errors
+DURABLE_DIRS = DirPurpose("durable snapshots", "another persist_to (or LIGHTNING_FT_PERSIST_TO)")
+
+
+def path_parts(path: str) -> list[str]:
+    """The components of a relative ``/``-separated target path (none for ``""``: the target
+    itself). ValueError for a path that could name something outside the target: absolute, an
+    empty, ``.`` or ``..`` component, a backslash or a NUL."""
+    parts = path.split("/") if path else []
+    for part in parts:
+        if part in ("", ".", "..") or "\\" in part or "\0" in part:
+            raise ValueError(f"durable path {path!r}: component {part!r} is not a plain name")
+    return parts
 
 
 class FileRanges:
@@ -185,7 +200,8 @@ class DurableTarget:
 
 
 class LocalDirTarget(DurableTarget):
-    """A directory (local disk or a shared filesystem), created with mode 0700."""
+    """A directory (local disk or a shared filesystem) of this user that nobody else can write
+    (ValueError naming it, its owner and mode otherwise), created with mode 0700."""
 
     read_back_verifies = False
 
@@ -194,13 +210,14 @@ class LocalDirTarget(DurableTarget):
         block filesystem (:data:`DIRECT_IO_FILESYSTEMS`), decided once here."""
         self.directory = os.path.abspath(directory)
         self.url = self.directory
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        # another user's directory could hold shards of its making under this run's name
+        make_private_dir(self.directory, "durable directory", DURABLE_DIRS, parents=True)
         self.direct_io = direct_io_default(self.directory) if direct_io is None else bool(direct_io)
         log.debug("durable directory %s: shards written %s", self.directory,
                   "with direct I/O" if self.direct_io else "through the page cache")
 
     def _full(self, path: str) -> str:
-        return os.path.join(self.directory, *path.split("/"))
+        return os.path.join(self.directory, *path_parts(path))
 
     def _make_parents(self, full: str) -> None:
         parent = os.path.dirname(full)
@@ -209,7 +226,7 @@ class LocalDirTarget(DurableTarget):
             missing.append(parent)
             parent = os.path.dirname(parent)
         for directory in reversed(missing):
-            make_private_dir(directory, "durable directory")
+            make_private_dir(directory, "durable directory", DURABLE_DIRS)
 
     def write(self, path: str, chunks: Iterable[bytes | memoryview] | FileRanges) -> int:
         full = self._full(path)
@@ -302,7 +319,7 @@ class FsspecTarget(DurableTarget):
         self.root = root.rstrip("/")
 
     def _full(self, path: str) -> str:
-        return f"{self.root}/{path}" if path else self.root
+        return "/".join([self.root, *path_parts(path)])
 
     def write(self, path: str, chunks: Iterable[bytes | memoryview] | FileRanges) -> int:
         written = 0

@@ -7,7 +7,10 @@ Layout under the target (``persist_to``)::
     <run_id>/manifests/step-<12 digits>.json                       the step is complete (written last)
 
 A timeline is one stretch of training between two resumes (:mod:`lightning_ft.checkpoint.tiers`);
-markers and manifests name it in their field ``segment``.
+markers and manifests name it in their field ``segment``. Markers and manifests name their run
+and model and are sealed with the job secret when there is one; what they say is checked before
+it names a path (:mod:`.records`). One of another run or model, or whose seal fails, is skipped
+with a warning that says which and why.
 
 Protocol (decisions in :mod:`lightning_ft.checkpoint.tiers`): each rank uploads its shard
 (temp name + rename, or one put), checks its size (an object store's is read back and checked
@@ -23,7 +26,6 @@ run id checked) and then loaded by the ordinary verified loader (restricted unpi
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
@@ -33,8 +35,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_ft.checkpoint.durable import records
 from lightning_ft.checkpoint.durable.settings import DEFAULT_PERSIST_KEEP_LAST, DurableSettings
-from lightning_ft.checkpoint.durable.targets import DurableTarget, FileRanges, open_target
+from lightning_ft.checkpoint.durable.targets import DurableTarget, FileRanges, open_target, path_parts
+from lightning_ft.checkpoint.identity import ExpectedIdentity
 from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.files import close_map, open_snapshot_file
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
@@ -48,6 +52,7 @@ from lightning_ft.checkpoint.tiers import (
     plan_durable_retention,
     shard_rank_to_fetch,
 )
+from lightning_ft.schema.signing import Signer, read_secret
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +61,6 @@ CHUNK_BYTES = 4 << 20
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _MANIFEST = re.compile(r"^step-(\d+)\.json$")
 _MARKER = re.compile(r"^rank(\d+)\.done\.json$")
-_CHECKSUM_KIND = "snapshot-crc32:"
 
 
 class UploadCancelled(Exception):
@@ -78,24 +82,12 @@ def shard_checksum(header: fmt.Header) -> str:
     (:func:`lightning_ft.checkpoint.memory.format.verify`, block sums at memory speed). An upload never reads the
     data on the CPU: a CRC over the shard's bytes had been most of a direct upload's CPU and
     memory traffic competing with training (benchmarks/RESULTS.md). Not a cryptographic digest
-    either way: markers and manifests are not signed, so it catches accidental damage only (a
-    torn, truncated, stale or misplaced upload, a flipped bit); what is loaded is read only by
-    the restricted unpickler.
+    either way: it catches accidental damage only (a torn, truncated, stale or misplaced upload,
+    a flipped bit). A job secret seals the markers and manifests that name it (:mod:`.records`),
+    not the shard's bytes: whoever can write the storage could still forge a shard with the same
+    checksums; what is loaded is read only by the restricted unpickler.
     """
-    return f"{_CHECKSUM_KIND}{header.crc():08x}"
-
-
-def _checked_checksum(raw: Any) -> str:
-    """A checksum read from a marker or manifest; another kind (an earlier build's) is unreadable."""
-    if not (isinstance(raw, str) and raw.startswith(_CHECKSUM_KIND)):
-        raise ValueError(f"checksum {raw!r} is not a {_CHECKSUM_KIND}... value")
-    return raw
-
-
-def marker_record(marker: ShardMarker) -> bytes:
-    """A done marker as stored: JSON whose timeline field is named ``segment`` (its name on storage)."""
-    return json.dumps({"step": marker.step, "segment": marker.timeline, "rank": marker.rank,
-                       "world_size": marker.world_size, "nbytes": marker.nbytes, "checksum": marker.checksum}).encode()
+    return f"{records.CHECKSUM_KIND}{header.crc():08x}"
 
 
 def range_bytes(max_bytes_per_second: float | None) -> int:
@@ -181,22 +173,29 @@ class DurableTier:
     """
 
     def __init__(self, target: DurableTarget, run_id: str, keep_last: int = DEFAULT_PERSIST_KEEP_LAST,
-                 max_bytes_per_second: float | None = None) -> None:
+                 max_bytes_per_second: float | None = None, signer: Signer | None = None) -> None:
+        """``signer``: seals and opens markers and manifests (default: none, unsealed)."""
         self.target = target
+        if len(path_parts(run_id)) != 1:
+            raise ValueError(f"run id {run_id!r} is not usable as a directory name")
         self.run_id = run_id
+        self.signer = signer if signer is not None else Signer(None)
         self.keep_last = keep_last
         self.max_bytes_per_second = max_bytes_per_second
         #: (step, time.monotonic()) of the last manifest this process wrote: when a step became durable
         self.last_published: tuple[int, float] | None = None
+        self._reported: set[tuple[str, str]] = set()  # (path, why) of the records skipped so far
 
     @classmethod
     def from_settings(cls, settings: DurableSettings, run_id: str) -> DurableTier:
+        """The tier ``settings`` describe, its records sealed with the job secret when there is one
+        (SecretError, a ValueError, when one is configured but unusable)."""
         return cls(open_target(settings.url, settings.storage_options), run_id, settings.keep_last,
-                   settings.max_bytes_per_second)
+                   settings.max_bytes_per_second, Signer(*read_secret()))
 
     # ------------------------------------------------------------------ paths
     def _timeline_dir(self, step: int, timeline: str) -> str:
-        return f"{self.run_id}/steps/{_step_name(step)}/{timeline}"
+        return f"{self.run_id}/steps/{_step_name(step)}/{records.plain_name(timeline, 'timeline')}"
 
     def shard_path(self, step: int, timeline: str, rank: int) -> str:
         return f"{self._timeline_dir(step, timeline)}/rank{rank}.snap"
@@ -233,6 +232,7 @@ class DurableTier:
             if st.st_size < nbytes:
                 raise fmt.SnapshotError(f"{info.path} is shorter than its header says")
             checksum = shard_checksum(header)
+            model = fmt.read_identity(os.pread(fd, fmt.HEADER_SIZE + header.ident_len, 0), header).model
             source = _ShardSource(fd, nbytes, rate or (lambda: self.max_bytes_per_second), deadline)
             shard = self.shard_path(info.step, timeline, info.rank)
             try:
@@ -243,8 +243,9 @@ class DurableTier:
         finally:
             os.close(fd)
         self._verify(shard, nbytes, checksum, read_back=self.target.read_back_verifies)
-        marker = ShardMarker(info.step, timeline, info.rank, world_size, nbytes, checksum)
-        self.target.write(self.marker_path(info.step, timeline, info.rank), [marker_record(marker)])
+        marker = ShardMarker(info.step, timeline, info.rank, world_size, nbytes, checksum, model)
+        path = self.marker_path(info.step, timeline, info.rank)
+        self.target.write(path, [records.encode(self.signer, path, records.marker_record(marker, self.run_id))])
         seconds = time.monotonic() - start
         complete = self.publish_if_complete(info.step, timeline)
         return UploadResult(info.step, nbytes, seconds, complete, paced)
@@ -262,69 +263,90 @@ class DurableTier:
         if shard_checksum(header) != checksum:
             raise OSError(f"{self.target.describe(path)}: read back as another snapshot than was uploaded")
 
-    def _json_records(self, directory: str, pattern: re.Pattern, what: str,
-                      parse: Callable[[dict], Any]) -> Iterator[tuple[re.Match, Any]]:
-        """(name match, parsed record) of every JSON file in ``directory`` whose name matches
-        ``pattern``; one that cannot be read or parsed is logged and skipped (never trusted)."""
+    def _records(self, directory: str, pattern: re.Pattern, what: str,
+                 parse: Callable[[Any], tuple[str, Any]]) -> Iterator[tuple[re.Match, str, str, Any]]:
+        """(name match, path, run id, record) of every marker or manifest in ``directory`` whose
+        name matches ``pattern`` and that is authentic and well formed (:mod:`.records`); any other
+        is skipped with a warning, never trusted. OSError if ``directory`` cannot be listed."""
         for name in self.target.list(directory):
             m = pattern.match(name)
             if not m:
                 continue
             path = f"{directory}/{name}"
             try:
-                yield m, parse(json.loads(self.target.read(path)))
+                run_id, record = parse(records.decode(self.signer, path, self.target.read(path)))
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("ignoring durable %s %s: %s", what, self.target.describe(path), exc)
+                self._skip(what, path, str(exc))
+                continue
+            yield m, path, run_id, record
+
+    def _skip(self, what: str, path: str, why: str) -> None:
+        # listing runs after every upload: a record is reported once, not every time
+        if (path, why) not in self._reported:
+            self._reported.add((path, why))
+            log.warning("skipped the durable %s %s: %s", what, self.target.describe(path), why)
 
     def markers(self, step: int, timeline: str) -> list[ShardMarker]:
-        """The valid done markers of one (step, timeline); unreadable ones are ignored."""
-        def parse(raw: dict) -> ShardMarker:
-            return ShardMarker(int(raw["step"]), str(raw["segment"]), int(raw["rank"]), int(raw["world_size"]),
-                               int(raw["nbytes"]), _checked_checksum(raw["checksum"]))
-
-        return [marker for m, marker in self._json_records(self._timeline_dir(step, timeline), _MARKER, "marker", parse)
-                if (marker.step, marker.timeline, marker.rank) == (step, timeline, int(m.group(1)))]
+        """The valid done markers of one (step, timeline) of this run; others are skipped with a warning."""
+        found = []
+        for m, path, run_id, marker in self._records(self._timeline_dir(step, timeline), _MARKER, "marker",
+                                                     records.parse_marker):
+            why = records.record_mismatch(run_id, marker.model, marker.step, ExpectedIdentity(self.run_id))
+            if why is not None:
+                self._skip("marker", path, why)
+            elif (marker.step, marker.timeline, marker.rank) == (step, timeline, int(m.group(1))):
+                found.append(marker)
+        return found
 
     def publish_if_complete(self, step: int, timeline: str) -> bool:
         """Write the manifest of ``step`` if every rank of ``timeline`` has its marker; then apply retention."""
         completion = complete_steps(self.markers(step, timeline)).get(step)
         if completion is None:
             return False
-        body = {"step": step, "segment": timeline, "world_size": completion.world_size, "run_id": self.run_id,
-                "shards": [{"rank": r, "nbytes": n, "checksum": c} for r, n, c in completion.shards]}
+        path = self.manifest_path(step)
         # every rank that sees completion writes the same bytes: a race between them is harmless
-        self.target.write(self.manifest_path(step), [json.dumps(body, sort_keys=True).encode()])
+        self.target.write(path, [records.encode(self.signer, path, records.manifest_record(completion, self.run_id))])
         self.last_published = (step, time.monotonic())
         log.debug("durable: step %d complete (%d shards of segment %s) -> %s", step, completion.world_size, timeline,
-                 self.target.describe(self.manifest_path(step)))
+                  self.target.describe(path))
         self.apply_retention()
         return True
 
     # ------------------------------------------------------------------ reading
-    def complete(self) -> dict[int, Completion]:
-        """Complete durable steps by step, read from the manifests only (unreadable ones ignored)."""
-        def parse(raw: dict) -> Completion:
-            shards = tuple((int(s["rank"]), int(s["nbytes"]), _checked_checksum(s["checksum"])) for s in raw["shards"])
-            return Completion(int(raw["step"]), str(raw["segment"]), int(raw["world_size"]), shards)
-
-        result = {}
-        for m, completion in self._json_records(f"{self.run_id}/manifests", _MANIFEST, "manifest", parse):
+    def complete(self, expect: ExpectedIdentity | None = None) -> dict[int, Completion]:
+        """Complete durable steps by step, read from the manifests only: those of this run and,
+        when ``expect`` names one, of its model. Any other manifest (another run's or model's, a
+        seal that fails, a field that is not what it must be) is skipped with a warning that says
+        which and why."""
+        expected = ExpectedIdentity(self.run_id, expect.model if expect is not None else None)
+        result: dict[int, Completion] = {}
+        for m, path, run_id, completion in self._records(f"{self.run_id}/manifests", _MANIFEST, "manifest",
+                                                         records.parse_manifest):
             ranks = [shard[0] for shard in completion.shards]
-            if completion.step == int(m.group(1)) and ranks == list(range(completion.world_size)):
-                result[completion.step] = completion
+            why: str | None
+            if completion.step != int(m.group(1)) or ranks != list(range(completion.world_size)):
+                why = f"it names step {completion.step} with ranks {ranks} of {completion.world_size}"
+            else:
+                why = records.record_mismatch(run_id, completion.model, completion.step, expected)
+            if why is not None:
+                self._skip("manifest", path, why)
+                continue
+            result[completion.step] = completion
         return result
 
-    def complete_steps(self, attempts: int = 3) -> list[int] | None:
-        """Complete durable steps, ascending; None when the target cannot be listed (after
-        ``attempts`` tries half a second apart; logged): unknown is not "nothing there"."""
-        listed = self._complete_or_unknown(attempts)
+    def complete_steps(self, attempts: int = 3, expect: ExpectedIdentity | None = None) -> list[int] | None:
+        """Complete durable steps (of ``expect``'s model when given), ascending; None when the target
+        cannot be listed (after ``attempts`` tries half a second apart; logged): unknown is not
+        "nothing there"."""
+        listed = self._complete_or_unknown(attempts, expect)
         return None if listed is None else sorted(listed)
 
-    def _complete_or_unknown(self, attempts: int) -> dict[int, Completion] | None:
+    def _complete_or_unknown(self, attempts: int, expect: ExpectedIdentity | None = None
+                             ) -> dict[int, Completion] | None:
         """:meth:`complete`, tried ``attempts`` times half a second apart; None (logged) when it cannot be listed."""
         for attempt in range(attempts):
             try:
-                return self.complete()
+                return self.complete(expect)
             except OSError as exc:
                 log.warning("durable storage %s cannot be listed (attempt %d of %d): %s", self.target.url,
                             attempt + 1, attempts, exc)
@@ -332,10 +354,12 @@ class DurableTier:
                     time.sleep(0.5)
         return None
 
-    def fetch_into(self, step: int, rank: int, store: SnapshotStore) -> SnapshotInfo:
-        """Download the shard of ``step`` this rank needs, check size and checksum against the manifest,
-        and commit it into ``store`` (which checks the format and run id)."""
-        completion = self.complete().get(step)
+    def fetch_into(self, step: int, rank: int, store: SnapshotStore,
+                   expect: ExpectedIdentity | None = None) -> SnapshotInfo:
+        """Download the shard of ``step`` this rank needs (its manifest of this run and of
+        ``expect``'s model when given), check size and checksum against the manifest, and commit
+        it into ``store`` (which checks the format and run id)."""
+        completion = self.complete(expect).get(step)
         if completion is None:
             raise FileNotFoundError(f"no complete durable step {step} under {self.target.describe(self.run_id)}")
         source = shard_rank_to_fetch(rank, completion.world_size)

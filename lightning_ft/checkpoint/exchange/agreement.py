@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from lightning_ft.checkpoint.identity import ExpectedIdentity
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.policy import choose_resume_step
 from lightning_ft.checkpoint.tiers import ResumeChoice, choose_resume_source
@@ -54,9 +55,11 @@ def agree_on_step(local_steps: Sequence[int], rank: int | None = None) -> int | 
     return step
 
 
-def agree_across_tiers(local_steps: Sequence[int], durable: DurableTier | None, rank: int) -> ResumeChoice:
+def agree_across_tiers(local_steps: Sequence[int], durable: DurableTier | None, rank: int,
+                       expect: ExpectedIdentity | None = None) -> ResumeChoice:
     """The step every rank resumes from and where this rank gets it (collective without a durable
-    tier: one gather, as :func:`agree_on_step`; with one: two gathers, memory and durable steps).
+    tier: one gather, as :func:`agree_on_step`; with one: two gathers, memory and durable steps;
+    durable steps only of ``expect``'s model when given).
 
     Every rank of a job must pass a durable tier or none (the setting is per job). Logs one line
     saying which tier and why.
@@ -66,7 +69,7 @@ def agree_across_tiers(local_steps: Sequence[int], durable: DurableTier | None, 
         return ResumeChoice(step, "memory" if step is not None else "none",
                             "the newest step every rank holds in memory" if step is not None else "no snapshot")
     memory = gather_steps(local_steps)
-    listed = durable.complete_steps()
+    listed = durable.complete_steps(expect=expect)
     # -1: this rank could not list the durable storage (steps are >= 0)
     stored = gather_steps([-1] if listed is None else listed)
     unreachable = [r for r, steps in enumerate(stored) if -1 in steps]
@@ -83,8 +86,10 @@ def agree_across_tiers(local_steps: Sequence[int], durable: DurableTier | None, 
     return choice
 
 
-def bring_into_memory(choice: ResumeChoice, durable: DurableTier | None, store: SnapshotStore) -> None:
-    """After :func:`agree_across_tiers`: download this rank's durable shard when the choice says so.
+def bring_into_memory(choice: ResumeChoice, durable: DurableTier | None, store: SnapshotStore,
+                      expect: ExpectedIdentity | None = None) -> None:
+    """After :func:`agree_across_tiers` (with the same ``expect``): download this rank's durable
+    shard when the choice says so.
 
     Collective with a durable tier (every rank calls it after the same agreement): the ranks
     then tell each other whether they have the step, so a failed download on one rank stops
@@ -95,7 +100,7 @@ def bring_into_memory(choice: ResumeChoice, durable: DurableTier | None, store: 
         try:
             if durable is None:
                 raise RuntimeError("resume from the durable tier without a durable tier configured")
-            durable.fetch_into(choice.step, store.rank, store)
+            durable.fetch_into(choice.step, store.rank, store, expect)
         except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised
             log.error("rank %d: cannot download durable step %s: %s: %s", store.rank, choice.step,
                       type(exc).__name__, exc)

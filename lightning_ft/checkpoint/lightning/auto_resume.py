@@ -79,7 +79,7 @@ class AutoResume:
         else:
             scan = store.scan(include_peers=True, expect=expect)
             local, skipped = scan.readable, scan.foreign
-        choice = agree_across_tiers(local, durable, store.rank)
+        choice = agree_across_tiers(local, durable, store.rank, expect)
         self.durable_listed_everywhere = choice.durable_listed_everywhere
         step = choice.step
         loaded_step = loaded_global_step(trainer)
@@ -96,7 +96,7 @@ class AutoResume:
             log.info("rank %d: keeping ckpt_path=%s (step %d); newest snapshot is step %d",
                      store.rank, given, loaded_step, step)
             return
-        bring_into_memory(choice, durable, store)
+        bring_into_memory(choice, durable, store, expect)
         self.resumed_tier = (choice.tier, choice.reason)
         info = store.find(step, include_peers=True, expect=expect)
         if info is None:

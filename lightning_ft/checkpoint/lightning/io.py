@@ -109,8 +109,8 @@ class MemoryCheckpointIO(CheckpointIO):
                      "belong to this job; set one that stays the same across restarts of the job")
         if spec == "latest":
             scan = store.scan(include_peers=self.replicated, expect=expect)
-            choice = agree_across_tiers(scan.readable, self.durable, store.rank)
-            bring_into_memory(choice, self.durable, store)
+            choice = agree_across_tiers(scan.readable, self.durable, store.rank, expect)
+            bring_into_memory(choice, self.durable, store, expect)
             step = choice.step
             if step is None:
                 why = no_run_id if store.configured_run_id is None else "; ".join(

@@ -2,11 +2,10 @@
 
 :class:`~lightning_ft.checkpoint.memory.store.SnapshotStore` decides what to write where; this module
 knows how a snapshot file is allocated (never a SIGBUS on a full tmpfs), mapped, recycled
-without re-faulting its pages, and mapped again for reading, and which directories and files
-may be trusted at all:
+without re-faulting its pages, and mapped again for reading, and which files may be trusted at
+all (which directories: :mod:`lightning_ft.private_dirs`, with the words of
+:data:`lightning_ft.checkpoint.memory.roots.SNAPSHOT_DIRS`):
 
-* a snapshot directory (root, run, rank) must be a real directory (not a symlink) owned by this
-  user and writable by nobody else, or another local user could plant or swap files in it;
 * files are created with ``O_EXCL|O_NOFOLLOW`` and mode 0600 from the start; an existing file
   is opened with ``O_NOFOLLOW`` and used only if it is a regular file of ours (one link, for
   writing), so a planted symlink is never followed and never written through.
@@ -36,46 +35,6 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 # ---------------------------------------------------------------------------------------------- trust
-
-
-def private_dir_problem(mode: int, uid: int, my_uid: int) -> tuple[str, str] | None:
-    """(what is wrong, what to do) for a directory with ``lstat`` mode/uid; None if it may hold our snapshots."""
-    if stat.S_ISLNK(mode):
-        return "is a symbolic link", "use the directory it points to, or remove the link"
-    if not stat.S_ISDIR(mode):
-        return "is not a directory", "remove it or choose another snapshot root (root= or LIGHTNING_FT_SNAPSHOT_DIR)"
-    if uid != my_uid:
-        return (f"is owned by uid {uid}, not by this user (uid {my_uid})",
-                "remove it (as its owner or root) or choose another snapshot root (root= or LIGHTNING_FT_SNAPSHOT_DIR)")
-    writers = [who for who, bit in (("its group", stat.S_IWGRP), ("other users", stat.S_IWOTH)) if mode & bit]
-    if writers:
-        return f"is writable by {' and '.join(writers)}", "make it private: chmod go-w (or chmod 700) on it"
-    return None
-
-
-def require_private_dir(path: str, what: str) -> None:
-    """Raise ValueError naming ``path``, its owner and mode unless it is a private directory of ours."""
-    st = os.lstat(path)
-    problem = private_dir_problem(st.st_mode, st.st_uid, os.getuid())
-    if problem is not None:
-        reason, fix = problem
-        raise ValueError(f"{what} {path!r} {reason} (owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)} "
-                         f"{stat.S_IMODE(st.st_mode):04o}); another local user could plant or swap snapshots "
-                         f"there. {fix[0].upper()}{fix[1:]}.")
-
-
-def make_private_dir(path: str, what: str) -> None:
-    """Check the directory at ``path`` (ValueError if not private), or create it with mode 0700."""
-    try:
-        require_private_dir(path, what)
-        return
-    except FileNotFoundError:
-        pass
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:  # created meanwhile: check what it is
-        pass
-    require_private_dir(path, what)
 
 
 def snapshot_file_problem(st: os.stat_result, my_uid: int, for_write: bool) -> str | None:

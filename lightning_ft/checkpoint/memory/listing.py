@@ -13,7 +13,9 @@ import os
 import re
 from dataclasses import dataclass
 
-from lightning_ft.checkpoint.memory.files import listdir, private_dir_problem, snapshot_file_problem
+from lightning_ft.checkpoint.memory.files import listdir, snapshot_file_problem
+from lightning_ft.checkpoint.memory.roots import SNAPSHOT_DIRS
+from lightning_ft.private_dirs import private_dir_problem
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class SnapshotListing:
             st = os.lstat(path)
         except FileNotFoundError:
             return False
-        problem = private_dir_problem(st.st_mode, st.st_uid, os.getuid())
+        problem = private_dir_problem(st.st_mode, st.st_uid, os.getuid(), SNAPSHOT_DIRS)
         if problem is not None:
             self.warn_once(path, f"it {problem[0]}; snapshots there are not read ({problem[1]})")
             return False

@@ -8,7 +8,7 @@ Directory layout::
 
 ``<root>`` defaults to ``/dev/shm/lightning_ft-<uid>``; without a configured run id ``<run_id>``
 is ``default`` and what is written there is never resumed. Every directory on that path must be
-a private directory of this user (see ``files.private_dir_problem``).
+a private directory of this user (:mod:`lightning_ft.private_dirs`, :data:`SNAPSHOT_DIRS`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from lightning_ft._validation import require
-from lightning_ft.checkpoint.memory.files import require_private_dir
+from lightning_ft.private_dirs import DirPurpose, make_private_dir
 from lightning_ft.settings import load, setting
 from lightning_ft.settings.environment import RUN_ID_VARIABLES, launcher_rank
 from lightning_ft.settings.environment import resolve_run_id as resolve_run_id_from
@@ -33,6 +33,8 @@ RUN_ID_ENV_VARS = RUN_ID_VARIABLES
 ENV_SNAPSHOT_DIR = "LIGHTNING_FT_SNAPSHOT_DIR"
 #: directory of snapshots written without a configured run id (never resumed)
 DEFAULT_RUN_ID = "default"
+#: the snapshot root, run and rank directories, in the words of their errors
+SNAPSHOT_DIRS = DirPurpose("snapshots", f"another snapshot root (root= or {ENV_SNAPSHOT_DIR})")
 
 
 def default_root() -> str:
@@ -90,14 +92,7 @@ def ensure_writable_root(root: str) -> None:
     """Create ``root`` (mode 0700) if needed, check it is a private directory of this user and
     prove it writable; raise ValueError naming ``root``, its owner and mode, and the fix, if not."""
     try:
-        if not os.path.lexists(root):
-            parent = os.path.dirname(os.path.abspath(root))
-            os.makedirs(parent, exist_ok=True)
-            try:
-                os.mkdir(root, 0o700)
-            except FileExistsError:
-                pass
-        require_private_dir(root, "snapshot root")
+        make_private_dir(root, "snapshot root", SNAPSHOT_DIRS, parents=True)
         fd, probe = tempfile.mkstemp(prefix=".probe-", dir=root)
         os.close(fd)
         os.unlink(probe)

@@ -19,17 +19,18 @@ import torch
 
 from lightning_ft._validation import require_number
 from lightning_ft.checkpoint.identity import ExpectedIdentity, SnapshotIdentity
-from lightning_ft.checkpoint.memory.files import require_private_dir
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo, SnapshotListing, SnapshotScan
 from lightning_ft.checkpoint.memory.reading import SnapshotReader
 from lightning_ft.checkpoint.memory.roots import (
     DEFAULT_RUN_ID,
+    SNAPSHOT_DIRS,
     configured_run_id,
     current_rank,
     ensure_writable_root,
     resolve_root,
 )
 from lightning_ft.checkpoint.memory.writing import PendingSave, SaveTiming, SnapshotWriter
+from lightning_ft.private_dirs import require_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class SnapshotStore:
         self.rank_dir = self._listing.rank_dir
         for directory, what in ((self.run_dir, "run directory"), (self.rank_dir, "rank directory")):
             if os.path.lexists(directory):
-                require_private_dir(directory, what)
+                require_private_dir(directory, what, SNAPSHOT_DIRS)
         self._reader = SnapshotReader(self._listing)
         self._writer = SnapshotWriter(self._listing, self.configured_run_id, keep_last)
         self._saving = False

@@ -31,7 +31,6 @@ from lightning_ft.checkpoint.memory.files import (
     create_snapshot_file,
     delete_file,
     fmt_size,
-    make_private_dir,
     open_snapshot_file,
     pid_alive,
     prefault_for_write,
@@ -40,7 +39,9 @@ from lightning_ft.checkpoint.memory.files import (
 )
 from lightning_ft.checkpoint.memory.format import SnapshotError
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo, SnapshotListing
+from lightning_ft.checkpoint.memory.roots import SNAPSHOT_DIRS
 from lightning_ft.checkpoint.policy import WritePlan, plan_write, spare_needed
+from lightning_ft.private_dirs import make_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,8 @@ class SnapshotWriter:
 
     # ------------------------------------------------------------------ paths
     def make_dirs(self) -> None:
-        make_private_dir(self._listing.run_dir, "run directory")
-        make_private_dir(self.rank_dir, "rank directory")
+        make_private_dir(self._listing.run_dir, "run directory", SNAPSHOT_DIRS)
+        make_private_dir(self.rank_dir, "rank directory", SNAPSHOT_DIRS)
 
     def spare_path(self) -> str:
         return os.path.join(self.rank_dir, f".tmp-spare-{os.getpid()}.snap")
