@@ -8,7 +8,9 @@ import time
 import pytest
 import torch.distributed as dist
 
+from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.round import decode_progress, encode_member, member_key, progress_key
+from lightning_ft.schema.run import RunKeys
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
 
@@ -26,8 +28,8 @@ def watchdog(store, rank: int, clock: StepClock, triggered: list, hang_floor: fl
     values = SealedStore(store, Signer(None), "round")
     values.put(member_key(rank), encode_member(f"p{rank}", f"d{rank}"))
     return RoundWatchdog(
-        round_values=values, rdzv_store=store, round_key="round",
-        heartbeat_key=lambda participant: f"hb/{participant}", round_id=0, rank=rank, world_size=2, clock=clock,
+        round_values=values, records=RunRecords(store, Signer(None), RunKeys("watched")), round_id=0, rank=rank,
+        world_size=2, clock=clock,
         hang_detection=True, hang_floor=hang_floor, hang_factor=10.0, dead_after=0.4,
         on_trigger=lambda *args: triggered.append(args), break_group=lambda: 0, progress_interval=0.3)
 
@@ -69,7 +71,7 @@ def test_overdue_step_is_blamed_on_the_peer_that_completed_fewer_steps(store):
             clock.finished(now)
     dog_behind._poll()
     dog_ahead._poll()
-    store.add("hb/p0", 1)
+    SealedStore(store, Signer(None)).put(RunKeys("watched").heartbeat("p0"), "1")
     ahead.started(time.monotonic() - 30.0)  # in the all-reduce of step 5 for 30 s
     assert dog_ahead._poll() is True
     detector, reason, stalled = triggered[0]
