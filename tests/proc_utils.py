@@ -16,7 +16,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "examples"))
 import procs  # noqa: E402  (the demo's process helper; the demo must not import from tests)
-from procs import Proc  # noqa: E402,F401
+from procs import Proc, write_secret  # noqa: E402,F401
 
 from prefork import Launcher  # noqa: E402
 
