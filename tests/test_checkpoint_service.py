@@ -62,3 +62,21 @@ def test_the_emergency_checkpoint_hands_out_its_run_as_a_service(tmp_path):
 
     snapshots = EmergencyCheckpoint(root=str(tmp_path), run_id="job", keep_last=4).snapshots
     assert (snapshots.root, snapshots.run_id, snapshots.keep_last) == (str(tmp_path), "job", 4)
+
+
+def test_the_model_is_known_before_setup_unless_configure_model_builds_it():
+    import lightning.pytorch as pl
+
+    from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
+
+    class Built(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 3)
+
+    class Lazy(Built):
+        def configure_model(self) -> None:
+            self.extra = torch.nn.Linear(3, 1)
+
+    assert model_fingerprint_before_setup(Built()) == state_dict_fingerprint(Built().state_dict())
+    assert model_fingerprint_before_setup(Lazy()) is None and model_fingerprint_before_setup(None) is None
