@@ -4,7 +4,8 @@
 
 What it does:
 
-1. starts a rendezvous store (``lightning-ft store``) and three participants, each a
+1. makes a job secret (a new random one in a 0600 file, as a launcher would: docs/trust.md),
+   starts a rendezvous store (``lightning-ft store``) and three participants with it, each a
    separate process with its own node identity (domain, snapshot directory, log):
    two train with ``Trainer(strategy="ddp_ft")``, the third waits as a hot spare;
 2. once training passed a mid-run step, SIGKILLs one of the two training participants;
@@ -35,7 +36,7 @@ from lightning_ft.events import EventLog, read_events
 from lightning_ft.events.report import format_report, summarize
 
 import common  # this directory is on sys.path when the demo runs as a script
-from procs import Proc, ProcessSet
+from procs import Proc, ProcessSet, write_secret
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -125,6 +126,8 @@ class Demo:
         self.shm_dir = shm_dir
         self.events_dir = run_dir / "events"
         self.processes = ProcessSet(run_dir, cwd=REPO_ROOT)
+        # the store and every participant share it: store values are sealed, replicas encrypted
+        self.secret = {"LIGHTNING_FT_SECRET_FILE": write_secret(run_dir)}
         self.started = time.monotonic()
         self.deadline = self.started + args.timeout
 
@@ -151,7 +154,7 @@ class Demo:
     def start_store(self, port: int) -> Proc:
         store = self.processes.start(
             "store", [sys.executable, "-m", "lightning_ft.cli", "store", "--host", "127.0.0.1", "--port", str(port),
-                      "--run-id", RUN_ID], base_env())
+                      "--run-id", RUN_ID], {**base_env(), **self.secret})
 
         def listening():
             if store.popen.poll() is not None:
@@ -164,7 +167,7 @@ class Demo:
     def start_participants(self, port: int) -> None:
         script = str(HERE / EXAMPLES[self.args.example])
         for name in NODES:
-            env = base_env()
+            env = {**base_env(), **self.secret}
             env.update(LIGHTNING_FT_ENDPOINT=f"127.0.0.1:{port}", LIGHTNING_FT_RUN_ID=RUN_ID,
                        LIGHTNING_FT_NNODES="2:3", LIGHTNING_FT_DOMAIN_ID=name,
                        LIGHTNING_FT_SNAPSHOT_DIR=str(self.shm_dir / name),

@@ -4,11 +4,24 @@ log file, and every one of them killed by pid at the end -- also on Ctrl-C or a 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+
+def write_secret(directory: Path) -> str:
+    """A new job secret in ``directory``, in a file only this user can read (created 0600, as a
+    launcher makes one: docs/trust.md); its path, for ``LIGHTNING_FT_SECRET_FILE``."""
+    path = Path(directory) / "job.secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(32).encode())
+    finally:
+        os.close(fd)
+    return str(path)
 
 
 @dataclass

@@ -17,7 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "examples"))
 import procs  # noqa: E402  (the demo's process helper; the demo must not import from tests)
 from prefork import Launcher  # noqa: E402
-from procs import Proc  # noqa: E402
+from procs import Proc, write_secret  # noqa: E402,F401
 
 #: this test process's fork servers (see prefork.py); stopped when it exits
 _LAUNCHER = Launcher(Path(tempfile.mkdtemp(prefix="lightning-ft-prefork-")))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from proc_utils import REPO_ROOT, child_pids, kill_pids, wait_for
+from proc_utils import REPO_ROOT, child_pids, kill_pids, wait_for, write_secret
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
 from ft_cluster import SCRIPT, Cluster, base_env
@@ -290,10 +290,15 @@ def test_sigstopped_active_is_detected_as_hung_and_replaced(processes, tmp_path)
 @pytest.mark.timeout(150)
 def test_sole_active_lost_the_spare_resumes_from_its_replica(processes, tmp_path):
     # 1 active + 1 spare on different "hosts": each snapshot is replicated to the spare through
-    # the store, because the active alone holds it; when the active dies nobody is left to send
-    # it, and the spare (which opens the next round itself) resumes from its own copy
+    # the store (encrypted: replicas need a job secret), because the active alone holds it; when
+    # the active dies nobody is left to send it, and the spare (which opens the next round
+    # itself) resumes from its own copy
+    secret = {"LIGHTNING_FT_SECRET_FILE": write_secret(tmp_path)}
     cluster = Cluster(processes, tmp_path, "1:2")
-    cluster.start(["A", "B"], ["--max-steps", "80", *SLOW])
+    cluster.out.mkdir(parents=True)
+    cluster.start_store(**secret)
+    for name in "AB":
+        cluster.start_participant(name, ["--max-steps", "80", *SLOW], **secret)
     cluster.wait_for_step(35, 45)
     [active] = cluster.active_names()
     spare = "B" if active == "A" else "A"

@@ -9,14 +9,13 @@ another job, planted files and foreign directories) are in ``test_checkpoint_sto
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-from proc_utils import REPO_ROOT, wait_for
+from proc_utils import REPO_ROOT, wait_for, write_secret
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
 from ft_cluster import Cluster, base_env
@@ -26,14 +25,6 @@ pytestmark = [pytest.mark.multiprocess]
 FORGE = str(REPO_ROOT / "tests" / "scripts" / "forge_store.py")
 BUMP = str(REPO_ROOT / "tests" / "scripts" / "bump_counters.py")
 SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
-
-
-def secret_file(tmp_path: Path) -> str:
-    path = tmp_path / "job.secret"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, os.urandom(32).hex().encode())
-    os.close(fd)
-    return str(path)
 
 
 def listening_addresses(port: int) -> list[str]:
@@ -67,7 +58,7 @@ def test_forged_values_from_a_client_without_the_secret_change_nothing(processes
     """Case 1 (and the stray ``set`` of case 2): forged "closed", failure notices, a deadlock
     verdict, a fake participant and a snapshot replica that would run a command are all
     ignored; a real failure is still recovered from and the job trains to the end."""
-    secret = {"LIGHTNING_FT_SECRET_FILE": secret_file(tmp_path)}
+    secret = {"LIGHTNING_FT_SECRET_FILE": write_secret(tmp_path)}
     marker = tmp_path / "attacker-ran-code"
     cluster = Cluster(processes, tmp_path, "2:3", run_id="trusted")
     cluster.out.mkdir(parents=True)
@@ -101,7 +92,7 @@ def test_a_job_whose_counters_are_bumped_trains_to_the_end(processes, tmp_path):
     under the job's own seal at the first failure: exit 83) and the incarnation; then it adds
     to every integer key it lists, as keys appear. The job trains to the end anyway, through
     the loss of an active that the spare replaces, and nobody exits with a made-up reason."""
-    secret = {"LIGHTNING_FT_SECRET_FILE": secret_file(tmp_path)}
+    secret = {"LIGHTNING_FT_SECRET_FILE": write_secret(tmp_path)}
     cluster = Cluster(processes, tmp_path, "2:3", run_id="bumped")
     cluster.out.mkdir(parents=True)
     cluster.start_store(**secret)
@@ -125,10 +116,9 @@ def test_a_job_whose_counters_are_bumped_trains_to_the_end(processes, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_without_a_secret_a_forged_replica_is_never_executed(processes, tmp_path):
-    """No secret: values are unauthenticated (documented), but snapshot bytes from the store
-    are still checked with the restricted loader before a spare keeps them: the spare refuses
-    every forged replica (the forger rewrites it every 0.2 s, so it usually finds one), and
-    the job resumes from the survivor's snapshot."""
+    """No secret: values are unauthenticated (documented), so no snapshot is taken from the
+    store at all (no replicas without a secret): the forged replica, rewritten every 0.2 s, is
+    never read, let alone decoded, and the job resumes from the survivor's snapshot."""
     marker = tmp_path / "attacker-ran-code"
     cluster = Cluster(processes, tmp_path, "2:3", run_id="open")
     cluster.start(["A", "B", "C"], ["--max-steps", "100", *SLOW])

@@ -11,6 +11,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_ft.checkpoint.identity import (
+    ExpectedIdentity,
+    SnapshotIdentity,
+    identity_mismatch,
+)
+from lightning_ft.schema.round import ReplicaMeta
+
 
 def snapshots_to_delete(steps: Iterable[int], keep_last: int, protect: int | None = None) -> list[int]:
     """Steps to remove so that only the newest ``keep_last`` remain (``protect`` is never removed).
@@ -159,8 +166,6 @@ def plan_snapshot_transfer(steps_per_rank: Sequence[Iterable[int]]) -> TransferP
     return TransferPlan(newest, holders[0], receivers)
 
 
-
-
 def replica_needed(active_domains: Sequence[str], factor: int) -> bool:
     """Does the newest snapshot need copies beyond the actives' own?
 
@@ -189,3 +194,39 @@ def should_pull_replica(my_domain: str, active_domains: Sequence[str], factor: i
         return True
     missing = factor + 1 - len(active_domains)
     return spare_index < missing
+
+
+#: chunk sizes a hot spare accepts in a replica's meta: it holds the snapshot plus one chunk
+REPLICA_CHUNK_RANGE = (4096, 64 << 20)
+
+
+def replica_refusal(meta: ReplicaMeta, expected: ExpectedIdentity, max_bytes: int) -> str | None:
+    """Why a hot spare must not take the replica ``meta`` announces, from the meta alone (before
+    any of its bytes is read or any memory is set aside for them); None if it may.
+
+    A copy of another run or model would be kept as this job's newest step and chosen to
+    resume from, then skipped by every rank at the resume (the model check): the job would
+    restart from nothing. One larger than ``max_bytes`` (the spare's ``replica_max_bytes``)
+    would take memory the spare never agreed to hold.
+    """
+    announced = SnapshotIdentity(run_id=meta.run_id, rank=0, step=meta.step, model=meta.model)
+    mismatch = identity_mismatch(announced, expected)
+    if mismatch is not None:
+        return mismatch
+    if meta.nbytes > max_bytes:
+        return f"it announces {meta.nbytes} bytes, more than replica_max_bytes={max_bytes}"
+    low, high = REPLICA_CHUNK_RANGE
+    if not low <= meta.chunk_bytes <= high:
+        return f"it announces chunks of {meta.chunk_bytes} bytes, outside {low}..{high}"
+    return None
+
+
+def replica_header_mismatch(meta: ReplicaMeta, header_step: int, header_bytes: int,
+                            found: SnapshotIdentity) -> str | None:
+    """Why a replica whose first chunk holds this header and identity is not what its meta
+    announced (checked before the rest is read or allocated); None if it is."""
+    for what, announced, held in (("step", meta.step, header_step), ("size", meta.nbytes, header_bytes),
+                                  ("run id", meta.run_id, found.run_id), ("model", meta.model, found.model)):
+        if announced != held:
+            return f"its meta announces {what} {announced!r}, its snapshot header holds {held!r}"
+    return None

@@ -25,10 +25,14 @@ event                          fields
                                action (``recover`` | ``raise`` | ``no_restart``), reason
 ``round_open``                 round (the new round), after (the failed round), reason
 ``first_step_after_recovery``  round, step, seconds_since_failure
-``replica_published``          round, step, bytes (a snapshot put in the store for hot spares)
+``replica_published``          round, step, bytes (a snapshot put in the store for hot spares, encrypted;
+                               only with a job secret)
 ``replica_received``           step, bytes (a hot spare kept a copy)
-``replica_refused``            step, bytes, error (a hot spare dropped a replica that fails the checks of
-                               a received snapshot, e.g. metadata the restricted loader refuses)
+``replica_refused``            step, bytes (announced), stage, error (a hot spare dropped a replica: ``meta``:
+                               of another run or model, or larger than ``replica_max_bytes``, before any
+                               byte of it was read; ``header``: its first chunk is not what the meta
+                               announced; ``contents``: it fails the checks of a received snapshot, e.g.
+                               metadata the restricted loader refuses)
 ``spare_exit``                 reason (a hot spare leaves ``fit()``; exit 0)
 ``no_restart``                 round, reason (the job cannot go on; exit 83)
 ``node_fault``                 round, step, error, errno (this node's storage failed, e.g. ENOSPC; it leaves

@@ -102,7 +102,7 @@ class Coordinator:
         self._suspects: set[str] = set(replaces)
         self._renewals = itertools.count(1)
         self._arrivals: tuple[Arrival, ...] | None = None
-        self._hint: int | None = None
+        self._hint: bytes | None = None
         self._read_at = 0.0
         self._last_reason = ""
         log.debug("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from lightning_ft.deadlines import StoreClient
 from lightning_ft.rendezvous.decisions import Arrival, arrivals_of_round, choose_incarnation
 from lightning_ft.schema.run import (
+    SEP,
     ArrivalWriter,
     Beat,
     CloseReason,
@@ -81,12 +82,15 @@ class RunRecords:
     def append_arrival(self, round_id: int, seq: int, info: ArrivalWriter, withdrawn: bool = False) -> None:
         """Record that ``info`` arrived in (or withdrew from) ``round_id``; ``seq`` must grow per writer."""
         self.values.append(self.keys.arrivals(round_id), encode_arrival(seq, info, withdrawn))
-        self.store.add(self.keys.appended(round_id), 1)  # a hint for readers, nothing more
+        # a hint for readers, nothing more: set, not ``add`` -- ``add`` on a value a store client
+        # garbled would make the server drop this connection
+        self.store.set(self.keys.appended(round_id), f"{info.participant_id}{SEP}{seq}")
 
-    def appended_hint(self, round_id: int) -> int:
-        """How often the arrivals log of ``round_id`` was appended to, as far as the counter says:
-        readers re-read the log when it moves (a bumped counter costs a re-read, nothing else)."""
-        return int(self.store.add(self.keys.appended(round_id), 0))
+    def appended_hint(self, round_id: int) -> bytes:
+        """The last appender's mark on the arrivals log of ``round_id``: readers re-read the log when
+        it changes (a forged mark costs a re-read, nothing else)."""
+        key = self.keys.appended(round_id)
+        return bytes(self.store.get(key)) if self.store.check([key]) else b""
 
     def arrivals(self, round_id: int) -> tuple[Arrival, ...]:
         """The live arrivals of ``round_id``, in log order (see :func:`arrivals_of_round`)."""

@@ -6,6 +6,7 @@ so nothing written by one round is ever read by another. Keys here are relative 
 
 from __future__ import annotations
 
+import json
 from typing import NamedTuple
 
 from lightning_ft.schema.run import SEP
@@ -84,31 +85,68 @@ def decode_progress(raw: bytes) -> Progress:
 
 
 # ---------------------------------------------------------------------------- replicas
-# Rank 0 publishes a copy of its newest snapshot for hot spares while too few participants
-# hold one (see lightning_ft.checkpoint.exchange.replication).
+# With a job secret, rank 0 publishes a copy of its newest snapshot for hot spares while too
+# few participants hold one (see lightning_ft.checkpoint.exchange.replication): a sealed meta
+# that says what the copy is, and its bytes in encrypted chunks (lightning_ft.schema.encryption).
 
 REPLICA_META_KEY = "replica/meta"
-REPLICA_BLOB_KEY = "replica/blob"
+#: bytes of snapshot per stored chunk: one store value each, so a reader holds the snapshot
+#: plus one chunk, and the store server never handles a value of the snapshot's whole size
+REPLICA_CHUNK_BYTES = 16 << 20
+
+
+def replica_chunk_key(step: int, index: int) -> str:
+    """Chunk ``index`` of the replica of ``step``: each step's chunks have keys of their own, so
+    a reader never mixes the chunks of two publications."""
+    return f"replica/blob/{step}/{index}"
 
 
 def replica_pullers_key(step: int | str) -> str:
-    """Counter the spares ``add`` to, to learn their index among the pullers of a step."""
+    """Log of sealed records the spares append their puller ids to, to learn their place among the
+    pullers of a step (a log, not a counter: bumping a counter could push every spare out)."""
     return f"replica/pullers/{step}"
 
 
 class ReplicaMeta(NamedTuple):
+    """What a published replica is, read before any of its bytes: a spare refuses a copy of
+    another run or model, or one larger than it accepts, from this alone."""
+
     step: int
     #: failure domains of the round's actives, in rank order
     active_domains: tuple[str, ...]
+    #: the identity recorded in the snapshot (the run id it was taken under, its model fingerprint)
+    run_id: str
+    model: str
+    #: the snapshot's size and the bytes of each chunk (the last one may be shorter)
+    nbytes: int
+    chunk_bytes: int
+
+    @property
+    def chunks(self) -> int:
+        return max(1, -(-self.nbytes // self.chunk_bytes))
 
 
-def encode_replica_meta(step: int, active_domains: list[str] | tuple[str, ...]) -> str:
-    return f"{step}{SEP}{','.join(active_domains)}"
+def encode_replica_meta(meta: ReplicaMeta) -> str:
+    return json.dumps({"step": meta.step, "domains": list(meta.active_domains), "run_id": meta.run_id,
+                       "model": meta.model, "bytes": meta.nbytes, "chunk_bytes": meta.chunk_bytes},
+                      separators=(",", ":"))
 
 
 def decode_replica_meta(raw: bytes) -> ReplicaMeta | None:
+    """The meta in ``raw``; None for anything malformed (wrong fields or types, negative sizes)."""
     try:
-        step_text, _, domains_text = raw.decode().partition(SEP)
-        return ReplicaMeta(int(step_text), tuple(domains_text.split(",")) if domains_text else ())
-    except (ValueError, UnicodeDecodeError):
+        record = json.loads(raw)
+        domains = record["domains"]
+        if not isinstance(domains, list):
+            return None
+        meta = ReplicaMeta(record["step"], tuple(domains), record["run_id"], record["model"], record["bytes"],
+                           record["chunk_bytes"])
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
         return None
+    whole = (meta.step, meta.nbytes, meta.chunk_bytes)
+    texts = (meta.run_id, meta.model, *meta.active_domains)
+    if not (all(type(n) is int for n in whole) and all(isinstance(t, str) for t in texts)):
+        return None
+    if meta.step < 0 or meta.nbytes < 0 or meta.chunk_bytes <= 0:
+        return None
+    return meta

@@ -11,8 +11,9 @@ values and log records are sealed with the job secret by
 *Counters are hints, sealed records are truth.* ``add`` cannot be sealed, so no counter decides
 anything: the round, the incarnation, who arrived or withdrew, who is lost for good, heartbeats,
 the coordinator's lease and the acknowledgements are sealed values or sealed records in
-append-only logs. The only counter left (``appended``) tells a reader *when* to re-read a log;
-bumping it costs a re-read, nothing else.
+append-only logs. The one unsealed hint left (``appended``) tells a reader *when* to re-read a
+log; forging it costs a re-read, nothing else. Nothing of ours calls ``add`` at all: on a value
+a store client garbled, the server would drop the caller's connection.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class RunKeys:
         return self.round_key(round_id, "arrivals")
 
     def appended(self, round_id: int) -> str:
-        """A counter bumped after each append to :meth:`arrivals`: a hint to re-read it, no more."""
+        """The last appender's mark, set after each append to :meth:`arrivals`: a hint to re-read it, no more."""
         return self.round_key(round_id, "appended")
 
     def ready(self, round_id: int) -> str:

@@ -12,8 +12,10 @@ The secret comes from ``LIGHTNING_FT_SECRET_FILE`` (a file only this user can re
 content is the secret) or ``LIGHTNING_FT_SECRET``; every participant of a job, and
 ``lightning-ft store``, must have the same one. Without a secret values are written and read
 unsealed, with one warning per process: the job runs, but a client that reaches the store
-can steer it (end it, stop it, fail it). It still never executes what it reads: snapshot data
-is decoded with a restricted loader either way.
+can steer it (end it, stop it, fail it). It still never executes what it reads (snapshot data
+is decoded with a restricted loader either way), and no snapshot is taken from the store
+without a secret (replicas for hot spares need one; they are also encrypted with a key derived
+from it, :mod:`.encryption`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ import stat
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from lightning_ft.deadlines import StoreClient
 from lightning_ft.settings.environment import environ
@@ -70,6 +75,13 @@ class Signer:
     @property
     def enabled(self) -> bool:
         return self._secret is not None
+
+    def derived_key(self, label: bytes, length: int = 32) -> bytes | None:
+        """A key for another use of the job secret (HKDF-SHA256, ``label`` as its info): never
+        the secret itself, and another label gives an unrelated key. None without a secret."""
+        if self._secret is None:
+            return None
+        return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=label).derive(self._secret)
 
     def _tag(self, key: str, value: bytes) -> bytes:
         assert self._secret is not None  # callers seal and open with a secret only
@@ -177,7 +189,8 @@ def job_signer() -> Signer:
     secret, source = read_secret()
     if secret is None:
         log.warning("no job secret (%s or %s): control-plane values in the store are not authenticated; anyone "
-                    "who can reach the store can end, stop or fail this job. See docs/trust.md.",
+                    "who can reach the store can end, stop or fail this job. No snapshot is taken from the store "
+                    "(no replicas on hot spares: a spare starts from the survivors' snapshots). See docs/trust.md.",
                     ENV_SECRET_FILE, ENV_SECRET)
     return Signer(secret, source)
 

@@ -39,6 +39,8 @@ from torch.distributed.elastic.utils import store as store_util
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer_reset import mark_finished
+from lightning_ft.checkpoint.exchange.replication import replica_cipher
+from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.service import replica_puller
 from lightning_ft.deadlines import call_with_timeout, first_line
@@ -261,7 +263,10 @@ class FaultTolerantLauncher(_Launcher):
         checkpoint = first_callback_of_type(self.run.trainer, EmergencyCheckpoint)
         assert settings.domain_id is not None  # resolved by resolve_settings
         replicas = replica_puller(checkpoint.snapshots if checkpoint is not None else None, settings.domain_id,
-                                  settings.replication_factor, session.events.emit)
+                                  settings.replication_factor, session.events.emit,
+                                  cipher=replica_cipher(session.rendezvous.signer, settings.replication_factor),
+                                  model=model_fingerprint_before_setup(self.run.trainer.lightning_module),
+                                  max_bytes=settings.replica_max_bytes)
         monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys, signer=session.rendezvous.signer,
                                dead_after=session.rendezvous.settings.dead_after, open_round=session.open_round,
                                replicas=replicas, join_timeout=settings.timeouts.thread_stop_timeout)

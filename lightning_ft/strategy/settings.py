@@ -106,10 +106,12 @@ class StrategySettings:
                                                "81) instead of Lightning's handling, which exits 0 without saving",
                                          rule=boolean)
     replication_factor: int = setting(1, "copies of each snapshot wanted on other participants, on other domains "
-                                         "when possible (hot spares receive copies through the store while fewer "
-                                         "than factor + 1 participants/domains train); 0 disables", rule=_COUNT)
+                                         "when possible (hot spares receive encrypted copies through the store "
+                                         "while fewer than factor + 1 participants/domains train; only with a job "
+                                         "secret); 0 disables", rule=_COUNT)
     replica_max_bytes: int = setting(256 * 2**20, "snapshots larger than this are not replicated through the "
-                                                  "store", rule=_COUNT)
+                                                  "store, and a hot spare refuses a replica that announces more",
+                                     rule=_COUNT)
     max_failures_without_progress: int = setting(2, "failed rounds in a row without a completed training step "
                                                     "before giving up with NO_RESTART", rule=_COUNT)
     max_recoveries: int | None = setting(None, "optional cap on recoveries in one process",

@@ -55,7 +55,8 @@ from lightning_ft._lightning.history import (
 from lightning_ft._lightning.names import STRATEGY_DESCRIPTION, STRATEGY_NAME
 from lightning_ft._lightning.slurm import install as install_slurm_compat
 from lightning_ft._logging import ensure_log_output
-from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher
+from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher, replica_cipher
+from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
@@ -303,7 +304,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             return None
         round_id = self.round.round_id if self.round is not None else None
         plan = checkpoint.snapshots.exchange(self.global_rank, self.world_size,
-                                             lambda event, **f: self.event_log.emit(event, round=round_id, **f))
+                                             lambda event, **f: self.event_log.emit(event, round=round_id, **f),
+                                             model=model_fingerprint_before_setup(self.lightning_module))
         if self.round is not None and self.round.follows_a_failure and not checkpoint.auto_resume:
             log.info("ddp_ft: turning on EmergencyCheckpoint auto-resume to continue after the failure")
             checkpoint.auto_resume = True
@@ -351,9 +353,12 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._replicas = None
         if (self.settings.replication_factor and self._checkpoint is not None and self.global_rank == 0
                 and self.settings.mode is LaunchMode.RENDEZVOUS and self.session is not None):
-            self._replicas = ReplicaPublisher(self.session.store.clone, self.session.rendezvous.signer,
-                                              self.settings.replication_factor,
-                                              self.settings.replica_max_bytes, self.event_log.emit)
+            signer = self.session.rendezvous.signer
+            cipher = replica_cipher(signer, self.settings.replication_factor)  # None without a job secret
+            if cipher is not None:
+                self._replicas = ReplicaPublisher(self.session.store.clone, signer, cipher,
+                                                  self.settings.replication_factor,
+                                                  self.settings.replica_max_bytes, self.event_log.emit)
 
     def _wait_for_value(self, values: SealedStore, key: str) -> bytes:
         """An authentic value another rank writes, polled in short slices (bounded by init_timeout)."""

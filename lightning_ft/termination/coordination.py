@@ -132,7 +132,9 @@ class StoreStopCoordinator:
         finds it; the rank also confirms, so nobody waits for its confirmation.
         """
         self.values.put(unhealthy_key(self.rank), encode_unhealthy(step, reasons))
-        self.store.add(self.values.key(UNHEALTHY_COUNT_KEY), 1)
+        # a marker, not a counter: only its existence is a hint (``add`` on a value a store client
+        # garbled would make the server drop this connection)
+        self.store.set(self.values.key(UNHEALTHY_COUNT_KEY), "1")
         return self.propose(step, signum, f"rank {self.rank} unhealthy")
 
     def any_peer_unhealthy(self) -> bool:

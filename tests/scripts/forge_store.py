@@ -23,12 +23,13 @@ from lightning_ft.checkpoint.identity import state_dict_fingerprint
 from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.round import (
-    REPLICA_BLOB_KEY,
     REPLICA_META_KEY,
     VERDICT_KEY,
+    ReplicaMeta,
     encode_replica_meta,
     encode_verdict,
     failed_key,
+    replica_chunk_key,
 )
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import MAGIC, TAG_BYTES, Signer
@@ -88,8 +89,11 @@ def main() -> int:
                 except (RuntimeError, OSError):
                     pass
 
-            put(f"{prefix}/{REPLICA_BLOB_KEY}", malicious_snapshot(args.marker, 10_000 + forged, args.run_id))
-            put(f"{prefix}/{REPLICA_META_KEY}", encode_replica_meta(10_000 + forged, ["forged-domain"]))
+            step = 10_000 + forged
+            blob = malicious_snapshot(args.marker, step, args.run_id)
+            put(f"{prefix}/{replica_chunk_key(step, 0)}", blob)
+            put(f"{prefix}/{REPLICA_META_KEY}", encode_replica_meta(
+                ReplicaMeta(step, ("forged-domain",), args.run_id, "", len(blob), len(blob))))
             if not args.only_replica:
                 put(keys.closed_for_good, CloseReason(CloseKind.FINISHED, "forged: job finished").encode())
                 put(f"{prefix}/{failed_key(0)}", "ValueError: forged bug")

@@ -23,18 +23,21 @@ from lightning_ft.events import names as ev
 log = logging.getLogger(__name__)
 
 
-def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int,
-                       emit: Callable[..., None]) -> TransferPlan | None:
+def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int, emit: Callable[..., None],
+                       model: str | None = None) -> TransferPlan | None:
     """Make the newest snapshot any rank holds available on every rank (collective).
 
-    All ranks agree on the newest step of this run (snapshots recording another run id are not
-    offered; one all_gather of the step lists as tensors); the lowest rank that holds it sends
+    All ranks agree on the newest step of this run (snapshots recording another run id, or
+    another ``model`` fingerprint when one is given, are not offered: a copy every rank would
+    skip at the resume must not be chosen over the job's own older one; one all_gather of the
+    step lists as tensors); the lowest rank that holds it sends
     the verified file bytes point-to-point to each rank that lacks it (a hot spare that just
     joined, a survivor whose copy was lost). Receivers check the bytes and commit them as
     their own snapshot (keeping the sender's identity), so the ordinary resume path finds it.
     Nothing received is unpickled here.
     """
-    local = store.readable_steps(include_peers=True, expect=store.expected_identity())
+    expect = store.expected_identity(model=model)
+    local = store.readable_steps(include_peers=True, expect=expect)
     gathered = gather_steps(local)
     if len(gathered) != world_size:
         raise RuntimeError(f"ddp_ft: snapshot exchange expected {world_size} ranks, the default group has "
@@ -47,7 +50,7 @@ def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int,
     if rank == plan.source:
         start = time.perf_counter()
         blob = b""
-        info = store.find(plan.step, include_peers=True)
+        info = store.find(plan.step, include_peers=True, expect=expect)
         if info is not None:
             try:
                 blob = store.read_bytes(info)

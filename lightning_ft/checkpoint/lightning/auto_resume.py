@@ -7,6 +7,7 @@ import logging
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_ft._lightning.checkpointing import loaded_global_step, requested_ckpt_path, restore_from
 from lightning_ft.checkpoint.durable.tier import DurableTier
@@ -33,6 +34,16 @@ def replicated(trainer: pl.Trainer) -> bool:
     resume from any rank's snapshot."""
     strategy = trainer.strategy
     return isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)) and not strategy.restore_checkpoint_after_setup
+
+
+def model_fingerprint_before_setup(module: pl.LightningModule | None) -> str | None:
+    """The model fingerprint of ``module`` before ``fit()`` sets it up (where the snapshot exchange
+    and a waiting hot spare need it), or None when it is not known yet: a module that builds
+    layers in ``configure_model`` has them only later, and there only the run id is checked
+    (the model still is at the resume)."""
+    if module is None or is_overridden("configure_model", module, pl.LightningModule):
+        return None
+    return state_dict_fingerprint(module.state_dict())
 
 
 class AutoResume:
