@@ -271,29 +271,40 @@ def test_a_takeover_from_a_slow_coordinator_still_excludes_the_dead_one_it_repla
 
 
 def test_shutdown_closes_first_then_host_waits_for_acknowledgements(tcp_store):
-    rdzvs = [make(tcp_store, i, store_grace_timeout=60.0) for i in range(3)]
-    rdzvs[0].is_store_host = True
+    # Roles fixed up front: the round waits for all three (a last call longer than the test)
+    # and places them by scheduler index, so the store host node0 and node1 are the actives
+    # and node2 the spare however late a loaded machine lets each thread arrive. (With roles by
+    # arrival order, node0 arriving last made the host the spare; then the active nobody shuts
+    # down here kept the host waiting its whole grace.)
+    rdzvs = [make(tcp_store, i, infra=i, store_grace_timeout=60.0, last_call_timeout=60.0) for i in range(3)]
+    host, other_active, spare = rdzvs
+    host.is_store_host = True
     try:
         results = join_all(rdzvs)
-        spare = next(rd for rd, r in zip(rdzvs, results, strict=True) if not r.is_active)
-        other_active = next(rd for rd, r in zip(rdzvs, results, strict=True) if r.is_active and rd is not rdzvs[0])
+        assert [r.is_active for r in results] == [True, True, False]
         spare_done = threading.Event()
+        spare_outcome: list[BaseException | str] = []
 
         def spare_waits():
             try:
-                spare.wait_while_standby(results[0].round)
-            except RendezvousGracefulExitError:
+                spare.wait_while_standby(results[2].round)
+                spare_outcome.append("returned: a newer round opened")
+            except BaseException as exc:  # noqa: BLE001 - recorded for the assertion below
+                spare_outcome.append(exc)
+            finally:
                 spare_done.set()
 
         threading.Thread(target=spare_waits, daemon=True).start()
         host_done = threading.Event()
         start = time.monotonic()
-        threading.Thread(target=lambda: (rdzvs[0].shutdown(job_finished=True), host_done.set()),
+        threading.Thread(target=lambda: (host.shutdown(job_finished=True), host_done.set()),
                          daemon=True).start()
         # generous bounds: torch's TCPStore server now and then stalls every client for ~5 s, and
         # the whole suite on 2 cores ran at a load average of 7 once; below the 60 s grace, so
         # an end by the grace timeout still fails
-        assert spare_done.wait(45)  # the close came first, the spare saw it
+        assert spare_done.wait(45), "the spare did not see the close within 45 s"
+        assert len(spare_outcome) == 1 and isinstance(spare_outcome[0], RendezvousGracefulExitError), spare_outcome
+        assert "closed for good" in str(spare_outcome[0])  # the close came first, the spare saw it
         assert not host_done.wait(0.3)  # still waiting for the other active
         other_active.shutdown(job_finished=True)
         assert host_done.wait(45)
@@ -301,7 +312,9 @@ def test_shutdown_closes_first_then_host_waits_for_acknowledgements(tcp_store):
     finally:
         stop(rdzvs)
     assert elapsed < 60.0  # ended on acknowledgements, not on the grace timeout (60 s)
-    assert str(rdzvs[0].closed_reason()) == "job finished: training finished"
+    everyone = [rd.participant_id for rd in rdzvs]
+    assert host.records.acknowledged(everyone) == set(everyone)
+    assert str(host.closed_reason()) == "job finished: training finished"
 
 
 def test_shutdown_grace_is_bounded(tcp_store):

@@ -31,6 +31,9 @@ class ScheduleCalibration:
     ``every_n_steps``, ``every_n_seconds``, ``max_overhead``: as for ``EmergencyCheckpoint``.
     """
 
+    #: what step times are measured with (a test sets the time its steps take with it)
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
+
     def __init__(self, every_n_steps: int | None, every_n_seconds: float | None,
                  max_overhead: float | None) -> None:
         self.every_n_steps = every_n_steps
@@ -67,13 +70,13 @@ class ScheduleCalibration:
         """Training (re)starts at ``step``: the clock starts, and every rank of a (re)started fit
         calibrates at the same steps from here, survivors and a spare alike; until the first
         calibration only every_n_steps applies."""
-        self._clock = (time.perf_counter(), step)
+        self._clock = (self.clock(), step)
         self._train_start_step, self._calibrated_step, self.schedule = step, None, None
 
     def step_time(self, step: int) -> float | None:
         """At a batch's end: seconds per step since the last step change (None: no step
         completed since); folded into :attr:`seconds_per_step`."""
-        now = time.perf_counter()
+        now = self.clock()
         if self._clock is None or step <= self._clock[1]:
             return None
         sample = (now - self._clock[0]) / (step - self._clock[1])
@@ -87,7 +90,7 @@ class ScheduleCalibration:
         wait for a background copy at the next optimizer step is: training waited)."""
         if self._clock is not None and step == self._clock[1]:
             return False
-        self._clock = (time.perf_counter(), step)
+        self._clock = (self.clock(), step)
         return True
 
     # ------------------------------------------------------------------ the agreement
