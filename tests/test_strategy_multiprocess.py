@@ -195,7 +195,8 @@ def test_second_failure_after_the_only_spare_was_used_ends_with_no_restart(proce
 @pytest.mark.timeout(150)
 def test_bug_in_training_step_fails_the_job_without_using_the_spare(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:3")
-    cluster.start(["A", "B", "C"], ["--max-steps", "400", "--raise-at-step", "15", "--raise-on-rank", "1", *SLOW])
+    cluster.start(["A", "B", "C"], ["--max-steps", "400", "--raise-at-step", "15", "--raise-on-rank", "1", *SLOW,
+                                     "--hang-floor", "2"])
     codes = cluster.wait(["A", "B", "C"], 45)
     logs = cluster.logs()
     # the buggy rank 1, its peer and the spare: the job cannot go on (the spare was not "finished")
