@@ -17,7 +17,7 @@ import pytest
 from proc_utils import REPO_ROOT, child_pids, kill_pids, wait_for, write_secret
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from ft_cluster import SCRIPT, Cluster, base_env
+from ft_cluster import SCRIPT, Cluster, base_env, in_order, ordered_start, release
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -39,8 +39,6 @@ def snapshot_steps(schedules: list[dict], until: int) -> set[int]:
 
 @pytest.mark.timeout(180)
 def test_no_failure_matches_plain_ddp_and_the_spare_exits_zero(processes, tmp_path):
-    cluster = Cluster(processes, tmp_path / "ft", "2:3")
-    cluster.start(["A", "B", "C"], ["--max-steps", "40"])
     # the same script under plain DDP (torchrun, 2 workers) as the reference, at the same time
     ref_out = tmp_path / "ref"
     reference = processes.start("ref", [TORCHRUN, "--standalone", "--nproc-per-node=2", SCRIPT, "--out", str(ref_out),
@@ -48,6 +46,16 @@ def test_no_failure_matches_plain_ddp_and_the_spare_exits_zero(processes, tmp_pa
                                 env=base_env(LIGHTNING_FT_SNAPSHOT_DIR=str(tmp_path / "ref-shm"),
                                              LIGHTNING_FT_RUN_ID="reference"))
     try:
+        cluster = Cluster(processes, tmp_path / "ft", "2:3")
+        cluster.out.mkdir(parents=True)
+        cluster.start_store()
+        # training waits until the spare is standby: on a loaded machine a spare that starts late
+        # would otherwise arrive after these 40 steps (and leave as "not needed", not as a spare)
+        hold = ordered_start(cluster, "AB")
+        for name in "ABC":
+            cluster.start_participant(name, ["--max-steps", "40", *hold])
+            in_order(cluster, name, actives="AB")
+        release(hold)
         codes = cluster.wait(["A", "B", "C"], 75)
         assert codes == {"A": 0, "B": 0, "C": 0}, cluster.logs()
         assert wait_for(lambda: reference.popen.poll() is not None, 60), reference.log()
