@@ -255,6 +255,36 @@ def test_keep_last_prunes_oldest_and_recycles_files(tmp_path):
     store.close()
 
 
+def test_bytes_to_send_are_the_verified_file_and_a_file_changed_after_its_check_is_checked_again(tmp_path):
+    """The sender's view of a snapshot (a private map, no copy) holds exactly what read_bytes
+    gives, also for a recycled file with slack; a file written after it was verified (its
+    ctime moves) is verified again, so the remembered check never vouches for other bytes."""
+    store = SnapshotStore(root=tmp_path / "a", run_id="unit", rank=0, keep_last=2)
+    store.save({"w": torch.full((50_000,), 1.0)}, step=10)
+    store.save({"w": torch.full((50_000,), 2.0)}, step=20)
+    small = store.save({"w": torch.arange(7)}, step=30)  # recycles step 10's larger file
+    assert os.path.getsize(small.path) > small.nbytes
+    assert store.readable_steps() == [20, 30]  # verified once here ...
+    with store.bytes_to_send(store.find(30)) as view:  # ... and not summed again here
+        assert view.dtype == torch.uint8 and bytes(view.numpy()) == store.read_bytes(small)
+    other = SnapshotStore(root=tmp_path / "b", run_id="unit", rank=0)
+    with store.bytes_to_send(small) as view:
+        assert torch.equal(other.load(other.write_bytes(view.numpy().data))["w"], torch.arange(7))
+    # flip one byte of the data region in place, keeping the file's times: its ctime still moves
+    header = fmt.Header.unpack(open(small.path, "rb").read(fmt.HEADER_SIZE))
+    before = os.stat(small.path)
+    with open(small.path, "r+b") as f:
+        f.seek(header.data_off)
+        byte = f.read(1)
+        f.seek(header.data_off)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(small.path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert store.verify(small) is not None
+    with pytest.raises(SnapshotError), store.bytes_to_send(small):
+        pass
+    store.close()
+
+
 def test_keep_last_one_never_leaves_zero_snapshots(tmp_path):
     store = SnapshotStore(root=tmp_path, run_id="unit", rank=0, keep_last=1)
     store.save({"a": torch.ones(3)}, step=1)

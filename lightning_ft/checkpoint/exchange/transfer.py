@@ -8,6 +8,7 @@ verified file bytes point to point.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -49,25 +50,26 @@ def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int, emit: C
         return plan
     if rank == plan.source:
         start = time.perf_counter()
-        blob = b""
-        info = store.find(plan.step, include_peers=True, expect=expect)
-        if info is not None:
-            try:
-                blob = store.read_bytes(info)
-            except Exception as exc:  # noqa: BLE001 - told to the receivers as size -1
-                log.error("rank %d: cannot read snapshot step %d for transfer: %s", rank, plan.step, exc)
-                blob = b""
-        for receiver in plan.receivers:
-            size = torch.tensor([len(blob) if blob else -1], dtype=torch.int64)
-            dist.send(size, dst=receiver)
-            if blob:
-                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=receiver)
-                emit(ev.SNAPSHOT_SENT, step=plan.step, to_rank=receiver, bytes=len(blob),
-                     seconds=round(time.perf_counter() - start, 4))
-        if not blob:
+        with contextlib.ExitStack() as held:
+            payload: torch.Tensor | None = None
+            info = store.find(plan.step, include_peers=True, expect=expect)
+            if info is not None:
+                try:
+                    payload = held.enter_context(store.bytes_to_send(info))
+                except Exception as exc:  # noqa: BLE001 - told to the receivers as size -1
+                    log.error("rank %d: cannot read snapshot step %d for transfer: %s", rank, plan.step, exc)
+            nbytes = payload.numel() if payload is not None else -1
+            for receiver in plan.receivers:
+                dist.send(torch.tensor([nbytes], dtype=torch.int64), dst=receiver)
+                if payload is not None:
+                    dist.send(payload, dst=receiver)
+                    emit(ev.SNAPSHOT_SENT, step=plan.step, to_rank=receiver, bytes=nbytes,
+                         seconds=round(time.perf_counter() - start, 4))
+            payload = None  # the last reference to the map's view goes before the map is closed
+        if nbytes < 0:
             raise RuntimeError(f"ddp_ft: snapshot of step {plan.step} vanished on rank {rank} before it could "
                                "be sent to the ranks that lack it")
-        log.info("rank %d: sent snapshot step %d (%d bytes) to rank(s) %s in %.3fs", rank, plan.step, len(blob),
+        log.info("rank %d: sent snapshot step %d (%d bytes) to rank(s) %s in %.3fs", rank, plan.step, nbytes,
                  list(plan.receivers), time.perf_counter() - start)
     elif rank in plan.receivers:
         start = time.perf_counter()

@@ -10,6 +10,7 @@ changes the directory. The directory layout is :mod:`.roots`'s; the file format
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -281,6 +282,11 @@ class SnapshotStore:
     def read_bytes(self, info: SnapshotInfo) -> bytes:
         """The whole snapshot file as one verified blob, for sending to another host."""
         return self._reader.read_bytes(info)
+
+    def bytes_to_send(self, info: SnapshotInfo) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """``read_bytes`` without the copies: the verified file as a uint8 tensor over a private
+        map, valid inside the ``with`` block (see :meth:`SnapshotReader.bytes_to_send`)."""
+        return self._reader.bytes_to_send(info)
 
     def write_bytes(self, blob: bytes | bytearray | memoryview) -> SnapshotInfo:
         """Verify a blob from ``read_bytes`` (possibly another rank/host) and commit it as this
