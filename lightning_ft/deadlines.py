@@ -8,7 +8,8 @@
 * :class:`BoundedStore` -- a ``torch.distributed`` Store client whose every call goes through a
   worker: a frozen store (its host SIGSTOPped, a dead machine whose connection stays open)
   answers nothing, and a TCPStore client would wait for it without limit. Every store
-  connection lightning_ft opens is one of these.
+  connection lightning_ft opens is one of these. At interpreter exit no call on one starts
+  any more, and the calls in flight are waited for (:func:`close_store_calls`).
 * :class:`BackgroundThread` -- start, stop and a bounded join for the project's daemon threads.
 
 Bounds come from :class:`lightning_ft.settings.Timeouts`. No Lightning, no torch import here.
@@ -16,9 +17,11 @@ Bounds come from :class:`lightning_ft.settings.Timeouts`. No Lightning, no torch
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -40,26 +43,126 @@ class StoreUnresponsiveError(DeadlineExceeded):
     """A store call did not return within its bound: the store (or its host) is frozen or gone."""
 
 
-class BoundedWorker:
-    """Runs calls one after another on a daemon thread; each caller waits at most its bound."""
+class InterpreterExitingError(RuntimeError):
+    """A store call asked for after the interpreter began to exit (see :func:`close_store_calls`)."""
 
-    def __init__(self, name: str, calls: int | None = None) -> None:
-        self._calls: queue.SimpleQueue[tuple[Future, Callable[[], Any]]] = queue.SimpleQueue()
+
+class _ExitGate:
+    """Calls that must not be running while the interpreter finalizes: the store calls.
+
+    Why: on Python < 3.14 a daemon thread that comes back from a C++ call after finalization
+    began is ended with ``pthread_exit`` inside pybind11's ``~gil_scoped_release``, a noexcept
+    destructor: the forced unwind calls ``std::terminate`` and the whole process aborts
+    ("terminate called without an active exception", SIGABRT) -- whatever exit code it was
+    about to return. A store call does come back, with the store's answer or its error, and
+    one made by a background thread (a heartbeat's last beat) can still be on its way when the
+    main thread, which has nothing left to ask the store, reaches the end of the interpreter.
+    atexit handlers run before finalization, while every thread still runs; :meth:`close` is one.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        #: call -> (the monotonic time its caller stops waiting, the caller's thread name)
+        self._in_flight: dict[int, tuple[float, str]] = {}
+        self._next = 0
+        self._closed = False
+        self._hooked = False
+
+    def hook(self) -> None:
+        """Close the gate at interpreter exit (registered once, when the first store client is made:
+        atexit runs handlers last-in first-out, so those registered later -- which may still use
+        the store -- run before it)."""
+        with self._cond:
+            if self._hooked:
+                return
+            self._hooked = True
+        atexit.register(self.close)
+
+    def enter(self, deadline: float, caller: str) -> int | None:
+        """Admit a call whose caller waits until ``deadline``; None once the gate is closed."""
+        with self._cond:
+            if self._closed:
+                return None
+            self._next += 1
+            self._in_flight[self._next] = (deadline, caller)
+            return self._next
+
+    def leave(self, call: int) -> None:
+        with self._cond:
+            del self._in_flight[call]
+            self._cond.notify_all()
+
+    def close(self) -> int:
+        """Admit no call from now on, and wait until every call in flight returned or its caller's
+        bound ended (a call stuck past its bound is not waited for). Returns how many are left."""
+        start = time.monotonic()
+        with self._cond:
+            self._closed = True
+            callers = sorted({caller for _, caller in self._in_flight.values()})
+            while self._in_flight:
+                remaining = max(deadline for deadline, _ in self._in_flight.values()) - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            left = sorted(caller for _, caller in self._in_flight.values())
+        if left:
+            # an answer that comes during finalization aborts the process (see above)
+            log.warning("interpreter exit: %d store call(s) of %s still without an answer after their bound "
+                        "(the store is frozen or gone)", len(left), ", ".join(left))
+        elif callers:
+            log.debug("interpreter exit: waited %.3fs for store calls in flight of %s", time.monotonic() - start,
+                      ", ".join(callers))
+        return len(left)
+
+
+_STORE_CALLS = _ExitGate()
+
+
+def close_store_calls() -> int:
+    """Start no store call any more and wait (bounded) for those in flight; returns how many are left.
+
+    Runs by itself at interpreter exit (an atexit handler, registered with the first
+    :class:`BoundedStore`); a later call on any ``BoundedStore`` raises
+    :class:`InterpreterExitingError`. Each call in flight is waited for until it returns or its
+    own bound ends -- no longer than its caller would have waited.
+    """
+    return _STORE_CALLS.close()
+
+
+class BoundedWorker:
+    """Runs calls one after another on a daemon thread; each caller waits at most its bound.
+
+    ``exit_gate``: admit each call through it (store calls: see :class:`_ExitGate`).
+    """
+
+    def __init__(self, name: str, calls: int | None = None, exit_gate: _ExitGate | None = None) -> None:
+        #: (future, fn, when its caller stops waiting, the caller's thread name)
+        self._calls: queue.SimpleQueue[tuple[Future, Callable[[], Any], float, str]] = queue.SimpleQueue()
         self._stuck: Future | None = None
+        self._gate = exit_gate
         self._thread = threading.Thread(target=self._serve, args=(calls,), name=name, daemon=True)
         self._thread.start()
 
     def _serve(self, calls: int | None) -> None:
         while calls is None or calls > 0:  # ``calls``: how many to run before the thread ends
-            future, fn = self._calls.get()
+            future, fn, deadline, caller = self._calls.get()
             if calls is not None:
                 calls -= 1
             if not future.set_running_or_notify_cancel():
                 continue
+            gate, admitted = self._gate, None
+            if gate is not None:
+                admitted = gate.enter(deadline, caller)
+                if admitted is None:
+                    future.set_exception(InterpreterExitingError("the interpreter is exiting: no store call starts"))
+                    continue
             try:
                 future.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
+            finally:
+                if gate is not None and admitted is not None:
+                    gate.leave(admitted)
 
     def call(self, fn: Callable[[], Any], bound: float, what: str,
              error: type[DeadlineExceeded] = DeadlineExceeded) -> Any:
@@ -69,7 +172,7 @@ class BoundedWorker:
         if stuck is not None and not stuck.done():
             raise error(f"{what}: an earlier call has had no answer for more than {bound:g}s (frozen or gone)")
         future: Future = Future()
-        self._calls.put((future, fn))
+        self._calls.put((future, fn, time.monotonic() + bound, threading.current_thread().name))
         try:
             return future.result(timeout=bound)
         except TimeoutError:
@@ -131,7 +234,8 @@ class BoundedStore:
     def __init__(self, store: Any, bound: float) -> None:
         self.raw = store
         self.bound = bound
-        self._worker = BoundedWorker("lightning_ft-store-client")
+        _STORE_CALLS.hook()
+        self._worker = BoundedWorker("lightning_ft-store-client", exit_gate=_STORE_CALLS)
 
     def _call(self, name: str, *args: Any) -> Any:
         method = getattr(self.raw, name)

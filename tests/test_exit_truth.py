@@ -140,6 +140,7 @@ def test_a_participant_that_starts_after_its_job_finished_exits_0(processes, tmp
     assert cluster.wait(["A", "B"], 60) == {"A": 0, "B": 0}, cluster.logs()
     late.signal(signal.SIGUSR1)
     assert cluster.wait(["C"], 30) == {"C": 0}, cluster.logs()
+    assert cluster.left_cleanly("C"), late.log()
     result = cluster.result("C")
     assert not result["trained"], result
     assert "hosting the store" not in late.log()

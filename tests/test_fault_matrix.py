@@ -216,6 +216,7 @@ def test_an_active_lost_after_fit_returned(processes, tmp_path, kind):
                     f"{kind}:{FINISH}")
     codes = wait_then_kill_frozen(cluster, ["B", "C"], 75, "A")
     assert codes == {"B": 0, "C": 0}, cluster.logs()
+    assert cluster.left_cleanly("C"), cluster.procs["C"].log()  # the spare: no SIGABRT at interpreter exit
     assert faulted(cluster, "A")
     assert cluster.result("B")["step"] == 40
 

@@ -128,6 +128,8 @@ def test_with_a_secret_a_store_client_finds_no_weights_in_a_replica(processes, t
     published = {int(key.split("/")[-2]) for key in replica_keys if "/replica/blob/" in key}
     assert published & set(plaintext), (published, sorted(plaintext))  # the search was for the right steps
     assert cluster.wait(["A", "B"], 60) == {"A": 0, "B": 0}, cluster.logs()
+    spare = next(name for name in "AB" if not cluster.result(name)["trained"])
+    assert cluster.left_cleanly(spare), cluster.procs[spare].log()  # it pulled replicas until it left
 
 
 @pytest.mark.timeout(150)

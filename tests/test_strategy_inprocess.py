@@ -8,8 +8,10 @@ repeats without progress, or re-raise a plain bug.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
+import threading
 
 import pytest
 import torch
@@ -21,7 +23,11 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_ft import EmergencyCheckpoint, ExitCode, FaultTolerantDDPStrategy  # noqa: E402
 from lightning_ft.exit_codes import FaultTolerantExit  # noqa: E402
+from lightning_ft.rendezvous import BarrierRendezvous, ParticipantInfo, RendezvousSettings  # noqa: E402
+from lightning_ft.schema.signing import job_signer  # noqa: E402
 from lightning_ft.strategy.launcher import FaultTolerantLauncher, add_default_callbacks  # noqa: E402
+
+from proc_utils import wait_for  # noqa: E402
 
 GLOO_ERROR = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
 
@@ -361,3 +367,27 @@ def test_live_state_resumes_with_the_boundarys_buffers_and_weights(tmp_path, por
     for name, value in expected.items():
         assert torch.equal(state[name], value), name
     assert any("running_mean" in name for name in expected)
+
+
+def test_an_extra_participant_leaves_fit_with_its_heartbeat_stopped(tmp_path, port):
+    """Issue 24, finding 8: a participant with no place in the run (extra) returned from fit()
+    with its heartbeat thread still beating, and a beat in flight while the interpreter finalized
+    aborted the process (SIGABRT instead of exit 0)."""
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    # the one place of the run (max_nodes=1) is taken before the Trainer arrives
+    holder = BarrierRendezvous(server, RendezvousSettings.of("inproc", 1, 1), ParticipantInfo("holder", 2, 0),
+                               signer=job_signer())
+    try:
+        assert holder.join_round().is_active
+        before = set(threading.enumerate())
+        trainer = make_trainer(tmp_path, port, max_steps=5)
+        trainer.fit(Model())
+        assert trainer.strategy.trained is False and trainer.global_step == 0
+        assert any(e["event"] == "spare_exit" and "is extra" in e["reason"] for e in events(tmp_path))
+        beating = [t for t in threading.enumerate() if t.name == "lightning_ft-heartbeat" and t not in before]
+        assert wait_for(lambda: not any(t.is_alive() for t in beating), 30), "its heartbeat beats on after fit()"
+    finally:
+        holder.stop_heartbeat()

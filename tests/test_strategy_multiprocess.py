@@ -69,6 +69,8 @@ def test_no_failure_matches_plain_ddp_and_the_spare_exits_zero(processes, tmp_pa
     assert len(trained) == 2 and len(spares) == 1, results
     assert sorted(r["rank"] for r in trained) == [0, 1]
     assert spares[0]["rank"] == -1 and spares[0]["step"] == 0  # a spare never acts as rank 0 after fit()
+    spare = next(name for name in "ABC" if results[name] is spares[0])
+    assert cluster.left_cleanly(spare), cluster.procs[spare].log()  # exit 0, not SIGABRT at interpreter exit
     assert all(r["step"] == 40 for r in trained)
     ref_results = [json.loads(p.read_text()) for p in ref_out.glob("result-*.json")]
     assert len(ref_results) == 2

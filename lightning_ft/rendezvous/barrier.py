@@ -437,8 +437,11 @@ class BarrierRendezvous:
         self._heartbeat.start()
 
     def stop_heartbeat(self) -> None:
+        """Stop beating; waits (at most one heartbeat interval) for a beat in flight to land."""
         if self._heartbeat is not None:
-            self._heartbeat.stop(join=False)
+            # joined: a process that leaves right after must not end with a beat on its way
+            # (a thread back from a store call while the interpreter finalizes aborts it)
+            self._heartbeat.stop()
 
 
 class Heartbeat(BackgroundThread):

@@ -197,6 +197,9 @@ class FaultTolerantLauncher(_Launcher):
         except RendezvousError as exc:  # extra participant, unhealthy
             if isinstance(exc, ParticipantExcludedError) and not self.run.trained:
                 log.error("ddp_ft: %s", exc)
+                # it takes no part any more: no heartbeat beating on after fit() (one beat in
+                # flight when the interpreter finalized aborted the process)
+                rendezvous.stop_heartbeat()
                 session.events.emit(ev.SPARE_EXIT, reason=str(exc))
                 self._leave_as_spare()
                 return None

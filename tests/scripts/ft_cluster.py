@@ -148,6 +148,12 @@ class Cluster:
                 raise TimeoutError(f"{name} did not log {text!r}\n{self.logs()}")
             time.sleep(0.05)
 
+    def left_cleanly(self, name: str) -> bool:
+        """The log of ``name`` shows no death in C++: neither ``std::terminate``'s message (a
+        thread back from a store call while the interpreter finalized: SIGABRT) nor a C++ stack."""
+        log = self.procs[name].log()
+        return "terminate called" not in log and "frame #" not in log
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> float:
         """Signal one participant; returns the wall-clock time of the kill."""
         t = time.time()
