@@ -198,6 +198,10 @@ def test_exit_zero_only_for_a_finished_job_or_a_spare_that_lost_the_store():
     assert decide_on_rendezvous_end(Role.TRAINED, EndCause.STORE_LOST) is EndAction.NO_RESTART
     # nothing trained yet and the store is gone: never "finished"
     assert decide_on_rendezvous_end(Role.UNASSIGNED, EndCause.STORE_LOST) is EndAction.NO_RESTART
+    # without a secret a spare may see the actives finish before the close is written (was 83)
+    assert decide_on_rendezvous_end(Role.STANDBY, EndCause.ACTIVES_FINISHED, None) is EndAction.RETURN
+    assert decide_on_rendezvous_end(Role.STANDBY, EndCause.ACTIVES_FINISHED, CloseKind.FINISHED) is EndAction.RETURN
+    assert decide_on_rendezvous_end(Role.STANDBY, EndCause.ACTIVES_FINISHED, CloseKind.FAILED) is EndAction.NO_RESTART
 
 
 def test_a_stop_anywhere_is_143_for_everyone():

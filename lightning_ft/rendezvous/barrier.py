@@ -72,6 +72,11 @@ class UnhealthyNodeError(ParticipantExcludedError):
     """This node failed its health check and was excluded."""
 
 
+class ActivesFinishedError(RendezvousGracefulExitError):
+    """A standby participant saw the actives of its round pass torch's exit barrier (watched
+    without a job secret only): the job finished, although the run's close may not be written yet."""
+
+
 @dataclass(frozen=True)
 class RoundResult:
     """Where this participant stands after a round completed."""
@@ -172,13 +177,14 @@ class BarrierRendezvous:
         exit_barrier = self.keys.exit_barrier(round_id)
         # torch's exit-barrier key cannot be sealed; with a job secret, only the (sealed) close counts
         watch_exit_barrier = not self.signer.enabled
-        poll = self.settings.poll_interval
+        poll = self.settings.standby_poll_interval
         while True:
             reason = self._closed_reason()
             if reason is not None:
                 self._graceful_exit(f"rendezvous closed for good while standby: {reason}")
             if watch_exit_barrier and self.store.check([exit_barrier]):
-                self._graceful_exit(f"the active nodes of round {round_id} finished")
+                self._acknowledge()
+                raise ActivesFinishedError(f"the active nodes of round {round_id} finished")
             if self.records.current_round() > round_id:
                 return
             self._sleep(poll)

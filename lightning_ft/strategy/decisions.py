@@ -332,6 +332,9 @@ class EndCause(enum.Enum):
     STORE_LOST = "store_lost"
     #: SIGTERM arrived while this process waited in the rendezvous
     SIGTERM = "sigterm"
+    #: a spare saw the actives pass torch's exit barrier (without a job secret) before the
+    #: run's close was written
+    ACTIVES_FINISHED = "actives_finished"
 
 
 class EndAction(enum.Enum):
@@ -348,8 +351,9 @@ def decide_on_rendezvous_end(role: Role, cause: EndCause, closed: CloseKind | No
     """The exit a participant owes the scheduler when the rendezvous ends for it.
 
     Exit 0 claims that the job finished (or, for a hot spare, that it has nothing to add):
-    it is given only when the run closed FINISHED, or to a spare of a formed round that lost
-    the store -- the actives, which hold the training, report the job's outcome then. A
+    it is given only when the run closed FINISHED (or, without a secret, a spare saw the actives
+    finish before that close was written), or to a spare of a formed round that lost the store
+    -- the actives, which hold the training, report the job's outcome then. A
     SIGTERM, here or as the run's close, is 143 for everyone (stopped; requeue). Everything
     else -- no spare left, a peer's error, a close from outside, no round within the timeout,
     the store lost before anything trained or under a participant that trained -- is 83.
@@ -360,6 +364,8 @@ def decide_on_rendezvous_end(role: Role, cause: EndCause, closed: CloseKind | No
         return EndAction.RETURN if role is Role.STANDBY else EndAction.NO_RESTART
     if cause is EndCause.TIMED_OUT:
         return EndAction.NO_RESTART
+    if cause is EndCause.ACTIVES_FINISHED and closed is None:
+        return EndAction.RETURN  # the close that will say FINISHED is not written yet
     if closed is CloseKind.FINISHED:
         return EndAction.RETURN
     if closed is CloseKind.STOPPED:

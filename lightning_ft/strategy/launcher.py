@@ -47,7 +47,7 @@ from lightning_ft.deadlines import call_with_timeout, first_line
 from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
 from lightning_ft.process import destroy_process_group
-from lightning_ft.rendezvous.barrier import ParticipantExcludedError, RoundResult
+from lightning_ft.rendezvous.barrier import ActivesFinishedError, ParticipantExcludedError, RoundResult
 from lightning_ft.schema.run import CloseKind
 from lightning_ft.settings.environment import torchelastic_restart_count
 from lightning_ft.strategy.decisions import (
@@ -184,6 +184,8 @@ class FaultTolerantLauncher(_Launcher):
                 if result.is_active:
                     return result
                 rendezvous.wait_while_standby(result.round)
+        except ActivesFinishedError as exc:
+            self._rendezvous_ended(session, EndCause.ACTIVES_FINISHED, str(exc))
         except (RendezvousGracefulExitError, RendezvousClosedError) as exc:
             self._rendezvous_ended(session, EndCause.CLOSED, str(exc))
         except RendezvousTimeoutError as exc:
@@ -222,7 +224,7 @@ class FaultTolerantLauncher(_Launcher):
         if cause is EndCause.SIGTERM:
             _best_effort(rendezvous.withdraw, reason, stopping=True)
         closed = None
-        if cause is EndCause.CLOSED:
+        if cause in (EndCause.CLOSED, EndCause.ACTIVES_FINISHED):
             try:
                 closed = rendezvous.closed_reason()
             except (RuntimeError, OSError):
