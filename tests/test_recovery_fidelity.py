@@ -31,7 +31,7 @@ from fidelity import Moment, Run, final_checkpoints, metric_points, metric_rows,
 
 pytestmark = [pytest.mark.multiprocess]
 
-SNAPSHOTS_EVERY_40 = ["--snapshot-every", "40", "--pg-timeout", "60", "--hang-floor", "10"]
+SNAPSHOTS_EVERY_20 = ["--snapshot-every", "20", "--pg-timeout", "60", "--hang-floor", "10"]
 NO_PERIODIC_SNAPSHOTS = ["--ft-option", "snapshot_max_overhead=null", "--pg-timeout", "60", "--hang-floor", "10"]
 #: recover from the newest snapshot, not from the survivors' live state (the path when the live
 #: state cannot be used, or the whole job restarts)
@@ -74,10 +74,10 @@ def references(tmp_path_factory):
     cache: dict[tuple[int | None, str], Run] = {}
 
     def make(resume_step: int | None, data: str, where, kill_at) -> Run:
-        # the reference needs a snapshot at S: every 40 steps, or every S steps for another S
+        # the reference needs a snapshot at S: every 20 steps, or every S steps for another S
         # (snapshots do not change what is trained)
-        every = SNAPSHOTS_EVERY_40 if not resume_step or resume_step % 40 == 0 else \
-            ["--snapshot-every", str(resume_step), *SNAPSHOTS_EVERY_40[2:]]
+        every = SNAPSHOTS_EVERY_20 if not resume_step or resume_step % 20 == 0 else \
+            ["--snapshot-every", str(resume_step), *SNAPSHOTS_EVERY_20[2:]]
         args = [*every, "--tensorboard", "--data", data]
         if resume_step is None:
             return run_ft(processes, where, args, None)
@@ -131,26 +131,26 @@ def assert_equal_to(run: Run, reference: Run) -> None:
 
 def test_live_state_recovery_equals_a_relaunch_from_a_snapshot_of_the_step_in_flight(processes, tmp_path,
                                                                                     references):
-    """Killed in step 157 (in the middle of an accumulation window): the survivor's live state is
-    step 157's, so the job resumes there -- not at the step-120 snapshot -- and ends exactly as a
-    relaunch from a snapshot of step 157 does (weights, every logged metric, checkpoints)."""
-    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, "--tensorboard", *sleep_at(157)], Moment("step", 157))
-    assert_recovered(run, restored=157)
+    """Killed in step 77 (in the middle of an accumulation window): the survivor's live state is
+    step 77's, so the job resumes there -- not at the step-60 snapshot -- and ends exactly as a
+    relaunch from a snapshot of step 77 does (weights, every logged metric, checkpoints)."""
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_20, "--tensorboard", *sleep_at(77)], Moment("step", 77))
+    assert_recovered(run, restored=77)
     saved = [e for e in run.events("live_state") if e.get("saved")]
-    assert {e["step"] for e in saved} == {157}, run.events("live_state")
-    assert_equal_to(run, references(157))
+    assert {e["step"] for e in saved} == {77}, run.events("live_state")
+    assert_equal_to(run, references(77))
 
 
 def test_a_redone_modelcheckpoint_step_neither_hangs_nor_differs(processes, tmp_path, references):
-    # snapshot 120, kill 157: ModelCheckpoint's step 150 is done again -- by the survivor and the spare alike
-    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, *FROM_SNAPSHOTS, "--tensorboard", *sleep_at(157)],
-                 Moment("step", 157))
-    assert_recovered(run, restored=120)
-    reference = references(120)
+    # snapshot 60, kill 77: ModelCheckpoint's step 75 is done again -- by the survivor and the spare alike
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_20, *FROM_SNAPSHOTS, "--tensorboard", *sleep_at(77)],
+                 Moment("step", 77))
+    assert_recovered(run, restored=60)
+    reference = references(60)
     assert_equal_to(run, reference)
     assert sorted(p.name for p in (run.logs_root / "lightning_logs" / "version_0" / "checkpoints" /
-                                   ".abandoned").iterdir()) == ["epoch=1-step=150.ckpt"]
-    # TensorBoard: the same version, continued; the reader hides what the lost rank logged after 120
+                                   ".abandoned").iterdir()) == ["epoch=1-step=75.ckpt"]
+    # TensorBoard: the same version, continued; the reader hides what the lost rank logged after 60
     ours, theirs = tensorboard_scalars(run, "train_loss"), tensorboard_scalars(reference, "train_loss")
     assert [p for p, _ in ours] == sorted({p for p, _ in ours}) and ours == theirs
 
@@ -158,18 +158,18 @@ def test_a_redone_modelcheckpoint_step_neither_hangs_nor_differs(processes, tmp_
 def test_a_kill_before_the_first_snapshot_restores_everything_from_the_start(processes, tmp_path, references):
     # no periodic snapshots: weights, optimizer, schedulers and step all come from the start
     # of the round, on every participant
-    run = run_ft(processes, tmp_path, [*NO_PERIODIC_SNAPSHOTS, *FROM_SNAPSHOTS, *sleep_at(130)], Moment("step", 130))
+    run = run_ft(processes, tmp_path, [*NO_PERIODIC_SNAPSHOTS, *FROM_SNAPSHOTS, *sleep_at(65)], Moment("step", 65))
     assert_recovered(run, restored=0)
     assert_equal_to(run, references(0))
 
 
 def test_a_kill_during_validation_does_not_count_the_interrupted_validation(processes, tmp_path, references):
-    # the live state of step 150 (validation runs after the step's end); as in Lightning's own
+    # the live state of step 75 (validation runs after the step's end); as in Lightning's own
     # resume from a snapshot of that step, the interrupted validation is not run again
-    during_validation = (Moment("val_batch", 150, 3), sleep_at(150, 0.3, "val"))
-    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, *during_validation[1]], during_validation[0])
-    assert_recovered(run, restored=150)
-    assert_equal_to(run, references(150, kill_at=("val", *during_validation)))
+    during_validation = (Moment("val_batch", 75, 3), sleep_at(75, 0.3, "val"))
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_20, *during_validation[1]], during_validation[0])
+    assert_recovered(run, restored=75)
+    assert_equal_to(run, references(75, kill_at=("val", *during_validation)))
     survivor = next(n for n in ("A", "B") if n != run.killed)
     # every validation of the recovered round saw exactly this rank's half of the 512 samples
     assert set(run.result(survivor)["val_samples_at_end"]) == {256}
@@ -177,45 +177,45 @@ def test_a_kill_during_validation_does_not_count_the_interrupted_validation(proc
 
 def test_a_kill_during_a_checkpoint_save(processes, tmp_path, references):
     # ModelCheckpoint saves in its on_train_batch_end, before that of the EmergencyCheckpoint the
-    # strategy adds: the live state is past the captured boundary (the update of step 150 ran),
+    # strategy adds: the live state is past the captured boundary (the update of step 75 ran),
     # so the recovery falls back to the newest snapshot, and says why
-    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, *sleep_at(150, 1.0, "save")], Moment("save", 150))
-    assert_recovered(run, restored=120)
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_20, *sleep_at(75, 1.0, "save")], Moment("save", 75))
+    assert_recovered(run, restored=60)
     refused = [e for e in run.events("live_state") if not e.get("saved")]
     assert refused and "optimizer step ran after the boundary" in refused[0]["reason"], run.events("live_state")
-    assert_equal_to(run, references(120))
+    assert_equal_to(run, references(60))
 
 
 def test_a_kill_during_setup(processes, tmp_path, references):
     # no snapshot exists yet: survivor and spare start afresh, as a relaunch would
-    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_40, "--setup-sleep", "2"], Moment("setup"))
+    run = run_ft(processes, tmp_path, [*SNAPSHOTS_EVERY_20, "--setup-sleep", "2"], Moment("setup"))
     codes = run.codes()
     assert codes[run.killed] == -9 and sorted(c for n, c in codes.items() if n != run.killed) == [0, 0], run.logs()
     assert_equal_to(run, references(None))
 
 
 def test_lightning_cli_with_a_config_file(processes, tmp_path, references):
-    run = run_ft(processes, tmp_path, [], Moment("step", 157), cli="config", knobs=cli_sleep_at(157))
-    assert_recovered(run, restored=157)
-    assert_equal_to(run, references(157))
+    run = run_ft(processes, tmp_path, [], Moment("step", 77), cli="config", knobs=cli_sleep_at(77))
+    assert_recovered(run, restored=77)
+    assert_equal_to(run, references(77))
     assert (run.logs_root / "lightning_logs" / "version_0" / "config.yaml").is_file()
 
 
 def test_lightning_cli_with_the_strategy_flag(processes, tmp_path, references):
     # the strategy's defaults: snapshots on the schedule from the measured save cost, and the
-    # recovery from the survivor's live state of step 157
-    run = run_ft(processes, tmp_path, [], Moment("step", 157), cli="ddp_ft", knobs=cli_sleep_at(157))
+    # recovery from the survivor's live state of step 77
+    run = run_ft(processes, tmp_path, [], Moment("step", 77), cli="ddp_ft", knobs=cli_sleep_at(77))
     assert run.events("snapshot_schedule"), run.logs()
-    assert_recovered(run, restored=157)
-    assert_equal_to(run, references(157))
+    assert_recovered(run, restored=77)
+    assert_equal_to(run, references(77))
 
 
 def test_with_a_resumable_loader_recovery_equals_the_uninterrupted_run(processes, tmp_path, references):
     # with a plain DataLoader a resume restarts the epoch's iterator (what Lightning does: see
     # the tests above); a loader whose position is in the snapshot continues exactly
-    args = [*SNAPSHOTS_EVERY_40, "--data", "resumable"]
-    recovered = run_ft(processes, tmp_path, [*args, *sleep_at(157)], Moment("step", 157))
-    assert_recovered(recovered, restored=157)
+    args = [*SNAPSHOTS_EVERY_20, "--data", "resumable"]
+    recovered = run_ft(processes, tmp_path, [*args, *sleep_at(77)], Moment("step", 77))
+    assert_recovered(recovered, restored=77)
     uninterrupted = references(None, "resumable")
     assert recovered.digests() == uninterrupted.digests()
     train_loss = {k: v for k, v in metric_points(recovered).items() if k[1] == "train_loss"}

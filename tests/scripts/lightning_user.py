@@ -6,9 +6,9 @@ What a Lightning user typically writes, nothing lightning_ft-specific in the mod
   a torchmetrics ``MulticlassAccuracy`` logged as ``val_acc`` (``sync_dist=True``), a
   ``val_loss``, AdamW + a per-step LR scheduler (warm-up then cosine);
 * ``LightningDataModule`` with synthetic, seeded data (no download);
-* ``Trainer(val_check_interval=100 batches, check_val_every_n_epoch=None,
+* ``Trainer(val_check_interval=50 batches, check_val_every_n_epoch=None,
   accumulate_grad_batches=2, gradient_clip_val=1.0, log_every_n_steps=5)``;
-* ``ModelCheckpoint(every_n_train_steps=50, save_last=True, monitor="val_acc", mode="max",
+* ``ModelCheckpoint(every_n_train_steps=25, save_last=True, monitor="val_acc", mode="max",
   save_top_k=2)``, ``CSVLogger`` (+ ``TensorBoardLogger`` with ``--tensorboard``),
   ``LearningRateMonitor``.
 
@@ -149,7 +149,7 @@ class ResumableShuffleSampler(DistributedSampler):
 class UserDataModule(pl.LightningDataModule):
     """Synthetic 4-class problem: 16 features, a fixed random teacher network labels them."""
 
-    def __init__(self, batch_size: int = 16, num_train: int = 8192, num_val: int = 512, data_seed: int = 7,
+    def __init__(self, batch_size: int = 16, num_train: int = 4096, num_val: int = 512, data_seed: int = 7,
                  loader: str = "plain") -> None:
         super().__init__()
         if loader not in ("plain", "resumable"):
@@ -366,7 +366,7 @@ def build_callbacks(ckpt_dir: str | None, deadlock_at: int | None = None) -> lis
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     callbacks: list[pl.Callback] = [
-        ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=50, save_last=True, monitor="val_acc", mode="max",
+        ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=25, save_last=True, monitor="val_acc", mode="max",
                         save_top_k=2),
         LearningRateMonitor(logging_interval="step"),
         Probe(),
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", required=True, help="default_root_dir: logs and checkpoints (shared by all nodes)")
     p.add_argument("--strategy", default="ddp_ft", choices=["ddp_ft", "ddp", "auto"])
     p.add_argument("--devices", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--max-steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--data", default="plain", choices=["plain", "resumable"])
     p.add_argument("--tensorboard", action="store_true", help="add a TensorBoardLogger after the CSVLogger")
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         loggers.append(TensorBoardLogger(args.root, name="tb_logs"))
     trainer = pl.Trainer(
         default_root_dir=args.root, accelerator="cpu", devices=args.devices, strategy=strategy, plugins=plugins,
-        max_steps=args.max_steps, max_epochs=-1, val_check_interval=100, check_val_every_n_epoch=None,
+        max_steps=args.max_steps, max_epochs=-1, val_check_interval=50, check_val_every_n_epoch=None,
         accumulate_grad_batches=2, gradient_clip_val=1.0, log_every_n_steps=5, logger=loggers,
         callbacks=build_callbacks(args.ckpt_dir, args.deadlock_at_step), enable_progress_bar=False,
         deterministic=True,
