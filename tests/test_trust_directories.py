@@ -240,8 +240,8 @@ def test_a_durable_directory_another_user_created_and_trained_into_is_refused(pr
 
 @pytest.fixture(scope="module")
 def durable_of_one_job(tmp_path_factory):
-    """A durable directory of this user with one job's copies (run ``job-d``, 20 steps; steps 15 and
-    20 durable), made once per module; tests copy it."""
+    """A durable directory of this user with one job's copies (run ``job-d``, 20 steps; step 20
+    durable, and earlier steps as fast as the uploads ran), made once per module; tests copy it."""
     from proc_utils import ProcessSet
 
     root = tmp_path_factory.mktemp("durable-job")
@@ -283,7 +283,11 @@ def test_a_manifest_whose_timeline_leads_outside_persist_to_is_refused_and_nothi
     outside.mkdir(parents=True)
     shutil.move(timeline / "rank0.snap", outside / "rank0.snap")
     shutil.rmtree(timeline)
-    _manifest(durable, "job-d", 15).unlink()
+    # only the tampered step is left to resume from (which earlier steps the first job copied
+    # depends on how fast its uploads ran: step 15's copy is skipped when step 10's still runs)
+    for other in (durable / "job-d" / "manifests").glob("step-*.json"):
+        if other != _manifest(durable, "job-d", 20):
+            other.unlink()
     manifest = _manifest(durable, "job-d", 20)
     escape = "../../../../outside/x"
     assert (step_dir / escape / "rank0.snap").resolve() == (outside / "rank0.snap").resolve()
