@@ -183,8 +183,7 @@ class BarrierRendezvous:
             if reason is not None:
                 self._graceful_exit(f"rendezvous closed for good while standby: {reason}")
             if watch_exit_barrier and self.store.check([exit_barrier]):
-                self._acknowledge()
-                raise ActivesFinishedError(f"the active nodes of round {round_id} finished")
+                self._graceful_exit(f"the active nodes of round {round_id} finished", ActivesFinishedError)
             if self.records.current_round() > round_id:
                 return
             self._sleep(poll)
@@ -412,10 +411,11 @@ class BarrierRendezvous:
         if reason is not None:
             self._graceful_exit(f"rendezvous {self.settings.run_id!r} is closed for good: {reason}")
 
-    def _graceful_exit(self, message: str) -> None:
+    def _graceful_exit(self, message: str,
+                       error: type[RendezvousGracefulExitError] = RendezvousGracefulExitError) -> NoReturn:
         self._acknowledge()
         log.info("%s leaves the rendezvous: %s", self.participant_id, message)
-        raise RendezvousGracefulExitError(message)
+        raise error(message)
 
     def mark_lost(self, participant_id: str, why: str) -> bool:
         """Record ``participant_id`` as lost for good; False when it already was."""
