@@ -239,7 +239,10 @@ class BoundedStore:
 
     def _call(self, name: str, *args: Any) -> Any:
         method = getattr(self.raw, name)
-        return self._worker.call(lambda: method(*args), self.bound, f"the rendezvous store did not answer {name}()",
+        bound = self.bound
+        if name == "wait" and len(args) > 1:  # a wait with a timeout of its own is bounded by it, plus ours
+            bound += args[1].total_seconds()
+        return self._worker.call(lambda: method(*args), bound, f"the rendezvous store did not answer {name}()",
                                  StoreUnresponsiveError)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
@@ -253,8 +256,9 @@ class BoundedStore:
 
 
 def raw_store(store: Any) -> Any:
-    """The plain torch Store behind ``store`` (for torch APIs that need a c10d Store)."""
-    return store.raw if isinstance(store, BoundedStore) else store
+    """The plain torch Store behind ``store`` (for torch APIs that need a c10d Store): a
+    :class:`BoundedStore`'s, or a fail-over store's current one (anything with a ``raw``)."""
+    return getattr(store, "raw", store)
 
 
 class BackgroundThread:

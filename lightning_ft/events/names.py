@@ -33,6 +33,8 @@ event                          fields
                                byte of it was read; ``header``: its first chunk is not what the meta
                                announced; ``contents``: it fails the checks of a received snapshot, e.g.
                                metadata the restricted loader refuses)
+``store_failover``             epoch, endpoint, hosting (bool: this process serves it now), seconds (from
+                               confirming the loss to reconnected), successor (participant that hosts it)
 ``spare_exit``                 reason (a hot spare leaves ``fit()``; exit 0)
 ``no_restart``                 round, reason (the job cannot go on; exit 83)
 ``node_fault``                 round, step, error, errno (this node's storage failed, e.g. ENOSPC; it leaves
@@ -94,6 +96,7 @@ REPLICA_PUBLISHED = "replica_published"
 REPLICA_RECEIVED = "replica_received"
 REPLICA_REFUSED = "replica_refused"
 SPARE_EXIT = "spare_exit"
+STORE_FAILOVER = "store_failover"
 NO_RESTART = "no_restart"
 NODE_FAULT = "node_fault"
 STOPPED = "stopped"

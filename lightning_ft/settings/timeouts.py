@@ -23,7 +23,7 @@ def _SECONDS(value: object) -> str | None:
 #: the bounds the barrier rendezvous and its torchrun handler use (what ``--rdzv-conf`` may set)
 RENDEZVOUS_TIMEOUTS = ("join_timeout", "rejoin_timeout", "last_call_timeout", "previous_active_grace",
                        "store_grace_timeout", "heartbeat_interval", "connect_timeout",
-                       "store_timeout", "health_timeout")
+                       "store_timeout", "health_timeout", "failover_timeout", "probe_timeout")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,11 @@ class Timeouts:
     connect_timeout: float = setting(60.0, "bound on reaching the rendezvous store", rule=_SECONDS)
     store_timeout: float = setting(30.0, "bound on any one store call once connected: a frozen store host makes "
                                          "the call fail after this long (and later calls at once)", rule=_SECONDS)
+    failover_timeout: float = setting(10.0, "bound on a store fail-over: finding the participant that takes the "
+                                            "lost store over, its quorum, rebuilding the state and reconnecting",
+                                      rule=_SECONDS)
+    probe_timeout: float = setting(0.5, "bound on asking one participant's presence listener whether it is alive "
+                                        "(during a fail-over)", rule=_SECONDS)
     # the strategy
     init_timeout: float = setting(60.0, "bound on building the process group of a round (and on the teardown "
                                         "after a failure)", rule=_SECONDS)

@@ -176,8 +176,11 @@ class FaultTolerantLauncher(_Launcher):
         try:
             # inside: the store can die (or freeze) right here as anywhere else in the rendezvous
             monitor = self._start_spare_monitor(session)
+            if self.run.trained:
+                session.follow_newest_store()  # the others may have moved while this process was frozen
             while True:
                 result = rendezvous.join_round()
+                session.track_round(result)
                 self._saw_round = True
                 session.events.emit(ev.ROUND_COMPLETE, round=result.round, rank=result.rank,
                                     world=result.world_size, standby=not result.is_active)

@@ -209,6 +209,14 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             self._events = open_event_log(who, self.settings.events_dir)
         return self._events
 
+    @property
+    def stop_store(self) -> Any:
+        """The store the SIGTERM path agrees on a stop step through (``GracefulTermination``): a
+        connection of the session's, which follows the store when it fails over; None before
+        a session (then the process group's store)."""
+        session = self.session
+        return session.store.clone() if session is not None else None
+
     def open_session(self) -> Session:
         """Reach the rendezvous store and join the run as a participant (once per process)."""
         if self.session is None:

@@ -202,7 +202,10 @@ class GracefulTermination(pl.Callback):
     def _make_coordinator(self, trainer: pl.Trainer) -> StoreStopCoordinator | LocalStopCoordinator:
         if self._world_size <= 1:
             return LocalStopCoordinator()
-        store = self._store_override
+        # a strategy that keeps its own store connection (ddp_ft: one that follows the store when
+        # it fails over) offers it; else the process group's
+        store = self._store_override if self._store_override is not None else \
+            getattr(trainer.strategy, "stop_store", None)
         if store is None:
             if not (dist.is_available() and dist.is_initialized()):
                 log.warning("rank %d: world size %d but no process group; ranks cannot agree on a stop step",

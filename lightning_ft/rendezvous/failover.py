@@ -1,0 +1,577 @@
+"""The rendezvous store fails over to a surviving participant.
+
+A TCPStore client is fixed to one host:port, so every holder of a store connection in a
+process (rendezvous, heartbeats, watchdog, replicas, the SIGTERM path) gets a
+:class:`FailoverStore`: one :class:`StoreSwitchboard` per process behind them knows where the
+store is now, and all its connections move together.
+
+How a fail-over goes (epoch ``e`` -> ``e + 1``):
+
+1. A store call fails as a lost store does (connection reset or refused, or no answer within
+   its bound) and a fresh connection confirms the store is gone (one failed connection is not
+   a lost store).
+2. Every participant announced a *presence* endpoint when it joined (a small listener that
+   says whether this process is alive and which store it follows; its kernel refusing a
+   connection proves the process gone). The candidates are the last round's participants, in
+   the order of that round's arrivals log -- an order every participant read from the store
+   before it was lost. Each participant walks the order: a candidate that is gone is skipped,
+   one that is silent (frozen, unreachable) too; the first one alive is the successor and is
+   told so at once.
+3. The successor serves a new TCPStore next to its presence listener. Participants connect,
+   hand it their *view* (every key they wrote or read on the lost store, see :class:`Mirror`)
+   and register. It opens only with a quorum (:func:`~lightning_ft.rendezvous.rebuild.may_serve`:
+   a majority of the participants not proven gone, one of them active), rebuilds the state
+   from the views (:func:`~lightning_ft.rendezvous.rebuild.merge_views`) and marks the epoch
+   open; otherwise it writes why it gave up, and everyone raises :class:`StoreLostError` (the
+   truthful exit of a lost store).
+4. Connections reconnect to the new endpoint on their next call and retry the call once.
+
+A running process group needs no store, so training goes on while this happens; the next
+round's process group is built on the new store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+
+from lightning_ft.deadlines import (
+    BackgroundThread,
+    BoundedStore,
+    StoreUnresponsiveError,
+    call_with_timeout,
+    first_line,
+)
+from lightning_ft.rendezvous.rebuild import may_serve, merge_views
+from lightning_ft.rendezvous.store import Endpoint, host_store, listen_on, parse_endpoint
+from lightning_ft.schema.failover import (
+    EPOCH_KEY,
+    PREFIX,
+    EpochKeys,
+    ViewEntry,
+    decode_registration,
+    decode_view,
+    encode_registration,
+    encode_view,
+)
+from lightning_ft.schema.run import decode_number, encode_number
+from lightning_ft.schema.signing import SealedStore, Signer
+from lightning_ft.settings import Timeouts
+
+log = logging.getLogger(__name__)
+
+#: values larger than this are not kept for a successor (snapshot replicas: republished anyway)
+MIRROR_VALUE_LIMIT = 64 * 1024
+#: how often a participant asks the successor whether it serves yet, and reads whether it opened
+_POLL = 0.02
+#: how often the successor probes the participants that did not register yet
+_PROBE_EVERY = 0.2
+
+
+class StoreLostError(RuntimeError):
+    """The rendezvous store is lost and no successor could take over; the message says why."""
+
+
+class StoreUnreachableError(ConnectionError):
+    """A new connection to the store of the current epoch failed (its host may be gone too)."""
+
+
+class PeerStatus(NamedTuple):
+    """What a presence probe found: ``state`` "dead" (refused), "silent" or "alive"; an alive
+    peer follows the store of ``epoch`` at ``store`` (host:port)."""
+
+    state: str
+    epoch: int = -1
+    store: str = ""
+
+
+def probe(endpoint: str, request: str, timeout: float) -> PeerStatus:
+    """Ask the presence listener at ``endpoint`` (``STATUS``, or ``FAILOVER <epoch>``: the store of
+    that epoch is lost, check it)."""
+    try:
+        target = parse_endpoint(endpoint)
+        with socket.create_connection((target.host, target.port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(request.encode() + b"\n")
+            answer = b""
+            while not answer.endswith(b"\n") and len(answer) < 512:
+                chunk = sock.recv(512)
+                if not chunk:
+                    break
+                answer += chunk
+    except ConnectionRefusedError:
+        return PeerStatus("dead")
+    except (OSError, ValueError):
+        return PeerStatus("silent")
+    epoch_text, _, store = answer.decode(errors="replace").strip().partition(" ")
+    if not epoch_text.lstrip("-").isdigit():
+        return PeerStatus("silent")
+    return PeerStatus("alive", int(epoch_text), store)
+
+
+def local_address_towards(endpoint: Endpoint) -> str:
+    """This host's address on the route to ``endpoint``: where peers that reach the store reach us."""
+    try:
+        family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect((endpoint.host, endpoint.port))  # UDP: no packet is sent
+            return str(sock.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+class Candidate(NamedTuple):
+    participant_id: str
+    presence: str
+
+
+class Mirror:
+    """Every store key this process wrote or read, with the value it knows: its *view*.
+
+    A log (``SealedStore.append``) keeps the last full value read plus the records this
+    process appended since; large values (snapshot replicas) and the fail-over's own keys are
+    not kept.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, ViewEntry] = {}
+
+    @staticmethod
+    def _bytes(value: Any) -> bytes:
+        return value.encode() if isinstance(value, str) else bytes(value)
+
+    def _keep(self, key: str) -> bool:
+        return not key.startswith(PREFIX)
+
+    def saw(self, key: str, value: Any) -> None:
+        data = self._bytes(value)
+        if not self._keep(key) or len(data) > MIRROR_VALUE_LIMIT:
+            return
+        with self._lock:
+            held = self._values.get(key)
+            if held is not None and held.kind == "log":
+                self._values[key] = ViewEntry("log", data, tuple(ln for ln in held.lines if ln not in data))
+            else:
+                self._values[key] = ViewEntry("value", data)
+
+    def appended(self, key: str, value: Any) -> None:
+        if not self._keep(key):
+            return
+        lines = tuple(line for line in self._bytes(value).split(b"\n") if line)
+        with self._lock:
+            held = self._values.get(key)
+            base = held.value if held is not None and held.kind in ("log", "value") else b""
+            self._values[key] = ViewEntry("log", base, (held.lines if held is not None else ()) + lines)
+
+    def counted(self, key: str, count: int) -> None:
+        if self._keep(key):
+            with self._lock:
+                self._values[key] = ViewEntry("counter", str(int(count)).encode())
+
+    def dropped(self, key: str) -> None:
+        with self._lock:
+            self._values.pop(key, None)
+
+    def view(self) -> dict[str, ViewEntry]:
+        with self._lock:
+            return dict(self._values)
+
+    def record(self, name: str, args: tuple[Any, ...], result: Any) -> None:
+        """Keep what the store call ``name(*args)`` that returned ``result`` tells of the store."""
+        if name in ("set", "compare_set"):
+            self.saw(args[0], args[1] if name == "set" else result)
+        elif name == "get":
+            self.saw(args[0], result)
+        elif name == "multi_get":
+            for key, value in zip(args[0], result, strict=False):
+                self.saw(key, value)
+        elif name == "multi_set":
+            for key, value in zip(args[0], args[1], strict=False):
+                self.saw(key, value)
+        elif name == "append":
+            self.appended(args[0], args[1])
+        elif name == "add":
+            self.counted(args[0], result)
+        elif name == "delete_key":
+            self.dropped(args[0])
+
+
+def is_lost_store_error(exc: BaseException) -> bool:
+    """A store call failed as a lost store makes it fail (not a timeout of a ``wait`` for a key)."""
+    return isinstance(exc, (StoreUnresponsiveError, dist.DistNetworkError, ConnectionError))
+
+
+class StoreSwitchboard:
+    """Where this process's rendezvous store is now, and the fail-over that moves it (see the module).
+
+    ``hosting``: this process serves the store of the current epoch. ``active``: this
+    participant held a rank in the last round it took part in (its registration says so).
+    ``on_switch(hosting)`` callbacks run after a fail-over.
+    """
+
+    def __init__(self, endpoint: Endpoint, first: BoundedStore, hosting: bool, participant_id: str,
+                 timeouts: Timeouts, signer: Signer) -> None:
+        self.endpoint = endpoint
+        self.epoch = 0
+        self.hosting = hosting
+        self.active = False
+        self.participant_id = participant_id
+        self.timeouts = timeouts
+        self.signer = signer
+        self.mirror = Mirror()
+        self.candidates: list[Candidate] = []
+        self.on_switch: list[Callable[[bool], None]] = []
+        self.failovers: list[tuple[int, float, str]] = []  # (epoch, seconds, successor)
+        self._lock = threading.Lock()
+        self._lost: str | None = None
+        self._servers: list[Any] = []  # the stores this process serves (alive as long as it is)
+        self._serving: tuple[int, str] | None = None
+        self._suspecting = False
+        self._probe_store: BoundedStore | None = self._probe_connection(first)
+        self.presence = Presence(self, local_address_towards(endpoint), timeouts.thread_stop_timeout)
+
+    # ----------------------------------------------------------------- connections
+
+    def _probe_connection(self, store: BoundedStore) -> BoundedStore | None:
+        """A connection of its own for :meth:`_answers`, bounded by a few probe bounds."""
+        try:
+            return store.clone(4 * self.timeouts.probe_timeout)
+        except Exception as exc:  # noqa: BLE001 - without one, a failed call counts as a lost store
+            log.debug("no probe connection to the store: %s", first_line(exc))
+            return None
+
+    def connect(self, bound: float) -> tuple[int, BoundedStore]:
+        """A new connection (bounded by ``bound``) to the store of the current epoch."""
+        epoch, endpoint = self.epoch, self.endpoint
+        if self._lost is not None:
+            raise StoreLostError(self._lost)
+        return epoch, self._client(endpoint, bound)
+
+    def _client(self, endpoint: Endpoint, bound: float) -> BoundedStore:
+        # short: the store was just reached by others (a fail-over) or is reached already; a host
+        # killed while its listening socket lives on in a child accepts and never answers
+        timeout = max(1.0, min(bound, 4 * self.timeouts.probe_timeout))
+        connecting = call_with_timeout(
+            lambda: dist.TCPStore(endpoint.host, endpoint.port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout)),
+            timeout + 1.0, f"connecting to the rendezvous store at {endpoint}")
+        if not connecting.ok:
+            raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: {connecting.problem}")
+        store = connecting.value
+        store.set_timeout(datetime.timedelta(seconds=self.timeouts.store_timeout))
+        return BoundedStore(store, bound)
+
+    def status_line(self) -> str:
+        epoch, store = self._serving if self._serving is not None else (self.epoch, str(self.endpoint))
+        return f"{epoch} {store}"
+
+    # ----------------------------------------------------------------- the fail-over
+
+    def fail_over(self, from_epoch: int, why: str) -> None:
+        """Move every connection of this process off the store of ``from_epoch`` (a no-op when that
+        happened already, or when the store still answers). Raises StoreLostError when no
+        successor can serve."""
+        if not self._lock.acquire(timeout=self.timeouts.failover_timeout + 2 * self.timeouts.probe_timeout):
+            raise StoreLostError(f"the rendezvous store is lost ({why}) and the fail-over did not end in time")
+        try:
+            if self.epoch != from_epoch:
+                return
+            if self._lost is not None:
+                raise StoreLostError(self._lost)
+            if self._answers(self.endpoint):
+                return
+            started = time.monotonic()
+            try:
+                successor = self._fail_over(from_epoch, why, started + self.timeouts.failover_timeout)
+            except StoreLostError as exc:
+                self._lost = str(exc)
+                log.error("store fail-over from epoch %d failed: %s", from_epoch, exc)
+                raise
+            seconds = time.monotonic() - started
+            self.failovers.append((self.epoch, seconds, successor))
+            log.warning("rendezvous store: failed over to %s (epoch %d, %s) in %.2fs after: %s", self.endpoint,
+                        self.epoch, "hosted here" if self.hosting else f"hosted by {successor}", seconds, why)
+        finally:
+            self._lock.release()
+        for callback in self.on_switch:
+            callback(self.hosting)
+
+    def suspect(self, epoch: int) -> None:
+        """A peer reports the store of ``epoch`` lost: check it (and fail over) on a thread of its own."""
+        if epoch != self.epoch or self._suspecting or self._lost is not None:
+            return
+        self._suspecting = True
+
+        def check() -> None:
+            try:
+                self.fail_over(epoch, "a peer reported the store lost")
+            except Exception as exc:  # noqa: BLE001 - the callers' own store calls report it
+                log.debug("fail-over on a peer's report: %s", first_line(exc))
+            finally:
+                self._suspecting = False
+
+        threading.Thread(target=check, name="lightning_ft-failover", daemon=True).start()
+
+    def _answers(self, endpoint: Endpoint) -> bool:
+        """Whether the store of the current epoch still answers, on a connection kept for asking:
+        one broken connection (or a slow answer on a tight bound) is not a lost store. A fresh
+        connection would not tell: the listening socket of a killed host can outlive it in a
+        child process, which accepts connections and never answers."""
+        if self.hosting:
+            return True  # served by this process: it is here as long as we are
+        probe_store = self._probe_store
+        if probe_store is None:
+            return False
+        try:
+            probe_store.check(["lightning_ft_failover/probe"])
+        except Exception:  # noqa: BLE001 - any failure: the store does not answer
+            return False
+        return True
+
+    def _fail_over(self, from_epoch: int, why: str, deadline: float) -> str:
+        log.warning("rendezvous store at %s lost (%s): failing over to a participant", self.endpoint, why)
+        dead: set[str] = set()
+        remaining = list(self.candidates)
+        if not remaining:
+            raise StoreLostError(f"the rendezvous store at {self.endpoint} is lost ({why}) before any round "
+                                 "completed: no participant is known to take it over")
+        while remaining:
+            target, index = None, 0
+            for index, candidate in enumerate(remaining):  # noqa: B007 - the index is used after the loop
+                if candidate.participant_id == self.participant_id:
+                    target = candidate
+                    break
+                status = probe(candidate.presence, f"FAILOVER {from_epoch}", self.timeouts.probe_timeout)
+                if status.state == "dead":
+                    dead.add(candidate.participant_id)
+                elif status.state == "alive":
+                    target = candidate
+                    break
+            if target is None:
+                break
+            if target.participant_id == self.participant_id:
+                self._serve(from_epoch + 1, deadline, dead)
+                return self.participant_id
+            moved = self._await_successor(target, from_epoch, deadline)
+            if moved is not None:
+                self._register(moved[0], parse_endpoint(moved[1]), deadline)
+                return target.participant_id
+            remaining = remaining[index + 1:]
+        raise StoreLostError(f"the rendezvous store at {self.endpoint} is lost ({why}) and no participant of the "
+                             f"last round can take it over (gone: {len(dead)}, the others silent)")
+
+    def _await_successor(self, target: Candidate, from_epoch: int, deadline: float) -> tuple[int, str] | None:
+        """Wait until ``target`` serves a store newer than ``from_epoch``: ``(epoch, host:port)``, or
+        None when it is gone or does not within the fail-over's bound."""
+        while time.monotonic() < deadline:
+            status = probe(target.presence, f"FAILOVER {from_epoch}", self.timeouts.probe_timeout)
+            if status.state == "dead":
+                return None
+            if status.state == "alive" and status.epoch > from_epoch and status.store:
+                return status.epoch, status.store
+            time.sleep(_POLL)
+        return None
+
+    def _register(self, epoch: int, endpoint: Endpoint, deadline: float) -> None:
+        store = self._client(endpoint, max(1.0, deadline - time.monotonic()))
+        values = SealedStore(store, self.signer)
+        keys = EpochKeys(epoch)
+        served = decode_number(values.get(EPOCH_KEY))
+        if served != epoch:
+            raise StoreLostError(f"the store at {endpoint} serves epoch {served}, not {epoch} as its host said")
+        values.put(keys.view(self.participant_id), encode_view(self.mirror.view()))
+        values.append(keys.registered, encode_registration(self.participant_id, self.active))
+        while time.monotonic() < deadline:
+            if values.get(keys.open) is not None:
+                self.endpoint, self.epoch, self.hosting = endpoint, epoch, False
+                self._probe_store = self._probe_connection(store)
+                return
+            abandoned = values.get(keys.abandoned)
+            if abandoned is not None:
+                raise StoreLostError(f"the successor store at {endpoint} gave up: {abandoned.decode(errors='replace')}")
+            time.sleep(_POLL)
+        raise StoreLostError(f"the successor store at {endpoint} did not open within "
+                             f"failover_timeout={self.timeouts.failover_timeout:g}s")
+
+    def _serve(self, epoch: int, deadline: float, dead: set[str]) -> None:
+        host = self.presence.host
+        server = host_store(host, 0, datetime.timedelta(seconds=self.timeouts.store_timeout))
+        self._servers.append(server)
+        endpoint = Endpoint(host, server.port)
+        store = BoundedStore(server, self.timeouts.store_timeout)
+        values = SealedStore(store, self.signer)
+        keys = EpochKeys(epoch)
+        values.put(EPOCH_KEY, encode_number(epoch))
+        values.put(keys.view(self.participant_id), encode_view(self.mirror.view()))
+        values.append(keys.registered, encode_registration(self.participant_id, self.active))
+        self._serving = (epoch, str(endpoint))  # the presence listener tells callers from here on
+        participants = [c.participant_id for c in self.candidates]
+        quorum_at: float | None = None
+        probed_at = 0.0
+        while True:
+            registered = {r.participant_id: r.active for r in
+                          (decode_registration(raw) for raw in values.records(keys.registered)) if r is not None}
+            now = time.monotonic()
+            if now - probed_at >= _PROBE_EVERY:
+                probed_at = now
+                for candidate in self.candidates:
+                    if candidate.participant_id not in registered and candidate.participant_id not in dead:
+                        if probe(candidate.presence, f"FAILOVER {epoch - 1}",
+                                 self.timeouts.probe_timeout).state == "dead":
+                            dead.add(candidate.participant_id)
+            verdict = may_serve(participants, registered, dead)
+            if verdict.serve:
+                quorum_at = now if quorum_at is None else quorum_at
+                everyone = all(p in registered or p in dead for p in participants)
+                if everyone or now - quorum_at >= self.timeouts.last_call_timeout:
+                    break
+            if now > deadline:
+                values.put(keys.abandoned, verdict.reason or "no quorum in time")
+                self._serving = None
+                raise StoreLostError(f"this participant was to host the rendezvous store of epoch {epoch} but "
+                                     f"cannot serve it: {verdict.reason or 'no quorum in time'} within "
+                                     f"failover_timeout={self.timeouts.failover_timeout:g}s")
+            time.sleep(_POLL)
+        views = [self.mirror.view()]
+        others = [pid for pid in registered if pid != self.participant_id]
+        # every registration follows its view's write: the keys are there (multi_get waits for missing ones)
+        for raw in values.multi_get([keys.view(p) for p in others]):
+            view = decode_view(raw) if raw is not None else None
+            if view is not None:
+                views.append(view)
+        merged = list(merge_views(views).items())
+        for start in range(0, len(merged), 512):
+            chunk = merged[start:start + 512]
+            store.multi_set([k for k, _ in chunk], [v for _, v in chunk])
+        values.put(keys.open, f"{len(registered)} registered, {len(dead)} gone, {len(merged)} keys")
+        log.info("rendezvous store of epoch %d serves at %s: %d participant(s) registered, %d gone, %d key(s) rebuilt",
+                 epoch, endpoint, len(registered), len(dead), len(merged))
+        self.endpoint, self.epoch, self.hosting = endpoint, epoch, True
+        self._probe_store = None
+
+    # ----------------------------------------------------------------- after a partition
+
+    def follow_newest(self) -> bool:
+        """Follow a newer store if the first live participant of the order follows one (a process
+        that was frozen while the others failed over must not go on deciding on the old store).
+        True when this process moved."""
+        for candidate in self.candidates:
+            if candidate.participant_id == self.participant_id:
+                continue
+            status = probe(candidate.presence, "STATUS", self.timeouts.probe_timeout)
+            if status.state != "alive":
+                continue
+            if status.epoch > self.epoch and status.store:
+                with self._lock:
+                    endpoint = parse_endpoint(status.store)
+                    store = self._client(endpoint, self.timeouts.store_timeout)
+                    if decode_number(SealedStore(store, self.signer).get(EPOCH_KEY)) != status.epoch:
+                        return False
+                    log.warning("rendezvous store: the others failed over to %s (epoch %d) while this process "
+                                "followed epoch %d; following it", endpoint, status.epoch, self.epoch)
+                    self.endpoint, self.epoch, self.hosting = endpoint, status.epoch, False
+                    self._probe_store = self._probe_connection(store)
+                for callback in self.on_switch:
+                    callback(False)
+                return True
+            return False
+        return False
+
+    def close(self) -> None:
+        self.presence.stop()
+
+
+class Presence(BackgroundThread):
+    """This participant's presence listener: answers ``<epoch> <store host:port>`` (the store it
+    follows, or serves during its own fail-over), and starts a check on ``FAILOVER <epoch>``."""
+
+    def __init__(self, switchboard: StoreSwitchboard, host: str, join_timeout: float) -> None:
+        super().__init__("lightning_ft-presence", join_timeout)
+        self.switchboard = switchboard
+        self.host = host
+        self._sock = listen_on(host, 0)
+        self._sock.settimeout(0.2)
+        self.endpoint = f"{host}:{self._sock.getsockname()[1]}"
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(1.0)
+                    request = conn.recv(128).decode(errors="replace").strip()
+                    conn.sendall(self.switchboard.status_line().encode() + b"\n")
+                except OSError:
+                    continue
+            kind, _, epoch = request.partition(" ")
+            if kind == "FAILOVER" and epoch.isdigit():
+                self.switchboard.suspect(int(epoch))
+
+    def stop(self, join: bool = True) -> None:
+        super().stop(join)
+        self._sock.close()
+
+
+class FailoverStore:
+    """A store connection that follows the :class:`StoreSwitchboard`: the drop-in for a
+    :class:`~lightning_ft.deadlines.BoundedStore` (same calls, same bound)."""
+
+    def __init__(self, switchboard: StoreSwitchboard, bound: float, store: BoundedStore | None = None) -> None:
+        self.switchboard = switchboard
+        self.bound = bound
+        self._lock = threading.Lock()
+        self._epoch, self._store = (switchboard.epoch, store) if store is not None else switchboard.connect(bound)
+
+    def _current(self) -> BoundedStore:
+        with self._lock:
+            for _ in range(3):
+                epoch = self.switchboard.epoch
+                if self._epoch == epoch:
+                    return self._store
+                try:
+                    self._epoch, self._store = self.switchboard.connect(self.bound)
+                except StoreUnreachableError as exc:  # the new store's host may be gone as well
+                    self.switchboard.fail_over(epoch, str(exc))
+            raise StoreLostError(f"the rendezvous store kept moving while this connection followed it (epoch "
+                                 f"{self.switchboard.epoch})")
+
+    @property
+    def raw(self) -> Any:
+        """The plain torch client of the current store (for torch's own use, e.g. ``PrefixStore``)."""
+        return self._current().raw
+
+    def _call(self, name: str, *args: Any) -> Any:
+        for attempt in (1, 2):
+            store, epoch = self._current(), self._epoch
+            try:
+                result = getattr(store, name)(*args)
+            except Exception as exc:
+                if attempt == 2 or not is_lost_store_error(exc):
+                    raise
+                self.switchboard.fail_over(epoch, f"{name}() failed: {type(exc).__name__}: {first_line(exc)}")
+                continue
+            self.switchboard.mirror.record(name, args, result)
+            return result
+        raise AssertionError("unreachable")
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name in BoundedStore._METHODS:
+            return lambda *args: self._call(name, *args)
+        return getattr(self._current(), name)
+
+    def clone(self, bound: float | None = None) -> FailoverStore:
+        """Another connection that follows the same switchboard, bounded alike or by ``bound``."""
+        return FailoverStore(self.switchboard, self.bound if bound is None else bound)

@@ -1,0 +1,102 @@
+"""Pure rules of a store fail-over: who may serve, and what the successor store holds.
+
+No I/O here; :mod:`lightning_ft.rendezvous.failover` reads the world, asks, and performs.
+
+* :func:`may_serve` -- the quorum rule that keeps a partition from producing two stores that
+  both decide.
+* :func:`merge_views` -- the successor's state, rebuilt from what the participants held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import NamedTuple
+
+from lightning_ft.schema.failover import ViewEntry
+from lightning_ft.schema.signing import MAGIC, TAG_BYTES
+
+
+class Verdict(NamedTuple):
+    serve: bool
+    #: why not (empty when ``serve``)
+    reason: str = ""
+
+
+def may_serve(participants: Collection[str], registered: Mapping[str, bool], dead: Collection[str]) -> Verdict:
+    """Whether a successor with these registrations may open its store.
+
+    ``participants``: the last round's participants (every candidate); ``registered``: who
+    reached this successor -> whether it was active; ``dead``: participants whose host
+    *refused* a connection to their presence port (their process is gone: the kernel says so;
+    a frozen or unreachable one is not dead, it may come back).
+
+    The rule: the registered are a strict majority of the participants not proven dead, and at
+    least one of them was active. Every participant registers with one successor per epoch, so
+    two successors cannot both hold a majority of the same participants: a partition yields
+    at most one store that decides, and the minority side ends truthfully. Without an active
+    there is nothing to continue (the actives finished or died; spares alone hold no state
+    that the protocol has not already closed or lost).
+    """
+    voters = [p for p in participants if p not in dead]
+    reached = [p for p in voters if p in registered]
+    if not any(registered.get(p, False) for p in reached):
+        return Verdict(False, "no participant that was active reached the successor")
+    if 2 * len(reached) <= len(voters):
+        return Verdict(False, f"{len(reached)} of {len(voters)} participant(s) that may be alive reached it "
+                              "(a majority is needed: a partition must not yield two stores)")
+    return Verdict(True)
+
+
+def _number(value: bytes) -> int | None:
+    """The non-negative number a (sealed or plain) value holds, or None."""
+    data = value[len(MAGIC) + TAG_BYTES:] if value.startswith(MAGIC) else value
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _log_lines(entry: ViewEntry) -> list[bytes]:
+    lines = [line for line in entry.value.split(b"\n") if line] if entry.kind in ("log", "value") else []
+    return lines + [line for line in entry.lines if line not in lines]
+
+
+def is_log(entry: ViewEntry) -> bool:
+    # a sealed log is framed "\n<record>\n" per record (SealedStore.append)
+    return entry.kind == "log" or (entry.kind == "value" and entry.value.startswith(b"\n"))
+
+
+def merge_views(views: Iterable[Mapping[str, ViewEntry]]) -> dict[str, bytes]:
+    """The successor store's content from every participant's view (the successor's own first).
+
+    Per key: a log is the union of its lines (every view holds a prefix of the log plus its
+    own appends; readers tolerate a record seen twice and order does not decide a record's
+    meaning beyond each writer's own sequence numbers); a counter is the highest count seen;
+    a value that holds a number (round, incarnation, heartbeats: sealed numbers only rise) is
+    the highest; any other value is the first view's.
+    """
+    grouped: dict[str, list[ViewEntry]] = {}
+    for view in views:
+        for key, entry in view.items():
+            grouped.setdefault(key, []).append(entry)
+    merged: dict[str, bytes] = {}
+    for key, entries in grouped.items():
+        if any(is_log(e) for e in entries):
+            lines: list[bytes] = []
+            seen: set[bytes] = set()
+            for entry in sorted(entries, key=lambda e: -len(e.value)):
+                for line in _log_lines(entry):
+                    if line not in seen:
+                        seen.add(line)
+                        lines.append(line)
+            merged[key] = b"".join(b"\n" + line + b"\n" for line in lines)
+        elif all(e.kind == "counter" for e in entries):
+            merged[key] = str(max(_number(e.value) or 0 for e in entries)).encode()
+        else:
+            numbered = [(n, e.value) for e in entries if (n := _number(e.value)) is not None]
+            if len(numbered) == len(entries):
+                merged[key] = max(numbered, key=lambda nv: nv[0])[1]
+            else:
+                merged[key] = entries[0].value
+    return merged
