@@ -165,20 +165,29 @@ class BoundedWorker:
                     gate.leave(admitted)
 
     def call(self, fn: Callable[[], Any], bound: float, what: str,
-             error: type[DeadlineExceeded] = DeadlineExceeded) -> Any:
+             error: type[DeadlineExceeded] = DeadlineExceeded, abandon: Callable[[], bool] | None = None) -> Any:
         """``fn()``'s value (or its exception) if it returns within ``bound`` seconds, else ``error``
-        (``what`` says what got no answer, e.g. "the store did not answer get()")."""
+        (``what`` says what got no answer, e.g. "the store did not answer get()"). ``abandon``:
+        asked every tenth of a second; True stops waiting at once (e.g. the store was replaced)."""
         stuck = self._stuck
         if stuck is not None and not stuck.done():
             raise error(f"{what}: an earlier call has had no answer for more than {bound:g}s (frozen or gone)")
         future: Future = Future()
-        self._calls.put((future, fn, time.monotonic() + bound, threading.current_thread().name))
-        try:
-            return future.result(timeout=bound)
-        except TimeoutError:
-            if not future.cancel():
-                self._stuck = future
-            raise error(f"{what} within {bound:g}s (frozen or gone)") from None
+        deadline = time.monotonic() + bound
+        self._calls.put((future, fn, deadline, threading.current_thread().name))
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return future.result(timeout=max(0.0, remaining if abandon is None else min(remaining, 0.1)))
+            except TimeoutError:
+                gave_up = abandon is not None and abandon()
+                if not gave_up and time.monotonic() < deadline:
+                    continue
+                if not future.cancel():
+                    self._stuck = future
+                if gave_up:
+                    raise error(f"{what}: abandoned, the store was replaced while it waited") from None
+                raise error(f"{what} within {bound:g}s (frozen or gone)") from None
 
 
 class BoundedCall:
@@ -234,6 +243,8 @@ class BoundedStore:
     def __init__(self, store: Any, bound: float) -> None:
         self.raw = store
         self.bound = bound
+        #: asked while a call waits: True abandons it (a fail-over replaced this store)
+        self.abandon: Callable[[], bool] | None = None
         _STORE_CALLS.hook()
         self._worker = BoundedWorker("lightning_ft-store-client", exit_gate=_STORE_CALLS)
 
@@ -243,7 +254,7 @@ class BoundedStore:
         if name == "wait" and len(args) > 1:  # a wait with a timeout of its own is bounded by it, plus ours
             bound += args[1].total_seconds()
         return self._worker.call(lambda: method(*args), bound, f"the rendezvous store did not answer {name}()",
-                                 StoreUnresponsiveError)
+                                 StoreUnresponsiveError, self.abandon)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name in BoundedStore._METHODS:

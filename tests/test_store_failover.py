@@ -63,3 +63,28 @@ def test_standalone_store_killed_then_a_peer(processes, tmp_path):
     assert codes == {"B": 0, "C": 0}, cluster.logs()
     assert cluster.events_of("store_failover"), cluster.logs()
     assert cluster.result("B")["step"] == 200
+
+
+@pytest.mark.timeout(180)
+def test_frozen_store_host_then_its_return_never_makes_two_deciding_stores(processes, tmp_path):
+    """SIGSTOP of the participant that hosts the store (a frozen peer and a frozen store at once):
+    the others fail over (bounded by the store operation timeout of the watchdog), recover with
+    the spare and finish. Thawed, the old host finds the others on the new store (its presence
+    probes) instead of deciding alone on its own: it never trains a round of its own again."""
+    cluster = three(processes, tmp_path, ["--max-steps", "400", *SLOW, "--hang-floor", "60"], standalone=False)
+    cluster.wait_for_step(30, 60)
+    cluster.kill("A", signal.SIGSTOP)
+    try:
+        cluster.wait_for_step(60, 90, among=["C"])
+    finally:
+        os.kill(cluster.procs["A"].pid, signal.SIGCONT)
+    codes = cluster.wait(["B", "C"], 90)
+    assert codes == {"B": 0, "C": 0}, cluster.logs()
+    assert cluster.result("B")["step"] == 400 and cluster.result("C")["step"] == 400
+    assert cluster.wait(["A"], 60)["A"] is not None, cluster.logs()
+    late = cluster.result("A")  # it never trained again: at most it left as a spare of the new store
+    assert late is None or late["rank"] == -1, (late, cluster.logs())
+    pid_of_a = cluster.procs["A"].pid
+    active_rounds_of_a = [e["round"] for e in cluster.events_of("round_complete")
+                          if e["pid"] == pid_of_a and not e["standby"]]
+    assert active_rounds_of_a == [0], active_rounds_of_a

@@ -94,7 +94,8 @@ def test_sigterm_while_the_store_is_frozen_stops_in_time_with_a_truthful_code(se
     assert len(decisions) == 2, decisions
     for name in ("A", "B"):
         log = cluster.procs[name].log()
-        assert "the store does not answer" in log, log[-4000:]
+        # the frozen store either made the stop decision go without it, or was failed over first
+        assert "the store does not answer" in log or "failed over to" in log, log[-4000:]
     steps = set()
     for event in decisions.values():
         assert event["exit_code"] == ExitCode.PREEMPTED and event["action"] == "save-then-exit", event

@@ -534,6 +534,11 @@ class FailoverStore:
         self.bound = bound
         self._lock = threading.Lock()
         self._epoch, self._store = (switchboard.epoch, store) if store is not None else switchboard.connect(bound)
+        self._follow(self._epoch, self._store)
+
+    def _follow(self, epoch: int, store: BoundedStore) -> None:
+        # a call stuck on a store that was replaced (frozen host) is abandoned, not waited out
+        store.abandon = lambda: self.switchboard.epoch != epoch
 
     def _current(self) -> BoundedStore:
         with self._lock:
@@ -543,6 +548,7 @@ class FailoverStore:
                     return self._store
                 try:
                     self._epoch, self._store = self.switchboard.connect(self.bound)
+                    self._follow(self._epoch, self._store)
                 except StoreUnreachableError as exc:  # the new store's host may be gone as well
                     self.switchboard.fail_over(epoch, str(exc))
             raise StoreLostError(f"the rendezvous store kept moving while this connection followed it (epoch "

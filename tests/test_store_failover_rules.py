@@ -1,0 +1,159 @@
+"""The pure rules of a store fail-over (quorum, rebuilding the state) and its small real parts
+(the presence listener, the mirror of store calls) -- no training processes."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch.distributed as dist
+
+from lightning_ft.deadlines import BoundedStore
+from lightning_ft.rendezvous.failover import FailoverStore, Mirror, StoreSwitchboard, probe
+from lightning_ft.rendezvous.rebuild import may_serve, merge_views
+from lightning_ft.rendezvous.store import Endpoint, host_store
+from lightning_ft.schema.failover import ViewEntry, decode_view, encode_view
+from lightning_ft.schema.signing import SealedStore, Signer
+from lightning_ft.settings import Timeouts
+
+# ------------------------------------------------------------------ the quorum
+
+
+def test_a_majority_of_those_not_proven_gone_may_serve():
+    participants = ["a", "b", "c"]
+    assert may_serve(participants, {"b": True, "c": False}, dead=set()).serve
+    assert not may_serve(participants, {"b": True}, dead=set()).serve  # 1 of 3: a partition's minority
+    assert may_serve(participants, {"b": True}, dead={"a"}).serve is False  # 1 of 2 is no majority
+    assert may_serve(participants, {"b": True}, dead={"a", "c"}).serve  # the others are gone: 1 of 1
+
+
+def test_two_survivors_of_two_may_serve_when_the_store_host_is_gone():
+    assert may_serve(["host", "b"], {"b": True}, dead={"host"}).serve
+
+
+def test_spares_alone_do_not_serve():
+    verdict = may_serve(["a", "b", "s"], {"s": False}, dead={"a", "b"})
+    assert not verdict.serve and "active" in verdict.reason
+
+
+def test_registrations_of_strangers_do_not_count():
+    assert not may_serve(["a", "b", "c"], {"a": True, "x": True, "y": True}, dead=set()).serve
+
+
+# ------------------------------------------------------------------ rebuilding
+
+
+def sealed_number(signer: Signer, key: str, n: int) -> bytes:
+    return signer.seal(key, str(n))
+
+
+def test_numbers_take_the_highest_seen_and_logs_the_union():
+    signer = Signer(b"secret")
+    mine = {"round": ViewEntry("value", sealed_number(signer, "round", 3)),
+            "log": ViewEntry("log", b"\nA\n\nB\n", (b"C",)),
+            "other": ViewEntry("value", b"x")}
+    theirs = {"round": ViewEntry("value", sealed_number(signer, "round", 4)),
+              "log": ViewEntry("value", b"\nA\n\nD\n"),
+              "other": ViewEntry("value", b"y"),
+              "count": ViewEntry("counter", b"7")}
+    merged = merge_views([mine, theirs])
+    assert signer.unseal("round", merged["round"]) == b"4"
+    assert sorted(merged["log"].split()) == [b"A", b"B", b"C", b"D"]
+    assert merged["other"] == b"x"  # the successor's own view first
+    assert merged["count"] == b"7"
+
+
+def test_a_view_survives_encoding_and_garbage_is_refused():
+    view = {"k": ViewEntry("log", b"\nA\n", (b"B",)), "n": ViewEntry("counter", b"3")}
+    assert decode_view(encode_view(view)) == view
+    for garbage in (b"", b"[]", b'{"k": ["bogus", "", []]}', b"\xff"):
+        assert decode_view(garbage) is None
+
+
+def test_the_mirror_keeps_what_calls_tell():
+    mirror = Mirror()
+    mirror.record("set", ("a", "1"), None)
+    mirror.record("compare_set", ("b", "", "2"), b"3")  # the value in force is what it returned
+    mirror.record("append", ("log", b"\nR1\n"), None)
+    mirror.record("get", ("log", ), b"\nR0\n\nR1\n")
+    mirror.record("append", ("log", b"\nR2\n"), None)
+    mirror.record("multi_get", (["c", "d"],), [b"4", b"5"])
+    mirror.record("set", ("lightning_ft_failover/epoch", "1"), None)  # never copied on
+    mirror.record("set", ("big", b"x" * (1 << 20)), None)
+    mirror.record("set", ("gone", "1"), None)
+    mirror.record("delete_key", ("gone",), None)
+    view = mirror.view()
+    assert view["a"].value == b"1" and view["b"].value == b"3"
+    assert view["c"].value == b"4" and view["d"].value == b"5"
+    assert view["log"].kind == "log"
+    assert sorted(merge_views([view])["log"].split()) == [b"R0", b"R1", b"R2"]
+    assert "lightning_ft_failover/epoch" not in view and "big" not in view and "gone" not in view
+
+
+# ------------------------------------------------------------------ real sockets
+
+
+def free_refused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed on exit: nothing listens there
+
+
+@pytest.fixture
+def switchboard():
+    timeouts = Timeouts(failover_timeout=3.0, probe_timeout=0.5)
+    store = host_store("127.0.0.1", 0, datetime.timedelta(seconds=5))
+    first = BoundedStore(store, 5.0)
+    board = StoreSwitchboard(Endpoint("127.0.0.1", store.port), first, True, "me", timeouts, Signer(None))
+    board.presence.start()
+    try:
+        yield board, store
+    finally:
+        board.close()
+
+
+def test_presence_says_alive_and_which_store_and_a_closed_port_is_dead(switchboard):
+    board, store = switchboard
+    status = probe(board.presence.endpoint, "STATUS", 1.0)
+    assert status.state == "alive" and status.epoch == 0 and status.store == f"127.0.0.1:{store.port}"
+    assert probe(f"127.0.0.1:{free_refused_port()}", "STATUS", 1.0).state == "dead"
+    board.close()
+    assert probe(board.presence.endpoint, "STATUS", 1.0).state == "dead"
+
+
+def test_a_failover_store_mirrors_its_calls_and_hands_torch_the_current_client(switchboard):
+    board, store = switchboard
+    client = FailoverStore(board, 5.0)
+    values = SealedStore(client, board.signer)
+    values.put("run/round", "2")
+    values.append("run/lost", "x")
+    assert values.get("run/round") == b"2"
+    assert isinstance(client.raw, dist.TCPStore)
+    view = board.mirror.view()
+    assert view["run/round"].value == b"2" and view["run/lost"].kind == "log"
+    clone = client.clone(2.0)
+    assert clone.bound == 2.0 and clone.get("run/round") == b"2"
+
+
+def test_the_host_of_the_store_never_fails_over_its_own_store(switchboard):
+    board, _ = switchboard
+    board.fail_over(0, "a test says so")
+    assert board.epoch == 0 and board.failovers == []
+
+
+def test_without_candidates_a_lost_store_is_lost():
+    timeouts = Timeouts(failover_timeout=2.0, probe_timeout=0.2)
+    store = host_store("127.0.0.1", 0, datetime.timedelta(seconds=5))
+    port = store.port
+    first = BoundedStore(dist.TCPStore("127.0.0.1", port, is_master=False,
+                                       timeout=datetime.timedelta(seconds=5)), 2.0)
+    board = StoreSwitchboard(Endpoint("127.0.0.1", port), first, False, "me", timeouts, Signer(None))
+    client = FailoverStore(board, 2.0, first)
+    client.set("k", "v")
+    del store  # the server goes
+    from lightning_ft.rendezvous.failover import StoreLostError
+    with pytest.raises(StoreLostError, match="before any round completed"):
+        for _ in range(20):
+            client.set("k", "v")
+    board.close()
