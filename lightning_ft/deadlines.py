@@ -165,16 +165,21 @@ class BoundedWorker:
                     gate.leave(admitted)
 
     def call(self, fn: Callable[[], Any], bound: float, what: str,
-             error: type[DeadlineExceeded] = DeadlineExceeded, abandon: Callable[[], bool] | None = None) -> Any:
+             error: type[DeadlineExceeded] = DeadlineExceeded, abandon: Callable[[], bool] | None = None,
+             exit_bound: float | None = None) -> Any:
         """``fn()``'s value (or its exception) if it returns within ``bound`` seconds, else ``error``
         (``what`` says what got no answer, e.g. "the store did not answer get()"). ``abandon``:
-        asked every tenth of a second; True stops waiting at once (e.g. the store was replaced)."""
+        asked every tenth of a second; True stops waiting at once (e.g. the store was replaced).
+        ``exit_bound``: how long the exit gate waits for this call at interpreter exit (default
+        ``bound``; a store ``wait`` that may last an hour is waited for only as long as a call)."""
         stuck = self._stuck
         if stuck is not None and not stuck.done():
             raise error(f"{what}: an earlier call has had no answer for more than {bound:g}s (frozen or gone)")
         future: Future = Future()
-        deadline = time.monotonic() + bound
-        self._calls.put((future, fn, deadline, threading.current_thread().name))
+        now = time.monotonic()
+        deadline = now + bound
+        self._calls.put((future, fn, now + (bound if exit_bound is None else exit_bound),
+                         threading.current_thread().name))
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -254,7 +259,7 @@ class BoundedStore:
         if name == "wait" and len(args) > 1:  # a wait with a timeout of its own is bounded by it, plus ours
             bound += args[1].total_seconds()
         return self._worker.call(lambda: method(*args), bound, f"the rendezvous store did not answer {name}()",
-                                 StoreUnresponsiveError, self.abandon)
+                                 StoreUnresponsiveError, self.abandon, exit_bound=self.bound)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name in BoundedStore._METHODS:

@@ -215,7 +215,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         connection of the session's, which follows the store when it fails over; None before
         a session (then the process group's store)."""
         session = self.session
-        return session.store.clone() if session is not None else None
+        # its calls are bounded by stop_store_timeout there anyway; a tight bound here also bounds
+        # how long the exit waits for the stop watcher's call in flight
+        return session.store.clone(self.settings.timeouts.stop_store_timeout) if session is not None else None
 
     def open_session(self) -> Session:
         """Reach the rendezvous store and join the run as a participant (once per process)."""
