@@ -157,3 +157,24 @@ def test_without_candidates_a_lost_store_is_lost():
         for _ in range(20):
             client.set("k", "v")
     board.close()
+
+
+def test_a_participant_that_left_takes_nothing_over_and_its_presence_is_gone():
+    timeouts = Timeouts(failover_timeout=2.0, probe_timeout=0.2)
+    store = host_store("127.0.0.1", 0, datetime.timedelta(seconds=5))
+    first = BoundedStore(dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                                       timeout=datetime.timedelta(seconds=5)), 2.0)
+    board = StoreSwitchboard(Endpoint("127.0.0.1", store.port), first, False, "me", timeouts, Signer(None))
+    board.presence.start()
+    board.participating = lambda: False
+    from lightning_ft.rendezvous.failover import Candidate, StoreLostError
+    board.candidates = [Candidate("me", board.presence.endpoint)]
+    client = FailoverStore(board, 2.0, first)
+    del store
+    with pytest.raises(StoreLostError, match="left the rendezvous"):
+        for _ in range(20):
+            client.set("k", "v")
+    import time
+    time.sleep(0.5)
+    assert probe(board.presence.endpoint, "STATUS", 1.0).state == "dead"
+    board.close()

@@ -140,6 +140,11 @@ class BarrierRendezvous:
     def last_result(self) -> RoundResult | None:
         return self._last_result
 
+    @property
+    def left(self) -> bool:
+        """This participant acknowledged the end or was excluded: it takes no part any more."""
+        return self._acked or self._excluded
+
     def next_active_round(self) -> RoundResult:
         """Join rounds until this participant is active in one; standby waits in between.
 

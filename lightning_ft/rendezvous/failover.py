@@ -229,6 +229,8 @@ class StoreSwitchboard:
         self.mirror = Mirror()
         self.candidates: list[Candidate] = []
         self.on_switch: list[Callable[[bool], None]] = []
+        #: False once this participant left the rendezvous: a store lost after that is not taken over
+        self.participating: Callable[[], bool] = lambda: True
         self.failovers: list[tuple[int, float, str]] = []  # (epoch, seconds, successor)
         self._lock = threading.Lock()
         self._lost: str | None = None
@@ -288,6 +290,9 @@ class StoreSwitchboard:
                 raise StoreLostError(self._lost)
             if self._answers(self.endpoint):
                 return
+            if not self.participating():
+                raise StoreLostError(f"the rendezvous store at {self.endpoint} is gone ({why}) after this "
+                                     "participant left the rendezvous: nothing to take over")
             started = time.monotonic()
             try:
                 successor = self._fail_over(from_epoch, why, started + self.timeouts.failover_timeout)
@@ -503,6 +508,9 @@ class Presence(BackgroundThread):
 
     def run(self) -> None:
         while not self.stopping.is_set():
+            if not self.switchboard.participating():
+                self._sock.close()  # left the rendezvous: refused from now on, i.e. gone for the others
+                return
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:

@@ -72,6 +72,7 @@ class Session:
         rendezvous.values.put(presence_key(rendezvous.keys.prefix, participant.participant_id),
                               switchboard.presence.endpoint)
         switchboard.on_switch.append(session._store_moved)
+        switchboard.participating = lambda: not rendezvous.left
         session.events.emit(ev.JOIN, participant=participant.participant_id, domain=settings.domain_id,
                             endpoint=str(launch.endpoint), run_id=launch.run_id, min_nodes=launch.min_nodes,
                             max_nodes=launch.max_nodes, store_host=hosting)
@@ -154,6 +155,8 @@ class CandidateRefresher(BackgroundThread):
 
     def run(self) -> None:
         while not self.stopping.wait(self.INTERVAL):
+            if self.session.rendezvous.left:
+                return  # nothing to take over any more
             round_id, switchboard = self.session.tracked_round, self.session.switchboard
             if round_id is None or switchboard is None:
                 continue
