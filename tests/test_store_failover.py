@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -88,3 +89,59 @@ def test_frozen_store_host_then_its_return_never_makes_two_deciding_stores(proce
     active_rounds_of_a = [e["round"] for e in cluster.events_of("round_complete")
                           if e["pid"] == pid_of_a and not e["standby"]]
     assert active_rounds_of_a == [0], active_rounds_of_a
+
+
+def two_with_a_store(processes, tmp_path, steps: int) -> Cluster:
+    """2 actives (A, B), no spare, a standalone store."""
+    cluster = Cluster(processes, tmp_path, "2:2")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    for name in "AB":
+        cluster.start_participant(name, ["--max-steps", str(steps), *SLOW])
+    return cluster
+
+
+def committed_decisions(cluster: Cluster, tmp_path) -> dict[str, dict]:
+    """Each rank's termination decision; an 81 only with a committed snapshot of its step."""
+    decisions = {event["who"]: event for event in cluster.events_of("termination_decision")}
+    for event in decisions.values():
+        if event["exit_code"] == 81:
+            assert list(tmp_path.glob(f"shm-*/**/step-{event['step']:012d}.snap")), event
+    return decisions
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_after_a_failover_agrees_a_stop_step_and_exits_81(processes, tmp_path):
+    """The store is lost and taken over; then SIGTERM reaches both ranks: they agree on one stop
+    step through the new store, snapshot it and exit 81."""
+    cluster = two_with_a_store(processes, tmp_path, 100_000)
+    cluster.wait_for_step(30, 60)
+    os.kill(cluster.stores["store"].pid, signal.SIGKILL)
+    cluster.wait_for_log("A", "failed over to", 30)
+    cluster.wait_for_log("B", "failed over to", 30)
+    cluster.wait_for_step(max(r[-1]["step"] for r in cluster.steps().values()) + 5, 30)  # training goes on
+    cluster.kill("A", signal.SIGTERM)
+    cluster.kill("B", signal.SIGTERM)
+    codes = cluster.wait(["A", "B"], 60)
+    assert codes == {"A": 81, "B": 81}, cluster.logs()
+    decisions = committed_decisions(cluster, tmp_path)
+    assert len(decisions) == 2 and len({e["step"] for e in decisions.values()}) == 1, decisions
+    assert all(e["reasons"] and "agreed" in e["reasons"][0] for e in decisions.values()), decisions
+
+
+@pytest.mark.timeout(150)
+def test_store_killed_during_the_sigterm_agreement_ends_truthfully(processes, tmp_path):
+    """SIGTERM to both ranks and, a moment later, the store is SIGKILLed while they agree on
+    the stop step: each rank ends in bounded time with a truthful code -- 81 only with a committed
+    snapshot of the step it decided (both stop at the same step when the agreement landed)."""
+    cluster = two_with_a_store(processes, tmp_path, 100_000)
+    cluster.wait_for_step(30, 60)
+    cluster.kill("A", signal.SIGTERM)
+    cluster.kill("B", signal.SIGTERM)
+    time.sleep(0.05)
+    os.kill(cluster.stores["store"].pid, signal.SIGKILL)
+    codes = cluster.wait(["A", "B"], 60)
+    assert set(codes.values()) <= {81, 143}, cluster.logs()
+    committed_decisions(cluster, tmp_path)
+    for name in "AB":
+        assert "Traceback" not in cluster.procs[name].log(), cluster.procs[name].log()
