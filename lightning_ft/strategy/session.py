@@ -60,19 +60,23 @@ class Session:
         # every call of ours on the store returns within a bound, even if the store freezes
         first, hosting = connect_store(launch.endpoint, settings.is_store_host, settings.timeouts)
         participant = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
-        # every connection of this process follows the store when it fails over to a participant
-        switchboard = StoreSwitchboard(launch.endpoint, first, hosting, participant.participant_id, settings.timeouts,
-                                       job_signer())
-        store = FailoverStore(switchboard, settings.timeouts.store_timeout, first)
+        switchboard: StoreSwitchboard | None = None
+        store: Any = first
+        if settings.store_failover:
+            # every connection of this process follows the store when it fails over to a participant
+            switchboard = StoreSwitchboard(launch.endpoint, first, hosting, participant.participant_id,
+                                           settings.timeouts, job_signer())
+            store = FailoverStore(switchboard, settings.timeouts.store_timeout, first)
         rendezvous = BarrierRendezvous(store, settings.rendezvous_settings(), participant, is_store_host=hosting,
                                        heartbeat_store_factory=store.clone)
         session = cls(store, rendezvous, participant, rendezvous.keys, hosting,
                       events_for(participant.participant_id), switchboard)
-        switchboard.presence.start()
-        rendezvous.values.put(presence_key(rendezvous.keys.prefix, participant.participant_id),
-                              switchboard.presence.endpoint)
-        switchboard.on_switch.append(session._store_moved)
-        switchboard.participating = lambda: not rendezvous.left
+        if switchboard is not None:
+            switchboard.presence.start()
+            rendezvous.values.put(presence_key(rendezvous.keys.prefix, participant.participant_id),
+                                  switchboard.presence.endpoint)
+            switchboard.on_switch.append(session._store_moved)
+            switchboard.participating = lambda: not rendezvous.left
         session.events.emit(ev.JOIN, participant=participant.participant_id, domain=settings.domain_id,
                             endpoint=str(launch.endpoint), run_id=launch.run_id, min_nodes=launch.min_nodes,
                             max_nodes=launch.max_nodes, store_host=hosting)
