@@ -196,5 +196,7 @@ def test_a_frozen_store_fails_the_agents_rendezvous_call_within_store_timeout(pr
         os.kill(store.pid, signal.SIGCONT)
         handler.rendezvous.stop_heartbeat()
     assert outcome and isinstance(outcome[0], RuntimeError), outcome
-    assert "did not answer" in str(outcome[0]) and "within 2s" in str(outcome[0]), outcome
+    # the store did not answer within its bound; with the store fail-over (issue 25) the message
+    # then says that no participant could take it over (none is known before round 0)
+    assert "not answer" in str(outcome[0]), outcome
     assert elapsed < 30, elapsed

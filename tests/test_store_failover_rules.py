@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from lightning_ft.deadlines import BoundedStore
-from lightning_ft.rendezvous.failover import FailoverStore, Mirror, StoreSwitchboard, probe
-from lightning_ft.rendezvous.rebuild import may_serve, merge_views
+from lightning_ft.rendezvous.failover import FailoverStore, StoreSwitchboard, probe
+from lightning_ft.rendezvous.rebuild import Mirror, may_serve, merge_views
 from lightning_ft.rendezvous.store import Endpoint, host_store
 from lightning_ft.schema.failover import ViewEntry, decode_view, encode_view
 from lightning_ft.schema.signing import SealedStore, Signer
@@ -178,3 +178,28 @@ def test_a_participant_that_left_takes_nothing_over_and_its_presence_is_gone():
     time.sleep(0.5)
     assert probe(board.presence.endpoint, "STATUS", 1.0).state == "dead"
     board.close()
+
+
+def test_calls_blocked_on_a_replaced_store_connection_return_when_it_is_broken():
+    """What a fail-over does to the old store's connections: a recv blocked on them returns."""
+    import threading
+
+    from lightning_ft.sockets import break_connections_to
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()  # the peer never answers, like a frozen store
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(client.recv(1)), daemon=True)
+    reader.start()
+    try:
+        assert break_connections_to(port, {"127.0.0.1"}) == 1
+        reader.join(5)
+        assert not reader.is_alive() and got == [b""]
+        assert break_connections_to(port + 1 if port < 65535 else port - 1, {"127.0.0.1"}) == 0
+    finally:
+        for sock in (client, accepted, server):
+            sock.close()

@@ -97,6 +97,21 @@ def test_sigkill_active_node_spare_steps_in(processes, tmp_path):
     assert_all_gone([a, b, c])
 
 
+def test_sigkill_of_the_store_hosting_node_fails_the_store_over(processes, tmp_path):
+    """Node A hosts the store (it bound the endpoint first) and dies, agent and worker: the store
+    fails over to a surviving agent, the spare steps in, and the job finishes (issue 25)."""
+    out, a, b, c = start_three(processes, tmp_path, steps=60, MARK_AT_STEP="10")
+    assert wait_for(lambda: (out / "marked").exists(), 60), processes.dump_logs()
+    kill_node(a, out)
+    codes = processes.wait_all(timeout=100)
+    logs = processes.dump_logs()
+    assert codes["B"] == 0 and codes["C"] == 0, logs
+    assert (out / "done_B").exists() and (out / "done_C").exists(), logs
+    assert int((out / "progress").read_text()) == 60
+    assert "failed over to" in b.log() and "failed over to" in c.log(), logs
+    assert_all_gone([a, b, c])
+
+
 def test_sigkill_one_worker_node_keeps_its_place(processes, tmp_path):
     out, a, b, c = start_three(processes, tmp_path, steps=60, MARK_AT_STEP="10")
     assert wait_for(lambda: (out / "marked").exists(), 60), processes.dump_logs()

@@ -129,6 +129,8 @@ class BarrierRendezvous:
         self._acked = False
         #: numbers this participant's arrival records (a reader keeps each writer's newest)
         self._record_seq = itertools.count(1)
+        #: called with every round this participant completes (active or standby)
+        self.on_round_complete: list[Callable[[RoundResult], None]] = []
 
     # ----------------------------------------------------------------- public API
 
@@ -174,6 +176,8 @@ class BarrierRendezvous:
                 self._last_result = result
                 if result.is_active:
                     self._last_active_round = result.round
+                for callback in self.on_round_complete:
+                    callback(result)
                 return result
 
     def wait_while_standby(self, round_id: int) -> None:

@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -49,26 +49,29 @@ from lightning_ft.deadlines import (
     call_with_timeout,
     first_line,
 )
-from lightning_ft.rendezvous.rebuild import may_serve, merge_views
-from lightning_ft.rendezvous.store import Endpoint, host_store, listen_on, parse_endpoint
+from lightning_ft.rendezvous.presence import Presence, local_address_towards, probe
+from lightning_ft.rendezvous.rebuild import Mirror, may_serve, merge_views
+from lightning_ft.rendezvous.records import RunRecords
+from lightning_ft.rendezvous.store import Endpoint, host_store, parse_endpoint
 from lightning_ft.schema.failover import (
     EPOCH_KEY,
-    PREFIX,
     EpochKeys,
-    ViewEntry,
     decode_registration,
     decode_view,
     encode_registration,
     encode_view,
+    presence_key,
 )
 from lightning_ft.schema.run import decode_number, encode_number
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.settings import Timeouts
+from lightning_ft.sockets import break_connections_to
+
+if TYPE_CHECKING:
+    from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
 
 log = logging.getLogger(__name__)
 
-#: values larger than this are not kept for a successor (snapshot replicas: republished anyway)
-MIRROR_VALUE_LIMIT = 64 * 1024
 #: how often a participant asks the successor whether it serves yet, and reads whether it opened
 _POLL = 0.02
 #: how often the successor probes the participants that did not register yet
@@ -79,52 +82,9 @@ class StoreLostError(RuntimeError):
     """The rendezvous store is lost and no successor could take over; the message says why."""
 
 
-class StoreUnreachableError(ConnectionError):
-    """A new connection to the store of the current epoch failed (its host may be gone too)."""
-
-
-class PeerStatus(NamedTuple):
-    """What a presence probe found: ``state`` "dead" (refused), "silent" or "alive"; an alive
-    peer follows the store of ``epoch`` at ``store`` (host:port)."""
-
-    state: str
-    epoch: int = -1
-    store: str = ""
-
-
-def probe(endpoint: str, request: str, timeout: float) -> PeerStatus:
-    """Ask the presence listener at ``endpoint`` (``STATUS``, or ``FAILOVER <epoch>``: the store of
-    that epoch is lost, check it)."""
-    try:
-        target = parse_endpoint(endpoint)
-        with socket.create_connection((target.host, target.port), timeout=timeout) as sock:
-            sock.settimeout(timeout)
-            sock.sendall(request.encode() + b"\n")
-            answer = b""
-            while not answer.endswith(b"\n") and len(answer) < 512:
-                chunk = sock.recv(512)
-                if not chunk:
-                    break
-                answer += chunk
-    except ConnectionRefusedError:
-        return PeerStatus("dead")
-    except (OSError, ValueError):
-        return PeerStatus("silent")
-    epoch_text, _, store = answer.decode(errors="replace").strip().partition(" ")
-    if not epoch_text.lstrip("-").isdigit():
-        return PeerStatus("silent")
-    return PeerStatus("alive", int(epoch_text), store)
-
-
-def local_address_towards(endpoint: Endpoint) -> str:
-    """This host's address on the route to ``endpoint``: where peers that reach the store reach us."""
-    try:
-        family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as sock:
-            sock.connect((endpoint.host, endpoint.port))  # UDP: no packet is sent
-            return str(sock.getsockname()[0])
-    except OSError:
-        return socket.gethostname()
+class StoreUnreachableError(StoreLostError):
+    """A new connection to the store of the current epoch failed (its host may be gone too): a
+    fail-over may still find the store (a lost store as far as this connection can tell)."""
 
 
 class Candidate(NamedTuple):
@@ -132,81 +92,9 @@ class Candidate(NamedTuple):
     presence: str
 
 
-class Mirror:
-    """Every store key this process wrote or read, with the value it knows: its *view*.
-
-    A log (``SealedStore.append``) keeps the last full value read plus the records this
-    process appended since; large values (snapshot replicas) and the fail-over's own keys are
-    not kept.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: dict[str, ViewEntry] = {}
-
-    @staticmethod
-    def _bytes(value: Any) -> bytes:
-        return value.encode() if isinstance(value, str) else bytes(value)
-
-    def _keep(self, key: str) -> bool:
-        return not key.startswith(PREFIX)
-
-    def saw(self, key: str, value: Any) -> None:
-        data = self._bytes(value)
-        if not self._keep(key) or len(data) > MIRROR_VALUE_LIMIT:
-            return
-        with self._lock:
-            held = self._values.get(key)
-            if held is not None and held.kind == "log":
-                self._values[key] = ViewEntry("log", data, tuple(ln for ln in held.lines if ln not in data))
-            else:
-                self._values[key] = ViewEntry("value", data)
-
-    def appended(self, key: str, value: Any) -> None:
-        if not self._keep(key):
-            return
-        lines = tuple(line for line in self._bytes(value).split(b"\n") if line)
-        with self._lock:
-            held = self._values.get(key)
-            base = held.value if held is not None and held.kind in ("log", "value") else b""
-            self._values[key] = ViewEntry("log", base, (held.lines if held is not None else ()) + lines)
-
-    def counted(self, key: str, count: int) -> None:
-        if self._keep(key):
-            with self._lock:
-                self._values[key] = ViewEntry("counter", str(int(count)).encode())
-
-    def dropped(self, key: str) -> None:
-        with self._lock:
-            self._values.pop(key, None)
-
-    def view(self) -> dict[str, ViewEntry]:
-        with self._lock:
-            return dict(self._values)
-
-    def record(self, name: str, args: tuple[Any, ...], result: Any) -> None:
-        """Keep what the store call ``name(*args)`` that returned ``result`` tells of the store."""
-        if name in ("set", "compare_set"):
-            self.saw(args[0], args[1] if name == "set" else result)
-        elif name == "get":
-            self.saw(args[0], result)
-        elif name == "multi_get":
-            for key, value in zip(args[0], result, strict=False):
-                self.saw(key, value)
-        elif name == "multi_set":
-            for key, value in zip(args[0], args[1], strict=False):
-                self.saw(key, value)
-        elif name == "append":
-            self.appended(args[0], args[1])
-        elif name == "add":
-            self.counted(args[0], result)
-        elif name == "delete_key":
-            self.dropped(args[0])
-
-
 def is_lost_store_error(exc: BaseException) -> bool:
     """A store call failed as a lost store makes it fail (not a timeout of a ``wait`` for a key)."""
-    return isinstance(exc, (StoreUnresponsiveError, dist.DistNetworkError, ConnectionError))
+    return isinstance(exc, (StoreUnresponsiveError, StoreUnreachableError, dist.DistNetworkError, ConnectionError))
 
 
 class StoreSwitchboard:
@@ -293,7 +181,7 @@ class StoreSwitchboard:
             if not self.participating():
                 raise StoreLostError(f"the rendezvous store at {self.endpoint} is gone ({why}) after this "
                                      "participant left the rendezvous: nothing to take over")
-            started = time.monotonic()
+            started, lost = time.monotonic(), self.endpoint
             try:
                 successor = self._fail_over(from_epoch, why, started + self.timeouts.failover_timeout)
             except StoreLostError as exc:
@@ -302,6 +190,7 @@ class StoreSwitchboard:
                 raise
             seconds = time.monotonic() - started
             self.failovers.append((self.epoch, seconds, successor))
+            _break_connections(lost)
             log.warning("rendezvous store: failed over to %s (epoch %d, %s) in %.2fs after: %s", self.endpoint,
                         self.epoch, "hosted here" if self.hosting else f"hosted by {successor}", seconds, why)
         finally:
@@ -482,8 +371,10 @@ class StoreSwitchboard:
                         return False
                     log.warning("rendezvous store: the others failed over to %s (epoch %d) while this process "
                                 "followed epoch %d; following it", endpoint, status.epoch, self.epoch)
+                    lost = self.endpoint
                     self.endpoint, self.epoch, self.hosting = endpoint, status.epoch, False
                     self._probe_store = self._probe_connection(store)
+                    _break_connections(lost)
                 for callback in self.on_switch:
                     callback(False)
                 return True
@@ -494,45 +385,6 @@ class StoreSwitchboard:
         self.presence.stop()
 
 
-class Presence(BackgroundThread):
-    """This participant's presence listener: answers ``<epoch> <store host:port>`` (the store it
-    follows, or serves during its own fail-over), and starts a check on ``FAILOVER <epoch>``."""
-
-    def __init__(self, switchboard: StoreSwitchboard, host: str, join_timeout: float) -> None:
-        super().__init__("lightning_ft-presence", join_timeout)
-        self.switchboard = switchboard
-        self.host = host
-        self._sock = listen_on(host, 0)
-        self._sock.settimeout(0.2)
-        self.endpoint = f"{host}:{self._sock.getsockname()[1]}"
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            if not self.switchboard.participating():
-                self._sock.close()  # left the rendezvous: refused from now on, i.e. gone for the others
-                return
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with conn:
-                try:
-                    conn.settimeout(1.0)
-                    request = conn.recv(128).decode(errors="replace").strip()
-                    conn.sendall(self.switchboard.status_line().encode() + b"\n")
-                except OSError:
-                    continue
-            kind, _, epoch = request.partition(" ")
-            if kind == "FAILOVER" and epoch.isdigit():
-                self.switchboard.suspect(int(epoch))
-
-    def stop(self, join: bool = True) -> None:
-        super().stop(join)
-        self._sock.close()
-
-
 class FailoverStore:
     """A store connection that follows the :class:`StoreSwitchboard`: the drop-in for a
     :class:`~lightning_ft.deadlines.BoundedStore` (same calls, same bound)."""
@@ -541,8 +393,13 @@ class FailoverStore:
         self.switchboard = switchboard
         self.bound = bound
         self._lock = threading.Lock()
-        self._epoch, self._store = (switchboard.epoch, store) if store is not None else switchboard.connect(bound)
-        self._follow(self._epoch, self._store)
+        self._epoch = switchboard.epoch if store is not None else -1
+        self._store: BoundedStore
+        if store is not None:
+            self._store = store
+            self._follow(self._epoch, store)
+        else:
+            self._current()  # connects (following a fail-over if the store is gone)
 
     def _follow(self, epoch: int, store: BoundedStore) -> None:
         # a call stuck on a store that was replaced (frozen host) is abandoned, not waited out
@@ -589,3 +446,80 @@ class FailoverStore:
     def clone(self, bound: float | None = None) -> FailoverStore:
         """Another connection that follows the same switchboard, bounded alike or by ``bound``."""
         return FailoverStore(self.switchboard, self.bound if bound is None else bound)
+
+
+def _break_connections(endpoint: Endpoint) -> None:
+    """Shut down this process's connections to a replaced store: calls still waiting on them (a
+    frozen host's) fail at once instead of returning at any later moment -- one that returns
+    while the interpreter finalizes aborts the process."""
+    try:
+        hosts = {str(info[4][0]) for info in socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)}
+        broken = break_connections_to(endpoint.port, hosts | {f"::ffff:{h}" for h in hosts})
+        log.debug("shut down %d connection(s) to the replaced store at %s", broken, endpoint)
+    except Exception as exc:  # noqa: BLE001 - best effort: the calls then end on their own
+        log.debug("could not shut down the connections to %s: %s", endpoint, first_line(exc))
+
+
+def read_candidates(switchboard: StoreSwitchboard, records: RunRecords, round_id: int) -> None:
+    """Set the switchboard's candidates to the participants of ``round_id`` that announced a presence."""
+    ids = [a.participant_id for a in records.arrivals(round_id)]
+    found = [records.values.get(presence_key(records.keys.prefix, pid)) for pid in ids]
+    switchboard.candidates = [Candidate(pid, raw.decode(errors="replace"))
+                              for pid, raw in zip(ids, found, strict=True) if raw is not None]
+
+
+class FailoverParticipant:
+    """Ties a :class:`StoreSwitchboard` to this process's rendezvous participant: announces its
+    presence, takes the candidates from every round it completes (and, about once a second,
+    the spares that arrive later), and takes nothing over once the participant left."""
+
+    def __init__(self, switchboard: StoreSwitchboard, rendezvous: BarrierRendezvous) -> None:
+        self.switchboard, self.rendezvous = switchboard, rendezvous
+        self.tracked_round: int | None = None
+        self._refresher: CandidateRefresher | None = None
+        switchboard.participating = lambda: not rendezvous.left
+        switchboard.presence.start()
+        rendezvous.values.put(presence_key(rendezvous.keys.prefix, rendezvous.participant_id),
+                              switchboard.presence.endpoint)
+        rendezvous.on_round_complete.append(self.track_round)
+
+    def track_round(self, result: RoundResult) -> None:
+        self.switchboard.active = result.is_active
+        self.tracked_round = result.round
+        read_candidates(self.switchboard, self.rendezvous.records, result.round)
+        if self._refresher is None:
+            clone = self.rendezvous.store.clone(4 * self.switchboard.timeouts.probe_timeout)
+            self._refresher = CandidateRefresher(self, RunRecords(clone, self.rendezvous.signer, self.rendezvous.keys))
+            self._refresher.start()
+
+    def follow_newest(self) -> None:
+        """Before re-joining after a failure (see :meth:`StoreSwitchboard.follow_newest`)."""
+        self.switchboard.follow_newest()
+
+
+class CandidateRefresher(BackgroundThread):
+    """Re-reads the tracked round's arrivals when their hint changes (about once a second, one
+    request), so the fail-over order includes hot spares that arrived after the round completed;
+    on a connection of its own. Ends when the participant left."""
+
+    INTERVAL = 1.0
+
+    def __init__(self, owner: FailoverParticipant, records: RunRecords) -> None:
+        super().__init__("lightning_ft-candidates", join_timeout=owner.switchboard.timeouts.thread_stop_timeout)
+        self.owner, self.records = owner, records
+        self._hint: tuple[int, bytes] | None = None
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.INTERVAL):
+            if self.owner.rendezvous.left:
+                return
+            round_id = self.owner.tracked_round
+            if round_id is None:
+                continue
+            try:
+                hint = (round_id, self.records.appended_hint(round_id))
+                if hint != self._hint:
+                    read_candidates(self.owner.switchboard, self.records, round_id)
+                    self._hint = hint
+            except Exception as exc:  # noqa: BLE001 - the next try, or the fail-over, tells
+                log.debug("refreshing the fail-over candidates: %s", first_line(exc))

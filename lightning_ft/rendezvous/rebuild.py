@@ -4,15 +4,17 @@ No I/O here; :mod:`lightning_ft.rendezvous.failover` reads the world, asks, and 
 
 * :func:`may_serve` -- the quorum rule that keeps a partition from producing two stores that
   both decide.
+* :class:`Mirror` -- what one participant holds: every key it wrote or read (its *view*).
 * :func:`merge_views` -- the successor's state, rebuilt from what the participants held.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Iterable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from lightning_ft.schema.failover import ViewEntry
+from lightning_ft.schema.failover import PREFIX, ViewEntry
 from lightning_ft.schema.signing import MAGIC, TAG_BYTES
 
 
@@ -100,3 +102,79 @@ def merge_views(views: Iterable[Mapping[str, ViewEntry]]) -> dict[str, bytes]:
             else:
                 merged[key] = entries[0].value
     return merged
+
+
+#: values larger than this are not kept for a successor (snapshot replicas: republished anyway)
+MIRROR_VALUE_LIMIT = 64 * 1024
+
+
+class Mirror:
+    """Every store key this process wrote or read, with the value it knows: its *view*.
+
+    A log (``SealedStore.append``) keeps the last full value read plus the records this
+    process appended since; large values (snapshot replicas) and the fail-over's own keys are
+    not kept.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, ViewEntry] = {}
+
+    @staticmethod
+    def _bytes(value: Any) -> bytes:
+        return value.encode() if isinstance(value, str) else bytes(value)
+
+    def _keep(self, key: str) -> bool:
+        return not key.startswith(PREFIX)
+
+    def saw(self, key: str, value: Any) -> None:
+        data = self._bytes(value)
+        if not self._keep(key) or len(data) > MIRROR_VALUE_LIMIT:
+            return
+        with self._lock:
+            held = self._values.get(key)
+            if held is not None and held.kind == "log":
+                self._values[key] = ViewEntry("log", data, tuple(ln for ln in held.lines if ln not in data))
+            else:
+                self._values[key] = ViewEntry("value", data)
+
+    def appended(self, key: str, value: Any) -> None:
+        if not self._keep(key):
+            return
+        lines = tuple(line for line in self._bytes(value).split(b"\n") if line)
+        with self._lock:
+            held = self._values.get(key)
+            base = held.value if held is not None and held.kind in ("log", "value") else b""
+            self._values[key] = ViewEntry("log", base, (held.lines if held is not None else ()) + lines)
+
+    def counted(self, key: str, count: int) -> None:
+        if self._keep(key):
+            with self._lock:
+                self._values[key] = ViewEntry("counter", str(int(count)).encode())
+
+    def dropped(self, key: str) -> None:
+        with self._lock:
+            self._values.pop(key, None)
+
+    def view(self) -> dict[str, ViewEntry]:
+        with self._lock:
+            return dict(self._values)
+
+    def record(self, name: str, args: tuple[Any, ...], result: Any) -> None:
+        """Keep what the store call ``name(*args)`` that returned ``result`` tells of the store."""
+        if name in ("set", "compare_set"):
+            self.saw(args[0], args[1] if name == "set" else result)
+        elif name == "get":
+            self.saw(args[0], result)
+        elif name == "multi_get":
+            for key, value in zip(args[0], result, strict=False):
+                self.saw(key, value)
+        elif name == "multi_set":
+            for key, value in zip(args[0], args[1], strict=False):
+                self.saw(key, value)
+        elif name == "append":
+            self.appended(args[0], args[1])
+        elif name == "add":
+            self.counted(args[0], result)
+        elif name == "delete_key":
+            self.dropped(args[0])

@@ -26,6 +26,10 @@ class RendezvousOptions:
                               "(1: no rule)", rule=_POSITIVE_INT, parse=parse_int)
     health_check: bool = setting(False, "run the node-health probes before joining a round (torchrun backend)",
                                  rule=boolean, parse=parse_flag)
+    store_failover: bool = setting(True, "when the rendezvous store is lost (its host died, or lightning-ft "
+                                         "store), a surviving participant takes it over (docs/strategy.md, "
+                                         "Store fail-over); False: a lost store ends the job as before",
+                                   rule=boolean, parse=parse_flag)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,10 @@ class RendezvousSettings:
     @property
     def health_check(self) -> bool:
         return self.options.health_check
+
+    @property
+    def store_failover(self) -> bool:
+        return self.options.store_failover
 
     @property
     def dead_after(self) -> float:

@@ -180,7 +180,6 @@ class FaultTolerantLauncher(_Launcher):
                 session.follow_newest_store()  # the others may have moved while this process was frozen
             while True:
                 result = rendezvous.join_round()
-                session.track_round(result)
                 self._saw_round = True
                 session.events.emit(ev.ROUND_COMPLETE, round=result.round, rank=result.rank,
                                     world=result.world_size, standby=not result.is_active)

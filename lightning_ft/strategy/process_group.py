@@ -12,37 +12,18 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import socket
-from collections.abc import Callable
 
 import torch.distributed as dist
 
 from lightning_ft.process import destroy_process_group
+from lightning_ft.sockets import open_sockets, shut_down, with_socket
 
 log = logging.getLogger(__name__)
 
 #: process groups broken by a failure, kept until interpreter exit (see retire_group)
 _BROKEN_GROUPS: list = []
 
-_FD_DIR = "/proc/self/fd"
-
-
-def open_sockets() -> dict[int, str]:
-    """This process's socket file descriptors -> their kernel identity (``socket:[inode]``)."""
-    found: dict[int, str] = {}
-    try:
-        names = os.listdir(_FD_DIR)
-    except OSError:
-        return found  # no procfs: the group cannot be broken from outside (see GroupTransport)
-    for name in names:
-        try:
-            target = os.readlink(os.path.join(_FD_DIR, name))
-        except OSError:
-            continue
-        if target.startswith("socket:"):
-            found[int(name)] = target
-    return found
 
 
 class GroupTransport:
@@ -63,7 +44,7 @@ class GroupTransport:
     def __init__(self, before: dict[int, str], after: dict[int, str], store_port: int | None) -> None:
         self._sockets: dict[int, str] = {}
         for fd, ident in after.items():
-            if before.get(fd) != ident and _with_socket(fd, lambda sock: _is_group_connection(sock, store_port)):
+            if before.get(fd) != ident and with_socket(fd, lambda sock: _is_group_connection(sock, store_port)):
                 self._sockets[fd] = ident
         self.aborted = False
 
@@ -73,21 +54,9 @@ class GroupTransport:
         current = open_sockets()
         count = 0
         for fd, ident in self._sockets.items():
-            if current.get(fd) == ident and _with_socket(fd, _shut_down):
+            if current.get(fd) == ident and with_socket(fd, shut_down):
                 count += 1
         return count
-
-
-def _with_socket(fd: int, action: Callable[[socket.socket], object]) -> bool:
-    """``action(sock)`` on a private duplicate of ``fd``; False when ``fd`` is no socket any more."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    try:
-        return bool(action(sock))
-    finally:
-        sock.close()
 
 
 def _is_group_connection(sock: socket.socket, store_port: int | None) -> bool:
@@ -98,14 +67,6 @@ def _is_group_connection(sock: socket.socket, store_port: int | None) -> bool:
     except OSError:
         return False  # a listener
     return store_port is None or store_port not in (_port(peer), _port(sock.getsockname()))
-
-
-def _shut_down(sock: socket.socket) -> bool:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
 
 
 def _port(address: object) -> int | None:

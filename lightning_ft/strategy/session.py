@@ -16,15 +16,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_ft.deadlines import BackgroundThread, first_line, raw_store
+from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
-from lightning_ft.rendezvous.failover import Candidate, FailoverStore, StoreSwitchboard
+from lightning_ft.rendezvous.failover import FailoverParticipant, FailoverStore, StoreSwitchboard
 from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.rendezvous.store import connect_store
-from lightning_ft.schema.failover import presence_key
 from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore, job_signer
@@ -48,8 +47,7 @@ class Session:
     hosting_store: bool
     events: EventLog | NullEventLog
     switchboard: StoreSwitchboard | None = None
-    tracked_round: int | None = None
-    _refresher: CandidateRefresher | None = None
+    failover: FailoverParticipant | None = None
 
     @classmethod
     def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> Session:
@@ -62,7 +60,7 @@ class Session:
         participant = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
         switchboard: StoreSwitchboard | None = None
         store: Any = first
-        if settings.store_failover:
+        if settings.rendezvous.store_failover:
             # every connection of this process follows the store when it fails over to a participant
             switchboard = StoreSwitchboard(launch.endpoint, first, hosting, participant.participant_id,
                                            settings.timeouts, job_signer())
@@ -72,11 +70,8 @@ class Session:
         session = cls(store, rendezvous, participant, rendezvous.keys, hosting,
                       events_for(participant.participant_id), switchboard)
         if switchboard is not None:
-            switchboard.presence.start()
-            rendezvous.values.put(presence_key(rendezvous.keys.prefix, participant.participant_id),
-                                  switchboard.presence.endpoint)
+            session.failover = FailoverParticipant(switchboard, rendezvous)
             switchboard.on_switch.append(session._store_moved)
-            switchboard.participating = lambda: not rendezvous.left
         session.events.emit(ev.JOIN, participant=participant.participant_id, domain=settings.domain_id,
                             endpoint=str(launch.endpoint), run_id=launch.run_id, min_nodes=launch.min_nodes,
                             max_nodes=launch.max_nodes, store_host=hosting)
@@ -93,26 +88,11 @@ class Session:
         self.events.emit(ev.STORE_FAILOVER, epoch=epoch, endpoint=str(self.switchboard.endpoint), hosting=hosting,
                          seconds=round(seconds, 3), successor=successor)
 
-    def track_round(self, result: RoundResult) -> None:
-        """After a round completed: who may take the store over if it is lost (that round's
-        participants, in the order of its arrivals log), and whether this one is active. A
-        :class:`CandidateRefresher` adds those that arrive later (hot spares)."""
-        switchboard = self.switchboard
-        if switchboard is None:
-            return
-        switchboard.active = result.is_active
-        self.tracked_round = result.round
-        read_candidates(switchboard, self.rendezvous.records, result.round)
-        if self._refresher is None:
-            clone = self.store.clone(self.rendezvous.settings.timeouts.probe_timeout * 4)
-            self._refresher = CandidateRefresher(self, RunRecords(clone, self.rendezvous.signer, self.keys))
-            self._refresher.start()
-
     def follow_newest_store(self) -> None:
         """Before re-joining: follow the store the others failed over to while this process was
         frozen, if they did (see :meth:`StoreSwitchboard.follow_newest`)."""
-        if self.switchboard is not None:
-            self.switchboard.follow_newest()
+        if self.failover is not None:
+            self.failover.follow_newest()
 
     def round_store(self, result: RoundResult, store: Any = None) -> dist.PrefixStore:
         """The job's store of a round (on ``store``, default the session's connection), for
@@ -135,42 +115,6 @@ class Session:
             self.rendezvous.close_for_good(CloseReason(kind, text))
         except (RuntimeError, OSError) as exc:
             log.warning("ddp_ft: could not close the rendezvous: %s", exc)
-
-
-def read_candidates(switchboard: StoreSwitchboard, records: RunRecords, round_id: int) -> None:
-    """Set the switchboard's candidates to the participants of ``round_id`` with a presence endpoint."""
-    ids = [a.participant_id for a in records.arrivals(round_id)]
-    found = [records.values.get(presence_key(records.keys.prefix, pid)) for pid in ids]
-    switchboard.candidates = [Candidate(pid, raw.decode(errors="replace"))
-                              for pid, raw in zip(ids, found, strict=True) if raw is not None]
-
-
-class CandidateRefresher(BackgroundThread):
-    """Re-reads the tracked round's arrivals when their hint changes (about once a second, one
-    request), so the fail-over order includes the hot spares that arrived after the round
-    completed; on a connection of its own."""
-
-    INTERVAL = 1.0
-
-    def __init__(self, session: Session, records: RunRecords) -> None:
-        super().__init__("lightning_ft-candidates", join_timeout=records.store.bound)
-        self.session, self.records = session, records
-        self._hint: tuple[int, bytes] | None = None
-
-    def run(self) -> None:
-        while not self.stopping.wait(self.INTERVAL):
-            if self.session.rendezvous.left:
-                return  # nothing to take over any more
-            round_id, switchboard = self.session.tracked_round, self.session.switchboard
-            if round_id is None or switchboard is None:
-                continue
-            try:
-                hint = (round_id, self.records.appended_hint(round_id))
-                if hint != self._hint:
-                    read_candidates(switchboard, self.records, round_id)
-                    self._hint = hint
-            except Exception as exc:  # noqa: BLE001 - the next try, or the fail-over, tells
-                log.debug("refreshing the fail-over candidates: %s", first_line(exc))
 
 
 @dataclass

@@ -98,10 +98,6 @@ class StrategySettings:
     is_store_host: bool | None = setting(None, "True: host the store at endpoint; False: only connect; None: "
                                                "host it when the port can be bound here",
                                          rule=lambda v: None if v in (None, True, False) else "True, False or None")
-    store_failover: bool = setting(True, "when the rendezvous store is lost (its host died, or lightning-ft store), "
-                                         "a surviving participant takes it over (docs/strategy.md, Store "
-                                         "fail-over); False: a lost store ends the job as before (exit 83)",
-                                   rule=boolean)
     infra_rank: int | None = setting(None, "the scheduler's node index (default: from SLURM/JobSet variables)",
                                      rule=number(integer=True, inclusive=True, allow_none=True))
     events: EventSettings = group(EventSettings)
