@@ -276,13 +276,20 @@ def ended_after(job: Job, start: float, timeout: float) -> tuple[dict[str, str],
 @WITH_REFERENCE
 @pytest.mark.timeout(330)
 def test_a_sigkilled_task_is_replaced_by_the_spare_and_the_job_completes_0(jobs, reference, timings):
+    """The killed task is the one that hosts the rendezvous store (task 0; the batch step holds
+    nothing the tasks need): the store fails over to a surviving task, the spare steps in
+    (issue 25)."""
     job = jobs.submit("sigkill", TRAIN_ARGS)
     job.wait_for_step(40, 90)
-    victim = max(job.active_domains().values())
+    hosts = {e["pid"] for e in job.events(0, "join") if e["store_host"]}
+    actives = set(job.active_domains().values())
+    assert len(hosts) == 1 and hosts <= actives, (hosts, actives, job.diagnostics())
+    victim = hosts.pop()
     start = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     info, seconds = ended_after(job, start, 90)
-    timings["(a) SIGKILL of an active task -> COMPLETED"] = seconds
+    timings["(a) SIGKILL of the active task that hosts the store -> COMPLETED"] = seconds
+    assert job.events(0, "store_failover"), job.diagnostics()
 
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job.diagnostics()
     # srun reported the killed task (the highest task code); the job's code came from the run's outcome

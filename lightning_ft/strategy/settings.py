@@ -25,7 +25,7 @@ from lightning_ft.rendezvous.store import Endpoint, parse_endpoint
 from lightning_ft.schema.signing import SecretError, read_secret
 from lightning_ft.settings import SettingsError, Timeouts, describe, group, load, setting
 from lightning_ft.settings.environment import ENV_DOMAIN_ID, environ, resolve_domain_id, resolve_run_id
-from lightning_ft.settings.fields import boolean, number, optional_text, parse_text, setting_values
+from lightning_ft.settings.fields import boolean, number, optional_text, parse_flag, parse_text, setting_values
 from lightning_ft.strategy.decisions import merge_setting, parse_nnodes
 
 ENV_ENDPOINT = "LIGHTNING_FT_ENDPOINT"
@@ -97,7 +97,8 @@ class StrategySettings:
                                     rule=optional_text, env=ENV_DOMAIN_ID, parse=parse_text)
     is_store_host: bool | None = setting(None, "True: host the store at endpoint; False: only connect; None: "
                                                "host it when the port can be bound here",
-                                         rule=lambda v: None if v in (None, True, False) else "True, False or None")
+                                         rule=lambda v: None if v in (None, True, False) else "True, False or None",
+                                         env="LIGHTNING_FT_IS_STORE_HOST", parse=parse_flag)
     infra_rank: int | None = setting(None, "the scheduler's node index (default: from SLURM/JobSet variables)",
                                      rule=number(integer=True, inclusive=True, allow_none=True))
     events: EventSettings = group(EventSettings)
