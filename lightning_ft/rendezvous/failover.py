@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch.distributed as dist
@@ -76,6 +77,10 @@ log = logging.getLogger(__name__)
 _POLL = 0.02
 #: how often the successor probes the participants that did not register yet
 _PROBE_EVERY = 0.2
+
+
+#: store connections this process makes at once (see StoreSwitchboard._client)
+_CONNECTING = threading.BoundedSemaphore(4)
 
 
 class StoreLostError(RuntimeError):
@@ -130,6 +135,17 @@ class StoreSwitchboard:
 
     # ----------------------------------------------------------------- connections
 
+    def _probe_later(self, store: BoundedStore) -> None:
+        """Open the probe connection to a store just moved to on a thread of its own: right after a
+        fail-over every connection of the process reconnects, and this one is needed only at the
+        next loss."""
+        self._probe_store = None
+
+        def open_probe() -> None:
+            self._probe_store = self._probe_connection(store)
+
+        threading.Thread(target=open_probe, name="lightning_ft-probe-connection", daemon=True).start()
+
     def _probe_connection(self, store: BoundedStore) -> BoundedStore | None:
         """A connection of its own for :meth:`_answers`, bounded by a few probe bounds."""
         try:
@@ -138,17 +154,36 @@ class StoreSwitchboard:
             log.debug("no probe connection to the store: %s", first_line(exc))
             return None
 
-    def connect(self, bound: float) -> tuple[int, BoundedStore]:
-        """A new connection (bounded by ``bound``) to the store of the current epoch."""
+    def connect(self, bound: float, moved: bool = False) -> tuple[int, BoundedStore]:
+        """A new connection (calls bounded by ``bound``) to the store of the current epoch;
+        ``moved``: it replaces one to an earlier store (see :meth:`_client`)."""
         epoch, endpoint = self.epoch, self.endpoint
         if self._lost is not None:
             raise StoreLostError(self._lost)
-        return epoch, self._client(endpoint, bound)
+        return epoch, self._client(endpoint, bound, quick=moved)
 
-    def _client(self, endpoint: Endpoint, bound: float) -> BoundedStore:
-        # short: the store was just reached by others (a fail-over) or is reached already; a host
-        # killed while its listening socket lives on in a child accepts and never answers
-        timeout = max(1.0, min(bound, 4 * self.timeouts.probe_timeout))
+    def _client(self, endpoint: Endpoint, bound: float, quick: bool = False,
+                within: float | None = None) -> BoundedStore:
+        """A client of ``endpoint`` whose calls are bounded by ``bound``; reaching it is bounded by
+        ``within`` (default ``connect_timeout``; ``quick``: twenty probe bounds -- a store just
+        failed over to, whose host may have died since: a killed host's listening socket can
+        live on in a child, which accepts and never answers). Not tighter: dozens of
+        participants connecting at once make a store slow to accept, not gone."""
+        timeout = within if within is not None else \
+            (20 * self.timeouts.probe_timeout if quick else self.timeouts.connect_timeout)
+        timeout = max(1.0, timeout)
+        # a few at a time: after a fail-over every connection of the process reconnects at once,
+        # and torch's client connects in a burst time out together (measured: 300 at once in one
+        # process, a third got through within 10 s)
+        if not _CONNECTING.acquire(timeout=timeout):
+            raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: no connection slot "
+                                        f"within {timeout:g}s")
+        try:
+            return self._connect(endpoint, bound, timeout)
+        finally:
+            _CONNECTING.release()
+
+    def _connect(self, endpoint: Endpoint, bound: float, timeout: float) -> BoundedStore:
         connecting = call_with_timeout(
             lambda: dist.TCPStore(endpoint.host, endpoint.port, is_master=False,
                                   timeout=datetime.timedelta(seconds=timeout)),
@@ -275,7 +310,8 @@ class StoreSwitchboard:
         return None
 
     def _register(self, epoch: int, endpoint: Endpoint, deadline: float) -> None:
-        store = self._client(endpoint, max(1.0, deadline - time.monotonic()))
+        remaining = max(1.0, deadline - time.monotonic())
+        store = self._client(endpoint, remaining, within=remaining)
         values = SealedStore(store, self.signer)
         keys = EpochKeys(epoch)
         served = decode_number(values.get(EPOCH_KEY))
@@ -286,7 +322,7 @@ class StoreSwitchboard:
         while time.monotonic() < deadline:
             if values.get(keys.open) is not None:
                 self.endpoint, self.epoch, self.hosting = endpoint, epoch, False
-                self._probe_store = self._probe_connection(store)
+                self._probe_later(store)
                 return
             abandoned = values.get(keys.abandoned)
             if abandoned is not None:
@@ -314,14 +350,13 @@ class StoreSwitchboard:
             registered = {r.participant_id: r.active for r in
                           (decode_registration(raw) for raw in values.records(keys.registered)) if r is not None}
             now = time.monotonic()
-            if now - probed_at >= _PROBE_EVERY:
-                probed_at = now
-                for candidate in self.candidates:
-                    if candidate.participant_id not in registered and candidate.participant_id not in dead:
-                        if probe(candidate.presence, f"FAILOVER {epoch - 1}",
-                                 self.timeouts.probe_timeout).state == "dead":
-                            dead.add(candidate.participant_id)
             verdict = may_serve(participants, registered, dead)
+            if not verdict.serve and now - probed_at >= _PROBE_EVERY:
+                # who is gone counts for the quorum; the probe also tells the living to move
+                probed_at = now
+                dead |= self._gone([c for c in self.candidates
+                                    if c.participant_id not in registered and c.participant_id not in dead], epoch - 1)
+                verdict = may_serve(participants, registered, dead)
             if verdict.serve:
                 quorum_at = now if quorum_at is None else quorum_at
                 everyone = all(p in registered or p in dead for p in participants)
@@ -351,6 +386,16 @@ class StoreSwitchboard:
         self.endpoint, self.epoch, self.hosting = endpoint, epoch, True
         self._probe_store = None
 
+    def _gone(self, candidates: list[Candidate], epoch: int) -> set[str]:
+        """Which of ``candidates`` are gone (their presence refused), asked in parallel; the living
+        are told that the store of ``epoch`` is lost."""
+        if not candidates:
+            return set()
+        with ThreadPoolExecutor(max_workers=min(16, len(candidates)), thread_name_prefix="lightning_ft-probe") as pool:
+            states = list(pool.map(lambda c: probe(c.presence, f"FAILOVER {epoch}", self.timeouts.probe_timeout).state,
+                                   candidates))
+        return {c.participant_id for c, state in zip(candidates, states, strict=True) if state == "dead"}
+
     # ----------------------------------------------------------------- after a partition
 
     def follow_newest(self) -> bool:
@@ -373,7 +418,7 @@ class StoreSwitchboard:
                                 "followed epoch %d; following it", endpoint, status.epoch, self.epoch)
                     lost = self.endpoint
                     self.endpoint, self.epoch, self.hosting = endpoint, status.epoch, False
-                    self._probe_store = self._probe_connection(store)
+                    self._probe_later(store)
                     _break_connections(lost)
                 for callback in self.on_switch:
                     callback(False)
@@ -407,12 +452,15 @@ class FailoverStore:
 
     def _current(self) -> BoundedStore:
         with self._lock:
-            for _ in range(3):
+            for attempt in range(3):
                 epoch = self.switchboard.epoch
                 if self._epoch == epoch:
                     return self._store
                 try:
-                    self._epoch, self._store = self.switchboard.connect(self.bound)
+                    # quick the first time only: once the switchboard found the store answering,
+                    # a slow accept is load (everyone reconnects at once), not a dead host
+                    moved = self._epoch >= 0 and attempt == 0
+                    self._epoch, self._store = self.switchboard.connect(self.bound, moved=moved)
                     self._follow(self._epoch, self._store)
                 except StoreUnreachableError as exc:  # the new store's host may be gone as well
                     self.switchboard.fail_over(epoch, str(exc))
