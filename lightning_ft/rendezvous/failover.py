@@ -165,12 +165,13 @@ class StoreSwitchboard:
     def _client(self, endpoint: Endpoint, bound: float, quick: bool = False,
                 within: float | None = None) -> BoundedStore:
         """A client of ``endpoint`` whose calls are bounded by ``bound``; reaching it is bounded by
-        ``within`` (default ``connect_timeout``; ``quick``: twenty probe bounds -- a store just
+        ``within`` (default: the call bound, at least ten probe bounds; ``quick``: twenty -- a store just
         failed over to, whose host may have died since: a killed host's listening socket can
         live on in a child, which accepts and never answers). Not tighter: dozens of
         participants connecting at once make a store slow to accept, not gone."""
+        quick_bound = 20 * self.timeouts.probe_timeout
         timeout = within if within is not None else \
-            (20 * self.timeouts.probe_timeout if quick else self.timeouts.connect_timeout)
+            (quick_bound if quick else max(quick_bound / 2, min(bound, self.timeouts.connect_timeout)))
         timeout = max(1.0, timeout)
         # a few at a time: after a fail-over every connection of the process reconnects at once,
         # and torch's client connects in a burst time out together (measured: 300 at once in one
