@@ -18,6 +18,8 @@ from ft_cluster import Cluster, in_order, ordered_start, release
 pytestmark = [pytest.mark.multiprocess]
 
 SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
+OPEN_ROUND = "lightning_ft.strategy.session:Session.open_round"
+PROPOSE = "lightning_ft.termination.coordination:StoreStopCoordinator.propose"
 
 
 def three(processes, tmp_path, args: list[str], standalone: bool = True) -> Cluster:
@@ -131,17 +133,45 @@ def test_sigterm_after_a_failover_agrees_a_stop_step_and_exits_81(processes, tmp
 
 @pytest.mark.timeout(150)
 def test_store_killed_during_the_sigterm_agreement_ends_truthfully(processes, tmp_path):
-    """SIGTERM to both ranks and, a moment later, the store is SIGKILLed while they agree on
-    the stop step: each rank ends in bounded time with a truthful code -- 81 only with a committed
-    snapshot of the step it decided (both stop at the same step when the agreement landed)."""
-    cluster = two_with_a_store(processes, tmp_path, 100_000)
+    """SIGTERM to both ranks; the store is SIGKILLed right when the first rank proposes the stop
+    step (a fault injected there): each rank ends in bounded time with a truthful code -- 81
+    only with a committed snapshot of the step it decided."""
+    cluster = Cluster(processes, tmp_path, "2:2")
+    cluster.out.mkdir(parents=True)
+    store = cluster.start_store()
+    fault = ["--fault", f"store-kill:{PROPOSE}"]
+    for name in "AB":
+        cluster.start_participant(name, ["--max-steps", "100000", *SLOW, *fault], FT_TEST_STORE_PID=str(store.pid))
     cluster.wait_for_step(30, 60)
     cluster.kill("A", signal.SIGTERM)
-    cluster.kill("B", signal.SIGTERM)
     time.sleep(0.05)
-    os.kill(cluster.stores["store"].pid, signal.SIGKILL)
+    cluster.kill("B", signal.SIGTERM)
     codes = cluster.wait(["A", "B"], 60)
     assert set(codes.values()) <= {81, 143}, cluster.logs()
     committed_decisions(cluster, tmp_path)
     for name in "AB":
         assert "Traceback" not in cluster.procs[name].log(), cluster.procs[name].log()
+
+
+@pytest.mark.timeout(150)
+def test_store_killed_during_a_recovery_fails_over_and_the_recovery_goes_on(processes, tmp_path):
+    """A peer dies; the store is SIGKILLed right when the survivor opens the next round (a fault
+    injected there): the store fails over to the survivor or the spare, the recovery goes on on
+    it and the job finishes 0."""
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.out.mkdir(parents=True)
+    store = cluster.start_store()
+    hold = ordered_start(cluster, "AB")
+    for infra_rank, name in enumerate("ABC"):
+        fault = ["--fault", f"store-kill:{OPEN_ROUND}"] if name == "B" else []
+        cluster.start_participant(name, ["--max-steps", "200", *SLOW, *fault, *hold],
+                                  LIGHTNING_FT_INFRA_RANK=str(infra_rank), FT_TEST_STORE_PID=str(store.pid))
+        in_order(cluster, name, actives="AB")
+    release(hold)
+    cluster.wait_for_step(40, 60)
+    cluster.kill("A")
+    codes = cluster.wait(["B", "C"], 90)
+    assert codes == {"B": 0, "C": 0}, cluster.logs()
+    assert "FAULT store-kill" in cluster.procs["B"].log(), cluster.logs()
+    assert cluster.events_of("store_failover"), cluster.logs()
+    assert cluster.result("B")["step"] == 200

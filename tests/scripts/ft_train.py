@@ -41,14 +41,15 @@ def _inject_fault(spec: str) -> None:
     signals itself -- kill (SIGKILL), stop (SIGSTOP) or term (SIGTERM) -- right before the call
     runs: a real fault at an exact point of lightning_ft's code, from outside it. ``store-stop``
     SIGSTOPs the store process instead (its pid in ``FT_TEST_STORE_PID``): the store host
-    freezes at that point."""
+    freezes at that point; ``store-kill`` SIGKILLs it."""
     import functools
     import importlib
 
     kind, module_name, qualname, *rest = spec.split(":")
     nth = int(rest[0]) if rest else 1
-    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "store-stop": signal.SIGSTOP}[kind]
-    target = int(os.environ["FT_TEST_STORE_PID"]) if kind == "store-stop" else os.getpid()
+    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "store-stop": signal.SIGSTOP,
+           "store-kill": signal.SIGKILL}[kind]
+    target = int(os.environ["FT_TEST_STORE_PID"]) if kind.startswith("store-") else os.getpid()
     owner = importlib.import_module(module_name)
     *path, name = qualname.split(".")
     for part in path:
