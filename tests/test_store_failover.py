@@ -22,7 +22,7 @@ OPEN_ROUND = "lightning_ft.strategy.session:Session.open_round"
 PROPOSE = "lightning_ft.termination.coordination:StoreStopCoordinator.propose"
 
 
-def three(processes, tmp_path, args: list[str], standalone: bool = True) -> Cluster:
+def three(processes, tmp_path, args: list[str], standalone: bool = True, **env: str) -> Cluster:
     """2 actives (A, B) + 1 spare (C), with a standalone store or (``standalone=False``) A hosting it."""
     cluster = Cluster(processes, tmp_path, "2:3")
     cluster.out.mkdir(parents=True)
@@ -30,7 +30,7 @@ def three(processes, tmp_path, args: list[str], standalone: bool = True) -> Clus
         cluster.start_store()
     hold = ordered_start(cluster, "AB")
     for infra_rank, name in enumerate("ABC"):
-        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank), **env)
         if name == "A" and not standalone:
             cluster.wait_for_log("A", "hosting the rendezvous store")
         in_order(cluster, name, actives="AB")
@@ -39,10 +39,13 @@ def three(processes, tmp_path, args: list[str], standalone: bool = True) -> Clus
 
 
 @pytest.mark.timeout(150)
-def test_store_hosting_participant_killed(processes, tmp_path):
+@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "job-secret"])
+def test_store_hosting_participant_killed(processes, tmp_path, secret):
     """The participant that hosts the store (the default launch) is SIGKILLed mid-training: the
-    store fails over to a survivor, the spare takes the dead rank's place, the job finishes 0."""
-    cluster = three(processes, tmp_path, ["--max-steps", "150", *SLOW], standalone=False)
+    store fails over to a survivor, the spare takes the dead rank's place, the job finishes 0.
+    With a job secret every rebuilt value is sealed as before: none is refused."""
+    env = {"LIGHTNING_FT_SECRET": "a-secret-for-this-test"} if secret else {}
+    cluster = three(processes, tmp_path, ["--max-steps", "150", *SLOW], standalone=False, **env)
     cluster.wait_for_step(50, 60)
     cluster.kill("A")
     codes = cluster.wait(["B", "C"], 90)
@@ -51,6 +54,7 @@ def test_store_hosting_participant_killed(processes, tmp_path):
     assert cluster.result("B")["step"] == 150
     for name in "BC":
         assert cluster.left_cleanly(name), cluster.procs[name].log()
+        assert "ignored the value" not in cluster.procs[name].log(), cluster.procs[name].log()
 
 
 @pytest.mark.timeout(150)
