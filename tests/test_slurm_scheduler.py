@@ -281,6 +281,8 @@ def test_a_sigkilled_task_is_replaced_by_the_spare_and_the_job_completes_0(jobs,
     (issue 25)."""
     job = jobs.submit("sigkill", TRAIN_ARGS)
     job.wait_for_step(40, 90)
+    # the spare joined the store before its host dies (one that starts later cannot find the job)
+    assert wait_for(lambda: any(e["standby"] for e in job.events(0, "round_complete")), 60), job.diagnostics()
     hosts = {e["pid"] for e in job.events(0, "join") if e["store_host"]}
     actives = set(job.active_domains().values())
     assert len(hosts) == 1 and hosts <= actives, (hosts, actives, job.diagnostics())

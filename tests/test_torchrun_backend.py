@@ -102,6 +102,10 @@ def test_sigkill_of_the_store_hosting_node_fails_the_store_over(processes, tmp_p
     fails over to a surviving agent, the spare steps in, and the job finishes (issue 25)."""
     out, a, b, c = start_three(processes, tmp_path, steps=60, MARK_AT_STEP="10")
     assert wait_for(lambda: (out / "marked").exists(), 60), processes.dump_logs()
+    # the spare must have joined A's store first: an agent that starts after the store host died
+    # finds the endpoint free, hosts an empty store there and never meets the others (a known
+    # limit, docs/strategy.md)
+    assert wait_for(lambda: "standby" in c.log(), 60), processes.dump_logs()
     kill_node(a, out)
     codes = processes.wait_all(timeout=100)
     logs = processes.dump_logs()
