@@ -45,6 +45,21 @@ def digest(module: torch.nn.Module, optimizers: list) -> str:
     return h.hexdigest()[:16]
 
 
+def collective_bound_ddp(collective_seconds: float):
+    """DDP whose collectives are bounded by ``collective_seconds`` while forming the group may take
+    longer: Lightning's ``timeout`` bounds both, and the popen launcher's child rank is a fresh
+    interpreter whose imports can outlast a short collective bound on a loaded machine (seen in CI)."""
+    import lightning.pytorch as pl
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    class CollectiveBoundDDP(pl.strategies.DDPStrategy):
+        def setup_distributed(self) -> None:
+            super().setup_distributed()
+            _set_pg_timeout(datetime.timedelta(seconds=collective_seconds))
+
+    return CollectiveBoundDDP(timeout=datetime.timedelta(seconds=max(collective_seconds, 180.0)))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -151,7 +166,7 @@ def main() -> int:
 
     strategy = args.strategy
     if strategy == "ddp":
-        strategy = pl.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=args.pg_timeout))
+        strategy = collective_bound_ddp(args.pg_timeout)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
                          max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, num_sanity_val_steps=0, callbacks=callbacks)
