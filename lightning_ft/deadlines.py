@@ -182,8 +182,11 @@ class BoundedWorker:
                          threading.current_thread().name))
         while True:
             remaining = deadline - time.monotonic()
+            # ``abandon`` is asked every 0.1 s during a call's first second, then every 0.5 s: a long
+            # ``wait`` (the rendezvous's ticks) must not wake its thread ten times a second
+            slice_s = 0.1 if remaining > bound - 1.0 else 0.5
             try:
-                return future.result(timeout=max(0.0, remaining if abandon is None else min(remaining, 0.1)))
+                return future.result(timeout=max(0.0, remaining if abandon is None else min(remaining, slice_s)))
             except TimeoutError:
                 gave_up = abandon is not None and abandon()
                 if not gave_up and time.monotonic() < deadline:

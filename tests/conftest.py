@@ -9,10 +9,20 @@ import pytest
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import characterization
+from loopback_dns import ensure_fast_loopback_reverse_lookup
 from proc_utils import ProcessSet, free_port
 
 #: modules whose tests take longest (``--durations``): they start first
 LONGEST_MODULES = ("test_recovery_fidelity.py", "test_examples_demo.py", "test_termination_processes.py")
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # once, in the controller, before any worker starts
+        config._loopback_dns = ensure_fast_loopback_reverse_lookup()
+
+
+def pytest_report_header(config):
+    return f"loopback reverse lookup from /etc/hosts: {getattr(config, '_loopback_dns', '?')}"
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which adds each test's xdist_group to its node id

@@ -180,9 +180,19 @@ def test_settings_from_rdzv_conf():
         settings_from_config("j", 2, 3, {"init_timeout": "5"})  # a bound of the strategy only
 
 
-def test_poll_interval_scales_to_bound_store_load():
+def test_the_store_load_of_waiters_and_heartbeats_stays_bounded_as_the_job_grows():
+    from lightning_ft.rendezvous.settings import HEARTBEATS_PER_SECOND, REQUESTS_PER_WAKE, WAKE_REQUESTS_PER_SECOND
+
     small, large = settings(max_nodes=8), settings(min_nodes=2, max_nodes=10_000)
-    assert small.poll_interval == pytest.approx(0.01)
-    assert large.poll_interval == pytest.approx(0.5)
-    # total requests per second from all waiters stays bounded
-    assert large.max_nodes / large.poll_interval <= 20_000
+    # small jobs keep the configured timing
+    assert small.heartbeat_every == pytest.approx(0.1) and small.dead_after == pytest.approx(0.4)
+    assert small.tick_interval == pytest.approx(0.05)
+    # large ones slow their heartbeats and ticks so the sums stay near their budgets
+    assert large.max_nodes / large.heartbeat_every == pytest.approx(HEARTBEATS_PER_SECOND)
+    assert large.dead_after == pytest.approx(4 * large.heartbeat_every)
+    assert large.max_nodes * REQUESTS_PER_WAKE / large.tick_interval == pytest.approx(WAKE_REQUESTS_PER_SECOND)
+    # the coordinator alone polls (one small request), whatever the size
+    assert small.poll_interval == large.poll_interval == pytest.approx(0.01)
+    # spares poll; they are few, so their interval follows their number, not the job's
+    assert small.standby_poll_interval == pytest.approx(0.05)
+    assert settings(min_nodes=9_000, max_nodes=10_000).standby_poll_interval == pytest.approx(0.6)

@@ -175,7 +175,11 @@ def test_a_participant_that_left_takes_nothing_over_and_its_presence_is_gone():
         for _ in range(20):
             client.set("k", "v")
     import time
-    time.sleep(0.5)
+
+    # the listener closes on its next look (at most a second: it waits in accept that long)
+    deadline = time.monotonic() + 3.0
+    while probe(board.presence.endpoint, "STATUS", 1.0).state != "dead" and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert probe(board.presence.endpoint, "STATUS", 1.0).state == "dead"
     board.close()
 

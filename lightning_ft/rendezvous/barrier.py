@@ -6,26 +6,34 @@ state in :mod:`lightning_ft.rendezvous.records`):
 * ``round`` holds the current round, a sealed number. A participant arrives in round N by
   appending a sealed arrival record to ``r{N}/arrivals`` (torch's atomic ``append``) and then
   claims ``r{N}/coordinator``; the first claim wins.
-* The coordinator re-reads the arrivals log when its hint moves (and every heartbeat interval
-  regardless), asks :func:`decide_completion`, and completes the round by writing an answer
-  per participant under a decision of its own and then ``r{N}/ready`` naming that decision
-  (first writer wins). Arrivals past ``max_nodes`` are answered "extra".
+* The coordinator re-reads the arrivals log when its hint moves (at most every
+  ``reread_interval``, and every heartbeat regardless), asks :func:`decide_completion`, and
+  completes the round by writing an answer per participant under a decision of its own and
+  then ``r{N}/ready`` naming that decision (first writer wins). Arrivals past ``max_nodes``
+  are answered "extra".
+* Waiters do not poll: each waits on the store (server-side) for the coordinator's next *tick*
+  (``r{N}/tick/<k>``). The coordinator ticks right after ``ready`` -- every waiter returns about
+  one round trip after the round completed -- and every ``tick_interval`` otherwise, when the
+  waiters check for a close, a newer round and the coordinator's lease. A round's store work is
+  therefore linear in the number of participants.
 * Actives of a closed round open round N+1 after a failure (``compare_set`` on the sealed
   round). Standby and late participants wait for that, for ``closed_for_good``, or for torch's
   exit-barrier key of round N (the actives finished).
-* The coordinator renews a sealed lease every step; if it stops rising for ``dead_after``, a
-  waiter replaces the claim (``compare_set`` on the bytes it read) and coordinates instead.
+* The coordinator renews a sealed lease with every tick; if it stops rising for
+  ``takeover_after`` (the ticks stop too: a waiter's wait times out), a waiter replaces the claim
+  (``compare_set`` on the bytes it read) and coordinates instead.
 * The first round a participant joins must complete within ``join_timeout``; a round after
   it trained in one (a failure) within ``rejoin_timeout``.
 
 No counter decides anything (a store client can ``add`` to any key): who arrived, who is
 lost for good, whose heartbeat rises, who coordinates and who acknowledged are sealed values
-and records. Waits poll in short slices (signals are handled between them) at an interval
-that scales with ``max_nodes`` so the total load on the store stays bounded.
+and records. Every wait is bounded (a tick's wait by ``tick_interval + takeover_after``); the
+calling thread waits in short slices, so signals are handled in between.
 """
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import logging
 import time
@@ -33,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from torch.distributed import DistStoreError
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousError,
@@ -123,6 +132,7 @@ class BarrierRendezvous:
         self._sleep = sleep
         self._heartbeat_store_factory = heartbeat_store_factory
         self._heartbeat: Heartbeat | None = None
+        self._tick_store: StoreClient | None = None
         self._last_active_round: int | None = None
         self._last_result: RoundResult | None = None
         self._excluded = False
@@ -289,10 +299,11 @@ class BarrierRendezvous:
 
     def _join(self, round_id: int) -> RoundResult | None:
         self.records.append_arrival(round_id, next(self._record_seq), self.participant)
-        if self.records.claim_coordinator(round_id, self.participant_id):
+        holder = self.records.claim_coordinator(round_id, self.participant_id)
+        if holder == self.participant_id:
             log.debug("%s coordinates round %d", self.participant_id, round_id)
         try:
-            return self._await_round(round_id)
+            return self._await_round(round_id, holder)
         except (RendezvousGracefulExitError, ParticipantExcludedError):
             raise
         except BaseException:
@@ -308,34 +319,41 @@ class BarrierRendezvous:
         self.records.append_arrival(round_id, next(self._record_seq), self.participant, withdrawn=True)
         log.info("%s withdrew from round %d", self.participant_id, round_id)
 
-    def _await_round(self, round_id: int) -> RoundResult | None:
+    def _await_round(self, round_id: int, holder: str | None) -> RoundResult | None:
         settings = self.settings
         join_timeout = settings.timeouts.join_timeout_for(was_active=self._last_active_round is not None)
-        deadline = self.clock() + join_timeout
-        coordinator = Coordinator(self, round_id) if self._holds_claim(round_id) else None
-        watch = CoordinatorWatch(self.clock())
-        poll = settings.poll_interval
+        start = self.clock()
+        deadline = start + join_timeout
+        coordinator = Coordinator(self, round_id) if holder == self.participant_id else None
+        watch = CoordinatorWatch(start, next_check=start + settings.heartbeat_every, holder=holder)
+        ticks = TickWaiter(self._tick_connection(), self.keys, round_id)
+        checked_at = start  # join_round just checked the close and the round
         while True:
             if self._is_ready(round_id):
                 return self._read_result(round_id)
-            reason = self._closed_reason()
-            if reason is not None:
-                raise RendezvousClosedError(
-                    f"rendezvous {settings.run_id!r} was closed for good before round {round_id} "
-                    f"completed: {reason}")
-            if self.records.current_round() > round_id:
-                # a newer round opened before this one completed: leave this one, join that
-                self._withdraw_arrival(round_id)
-                return None
-            if coordinator is None and self._should_take_over(round_id, watch):
-                coordinator = Coordinator(self, round_id, replaces=watch.replaced)
-            if coordinator is not None:
-                if not coordinator.still_mine():
+            now = self.clock()
+            # a waiter checks each time a tick woke it; the coordinator once per tick it gives
+            if coordinator is None or now - checked_at >= settings.tick_interval:
+                checked_at = now
+                reason = self._closed_reason()
+                if reason is not None:
+                    raise RendezvousClosedError(
+                        f"rendezvous {settings.run_id!r} was closed for good before round {round_id} "
+                        f"completed: {reason}")
+                if self.records.current_round() > round_id:
+                    # a newer round opened before this one completed: leave this one, join that
+                    if coordinator is not None:
+                        coordinator.tick()  # its waiters learn it now, not a tick interval later
+                    self._withdraw_arrival(round_id)
+                    return None
+                if coordinator is None and self._should_take_over(round_id, watch):
+                    coordinator = Coordinator(self, round_id, replaces=watch.replaced)
+                if coordinator is not None and not coordinator.still_mine():
                     coordinator = None
-                else:
-                    coordinator.step()
-                    if self._is_ready(round_id):
-                        continue
+            if coordinator is not None:
+                coordinator.step()
+                if self._is_ready(round_id):
+                    continue
             if self.clock() > deadline:
                 arrived = len(self.records.arrivals(round_id))
                 raise RendezvousTimeoutError(
@@ -343,25 +361,28 @@ class BarrierRendezvous:
                     f"{'rejoin' if join_timeout != settings.timeouts.join_timeout else 'join'}_timeout="
                     f"{join_timeout:g}s: {arrived} participant(s) arrived, "
                     f"min_nodes={settings.min_nodes}{self.signer.invalid_values_note()}")
-            self._sleep(poll)
-
-    def _holds_claim(self, round_id: int) -> bool:
-        _, claim = self.records.coordinator(round_id)
-        return claim is not None and claim[0] == self.participant_id
+            if coordinator is not None:
+                self._sleep(settings.poll_interval)
+            else:
+                remaining = max(0.0, deadline - self.clock())
+                ticks.wait(min(remaining, settings.tick_interval + settings.takeover_after) + settings.poll_interval)
 
     def _should_take_over(self, round_id: int, watch: CoordinatorWatch) -> bool:
-        # The coordinator renews a sealed lease each step. If it does not rise for ``dead_after``
+        # The coordinator renews a sealed lease each tick. If it does not rise for ``takeover_after``
         # (the coordinator died), one waiter replaces the claim and coordinates instead.
         now = self.clock()
         if now < watch.next_check:
             return False
-        watch.next_check = now + self.settings.timeouts.heartbeat_interval
+        watch.next_check = now + self.settings.heartbeat_every
         if watch.lease_rose(self.records.lease(round_id), now):
             return False
-        if now - watch.since < self.settings.dead_after:
+        if now - watch.since < self.settings.takeover_after:
             return False
         seen, claim = self.records.coordinator(round_id)
         holder, earlier = claim if claim is not None else ("", ())
+        if holder != (watch.holder or ""):  # a new holder: its silence is timed from now
+            watch.holder, watch.since = holder, now
+            return False
         replaced = tuple(dict.fromkeys(p for p in (holder, *earlier) if p and p != self.participant_id))
         if self.records.take_over_coordinator(round_id, seen, self.participant_id, replaced):
             log.info("%s took over coordinating round %d from %r (silent for %.1fs)",
@@ -372,8 +393,9 @@ class BarrierRendezvous:
         return False
 
     def _read_result(self, round_id: int) -> RoundResult:
-        raw_ready = self.values.get(self.keys.ready(round_id))
+        raw_ready = self.values.get_present(self.keys.ready(round_id))  # _is_ready saw it
         ready = decode_ready(raw_ready) if raw_ready is not None else None
+        # a decision's answers are all written before its ``ready``: ours is there if we are in it
         raw = (self.values.get(self.keys.decided_rank(round_id, ready.decision, self.participant_id))
                if ready else None)
         answer = decode_rank_answer(raw) if raw is not None else None
@@ -413,7 +435,9 @@ class BarrierRendezvous:
         return CloseReason.decode(raw) if raw is not None else None
 
     def _is_ready(self, round_id: int) -> bool:
-        return self.values.has(self.keys.ready(round_id))
+        key = self.keys.ready(round_id)
+        # one request while the round is open (the sealed value is read only once it is there)
+        return bool(self.store.check([self.values.key(key)])) and self.values.get_present(key) is not None
 
     def _raise_if_closed_for_good(self) -> None:
         reason = self._closed_reason()
@@ -443,12 +467,23 @@ class BarrierRendezvous:
         wait_for_acknowledgements(self.records, self.settings.timeouts.store_grace_timeout, self.settings.max_nodes,
                                   self.clock, self._sleep)
 
+    def _tick_connection(self) -> StoreClient:
+        # ticks are awaited on a connection of their own: a wait holds its connection until the
+        # tick comes, and a signal meanwhile must still find this one free (to withdraw)
+        if self._tick_store is None:
+            if self._heartbeat_store_factory is not None:
+                self._tick_store = self._heartbeat_store_factory()
+            else:
+                clone = getattr(self.store, "clone", None)
+                self._tick_store = clone() if clone is not None else self.store
+        return self._tick_store
+
     def _start_heartbeat(self) -> None:
         if self._heartbeat is not None:
             return
         store = self._heartbeat_store_factory() if self._heartbeat_store_factory else self.store
         self._heartbeat = Heartbeat(SealedStore(store, self.signer), self.keys.heartbeat(self.participant_id),
-                                    self.settings.timeouts.heartbeat_interval)
+                                    self.settings.heartbeat_every)
         self._heartbeat.start()
 
     def stop_heartbeat(self) -> None:
@@ -457,6 +492,41 @@ class BarrierRendezvous:
             # joined: a process that leaves right after must not end with a beat on its way
             # (a thread back from a store call while the interpreter finalizes aborts it)
             self._heartbeat.stop()
+
+
+class TickWaiter:
+    """A waiter's side of the coordinator's ticks: waits on the store for the next one.
+
+    The store answers a ``wait`` when the key appears, so a waiter makes a request per tick
+    instead of one per poll. Returns when woken or after ``timeout`` (the coordinator is silent:
+    the caller then judges its lease). A waiter that fell behind skips to the newest tick.
+    """
+
+    def __init__(self, store: StoreClient, keys: RunKeys, round_id: int) -> None:
+        self.store, self.keys, self.round_id = store, keys, round_id
+        self._next: int | None = None
+
+    def _newest(self) -> int:
+        key = self.keys.last_tick(self.round_id)
+        try:
+            return int(bytes(self.store.get(key))) if self.store.check([key]) else -1
+        except ValueError:  # not a number: a hint only
+            return -1
+
+    def wait(self, timeout: float) -> bool:
+        """True when a tick came within ``timeout`` seconds."""
+        if self._next is None:
+            self._next = self._newest() + 1
+        started = time.monotonic()
+        try:
+            self.store.wait([self.keys.tick(self.round_id, self._next)], datetime.timedelta(seconds=timeout))
+        except DistStoreError:  # the wait timed out (a lost store raises a network error instead)
+            self._next = None
+            return False
+        self._next += 1
+        if time.monotonic() - started < 0.001:  # that tick was there already: skip to the newest
+            self._next = max(self._next, self._newest() + 1)
+        return True
 
 
 class Heartbeat(BackgroundThread):

@@ -29,6 +29,7 @@ from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.rendezvous.settings import RendezvousSettings
 from lightning_ft.schema.run import (
     EXTRA_RANK,
+    ROSTER_HEAD,
     Beat,
     CloseKind,
     CloseReason,
@@ -37,6 +38,7 @@ from lightning_ft.schema.run import (
     encode_last_actives,
     encode_rank_answer,
     encode_ready,
+    encode_roster_head,
 )
 from lightning_ft.schema.signing import SealedStore, Signer
 
@@ -72,6 +74,9 @@ class CoordinatorWatch:
     renewals: dict[str, int] = field(default_factory=dict)
     #: the coordinators this one took over from: the silent one, and those it had replaced
     replaced: tuple[str, ...] = ()
+    #: whose silence ``since`` measures: a new holder of the claim gets a full ``takeover_after``
+    #: (one that just took over has not renewed its lease yet)
+    holder: str | None = None
 
     def lease_rose(self, lease: Beat | None, now: float) -> bool:
         """Record ``lease`` (read at ``now``); True when it rose (a replayed older one does not)."""
@@ -103,10 +108,31 @@ class Coordinator:
         self._renewals = itertools.count(1)
         self._arrivals: tuple[Arrival, ...] | None = None
         self._hint: bytes | None = None
-        self._read_at = 0.0
+        self._read_at = -float("inf")
         self._last_reason = ""
+        #: the next tick's number (continuing after a coordinator this one took over from)
+        self._tick = self._newest_tick() + 1
+        self._ticked_at = -float("inf")
         log.debug("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,
                   round_id, len(self.previous_actives))
+
+    def _newest_tick(self) -> int:
+        key = self.keys.last_tick(self.round_id)
+        store = self.rdzv.store
+        try:
+            return int(bytes(store.get(key))) if store.check([key]) else -1
+        except ValueError:
+            return -1
+
+    def tick(self) -> None:
+        """Wake every waiter of the round now (they wait on the store for this key) and renew the
+        lease: the ticks are how waiters see this coordinator alive."""
+        self.records.renew_lease(self.round_id, self.rdzv.participant_id, next(self._renewals))
+        store = self.rdzv.store
+        number, self._tick = self._tick, self._tick + 1
+        store.set(self.keys.last_tick(self.round_id), str(number))
+        store.set(self.keys.tick(self.round_id, number), "")
+        self._ticked_at = self.clock()
 
     def still_mine(self) -> bool:
         _, claim = self.records.coordinator(self.round_id)
@@ -124,8 +150,9 @@ class Coordinator:
         # the hint is read before the log: an arrival it counts is in the log read after it. Read
         # again every heartbeat interval regardless: a hint is only a hint.
         hint = self.records.appended_hint(self.round_id)
-        if (self._arrivals is None or hint != self._hint
-                or now - self._read_at >= self.settings.timeouts.heartbeat_interval):
+        since = now - self._read_at
+        if (self._arrivals is None or (hint != self._hint and since >= self.settings.reread_interval)
+                or since >= self.settings.heartbeat_every):
             self._arrivals = self.records.arrivals(self.round_id)
             self._hint, self._read_at = hint, now
         return self._arrivals
@@ -159,7 +186,8 @@ class Coordinator:
         return bool(dead)
 
     def step(self) -> None:
-        self.records.renew_lease(self.round_id, self.rdzv.participant_id, next(self._renewals))
+        if self.clock() - self._ticked_at >= min(self.settings.tick_interval, self.settings.heartbeat_every):
+            self.tick()
         view = self.read_view()
         if self._update_dead(view):  # deaths just recorded as lost change what the view says
             view = dataclasses.replace(view, dead_previous_actives=frozenset(self._dead),
@@ -178,11 +206,14 @@ class Coordinator:
             log.debug("round %d: %s -> %s", self.round_id, decision.reason, decision.action.value)
             self._last_reason = decision.reason
         if decision.action is Action.COMPLETE:
-            self._complete(eligible, extras)
+            self._complete(eligible, extras, view.arrivals)
+            self.tick()
         elif decision.action is Action.CLOSE_FOR_GOOD:
             self.rdzv.close_for_good(CloseReason(CloseKind.TOO_FEW_NODES, decision.reason))
+            self.tick()
 
-    def _complete(self, arrivals: tuple[Arrival, ...], extras: tuple[Arrival, ...]) -> None:
+    def _complete(self, arrivals: tuple[Arrival, ...], extras: tuple[Arrival, ...],
+                  in_log_order: tuple[Arrival, ...]) -> None:
         # Each decision writes its answers under a name of its own; ``ready`` -- first writer
         # wins -- names the one in force. A coordinator that dies (or stalls) anywhere in here
         # therefore never blocks the round: whoever takes over decides again and publishes its
@@ -202,5 +233,7 @@ class Coordinator:
             return  # another coordinator's decision is in force
         values.put(self.keys.last_actives,
                    encode_last_actives(self.round_id, [a.participant_id for a in assignment.active]))
+        values.put(self.keys.roster_head(self.round_id),
+                   encode_roster_head(len(in_log_order), [a.participant_id for a in in_log_order[:ROSTER_HEAD]]))
         log.debug("round %d closed: %d active, %d standby, %d extra (decided in %.3fs)", self.round_id, world,
                   len(assignment.standby), len(extras), self.clock() - self.timer.opened_at)

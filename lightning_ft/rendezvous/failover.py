@@ -63,7 +63,7 @@ from lightning_ft.schema.failover import (
     encode_view,
     presence_key,
 )
-from lightning_ft.schema.run import decode_number, encode_number
+from lightning_ft.schema.run import ROSTER_HEAD, decode_number, decode_roster_head, encode_number
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.settings import Timeouts
 from lightning_ft.sockets import break_connections_to
@@ -509,12 +509,24 @@ def _break_connections(endpoint: Endpoint) -> None:
         log.debug("could not shut down the connections to %s: %s", endpoint, first_line(exc))
 
 
-def read_candidates(switchboard: StoreSwitchboard, records: RunRecords, round_id: int) -> None:
-    """Set the switchboard's candidates to the participants of ``round_id`` that announced a presence."""
-    ids = [a.participant_id for a in records.arrivals(round_id)]
-    found = [records.values.get(presence_key(records.keys.prefix, pid)) for pid in ids]
+def read_candidates(switchboard: StoreSwitchboard, records: RunRecords, round_id: int) -> bool:
+    """Set the switchboard's candidates to the participants of ``round_id`` that announced a
+    presence, in log order. A participant among the first :data:`ROSTER_HEAD` (the ones that may
+    host the store next) reads them all: it needs them for a quorum. The others read only those
+    first ones from the roster head, so a round costs the store O(N), not O(N^2) (every
+    participant reading the whole log). Returns True when this participant read them all."""
+    head = decode_roster_head(records.values.get(records.keys.roster_head(round_id)))
+    whole = head is None or head[0] <= ROSTER_HEAD or switchboard.participant_id in head[1]
+    ids = [a.participant_id for a in records.arrivals(round_id)] if whole or head is None else list(head[1])
+    names = [presence_key(records.keys.prefix, pid) for pid in ids]
+    keys = [records.values.key(n) for n in names]
+    if keys and records.store.check(keys):  # all there (the usual case): one request for all
+        found = records.values.multi_get(names)
+    else:
+        found = [records.values.get(n) for n in names]
     switchboard.candidates = [Candidate(pid, raw.decode(errors="replace"))
                               for pid, raw in zip(ids, found, strict=True) if raw is not None]
+    return whole
 
 
 class FailoverParticipant:
@@ -525,6 +537,8 @@ class FailoverParticipant:
     def __init__(self, switchboard: StoreSwitchboard, rendezvous: BarrierRendezvous) -> None:
         self.switchboard, self.rendezvous = switchboard, rendezvous
         self.tracked_round: int | None = None
+        #: this participant knows every candidate (it is among the first: it may host the store)
+        self.whole = False
         self._refresher: CandidateRefresher | None = None
         switchboard.participating = lambda: not rendezvous.left
         switchboard.presence.start()
@@ -535,8 +549,8 @@ class FailoverParticipant:
     def track_round(self, result: RoundResult) -> None:
         self.switchboard.active = result.is_active
         self.tracked_round = result.round
-        read_candidates(self.switchboard, self.rendezvous.records, result.round)
-        if self._refresher is None:
+        self.whole = read_candidates(self.switchboard, self.rendezvous.records, result.round)
+        if self._refresher is None and self.whole:
             clone = self.rendezvous.store.clone(4 * self.switchboard.timeouts.probe_timeout)
             self._refresher = CandidateRefresher(self, RunRecords(clone, self.rendezvous.signer, self.rendezvous.keys))
             self._refresher.start()
@@ -563,12 +577,12 @@ class CandidateRefresher(BackgroundThread):
             if self.owner.rendezvous.left:
                 return
             round_id = self.owner.tracked_round
-            if round_id is None:
-                continue
+            if round_id is None or not self.owner.whole:
+                continue  # spares arriving later join the end of the order: only the first need them
             try:
                 hint = (round_id, self.records.appended_hint(round_id))
                 if hint != self._hint:
-                    read_candidates(self.owner.switchboard, self.records, round_id)
+                    self.owner.whole = read_candidates(self.owner.switchboard, self.records, round_id)
                     self._hint = hint
             except Exception as exc:  # noqa: BLE001 - the next try, or the fail-over, tells
                 log.debug("refreshing the fail-over candidates: %s", first_line(exc))

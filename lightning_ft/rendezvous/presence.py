@@ -78,7 +78,7 @@ class Presence(BackgroundThread):
         self.switchboard = switchboard
         self.host = host
         self._sock = listen_on(host, 0)
-        self._sock.settimeout(0.2)
+        self._sock.settimeout(1.0)  # how soon it closes once the participant left (and on stop)
         self.endpoint = f"{host}:{self._sock.getsockname()[1]}"
 
     def run(self) -> None:

@@ -125,10 +125,12 @@ class RunRecords:
     def heartbeats(self, participant_ids: Iterable[str]) -> dict[str, int | None]:
         return {pid: self.heartbeat(pid) for pid in participant_ids}
 
-    def claim_coordinator(self, round_id: int, participant_id: str) -> bool:
-        """Try to become the coordinator of ``round_id`` (the first claim wins)."""
-        mine = encode_coordinator(participant_id).encode()
-        return self.values.put_if_absent(self.keys.coordinator(round_id), mine) == mine
+    def claim_coordinator(self, round_id: int, participant_id: str) -> str | None:
+        """Try to become the coordinator of ``round_id`` (the first claim wins); returns the holder
+        of the claim in force (None: it does not decode)."""
+        held = self.values.put_if_absent(self.keys.coordinator(round_id), encode_coordinator(participant_id))
+        claim = decode_coordinator(held.decode(errors="replace"))
+        return claim[0] if claim is not None else None
 
     def coordinator(self, round_id: int) -> tuple[bytes, tuple[str, tuple[str, ...]] | None]:
         """``(raw bytes, (holder, replaced) or None)`` of the coordinator claim of ``round_id``:

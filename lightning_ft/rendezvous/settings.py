@@ -13,6 +13,14 @@ from lightning_ft.settings.timeouts import RENDEZVOUS_TIMEOUTS
 
 _POSITIVE_INT = number(integer=True)
 
+#: all heartbeats of a job together stay near this many store requests per second (see
+#: :attr:`RendezvousSettings.heartbeat_every`)
+HEARTBEATS_PER_SECOND = 2500.0
+#: the waiters of a round woken by the coordinator's tick stay near this many requests per second
+WAKE_REQUESTS_PER_SECOND = 5000.0
+#: store requests a waiter makes per wake (its checks plus the next wait)
+REQUESTS_PER_WAKE = 5
+
 
 class RendezvousConfigError(SettingsError):
     """A rendezvous setting is missing or invalid; the message names the setting."""
@@ -68,27 +76,54 @@ class RendezvousSettings:
         return self.options.store_failover
 
     @property
+    def heartbeat_every(self) -> float:
+        """How often each participant raises its heartbeat: ``heartbeat_interval``, or slower in a
+        job so large that all heartbeats together would pass :data:`HEARTBEATS_PER_SECOND` (the
+        store serves every participant; at 0.1 s, 4,096 participants alone sent 41,000 beats/s). A
+        failure round waits ``dead_after`` for a lost active's silence: 1.6 s at 1,024 participants."""
+        return max(self.timeouts.heartbeat_interval, self.max_nodes / HEARTBEATS_PER_SECOND)
+
+    @property
     def dead_after(self) -> float:
-        return self.timeouts.dead_after
+        """Heartbeat silence after which a participant counts as dead: four beats."""
+        return 4 * self.heartbeat_every
+
+    @property
+    def takeover_after(self) -> float:
+        """Lease silence after which a waiter takes the coordinator's place: ``dead_after``, at
+        least 2 s. A coordinator that only falls behind (a loaded machine, a slow store) and is
+        replaced again and again keeps a round from completing; a dead one costs these seconds once."""
+        return max(self.dead_after, 2.0)
 
     @property
     def poll_interval(self) -> float:
-        """How often one waiter polls the store.
+        """How often the coordinator of a round looks for new arrivals (one small request: the
+        arrivals hint). A waiter does not poll: it waits on the store for the coordinator's tick."""
+        return 0.01
 
-        Scales with the job size so that the total polling load on the store stays near
-        5,000 requests per second however many participants wait (10 ms floor, 0.5 s cap).
-        """
-        return min(0.5, max(0.01, self.max_nodes * 0.0002))
+    @property
+    def tick_interval(self) -> float:
+        """How often the coordinator of a round wakes its waiters when nothing happened (they check
+        for a close, a newer round and the coordinator's lease then; completion wakes them at
+        once). Each wake costs a waiter a few requests, so the interval grows with the job size to
+        keep their sum near :data:`WAKE_REQUESTS_PER_SECOND` (50 ms floor)."""
+        return max(0.05, self.max_nodes * REQUESTS_PER_WAKE / WAKE_REQUESTS_PER_SECOND)
+
+    @property
+    def reread_interval(self) -> float:
+        """The shortest time between two full reads of a round's arrivals log by its coordinator
+        (the log grows with the job: a read per new arrival would make a round's work O(N^2))."""
+        return max(0.01, self.max_nodes * 0.00005)
 
     @property
     def standby_poll_interval(self) -> float:
         """How often a hot spare in standby looks for a new round: at most 20 times a second.
 
-        A spare waits for the whole run; at the 10 ms of :attr:`poll_interval` its three store
-        reads per poll kept half a core busy. A new round waits for its last call anyway, so
-        noticing it up to 50 ms later costs a recovery almost nothing.
+        Spares are few (``max_nodes - min_nodes``); each poll is three store reads. A new round
+        waits for its last call anyway, so noticing it up to 50 ms later costs a recovery almost
+        nothing.
         """
-        return max(self.poll_interval, 0.05)
+        return max(0.05, (self.max_nodes - self.min_nodes) * 3 / WAKE_REQUESTS_PER_SECOND)
 
     def with_timeouts(self, **changes: Any) -> RendezvousSettings:
         return dataclasses.replace(self, timeouts=dataclasses.replace(self.timeouts, **changes))

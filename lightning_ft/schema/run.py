@@ -96,6 +96,21 @@ class RunKeys:
         """The coordinator's lease: a sealed :class:`Beat` it renews every step."""
         return self.round_key(round_id, "coordinator_beat")
 
+    def tick(self, round_id: int, number: int) -> str:
+        """The coordinator's ``number``-th wake-up call to the round's waiters (they wait for the
+        key on the store, server-side); its value is nothing, only that it exists. Forging one
+        wakes waiters early, no more: they then read the sealed state."""
+        return self.round_key(round_id, f"tick/{number}")
+
+    def last_tick(self, round_id: int) -> str:
+        """The number of the newest tick (a hint: a waiter that fell behind skips to it)."""
+        return self.round_key(round_id, "last_tick")
+
+    def roster_head(self, round_id: int) -> str:
+        """The first participants of the round's arrivals log (a sealed list written when the
+        round completed): readers need not read the whole log."""
+        return self.round_key(round_id, "roster_head")
+
     def round_store_prefix(self, round_id: int) -> str:
         """Prefix of the store handed to the training job of this round (see :mod:`.round`)."""
         return self.round_key(round_id, "job")
@@ -110,7 +125,7 @@ class RunKeys:
         return self.round_key(round_id, f"decision/{decision}/{participant_id}")
 
     def heartbeat(self, participant_id: str) -> str:
-        """A participant's heartbeat: a sealed number it raises every ``heartbeat_interval``."""
+        """A participant's heartbeat: a sealed number it raises every ``RendezvousSettings.heartbeat_every``."""
         return f"{self.prefix}/heartbeat/{participant_id}"
 
     def ack(self, participant_id: str) -> str:
@@ -232,6 +247,25 @@ def decode_last_actives(raw: bytes) -> tuple[int, tuple[str, ...]] | None:
     try:
         round_text, *ids = raw.decode().split(SEP)
         return int(round_text), tuple(ids)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+#: how many participants a round's roster head names (the fail-over's first candidates)
+ROSTER_HEAD = 8
+
+
+def encode_roster_head(count: int, participant_ids: list[str]) -> str:
+    return SEP.join([str(count), *participant_ids])
+
+
+def decode_roster_head(raw: bytes | None) -> tuple[int, tuple[str, ...]] | None:
+    """(how many participants the round's arrivals log holds, the first of them in log order)."""
+    if raw is None:
+        return None
+    try:
+        count_text, *ids = raw.decode().split(SEP)
+        return int(count_text), tuple(ids)
     except (ValueError, UnicodeDecodeError):
         return None
 
