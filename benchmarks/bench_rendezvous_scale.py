@@ -149,7 +149,8 @@ def make_handlers(backend: str, endpoint: str, run_id: str, n: int, max_nodes: i
         if backend == "lightning_ft":
             params = RendezvousParameters(backend="lightning_ft", endpoint=endpoint, run_id=run_id, min_nodes=n,
                                           max_nodes=max_nodes, local_id=str(local_id), is_host="false",
-                                          join_timeout=str(int(timeout)))
+                                          join_timeout=str(int(timeout)),
+                                          store_failover=os.environ.get("BENCH_STORE_FAILOVER", "true"))
             return get_rendezvous_handler(params)
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
@@ -353,7 +354,10 @@ def main() -> None:
     parser.add_argument("--fail", action="store_true", help="also a failure round (one active lost, a spare in)")
     parser.add_argument("--kinds", action="store_true", help="print requests per participant by kind")
     parser.add_argument("--json", help="write the raw results here")
+    parser.add_argument("--no-failover", action="store_true", help="participants without store fail-over")
     args = parser.parse_args()
+    if args.no_failover:
+        os.environ["BENCH_STORE_FAILOVER"] = "false"  # read by the forked workers
 
     print(f"{'N':>6} {'backend':<13} {'last (s)':>8} {'first':>8} {'ret':>6} {'req/part':>10} {'store cpu':>9}")
     raw = []

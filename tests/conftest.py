@@ -8,8 +8,9 @@ import pytest
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-import characterization
 from loopback_dns import ensure_fast_loopback_reverse_lookup
+
+import characterization
 from proc_utils import ProcessSet, free_port
 
 #: modules whose tests take longest (``--durations``): they start first

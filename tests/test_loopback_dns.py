@@ -1,7 +1,6 @@
 import os
 
 import pytest
-
 from loopback_dns import LINE, ensure_fast_loopback_reverse_lookup, has_mapped_loopback
 
 

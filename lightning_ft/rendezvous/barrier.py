@@ -471,11 +471,8 @@ class BarrierRendezvous:
         # ticks are awaited on a connection of their own: a wait holds its connection until the
         # tick comes, and a signal meanwhile must still find this one free (to withdraw)
         if self._tick_store is None:
-            if self._heartbeat_store_factory is not None:
-                self._tick_store = self._heartbeat_store_factory()
-            else:
-                clone = getattr(self.store, "clone", None)
-                self._tick_store = clone() if clone is not None else self.store
+            clone = getattr(self.store, "clone", None)
+            self._tick_store = clone() if clone is not None else self.store
         return self._tick_store
 
     def _start_heartbeat(self) -> None:

@@ -154,16 +154,16 @@ class StoreSwitchboard:
             log.debug("no probe connection to the store: %s", first_line(exc))
             return None
 
-    def connect(self, bound: float, moved: bool = False) -> tuple[int, BoundedStore]:
-        """A new connection (calls bounded by ``bound``) to the store of the current epoch;
-        ``moved``: it replaces one to an earlier store (see :meth:`_client`)."""
+    def connect(self, bound: float, moved: bool = False, inline: bool = False) -> tuple[int, BoundedStore]:
+        """A new connection (calls bounded by ``bound``; ``inline``: see ``BoundedStore.inline``) to
+        the store of the current epoch; ``moved``: it replaces one to an earlier store (see :meth:`_client`)."""
         epoch, endpoint = self.epoch, self.endpoint
         if self._lost is not None:
             raise StoreLostError(self._lost)
-        return epoch, self._client(endpoint, bound, quick=moved)
+        return epoch, self._client(endpoint, bound, quick=moved, inline=inline)
 
     def _client(self, endpoint: Endpoint, bound: float, quick: bool = False,
-                within: float | None = None) -> BoundedStore:
+                within: float | None = None, inline: bool = False) -> BoundedStore:
         """A client of ``endpoint`` whose calls are bounded by ``bound``; reaching it is bounded by
         ``within`` (default: the call bound, at least ten probe bounds; ``quick``: twenty -- a store just
         failed over to, whose host may have died since: a killed host's listening socket can
@@ -180,11 +180,11 @@ class StoreSwitchboard:
             raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: no connection slot "
                                         f"within {timeout:g}s")
         try:
-            return self._connect(endpoint, bound, timeout)
+            return self._connect(endpoint, bound, timeout, inline)
         finally:
             _CONNECTING.release()
 
-    def _connect(self, endpoint: Endpoint, bound: float, timeout: float) -> BoundedStore:
+    def _connect(self, endpoint: Endpoint, bound: float, timeout: float, inline: bool = False) -> BoundedStore:
         connecting = call_with_timeout(
             lambda: dist.TCPStore(endpoint.host, endpoint.port, is_master=False,
                                   timeout=datetime.timedelta(seconds=timeout)),
@@ -192,8 +192,8 @@ class StoreSwitchboard:
         if not connecting.ok:
             raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: {connecting.problem}")
         store = connecting.value
-        store.set_timeout(datetime.timedelta(seconds=self.timeouts.store_timeout))
-        return BoundedStore(store, bound)
+        store.set_timeout(datetime.timedelta(seconds=bound if inline else self.timeouts.store_timeout))
+        return BoundedStore(store, bound, inline=inline)
 
     def status_line(self) -> str:
         epoch, store = self._serving if self._serving is not None else (self.epoch, str(self.endpoint))
@@ -435,9 +435,11 @@ class FailoverStore:
     """A store connection that follows the :class:`StoreSwitchboard`: the drop-in for a
     :class:`~lightning_ft.deadlines.BoundedStore` (same calls, same bound)."""
 
-    def __init__(self, switchboard: StoreSwitchboard, bound: float, store: BoundedStore | None = None) -> None:
+    def __init__(self, switchboard: StoreSwitchboard, bound: float, store: BoundedStore | None = None,
+                 inline: bool = False) -> None:
         self.switchboard = switchboard
         self.bound = bound
+        self.inline = inline
         self._lock = threading.Lock()
         self._epoch = switchboard.epoch if store is not None else -1
         self._store: BoundedStore
@@ -461,7 +463,7 @@ class FailoverStore:
                     # quick the first time only: once the switchboard found the store answering,
                     # a slow accept is load (everyone reconnects at once), not a dead host
                     moved = self._epoch >= 0 and attempt == 0
-                    self._epoch, self._store = self.switchboard.connect(self.bound, moved=moved)
+                    self._epoch, self._store = self.switchboard.connect(self.bound, moved=moved, inline=self.inline)
                     self._follow(self._epoch, self._store)
                 except StoreUnreachableError as exc:  # the new store's host may be gone as well
                     self.switchboard.fail_over(epoch, str(exc))
@@ -492,9 +494,10 @@ class FailoverStore:
             return lambda *args: self._call(name, *args)
         return getattr(self._current(), name)
 
-    def clone(self, bound: float | None = None) -> FailoverStore:
-        """Another connection that follows the same switchboard, bounded alike or by ``bound``."""
-        return FailoverStore(self.switchboard, self.bound if bound is None else bound)
+    def clone(self, bound: float | None = None, inline: bool = False) -> FailoverStore:
+        """Another connection that follows the same switchboard, bounded alike or by ``bound``
+        (``inline``: see ``BoundedStore.inline``)."""
+        return FailoverStore(self.switchboard, self.bound if bound is None else bound, inline=inline)
 
 
 def _break_connections(endpoint: Endpoint) -> None:

@@ -181,7 +181,7 @@ def create_handler(params: RendezvousParameters) -> LightningFTRendezvousHandler
                                        job_signer())
         store = FailoverStore(switchboard, settings.timeouts.store_timeout, first)
     rendezvous = BarrierRendezvous(store, settings, participant, is_store_host=hosting,
-                                   heartbeat_store_factory=store.clone)
+                                   heartbeat_store_factory=lambda: store.clone(inline=True))
     failover = None
     if switchboard is not None:
         failover = FailoverParticipant(switchboard, rendezvous)

@@ -66,7 +66,7 @@ class Session:
                                            settings.timeouts, job_signer())
             store = FailoverStore(switchboard, settings.timeouts.store_timeout, first)
         rendezvous = BarrierRendezvous(store, settings.rendezvous_settings(), participant, is_store_host=hosting,
-                                       heartbeat_store_factory=store.clone)
+                                       heartbeat_store_factory=lambda: store.clone(inline=True))
         session = cls(store, rendezvous, participant, rendezvous.keys, hosting,
                       events_for(participant.participant_id), switchboard)
         if switchboard is not None:
