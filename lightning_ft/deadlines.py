@@ -213,15 +213,22 @@ class BoundedCall:
 
 
 def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str,
-                      unanswered: str = "the store does not answer", log_problem: bool = False) -> BoundedCall:
+                      unanswered: str = "the store does not answer", log_problem: bool = False,
+                      store_call: bool = False) -> BoundedCall:
     """Run ``fn`` on a worker of its own and wait at most ``timeout_s`` for its value.
 
     ``problem`` says what went wrong, in words fit for a log line and a decision's reasons
     (``unanswered`` is the remark on a call that did not return in time); ``log_problem``
     also logs it as a warning (for callers that only need to know whether it worked).
+    ``store_call``: ``fn`` talks to a torch store (e.g. connects a client): it passes the exit
+    gate of store calls (see :class:`_ExitGate`).
     """
+    gate = None
+    if store_call:  # like every store call: none starts once the interpreter exits, and exit waits
+        _STORE_CALLS.hook()  # (up to ``timeout_s``) for one under way -- a torch store call that
+        gate = _STORE_CALLS  # returns during finalization aborts the process
     try:
-        outcome = BoundedCall(BoundedWorker("lightning-ft-bounded", calls=1).call(fn, timeout_s, what))
+        outcome = BoundedCall(BoundedWorker("lightning-ft-bounded", calls=1, exit_gate=gate).call(fn, timeout_s, what))
     except DeadlineExceeded:
         outcome = BoundedCall(problem=f"{what} did not finish within {timeout_s:g} s ({unanswered})")
     except Exception as exc:  # noqa: BLE001 - reported to the caller, which decides

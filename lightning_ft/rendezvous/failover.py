@@ -188,7 +188,7 @@ class StoreSwitchboard:
         connecting = call_with_timeout(
             lambda: dist.TCPStore(endpoint.host, endpoint.port, is_master=False,
                                   timeout=datetime.timedelta(seconds=timeout)),
-            timeout + 1.0, f"connecting to the rendezvous store at {endpoint}")
+            timeout + 1.0, f"connecting to the rendezvous store at {endpoint}", store_call=True)
         if not connecting.ok:
             raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: {connecting.problem}")
         store = connecting.value

@@ -137,7 +137,7 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) 
     connecting = call_with_timeout(
         lambda: dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=remaining)),
         remaining + 5.0, f"connecting to the rendezvous store at {endpoint}",
-        unanswered="its host is frozen or overloaded, or the connection hangs")
+        unanswered="its host is frozen or overloaded, or the connection hangs", store_call=True)
     if not connecting.ok:
         raise RendezvousConnectionError(
             f"cannot reach the rendezvous store at {endpoint} within connect_timeout={connect_timeout:g}s "

@@ -294,7 +294,7 @@ class FaultTolerantLauncher(_Launcher):
         call_with_timeout(lambda: store_util.barrier(session.round_store(result), result.world_size,
                                                      key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=timeout),
                           timeout + 1.0, f"ddp_ft: exit barrier of round {result.round} (bound {timeout:.0f}s)",
-                          unanswered="going on without it", log_problem=True)
+                          unanswered="going on without it", log_problem=True, store_call=True)
         step = run.trainer.global_step if run.trainer is not None else None
         session.events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=step,
                             seconds=round(time.monotonic() - start, 4),
