@@ -85,5 +85,11 @@ class SpareMonitor(BackgroundThread):
             elif now - seen[1] >= self.dead_after:
                 silent.append(participant)
         if len(silent) == len(self._members):
+            if self._closed_for_good():
+                return  # the actives stopped (SIGTERM) or finished: their silence is the end, not a fault
             self.open_round(round_id, f"every active of round {round_id} is silent ({', '.join(silent)})")
             self._beats.clear()
+
+    def _closed_for_good(self) -> bool:
+        values = SealedStore(self.store, self.signer)
+        return values.get(values.unlisted(self.keys.closed_for_good)) is not None
