@@ -50,7 +50,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from lightning_ft.deadlines import BackgroundThread, StoreClient
-from lightning_ft.rendezvous.coordinator import Coordinator, CoordinatorWatch
+from lightning_ft.rendezvous.coordinator import Coordinator, CoordinatorWatch, newest_tick
 from lightning_ft.rendezvous.lifecycle import wait_for_acknowledgements
 from lightning_ft.rendezvous.participant import ParticipantInfo, process_start_time
 from lightning_ft.rendezvous.records import RunRecords, resolve_incarnation
@@ -503,17 +503,10 @@ class TickWaiter:
         self.store, self.keys, self.round_id = store, keys, round_id
         self._next: int | None = None
 
-    def _newest(self) -> int:
-        key = self.keys.last_tick(self.round_id)
-        try:
-            return int(bytes(self.store.get(key))) if self.store.check([key]) else -1
-        except ValueError:  # not a number: a hint only
-            return -1
-
     def wait(self, timeout: float) -> bool:
         """True when a tick came within ``timeout`` seconds."""
         if self._next is None:
-            self._next = self._newest() + 1
+            self._next = newest_tick(self.store, self.keys, self.round_id) + 1
         started = time.monotonic()
         try:
             self.store.wait([self.keys.tick(self.round_id, self._next)], datetime.timedelta(seconds=timeout))
@@ -522,7 +515,7 @@ class TickWaiter:
             return False
         self._next += 1
         if time.monotonic() - started < 0.001:  # that tick was there already: skip to the newest
-            self._next = max(self._next, self._newest() + 1)
+            self._next = max(self._next, newest_tick(self.store, self.keys, self.round_id) + 1)
         return True
 
 

@@ -87,6 +87,15 @@ class CoordinatorWatch:
         return True
 
 
+def newest_tick(store: Any, keys: RunKeys, round_id: int) -> int:
+    """The number of the newest tick of ``round_id`` (-1: none yet, or not a number: it is a hint)."""
+    key = keys.last_tick(round_id)
+    try:
+        return int(bytes(store.get(key))) if store.check([key]) else -1
+    except ValueError:
+        return -1
+
+
 class Coordinator:
     """Decides one round: reads the arrivals, asks the pure decision, writes the result."""
 
@@ -111,18 +120,10 @@ class Coordinator:
         self._read_at = -float("inf")
         self._last_reason = ""
         #: the next tick's number (continuing after a coordinator this one took over from)
-        self._tick = self._newest_tick() + 1
+        self._tick = newest_tick(rendezvous.store, self.keys, round_id) + 1
         self._ticked_at = -float("inf")
         log.debug("%s coordinates round %d (previous actives: %d)", rendezvous.participant_id,
                   round_id, len(self.previous_actives))
-
-    def _newest_tick(self) -> int:
-        key = self.keys.last_tick(self.round_id)
-        store = self.rdzv.store
-        try:
-            return int(bytes(store.get(key))) if store.check([key]) else -1
-        except ValueError:
-            return -1
 
     def tick(self) -> None:
         """Wake every waiter of the round now (they wait on the store for this key) and renew the
