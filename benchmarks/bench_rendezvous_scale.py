@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import functools
 import json
 import logging
 import multiprocessing
@@ -36,6 +37,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# the handler sets lightning_ft's level from this variable when it attaches its log output
+os.environ["LIGHTNING_FT_LOG_LEVEL"] = os.environ.get("BENCH_LOG_LEVEL", "ERROR")
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -75,6 +78,11 @@ def key_family(args: tuple) -> str:
         key = key[0] if key else ""
     if not isinstance(key, str):
         return "?"
+    return _family_of(key)
+
+
+@functools.lru_cache(maxsize=65536)  # counting must not cost the clients' CPU it reports
+def _family_of(key: str) -> str:
     parts = []
     for part in key.split("/"):
         if re.fullmatch(r"r\d+", part):
@@ -165,6 +173,28 @@ def make_handlers(backend: str, endpoint: str, run_id: str, n: int, max_nodes: i
         return list(pool.map(make, range(first, first + count)))
 
 
+def threads_by_name() -> dict[str, list[float]]:
+    """CPU seconds and context switches of this process's threads, summed by thread name (since start)."""
+    names = {t.native_id: t.name.split("-")[0] if t.name.startswith("Thread-") else t.name
+             for t in threading.enumerate()}
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, list[float]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if "ctxt" in line)
+        except OSError:
+            continue
+        row = out.setdefault(names.get(int(tid), "(not Python)"), [0, 0.0, 0, 0])
+        row[0] += 1
+        row[1] += (int(fields[11]) + int(fields[12])) / ticks
+        row[2] += int(status["voluntary_ctxt_switches"])
+        row[3] += int(status["nonvoluntary_ctxt_switches"])
+    return out
+
+
 def worker(conn, backend: str, endpoint: str, run_id: str, n: int, max_nodes: int, first: int, count: int,
            timeout: float, rounds: int) -> None:
     """Runs ``count`` participants; each returns its rounds to the parent as ``("ret", round, time, rank)``.
@@ -207,7 +237,7 @@ def worker(conn, backend: str, endpoint: str, run_id: str, n: int, max_nodes: in
 
         for index, handler in enumerate(handlers):
             threading.Thread(target=loop, args=(index, handler), daemon=True).start()
-        cpu_start = time.process_time()
+        cpu_start, sys_start = time.process_time(), os.times().system
         while True:
             message = conn.recv()
             if message[0] == "go":
@@ -215,17 +245,30 @@ def worker(conn, backend: str, endpoint: str, run_id: str, n: int, max_nodes: in
                 with _COUNT_LOCK:
                     _COUNTS.clear()
                     _MARKS.clear()
-                cpu_start = time.process_time()
+                cpu_start, sys_start = time.process_time(), os.times().system
+                if os.environ.get("BENCH_PROFILE") and first == 0 and round_no == 0:
+                    import yappi  # a local profiling aid, not a dependency
+
+                    yappi.set_clock_type("cpu")
+                    yappi.start()
                 start_at[round_no] = at
                 go[round_no].set()
             elif message[0] == "kill":
                 killed.add(message[1])
                 handlers[message[1]].rendezvous.stop_heartbeat()  # silent from now on, never back
             elif message[0] == "stats":
+                if os.environ.get("BENCH_PROFILE") and first == 0:
+                    import yappi
+
+                    yappi.stop()
+                    yappi.get_func_stats().save(os.environ["BENCH_PROFILE"], type="pstat")
+                if os.environ.get("BENCH_THREADS"):  # CPU and context switches by thread name
+                    send(("threads", threads_by_name()))
                 with _COUNT_LOCK:
                     counts = {f"{k[0]} {k[1]}": v for k, v in _COUNTS.items()}
                     marks = {k: [min(v), statistics.median(v), max(v)] for k, v in _MARKS.items() if v}
-                send(("stats", {"counts": counts, "cpu": time.process_time() - cpu_start, "marks": marks}))
+                send(("stats", {"counts": counts, "cpu": time.process_time() - cpu_start,
+                                "sys": os.times().system - sys_start, "marks": marks}))
             else:
                 break
     except Exception as exc:  # noqa: BLE001 - reported to the parent
@@ -259,6 +302,7 @@ def measure(backend: str, n: int, per_process: int, timeout: float, fail_one: bo
             kind, detail = conn.recv()
             if kind != "ready":
                 raise RuntimeError(f"worker failed: {detail}")
+        time.sleep(float(os.environ.get("BENCH_IDLE", "0")))  # to look at idle participants (threads, CPU)
         results = []
         #: per round: (worker, when, rank, local index) of each participant that returned in it
         returns: dict[int, list[tuple[int, float, int, int]]] = {r: [] for r in range(rounds)}
@@ -291,6 +335,11 @@ def measure(backend: str, n: int, per_process: int, timeout: float, fail_one: bo
             for _, conn, _ in workers:
                 while True:
                     message = conn.recv()
+                    if message[0] == "threads":
+                        for name, row in message[1].items():
+                            print(f"  threads of worker {owner[conn]}: {name:<40} n={row[0]:4d} cpu={row[1]:6.2f} s "
+                                  f"switches={row[2]}+{row[3]}", flush=True)
+                        continue
                     if message[0] == "stats":
                         stats.append(message[1])
                         break
@@ -312,7 +361,9 @@ def measure(backend: str, n: int, per_process: int, timeout: float, fail_one: bo
                 "first": min(at for _, at, _, _ in got) - start_at if got else None,
                 "returned": len(got), "active": sum(1 for _, _, rank, _ in got if rank >= 0),
                 "errors": errors[:3], "error_count": len(errors),
-                "store_cpu": cpu, "clients_cpu": sum(st["cpu"] for st in stats), "requests": dict(counts)})
+                "store_cpu": cpu, "clients_cpu": sum(st["cpu"] for st in stats),
+                "clients_sys": sum(st["sys"] for st in stats), "requests": dict(counts),
+                "phases": {k: [lo - start_at, hi - start_at] for k, (lo, hi) in marks.items()}})
         return results
     finally:
         for _, conn, _ in workers:
@@ -339,7 +390,11 @@ def report(n: int, backend: str, result: dict, kinds: bool) -> None:
     completed = f"{result['completed']:.2f}" if result["completed"] is not None else "-"
     arrived = f"{result['last_arrived']:.2f}" if result["last_arrived"] is not None else "-"
     print(f"       last arrival at {arrived} s, completed at {completed} s; participants' "
-          f"processes used {result['clients_cpu']:.1f} CPU s", flush=True)
+          f"processes used {result['clients_cpu']:.1f} CPU s "
+          f"({result['clients_sys']:.1f} s in the kernel)", flush=True)
+    if os.environ.get("BENCH_PHASES"):
+        for name, (lo, hi) in sorted(result["phases"].items(), key=lambda kv: kv[1][1]):
+            print(f"         {name:<22} ends {lo:6.2f} s .. {hi:6.2f} s")
     if kinds and requests:
         for kind, count in sorted(result["requests"].items(), key=lambda kv: -kv[1])[:12]:
             print(f"         {count / n:8.2f}/participant  {kind}")

@@ -395,3 +395,19 @@ def test_a_replayed_heartbeat_does_not_keep_a_dead_participant_alive(tcp_store):
     assert sorted(r.rank for r in second) == [0, 1]
     lost = rdzvs[1].records.lost()
     assert "heartbeat silent" in lost.get(rdzvs[0].participant_id, ""), lost
+
+
+def test_a_tick_given_after_the_waiters_check_wakes_its_wait(tcp_store):
+    """The coordinator writes its decision, then ticks. A waiter that checked the decision just
+    before it was written must be woken by that tick (it notes the newest tick before checking),
+    not sleep through it until the coordinator looks silent."""
+    from lightning_ft.rendezvous.barrier import TickWaiter
+
+    keys = RunKeys("ticks")
+    tcp_store.set(keys.last_tick(0), "3")  # ticks 0..3 came before
+    waiter = TickWaiter(client(tcp_store), keys, 0)
+    waiter.arm()  # then the waiter checks: no decision yet
+    tcp_store.set(keys.last_tick(0), "4")  # the decision is written, then tick 4 given
+    tcp_store.set(keys.tick(0, 4), "")
+    assert waiter.wait(20.0), "the waiter slept through the tick that announced the decision"
+    assert not waiter.wait(0.2), "no newer tick came"

@@ -132,6 +132,7 @@ class BarrierRendezvous:
         self._sleep = sleep
         self._heartbeat_store_factory = heartbeat_store_factory
         self._heartbeat: Heartbeat | None = None
+        self._heartbeat_store: Any = None
         self._tick_store: StoreClient | None = None
         self._last_active_round: int | None = None
         self._last_result: RoundResult | None = None
@@ -141,6 +142,8 @@ class BarrierRendezvous:
         self._record_seq = itertools.count(1)
         #: called with every round this participant completes (active or standby)
         self.on_round_complete: list[Callable[[RoundResult], None]] = []
+        #: called once, when this participant leaves (acknowledged the end, or excluded)
+        self.on_leave: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------------- public API
 
@@ -248,7 +251,7 @@ class BarrierRendezvous:
     def report_unhealthy(self, reasons: str) -> None:
         """Record this node as unhealthy and lost; it will not be placed again."""
         self.mark_lost(self.participant_id, f"unhealthy: {reasons}")
-        self._excluded = True
+        self._leave(excluded=True)
 
     def withdraw(self, reason: str, stopping: bool = False) -> None:
         """Leave the job for good: withdraw from an open round and record us as lost.
@@ -268,7 +271,7 @@ class BarrierRendezvous:
                     f"{self.participant_id} was stopped ({reason}); without it {capacity} of max_nodes="
                     f"{self.settings.max_nodes} nodes can take part, fewer than min_nodes={self.settings.min_nodes}")))
         self.mark_lost(self.participant_id, f"withdrew: {reason}")
-        self._excluded = True
+        self._leave(excluded=True)
 
     def finished_round(self, round_id: int) -> bool:
         """True when the actives of ``round_id`` passed torch's elastic exit barrier."""
@@ -329,6 +332,8 @@ class BarrierRendezvous:
         ticks = TickWaiter(self._tick_connection(), self.keys, round_id)
         checked_at = start  # join_round just checked the close and the round
         while True:
+            if coordinator is None:
+                ticks.arm()
             if self._is_ready(round_id):
                 return self._read_result(round_id)
             now = self.clock()
@@ -421,7 +426,7 @@ class BarrierRendezvous:
 
     def _leave_as_extra(self, round_id: int) -> NoReturn:
         self._withdraw_arrival(round_id)
-        self._excluded = True
+        self._leave(excluded=True)
         raise ExtraParticipantError(
             f"participant {self.participant_id} is extra: more than max_nodes="
             f"{self.settings.max_nodes} participants arrived in round {round_id} of run "
@@ -457,11 +462,21 @@ class BarrierRendezvous:
         log.warning("participant %s lost for good: %s", participant_id, why)
         return True
 
+    def _leave(self, excluded: bool) -> None:
+        was_left = self.left
+        if excluded:
+            self._excluded = True
+        else:
+            self._acked = True
+        if not was_left:
+            for callback in self.on_leave:
+                callback()
+
     def _acknowledge(self) -> None:
         if self._acked or self._excluded:
             return
         self.records.acknowledge(self.participant_id)
-        self._acked = True
+        self._leave(excluded=False)
 
     def _wait_for_acknowledgements(self) -> None:
         wait_for_acknowledgements(self.records, self.settings.timeouts.store_grace_timeout, self.settings.max_nodes,
@@ -475,10 +490,20 @@ class BarrierRendezvous:
             self._tick_store = clone() if clone is not None else self.store
         return self._tick_store
 
+    def open_connections(self) -> None:
+        """Open the store connections a round needs besides the main one (the heartbeat's and the
+        ticks'). Called when the participant is created, so that its first round starts with them;
+        otherwise the first round opens them itself."""
+        self._tick_connection()
+        if self._heartbeat_store is None and self._heartbeat_store_factory is not None:
+            self._heartbeat_store = self._heartbeat_store_factory()
+
     def _start_heartbeat(self) -> None:
         if self._heartbeat is not None:
             return
-        store = self._heartbeat_store_factory() if self._heartbeat_store_factory else self.store
+        store = self._heartbeat_store
+        if store is None:
+            store = self._heartbeat_store_factory() if self._heartbeat_store_factory else self.store
         self._heartbeat = Heartbeat(SealedStore(store, self.signer), self.keys.heartbeat(self.participant_id),
                                     self.settings.heartbeat_every)
         self._heartbeat.start()
@@ -503,10 +528,18 @@ class TickWaiter:
         self.store, self.keys, self.round_id = store, keys, round_id
         self._next: int | None = None
 
-    def wait(self, timeout: float) -> bool:
-        """True when a tick came within ``timeout`` seconds."""
+    def arm(self) -> None:
+        """Note the newest tick; call it *before* checking what the tick announces. The coordinator
+        writes a decision first and ticks after it, so a decision this check missed comes with a
+        tick newer than the one noted here, and :meth:`wait` returns for it at once. (Noted after
+        the check, that tick could already be the newest: the wait would sleep through it.)"""
         if self._next is None:
             self._next = newest_tick(self.store, self.keys, self.round_id) + 1
+
+    def wait(self, timeout: float) -> bool:
+        """True when a tick newer than the one :meth:`arm` noted came within ``timeout`` seconds."""
+        self.arm()
+        assert self._next is not None
         started = time.monotonic()
         try:
             self.store.wait([self.keys.tick(self.round_id, self._next)], datetime.timedelta(seconds=timeout))

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch.distributed as dist
 
 from lightning_ft.deadlines import (
+    Abandon,
     BackgroundThread,
     BoundedStore,
     StoreUnresponsiveError,
@@ -113,7 +114,10 @@ class StoreSwitchboard:
     def __init__(self, endpoint: Endpoint, first: BoundedStore, hosting: bool, participant_id: str,
                  timeouts: Timeouts, signer: Signer) -> None:
         self.endpoint = endpoint
-        self.epoch = 0
+        #: set when the store of that epoch is replaced: calls still waiting on it give up
+        self._epoch_ended: dict[int, Abandon] = {}
+        self._epoch_lock = threading.Lock()
+        self._epoch = 0
         self.hosting = hosting
         self.active = False
         self.participant_id = participant_id
@@ -153,6 +157,29 @@ class StoreSwitchboard:
         except Exception as exc:  # noqa: BLE001 - without one, a failed call counts as a lost store
             log.debug("no probe connection to the store: %s", first_line(exc))
             return None
+
+    @property
+    def epoch(self) -> int:
+        """The number of the store fail-overs this process followed (0: the first store)."""
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        with self._epoch_lock:
+            self._epoch = epoch
+            ended = [self._epoch_ended.pop(e) for e in list(self._epoch_ended) if e != epoch]
+        for signal in ended:
+            signal.set()
+
+    def epoch_ended(self, epoch: int) -> Abandon:
+        """Set once this process no longer follows the store of ``epoch``."""
+        with self._epoch_lock:
+            signal = self._epoch_ended.setdefault(epoch, Abandon())
+            if epoch == self._epoch:
+                return signal
+            del self._epoch_ended[epoch]
+        signal.set()
+        return signal
 
     def connect(self, bound: float, moved: bool = False, inline: bool = False) -> tuple[int, BoundedStore]:
         """A new connection (calls bounded by ``bound``; ``inline``: see ``BoundedStore.inline``) to
@@ -451,7 +478,7 @@ class FailoverStore:
 
     def _follow(self, epoch: int, store: BoundedStore) -> None:
         # a call stuck on a store that was replaced (frozen host) is abandoned, not waited out
-        store.abandon = lambda: self.switchboard.epoch != epoch
+        store.abandon = self.switchboard.epoch_ended(epoch)
 
     def _current(self) -> BoundedStore:
         with self._lock:
@@ -548,6 +575,7 @@ class FailoverParticipant:
         rendezvous.values.put(presence_key(rendezvous.keys.prefix, rendezvous.participant_id),
                               switchboard.presence.endpoint)
         rendezvous.on_round_complete.append(self.track_round)
+        rendezvous.on_leave.append(lambda: switchboard.presence.stop(join=False))
 
     def track_round(self, result: RoundResult) -> None:
         self.switchboard.active = result.is_active

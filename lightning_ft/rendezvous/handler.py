@@ -182,6 +182,7 @@ def create_handler(params: RendezvousParameters) -> LightningFTRendezvousHandler
         store = FailoverStore(switchboard, settings.timeouts.store_timeout, first)
     rendezvous = BarrierRendezvous(store, settings, participant, is_store_host=hosting,
                                    heartbeat_store_factory=lambda: store.clone(inline=True))
+    rendezvous.open_connections()
     failover = None
     if switchboard is not None:
         failover = FailoverParticipant(switchboard, rendezvous)

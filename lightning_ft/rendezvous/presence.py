@@ -78,7 +78,10 @@ class Presence(BackgroundThread):
         self.switchboard = switchboard
         self.host = host
         self._sock = listen_on(host, 0)
-        self._sock.settimeout(1.0)  # how soon it closes once the participant left (and on stop)
+        # the owner stops it when its participant leaves (shutting the socket down wakes the
+        # accept); the timeout only backs that up. Not shorter: thousands of listeners in a
+        # process, each woken every second to ask, cost more CPU than the rendezvous itself
+        self._sock.settimeout(10.0)
         self.endpoint = f"{host}:{self._sock.getsockname()[1]}"
 
     def run(self) -> None:
@@ -104,6 +107,12 @@ class Presence(BackgroundThread):
                 self.switchboard.suspect(int(epoch))
 
     def stop(self, join: bool = True) -> None:
+        """Close the listener: from now on connecting is refused (this participant is gone)."""
+        self.stopping.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        except OSError:
+            pass  # not listening (any more)
         super().stop(join)
         self._sock.close()
 

@@ -67,6 +67,7 @@ class Session:
             store = FailoverStore(switchboard, settings.timeouts.store_timeout, first)
         rendezvous = BarrierRendezvous(store, settings.rendezvous_settings(), participant, is_store_host=hosting,
                                        heartbeat_store_factory=lambda: store.clone(inline=True))
+        rendezvous.open_connections()
         session = cls(store, rendezvous, participant, rendezvous.keys, hosting,
                       events_for(participant.participant_id), switchboard)
         if switchboard is not None:
