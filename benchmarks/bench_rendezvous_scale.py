@@ -153,12 +153,16 @@ def count_requests() -> None:
 
 def make_handlers(backend: str, endpoint: str, run_id: str, n: int, max_nodes: int, first: int, count: int,
                   timeout: float) -> list:
+    # more --rdzv-conf keys, e.g. BENCH_RDZV_CONF="heartbeat_interval=5" (to see what heartbeats cost)
+    extra_conf = dict(kv.split("=", 1) for kv in os.environ.get("BENCH_RDZV_CONF", "").split())
+
     def make(local_id: int):
         if backend == "lightning_ft":
             params = RendezvousParameters(backend="lightning_ft", endpoint=endpoint, run_id=run_id, min_nodes=n,
                                           max_nodes=max_nodes, local_id=str(local_id), is_host="false",
                                           join_timeout=str(int(timeout)),
-                                          store_failover=os.environ.get("BENCH_STORE_FAILOVER", "true"))
+                                          store_failover=os.environ.get("BENCH_STORE_FAILOVER", "true"),
+                                          **extra_conf)
             return get_rendezvous_handler(params)
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler

@@ -134,6 +134,8 @@ class BarrierRendezvous:
         self._heartbeat: Heartbeat | None = None
         self._heartbeat_store: Any = None
         self._tick_store: StoreClient | None = None
+        #: the authentic ``ready`` of a round, as :meth:`_is_ready` read it (its result reads it from here)
+        self._ready_seen: tuple[int, bytes | None] = (-1, None)
         self._last_active_round: int | None = None
         self._last_result: RoundResult | None = None
         self._excluded = False
@@ -398,7 +400,7 @@ class BarrierRendezvous:
         return False
 
     def _read_result(self, round_id: int) -> RoundResult:
-        raw_ready = self.values.get_present(self.keys.ready(round_id))  # _is_ready saw it
+        raw_ready = self._ready_seen[1] if self._ready_seen[0] == round_id else None  # _is_ready read it
         ready = decode_ready(raw_ready) if raw_ready is not None else None
         # a decision's answers are all written before its ``ready``: ours is there if we are in it
         raw = (self.values.get(self.keys.decided_rank(round_id, ready.decision, self.participant_id))
@@ -440,9 +442,10 @@ class BarrierRendezvous:
         return CloseReason.decode(raw) if raw is not None else None
 
     def _is_ready(self, round_id: int) -> bool:
-        key = self.keys.ready(round_id)
-        # one request while the round is open (the sealed value is read only once it is there)
-        return bool(self.store.check([self.values.key(key)])) and self.values.get_present(key) is not None
+        raw = self.values.get(self.keys.ready(round_id))  # one request
+        if raw is not None:
+            self._ready_seen = (round_id, raw)
+        return raw is not None
 
     def _raise_if_closed_for_good(self) -> None:
         reason = self._closed_reason()

@@ -40,7 +40,7 @@ from lightning_ft.schema.run import (
     encode_ready,
     encode_roster_head,
 )
-from lightning_ft.schema.signing import SealedStore, Signer
+from lightning_ft.schema.signing import SealedStore, Signer, get_if_present
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,9 @@ class CoordinatorWatch:
 
 def newest_tick(store: Any, keys: RunKeys, round_id: int) -> int:
     """The number of the newest tick of ``round_id`` (-1: none yet, or not a number: it is a hint)."""
-    key = keys.last_tick(round_id)
+    raw = get_if_present(store, keys.last_tick(round_id))
     try:
-        return int(bytes(store.get(key))) if store.check([key]) else -1
+        return int(raw) if raw is not None else -1
     except ValueError:
         return -1
 

@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from lightning_ft.schema.failover import PREFIX, ViewEntry
-from lightning_ft.schema.signing import MAGIC, TAG_BYTES
+from lightning_ft.schema.signing import ABSENT, MAGIC, TAG_BYTES
 
 
 class Verdict(NamedTuple):
@@ -162,8 +162,11 @@ class Mirror:
 
     def record(self, name: str, args: tuple[Any, ...], result: Any) -> None:
         """Keep what the store call ``name(*args)`` that returned ``result`` tells of the store."""
-        if name in ("set", "compare_set"):
-            self.saw(args[0], args[1] if name == "set" else result)
+        if name == "set":
+            self.saw(args[0], args[1])
+        elif name == "compare_set":
+            if self._bytes(result) != ABSENT:  # else a read of a key that is not there (get_if_present)
+                self.saw(args[0], result)
         elif name == "get":
             self.saw(args[0], result)
         elif name == "multi_get":

@@ -36,7 +36,7 @@ from lightning_ft.schema.run import (
     encode_number,
     incarnation_key,
 )
-from lightning_ft.schema.signing import SealedStore, Signer
+from lightning_ft.schema.signing import SealedStore, Signer, get_if_present
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,7 @@ class RunRecords:
     def appended_hint(self, round_id: int) -> bytes:
         """The last appender's mark on the arrivals log of ``round_id``: readers re-read the log when
         it changes (a forged mark costs a re-read, nothing else)."""
-        key = self.keys.appended(round_id)
-        return bytes(self.store.get(key)) if self.store.check([key]) else b""
+        return get_if_present(self.store, self.keys.appended(round_id)) or b""
 
     def arrivals(self, round_id: int) -> tuple[Arrival, ...]:
         """The live arrivals of ``round_id``, in log order (see :func:`arrivals_of_round`)."""
@@ -136,7 +135,7 @@ class RunRecords:
         """``(raw bytes, (holder, replaced) or None)`` of the coordinator claim of ``round_id``:
         None when absent or not authentic (then anyone may replace it)."""
         key = self.keys.coordinator(round_id)
-        raw = bytes(self.store.get(key)) if self.store.check([key]) else b""
+        raw = get_if_present(self.store, key) or b""
         opened = self.signer.open(key, raw) if raw else None
         return raw, decode_coordinator(opened.decode(errors="replace")) if opened is not None else None
 

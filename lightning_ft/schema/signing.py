@@ -195,6 +195,20 @@ def job_signer() -> Signer:
     return Signer(secret, source)
 
 
+#: What ``compare_set`` answers for a key that is not there when told to expect these bytes
+#: (no value we write is ever these bytes; a forged one reads as absent).
+ABSENT = b"\x00lightning_ft:absent"
+
+
+def get_if_present(store: StoreClient, key: str) -> bytes | None:
+    """The raw value of ``key``, or None when it is not there: one request where ``check`` then
+    ``get`` are two, and never blocking (torch's ``get`` waits for a missing key). It is a
+    ``compare_set`` that expects :data:`ABSENT`, which writes nothing: for a missing key torch
+    answers the expected bytes, for a present one its value."""
+    raw = bytes(store.compare_set(key, ABSENT, ABSENT))
+    return None if raw == ABSENT else raw
+
+
 class SealedStore:
     """The sealed values of one key space of a ``torch.distributed`` Store.
 
@@ -229,9 +243,8 @@ class SealedStore:
     def get(self, name: str) -> bytes | None:
         """The authentic value of ``name``, or None (absent or not authentic); never blocks."""
         key = self.key(name)
-        if not self.store.check([key]):
-            return None
-        return self.signer.open(key, self.store.get(key))
+        raw = get_if_present(self.store, key)
+        return None if raw is None else self.signer.open(key, raw)
 
     def get_present(self, name: str) -> bytes | None:
         """The authentic value of ``name``, known to be there (one request instead of two; a
