@@ -207,3 +207,68 @@ def test_calls_blocked_on_a_replaced_store_connection_return_when_it_is_broken()
     finally:
         for sock in (client, accepted, server):
             sock.close()
+
+
+STORE_SERVER = """
+import datetime, sys, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+print(store.port, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_store_that_answers_again_is_not_failed_over():
+    """A store that stops answering for longer than a call's bound, with nobody able to take over
+    (on an overloaded machine every presence is silent too), is waited for until the fail-over's
+    deadline: when it answers again, the participant goes on with it instead of ending."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    board = None
+    try:
+        port = int(server.stdout.readline())
+        timeouts = Timeouts(failover_timeout=6.0, probe_timeout=0.2)
+        first = BoundedStore(dist.TCPStore("127.0.0.1", port, is_master=False,
+                                           timeout=datetime.timedelta(seconds=10)), 1.0)
+        board = StoreSwitchboard(Endpoint("127.0.0.1", port), first, False, "me", timeouts, Signer(None))
+        client = FailoverStore(board, 1.0, first)
+        client.set("k", "v")
+        os.kill(server.pid, signal.SIGSTOP)  # slow as an overloaded store is: no answer for 2 s
+        thaw = threading.Timer(2.0, os.kill, (server.pid, signal.SIGCONT))
+        thaw.start()
+        client.set("k", "w")
+        thaw.join()
+        assert board.epoch == 0 and board.failovers == []
+        assert client.get("k") == b"w"
+    finally:
+        if board is not None:
+            board.close()
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_a_store_whose_host_refuses_connections_is_lost_without_waiting_for_it():
+    # a fail-over deadline far beyond the test's timeout: waiting it out would fail the test
+    timeouts = Timeouts(failover_timeout=600.0, probe_timeout=0.2)
+    store = host_store("127.0.0.1", 0, datetime.timedelta(seconds=5))
+    port = store.port
+    first = BoundedStore(dist.TCPStore("127.0.0.1", port, is_master=False,
+                                       timeout=datetime.timedelta(seconds=5)), 2.0)
+    board = StoreSwitchboard(Endpoint("127.0.0.1", port), first, False, "me", timeouts, Signer(None))
+    client = FailoverStore(board, 2.0, first)
+    client.set("k", "v")
+    del store  # the server goes: connections are refused from now on
+    from lightning_ft.rendezvous.failover import StoreLostError
+
+    with pytest.raises(StoreLostError, match="before any round completed"):
+        for _ in range(20):
+            client.set("k", "v")
+    board.close()

@@ -245,9 +245,17 @@ class StoreSwitchboard:
                 raise StoreLostError(f"the rendezvous store at {self.endpoint} is gone ({why}) after this "
                                      "participant left the rendezvous: nothing to take over")
             started, lost = time.monotonic(), self.endpoint
+            deadline = started + self.timeouts.failover_timeout
             try:
-                successor = self._fail_over(from_epoch, why, started + self.timeouts.failover_timeout)
+                successor = self._fail_over(from_epoch, why, deadline)
             except StoreLostError as exc:
+                if self.epoch == from_epoch and self._answers_again(deadline):
+                    # nobody could take over, yet the store answers after all: it was slow (an
+                    # overloaded machine makes the store and every presence silent alike), not
+                    # gone. Going on beats ending this participant (seen at 2,048 on 2 cores).
+                    log.warning("rendezvous store at %s answers again after %.1fs: no fail-over (%s)",
+                                self.endpoint, time.monotonic() - started, first_line(exc))
+                    return
                 self._lost = str(exc)
                 log.error("store fail-over from epoch %d failed: %s", from_epoch, exc)
                 raise
@@ -292,6 +300,16 @@ class StoreSwitchboard:
         except Exception:  # noqa: BLE001 - any failure: the store does not answer
             return False
         return True
+
+    def _answers_again(self, deadline: float) -> bool:
+        """True when the store of the current epoch answers a probe before ``deadline`` (at least one
+        is made); False at once when its host refuses connections (the kernel says it is gone)."""
+        while True:
+            if self._answers(self.endpoint):
+                return True
+            if time.monotonic() >= deadline or _refuses(self.endpoint, self.timeouts.probe_timeout):
+                return False
+            time.sleep(0.2)
 
     def _fail_over(self, from_epoch: int, why: str, deadline: float) -> str:
         log.warning("rendezvous store at %s lost (%s): failing over to a participant", self.endpoint, why)
@@ -537,6 +555,17 @@ def _break_connections(endpoint: Endpoint) -> None:
         log.debug("shut down %d connection(s) to the replaced store at %s", broken, endpoint)
     except Exception as exc:  # noqa: BLE001 - best effort: the calls then end on their own
         log.debug("could not shut down the connections to %s: %s", endpoint, first_line(exc))
+
+
+def _refuses(endpoint: Endpoint, timeout: float) -> bool:
+    """True when ``endpoint`` refuses a TCP connection: nothing listens there any more."""
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # silent, unreachable: not proven gone
+        return False
 
 
 def read_candidates(switchboard: StoreSwitchboard, records: RunRecords, round_id: int) -> bool:
