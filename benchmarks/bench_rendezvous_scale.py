@@ -115,7 +115,7 @@ def mark_phases() -> None:
     RunRecords.append_arrival = appended  # type: ignore[method-assign]
     Coordinator._complete = completed  # type: ignore[method-assign]
     if os.environ.get("BENCH_PHASES"):  # when each step of a join ends, for finding where time goes
-        from lightning_ft.rendezvous import barrier, failover
+        from lightning_ft.rendezvous import barrier, candidates
 
         def timed(owner, name):
             original = getattr(owner, name)
@@ -132,7 +132,7 @@ def mark_phases() -> None:
                             (barrier.BarrierRendezvous, "_read_result"),
                             (barrier.BarrierRendezvous, "_tick_connection"),
                             (RunRecords, "claim_coordinator"), (RunRecords, "current_round"),
-                            (failover.FailoverParticipant, "track_round"), (barrier.TickWaiter, "wait"),
+                            (candidates.FailoverParticipant, "track_round"), (barrier.TickWaiter, "wait"),
                             (barrier.BarrierRendezvous, "_is_ready")):
             timed(owner, name)
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 def worker(args) -> int:
     """One worker process: ``args.count`` participants as threads; prints a JSON line per second."""
-    from lightning_ft.rendezvous import failover
+    from lightning_ft.rendezvous import candidates, failover
     from lightning_ft.rendezvous.barrier import BarrierRendezvous
     from lightning_ft.rendezvous.participant import local_participant
     from lightning_ft.rendezvous.settings import RendezvousSettings
@@ -59,7 +59,7 @@ def worker(args) -> int:
         boards.append(board)
         store = failover.FailoverStore(board, settings.timeouts.store_timeout, first)
         rendezvous = BarrierRendezvous(store, settings, info, heartbeat_store_factory=store.clone)
-        failover.FailoverParticipant(board, rendezvous)
+        candidates.FailoverParticipant(board, rendezvous)
         result = rendezvous.join_round()
         if not result.is_active:
             try:

@@ -39,13 +39,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
 from lightning_ft.deadlines import (
     Abandon,
-    BackgroundThread,
     BoundedStore,
     StoreUnresponsiveError,
     call_with_timeout,
@@ -53,7 +52,6 @@ from lightning_ft.deadlines import (
 )
 from lightning_ft.rendezvous.presence import Presence, local_address_towards, probe
 from lightning_ft.rendezvous.rebuild import Mirror, may_serve, merge_views
-from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.rendezvous.store import Endpoint, host_store, parse_endpoint
 from lightning_ft.schema.failover import (
     EPOCH_KEY,
@@ -62,15 +60,11 @@ from lightning_ft.schema.failover import (
     decode_view,
     encode_registration,
     encode_view,
-    presence_key,
 )
-from lightning_ft.schema.run import ROSTER_HEAD, decode_number, decode_roster_head, encode_number
+from lightning_ft.schema.run import decode_number, encode_number
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.settings import Timeouts
 from lightning_ft.sockets import break_connections_to
-
-if TYPE_CHECKING:
-    from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
 
 log = logging.getLogger(__name__)
 
@@ -566,83 +560,3 @@ def _refuses(endpoint: Endpoint, timeout: float) -> bool:
         return True
     except OSError:  # silent, unreachable: not proven gone
         return False
-
-
-def read_candidates(switchboard: StoreSwitchboard, records: RunRecords, round_id: int) -> bool:
-    """Set the switchboard's candidates to the participants of ``round_id`` that announced a
-    presence, in log order. A participant among the first :data:`ROSTER_HEAD` (the ones that may
-    host the store next) reads them all: it needs them for a quorum. The others read only those
-    first ones from the roster head, so a round costs the store O(N), not O(N^2) (every
-    participant reading the whole log). Returns True when this participant read them all."""
-    head = decode_roster_head(records.values.get(records.keys.roster_head(round_id)))
-    whole = head is None or head[0] <= ROSTER_HEAD or switchboard.participant_id in head[1]
-    ids = [a.participant_id for a in records.arrivals(round_id)] if whole or head is None else list(head[1])
-    names = [presence_key(records.keys.prefix, pid) for pid in ids]
-    keys = [records.values.key(n) for n in names]
-    if keys and records.store.check(keys):  # all there (the usual case): one request for all
-        found = records.values.multi_get(names)
-    else:
-        found = [records.values.get(n) for n in names]
-    switchboard.candidates = [Candidate(pid, raw.decode(errors="replace"))
-                              for pid, raw in zip(ids, found, strict=True) if raw is not None]
-    return whole
-
-
-class FailoverParticipant:
-    """Ties a :class:`StoreSwitchboard` to this process's rendezvous participant: announces its
-    presence, takes the candidates from every round it completes (and, about once a second,
-    the spares that arrive later), and takes nothing over once the participant left."""
-
-    def __init__(self, switchboard: StoreSwitchboard, rendezvous: BarrierRendezvous) -> None:
-        self.switchboard, self.rendezvous = switchboard, rendezvous
-        self.tracked_round: int | None = None
-        #: this participant knows every candidate (it is among the first: it may host the store)
-        self.whole = False
-        self._refresher: CandidateRefresher | None = None
-        switchboard.participating = lambda: not rendezvous.left
-        switchboard.presence.start()
-        rendezvous.values.put(presence_key(rendezvous.keys.prefix, rendezvous.participant_id),
-                              switchboard.presence.endpoint)
-        rendezvous.on_round_complete.append(self.track_round)
-        rendezvous.on_leave.append(lambda: switchboard.presence.stop(join=False))
-
-    def track_round(self, result: RoundResult) -> None:
-        self.switchboard.active = result.is_active
-        self.tracked_round = result.round
-        self.whole = read_candidates(self.switchboard, self.rendezvous.records, result.round)
-        if self._refresher is None and self.whole:
-            clone = self.rendezvous.store.clone(4 * self.switchboard.timeouts.probe_timeout)
-            self._refresher = CandidateRefresher(self, RunRecords(clone, self.rendezvous.signer, self.rendezvous.keys))
-            self._refresher.start()
-
-    def follow_newest(self) -> None:
-        """Before re-joining after a failure (see :meth:`StoreSwitchboard.follow_newest`)."""
-        self.switchboard.follow_newest()
-
-
-class CandidateRefresher(BackgroundThread):
-    """Re-reads the tracked round's arrivals when their hint changes (about once a second, one
-    request), so the fail-over order includes hot spares that arrived after the round completed;
-    on a connection of its own. Ends when the participant left."""
-
-    INTERVAL = 1.0
-
-    def __init__(self, owner: FailoverParticipant, records: RunRecords) -> None:
-        super().__init__("lightning_ft-candidates", join_timeout=owner.switchboard.timeouts.thread_stop_timeout)
-        self.owner, self.records = owner, records
-        self._hint: tuple[int, bytes] | None = None
-
-    def run(self) -> None:
-        while not self.stopping.wait(self.INTERVAL):
-            if self.owner.rendezvous.left:
-                return
-            round_id = self.owner.tracked_round
-            if round_id is None or not self.owner.whole:
-                continue  # spares arriving later join the end of the order: only the first need them
-            try:
-                hint = (round_id, self.records.appended_hint(round_id))
-                if hint != self._hint:
-                    self.owner.whole = read_candidates(self.owner.switchboard, self.records, round_id)
-                    self._hint = hint
-            except Exception as exc:  # noqa: BLE001 - the next try, or the fail-over, tells
-                log.debug("refreshing the fail-over candidates: %s", first_line(exc))

@@ -25,7 +25,8 @@ from lightning_ft._logging import ensure_log_output
 from lightning_ft.deadlines import raw_store
 from lightning_ft.process import exit_now
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, UnhealthyNodeError
-from lightning_ft.rendezvous.failover import FailoverParticipant, FailoverStore, StoreSwitchboard
+from lightning_ft.rendezvous.candidates import FailoverParticipant
+from lightning_ft.rendezvous.failover import FailoverStore, StoreSwitchboard
 from lightning_ft.rendezvous.participant import local_participant
 from lightning_ft.rendezvous.settings import RendezvousConfigError, torchrun_config
 from lightning_ft.rendezvous.store import DEFAULT_PORT, connect_store, parse_endpoint

@@ -66,7 +66,7 @@ from lightning_ft.strategy.recovery import (
 from lightning_ft.strategy.run import RunState, StrategyHost
 from lightning_ft.strategy.session import RoundRuntime, Session
 from lightning_ft.strategy.settings import StrategyConfigError, StrategySettings
-from lightning_ft.strategy.spare_monitor import SpareMonitor
+from lightning_ft.strategy.spare_monitor import ALL_SILENT_AFTER, SpareMonitor
 from lightning_ft.termination.callback import GracefulTermination
 from lightning_ft.termination.signals import SignalHandler
 
@@ -275,7 +275,8 @@ class FaultTolerantLauncher(_Launcher):
                                   model=model_fingerprint_before_setup(self.run.trainer.lightning_module),
                                   max_bytes=settings.replica_max_bytes)
         monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys, signer=session.rendezvous.signer,
-                               dead_after=session.rendezvous.settings.dead_after, open_round=session.open_round,
+                               dead_after=max(session.rendezvous.settings.dead_after, ALL_SILENT_AFTER),
+                               open_round=session.open_round,
                                replicas=replicas, join_timeout=settings.timeouts.thread_stop_timeout)
         monitor.start()
         return monitor

@@ -20,7 +20,8 @@ from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
-from lightning_ft.rendezvous.failover import FailoverParticipant, FailoverStore, StoreSwitchboard
+from lightning_ft.rendezvous.candidates import FailoverParticipant
+from lightning_ft.rendezvous.failover import FailoverStore, StoreSwitchboard
 from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.rendezvous.store import connect_store

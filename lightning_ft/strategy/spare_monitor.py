@@ -5,6 +5,13 @@ It keeps a copy of the newest snapshot when the actives publish one for replicat
 every active of the current round is silent -- survivors detect the loss of some of them
 themselves, but nobody would open the next round if all of them were gone. It uses a store
 connection of its own (``TCPStore.clone()``).
+
+Its window is at least :data:`ALL_SILENT_AFTER`, longer than the rendezvous's ``dead_after``: the
+actives do the same work at the same moment (setting up, a snapshot of the same step), and on a
+loaded machine work that holds the GIL kept all of their heartbeat threads from running for
+about a second at the start of training -- long enough for a spare to open a round against a
+healthy job, whose coordinator (that spare) then judged the actives dead: exit 83 for all.
+Every active gone at once is not a case where a second or two matters.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from lightning_ft.schema.run import RunKeys
 from lightning_ft.schema.signing import SealedStore, Signer
 
 log = logging.getLogger(__name__)
+
+#: the shortest silence of every active after which a spare opens the next round (see above)
+ALL_SILENT_AFTER = 3.0
 
 
 class SpareMonitor(BackgroundThread):
