@@ -50,13 +50,10 @@ from lightning_ft.schema.round import (
     replica_chunk_key,
     replica_pullers_key,
 )
-from lightning_ft.schema.signing import ENV_SECRET, ENV_SECRET_FILE, SealedStore, Signer
+from lightning_ft.schema.signing import ENV_SECRET, ENV_SECRET_FILE, SealedStore, Signer, get_if_present
 
 log = logging.getLogger(__name__)
 
-#: what ``compare_set`` returns for a key that is absent (it then sets nothing): a read that never
-#: waits, where ``get`` would wait for a chunk the publisher removed meanwhile
-_ABSENT = b"\0lightning_ft:absent"
 #: publications of one round kept in the store: the newest, and the one before for a spare still reading it
 _KEPT_PUBLICATIONS = 2
 
@@ -99,11 +96,6 @@ def put_replica(values: SealedStore, cipher: ReplicaCipher, meta: ReplicaMeta, b
     return keys
 
 
-def _read_if_present(store: Any, key: str) -> bytes | None:
-    raw = store.compare_set(key, _ABSENT, _ABSENT)
-    return None if raw == _ABSENT else bytes(raw)
-
-
 class ReplicaRefused(Exception):
     """A published replica this spare must not keep: ``stage`` says how far it was read
     (``header``: its first chunk; ``contents``: all of it), the message why."""
@@ -139,7 +131,7 @@ def _open_chunk(values: SealedStore, cipher: ReplicaCipher, meta: ReplicaMeta, i
                 length: int) -> bytes | None:
     stage = "header" if index == 0 else "contents"
     key = values.key(replica_chunk_key(meta.step, index))
-    sealed = _read_if_present(values.store, key)
+    sealed = get_if_present(values.store, key)  # never waits: the publisher may have removed the chunk
     if sealed is None:
         log.debug("replica of step %d: chunk %d is gone (superseded)", meta.step, index)
         return None
