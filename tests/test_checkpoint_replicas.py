@@ -184,8 +184,8 @@ def test_a_third_publication_removes_the_first_and_keeps_the_one_before(tcp_stor
 def watch_reads_and_allocations(monkeypatch) -> tuple[list, list]:
     """(store keys of replica bytes read, sizes of replica buffers allocated) by a puller from now on."""
     read, allocated = [], []
-    real_read = replication._read_if_present
-    monkeypatch.setattr(replication, "_read_if_present", lambda store, key: read.append(key) or real_read(store, key))
+    real_read = replication.get_if_present
+    monkeypatch.setattr(replication, "get_if_present", lambda store, key: read.append(key) or real_read(store, key))
     monkeypatch.setattr(replication, "bytearray", lambda n: allocated.append(n) or bytearray(n), raising=False)
     return read, allocated
 
