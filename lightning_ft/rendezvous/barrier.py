@@ -438,7 +438,7 @@ class BarrierRendezvous:
     # ----------------------------------------------------------------- helpers
 
     def _closed_reason(self) -> CloseReason | None:
-        raw = self.values.get(self.values.unlisted(self.keys.closed_for_good))
+        raw = self.records.closed_for_good()
         return CloseReason.decode(raw) if raw is not None else None
 
     def _is_ready(self, round_id: int) -> bool:

@@ -96,6 +96,10 @@ class RunRecords:
         records = self.values.records(self.keys.arrivals(round_id), self._line_cache)
         return arrivals_of_round([decode_arrival(r) for r in records])
 
+    def closed_for_good(self) -> bytes | None:
+        """The authentic close reason of this incarnation (encoded), or None while it is open."""
+        return self.values.get(self.values.unlisted(self.keys.closed_for_good))
+
     # ----------------------------------------------------------------- lost for good
 
     def lost(self) -> dict[str, str]:

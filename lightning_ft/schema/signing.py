@@ -246,12 +246,6 @@ class SealedStore:
         raw = get_if_present(self.store, key)
         return None if raw is None else self.signer.open(key, raw)
 
-    def get_present(self, name: str) -> bytes | None:
-        """The authentic value of ``name``, known to be there (one request instead of two; a
-        missing key would make torch's ``get`` wait for it up to the store timeout)."""
-        key = self.key(name)
-        return self.signer.open(key, self.store.get(key))
-
     def has(self, name: str) -> bool:
         return self.get(name) is not None
 

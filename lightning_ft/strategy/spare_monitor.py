@@ -101,5 +101,4 @@ class SpareMonitor(BackgroundThread):
             self._beats.clear()
 
     def _closed_for_good(self) -> bool:
-        values = SealedStore(self.store, self.signer)
-        return values.get(values.unlisted(self.keys.closed_for_good)) is not None
+        return self.records.closed_for_good() is not None
