@@ -105,6 +105,19 @@ def latest_progress(log_text: str) -> tuple[int, int, int] | None:
     return int(rank), int(world), int(step)
 
 
+def standing_by(events: list[dict]) -> list[str]:
+    """Participants (by domain, which the demo names node-a/b/c) whose latest completed round
+    made them a hot spare (``standby``)."""
+    domain_of: dict[str, str] = {}
+    latest: dict[str, bool] = {}
+    for event in events:
+        if event.get("event") == "join":
+            domain_of[event.get("who", "")] = event.get("domain", "")
+        elif event.get("event") == "round_complete":
+            latest[domain_of.get(event.get("who", ""), "")] = bool(event.get("standby"))
+    return sorted(name for name, standby in latest.items() if standby and name in NODES)
+
+
 def final_lines(log_text: str) -> list[str]:
     return [line for line in log_text.splitlines() if line.startswith("FINAL ")]
 
@@ -199,9 +212,21 @@ class Demo:
             return {name: p for name, proc in self.participants().items() if (p := latest_progress(proc.log()))}
 
         first = self.wait_until("waiting for training to start", progress)
-        spare = [name for name in NODES if name not in first]
         roles = ", ".join(f"{name} is rank {p[0]}" for name, p in sorted(first.items(), key=lambda kv: kv[1][0]))
-        self.say(f"training: {roles}" + (f"; {', '.join(spare)} waits as hot spare" if spare else ""))
+        self.say(f"training: {roles}")
+
+        # the kill shows a hot spare stepping in only when one stands by: on a loaded machine
+        # the third participant can still be importing when the other two start training
+        # (the round closes with min_nodes), so wait for its own word, not for its silence
+        def spare_standing_by():
+            progress()
+            spares = standing_by(read_events(self.events_dir))
+            if not spares and any(self.processes.procs[name].popen.poll() is not None for name in first):
+                raise DemoFailed("training ended before the third participant stood by as a hot spare")
+            return spares
+
+        spares = self.wait_until("waiting for the hot spare to stand by", spare_standing_by)
+        self.say(f"{', '.join(spares)} waits as hot spare")
 
         def reached_kill_step():
             now = progress()

@@ -104,3 +104,21 @@ def test_demo_interrupted_kills_everything_it_started(tmp_path):
     pids = started_pids(output)
     assert len(pids) == 4
     assert wait_for(lambda: all(gone(pid) for pid in pids), timeout=5), output
+
+
+def test_the_demo_names_a_hot_spare_only_from_its_own_round_complete(monkeypatch):
+    """The demo says a participant waits as hot spare only once that participant's event log says
+    so (a participant still importing when the others start training is not a spare yet)."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "examples"))
+    import demo
+
+    joins = [{"event": "join", "who": f"vm:{pid}:0", "domain": name}
+             for pid, name in ((1, "node-a"), (2, "node-b"), (3, "node-c"))]
+    first_round = [{"event": "round_complete", "who": "vm:1:0", "standby": False},
+                   {"event": "round_complete", "who": "vm:2:0", "standby": False}]
+    assert demo.standing_by(joins + first_round) == []
+    spare_in = [{"event": "round_complete", "who": "vm:3:0", "standby": True}]
+    assert demo.standing_by(joins + first_round + spare_in) == ["node-c"]
+    # a spare that became active in a later round no longer stands by
+    assert demo.standing_by(joins + first_round + spare_in +
+                            [{"event": "round_complete", "who": "vm:3:0", "standby": False}]) == []
