@@ -234,6 +234,14 @@ class BoundedWorker:
         raise error(f"{what} within {bound:g}s (frozen or gone)") from None
 
 
+def connect_exit_bound(timeout: float) -> float:
+    """How long a torch store client's constructor given ``timeout`` may really take: it retries
+    a refused or failed connect after a random back-off, and the last try starts with a full
+    timeout of its own (measured: 1 s -> up to 1.95 s, 5 s -> 10.5 s, 10 s -> 23.9 s). The exit gate
+    waits that long for a connect under way: one that returns during finalization aborts."""
+    return 2.5 * timeout + 1.0
+
+
 class BoundedCall:
     """The outcome of :func:`call_with_timeout`: ``value`` if it returned in time, else ``problem``."""
 
@@ -250,23 +258,27 @@ class BoundedCall:
 
 def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str,
                       unanswered: str = "the store does not answer", log_problem: bool = False,
-                      store_call: bool = False) -> BoundedCall:
+                      store_call: bool = False, abandon: Abandon | None = None,
+                      exit_bound: float | None = None) -> BoundedCall:
     """Run ``fn`` on a worker of its own and wait at most ``timeout_s`` for its value.
 
     ``problem`` says what went wrong, in words fit for a log line and a decision's reasons
     (``unanswered`` is the remark on a call that did not return in time); ``log_problem``
     also logs it as a warning (for callers that only need to know whether it worked).
     ``store_call``: ``fn`` talks to a torch store (e.g. connects a client): it passes the exit
-    gate of store calls (see :class:`_ExitGate`).
+    gate of store calls (see :class:`_ExitGate`). ``abandon``: once set, stop waiting at once.
+    ``exit_bound``: how long the exit gate waits for it (default ``timeout_s``).
     """
     gate = None
     if store_call:  # like every store call: none starts once the interpreter exits, and exit waits
         _STORE_CALLS.hook()  # (up to ``timeout_s``) for one under way -- a torch store call that
         gate = _STORE_CALLS  # returns during finalization aborts the process
     try:
-        outcome = BoundedCall(BoundedWorker("lightning-ft-bounded", calls=1, exit_gate=gate).call(fn, timeout_s, what))
-    except DeadlineExceeded:
-        outcome = BoundedCall(problem=f"{what} did not finish within {timeout_s:g} s ({unanswered})")
+        outcome = BoundedCall(BoundedWorker("lightning-ft-bounded", calls=1, exit_gate=gate).call(
+            fn, timeout_s, what, abandon=abandon, exit_bound=exit_bound))
+    except DeadlineExceeded as exc:
+        outcome = BoundedCall(problem=str(exc) if abandon is not None and abandon.is_set() else
+                              f"{what} did not finish within {timeout_s:g} s ({unanswered})")
     except Exception as exc:  # noqa: BLE001 - reported to the caller, which decides
         outcome = BoundedCall(problem=f"{what} failed: {type(exc).__name__}: {first_line(exc, 200)}")
     if log_problem and not outcome.ok:

@@ -136,6 +136,45 @@ def test_a_failover_store_mirrors_its_calls_and_hands_torch_the_current_client(s
     assert clone.bound == 2.0 and clone.get("run/round") == b"2"
 
 
+@pytest.mark.timeout(60)
+def test_a_connect_to_a_gone_or_replaced_store_returns_at_once(switchboard):
+    """torch's client retries a refused connect until its timeout, and a connect to a silent host
+    waits that long: a connection of a fail-over participant must not (it holds its lock, and
+    every call of that connection waits behind it -- seen as an 11 s recovery)."""
+    import threading
+    import time
+
+    from lightning_ft.rendezvous.failover import StoreUnreachableError
+
+    board, _ = switchboard
+    start = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match="refused"):
+        board._client(Endpoint("127.0.0.1", free_refused_port()), 30.0, within=30.0)
+    assert time.monotonic() - start < 20.0  # the connect's own bound is 30 s
+
+    silent = socket.socket()  # listens, never answers: a frozen host
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    try:
+        board.endpoint = Endpoint("127.0.0.1", port)
+        replaced = threading.Timer(0.5, setattr, (board, "epoch", 1))  # a fail-over moves on
+        replaced.start()
+        start = time.monotonic()
+        with pytest.raises(StoreUnreachableError, match="abandoned"):
+            board.connect(30.0)
+        assert time.monotonic() - start < 20.0
+        replaced.join()
+    finally:
+        silent.close()
+    # the abandoned connect goes on (torch's call cannot be cancelled): a store on that port lets
+    # it end now, rather than the interpreter's exit waiting for its bound
+    _KEEP.append(host_store("127.0.0.1", port, datetime.timedelta(seconds=5)))
+
+
+_KEEP: list = []
+
+
 def test_the_host_of_the_store_never_fails_over_its_own_store(switchboard):
     board, _ = switchboard
     board.fail_over(0, "a test says so")

@@ -48,6 +48,7 @@ from lightning_ft.deadlines import (
     BoundedStore,
     StoreUnresponsiveError,
     call_with_timeout,
+    connect_exit_bound,
     first_line,
 )
 from lightning_ft.rendezvous.presence import Presence, local_address_towards, probe
@@ -181,10 +182,12 @@ class StoreSwitchboard:
         epoch, endpoint = self.epoch, self.endpoint
         if self._lost is not None:
             raise StoreLostError(self._lost)
-        return epoch, self._client(endpoint, bound, quick=moved, inline=inline)
+        # a fail-over while it connects replaces that endpoint: stop waiting for it then (the
+        # connection's lock would keep every other call of that connection waiting as long)
+        return epoch, self._client(endpoint, bound, quick=moved, inline=inline, abandon=self.epoch_ended(epoch))
 
     def _client(self, endpoint: Endpoint, bound: float, quick: bool = False,
-                within: float | None = None, inline: bool = False) -> BoundedStore:
+                within: float | None = None, inline: bool = False, abandon: Abandon | None = None) -> BoundedStore:
         """A client of ``endpoint`` whose calls are bounded by ``bound``; reaching it is bounded by
         ``within`` (default: the call bound, at least ten probe bounds; ``quick``: twenty -- a store just
         failed over to, whose host may have died since: a killed host's listening socket can
@@ -201,15 +204,22 @@ class StoreSwitchboard:
             raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: no connection slot "
                                         f"within {timeout:g}s")
         try:
-            return self._connect(endpoint, bound, timeout, inline)
+            return self._connect(endpoint, bound, timeout, inline, abandon)
         finally:
             _CONNECTING.release()
 
-    def _connect(self, endpoint: Endpoint, bound: float, timeout: float, inline: bool = False) -> BoundedStore:
+    def _connect(self, endpoint: Endpoint, bound: float, timeout: float, inline: bool = False,
+                 abandon: Abandon | None = None) -> BoundedStore:
+        # torch's client retries a refused connection until its timeout (it waits for a store
+        # that is still starting); every endpoint here served already, so a refusal means its
+        # host is gone: say so now, not after ``timeout``
+        if _refuses(endpoint, self.timeouts.probe_timeout):
+            raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: connection refused")
         connecting = call_with_timeout(
             lambda: dist.TCPStore(endpoint.host, endpoint.port, is_master=False,
                                   timeout=datetime.timedelta(seconds=timeout)),
-            timeout + 1.0, f"connecting to the rendezvous store at {endpoint}", store_call=True)
+            timeout + 1.0, f"connecting to the rendezvous store at {endpoint}", store_call=True, abandon=abandon,
+            exit_bound=connect_exit_bound(timeout))
         if not connecting.ok:
             raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: {connecting.problem}")
         store = connecting.value

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from lightning_ft.deadlines import BoundedStore, call_with_timeout, first_line
+from lightning_ft.deadlines import BoundedStore, call_with_timeout, connect_exit_bound, first_line
 from lightning_ft.rendezvous.settings import RendezvousConfigError
 from lightning_ft.settings import Timeouts
 
@@ -137,7 +137,8 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) 
     connecting = call_with_timeout(
         lambda: dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=remaining)),
         remaining + 5.0, f"connecting to the rendezvous store at {endpoint}",
-        unanswered="its host is frozen or overloaded, or the connection hangs", store_call=True)
+        unanswered="its host is frozen or overloaded, or the connection hangs", store_call=True,
+        exit_bound=connect_exit_bound(remaining))
     if not connecting.ok:
         raise RendezvousConnectionError(
             f"cannot reach the rendezvous store at {endpoint} within connect_timeout={connect_timeout:g}s "

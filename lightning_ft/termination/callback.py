@@ -232,9 +232,11 @@ class GracefulTermination(pl.Callback):
         """
         self._fit_active = False
         watcher, self._watcher = self._watcher, None
-        if watcher is not None:  # on the way out nothing needs it gone: do not spend time waking it
+        if watcher is not None:
             assert isinstance(self._coordinator, StoreStopCoordinator)  # the only kind a watcher is made for
-            watcher.close(None if exiting else self._coordinator)
+            # woken on the way out too: the interpreter's exit waits for its store wait anyway (one
+            # that returns during finalization aborts the process), and a wake is one quick call
+            watcher.close(self._coordinator)
         if self._listener is None:
             return
         restore = dict(self._restore_handlers)
