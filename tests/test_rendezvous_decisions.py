@@ -87,6 +87,25 @@ def test_previous_actives_keep_their_old_order():
     assert [a.participant_id.split(":")[0] for a in result.active] == ["node7", "node5"]
 
 
+def test_keep_ranks_puts_a_newcomer_in_the_dead_ranks_place():
+    # ranks 0, 1, 2 were nodes 5, 6, 7; node 6 died; a spare (node 9) and a late node 8 arrived
+    arrivals = [arrival(0, 7), arrival(1, 9, infra=3), arrival(2, 5), arrival(3, 8, infra=1)]
+    previous = tuple(info(n).participant_id for n in (5, 6, 7))
+    kept = assign_ranks(arrivals, previous, min_nodes=3, keep_ranks=True)
+    assert [a.participant_id.split(":")[0] for a in kept.active] == ["node5", "node8", "node7"]
+    assert [a.participant_id.split(":")[0] for a in kept.standby] == ["node9"]
+    # without it the survivors close ranks: node 7's rank (and shard) moves from 2 to 1
+    closed = assign_ranks(arrivals, previous, min_nodes=3)
+    assert [a.participant_id.split(":")[0] for a in closed.active] == ["node5", "node7", "node8"]
+
+
+def test_keep_ranks_is_refused_with_segments():
+    arrivals = [arrival(0, 7)]
+    previous = tuple(info(n).participant_id for n in (5, 6, 7))
+    with pytest.raises(ValueError, match="segment"):
+        assign_ranks(arrivals, previous, min_nodes=2, segment=2, keep_ranks=True)
+
+
 def test_segments_keep_domains_whole():
     arrivals = [arrival(0, 0, domain="a"), arrival(1, 1, domain="b"), arrival(2, 2, domain="b"),
                 arrival(3, 3, domain="a"), arrival(4, 4, domain="c")]

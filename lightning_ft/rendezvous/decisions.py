@@ -88,16 +88,25 @@ def _priority(arrival: Arrival, previous_rank: dict[str, int]) -> tuple:
 
 
 def assign_ranks(arrivals: Iterable[Arrival], previous_actives: Sequence[str], min_nodes: int,
-                 segment: int = 1) -> Assignment:
+                 segment: int = 1, keep_ranks: bool = False) -> Assignment:
     """Choose the ``min_nodes`` actives deterministically; everyone else is standby.
 
     With ``segment > 1`` actives come in whole groups of ``segment`` participants sharing
     a ``domain_id``; domains are taken in the order of their best member's priority.
     Fewer than ``min_nodes`` eligible participants gives fewer actives (callers check
     :func:`can_form_active_set` first).
+
+    ``keep_ranks`` (sharded state: a rank's shard exists only where that rank ran): every
+    previous active that arrived keeps its old rank, and the places of those missing go to
+    the others in priority order -- instead of closing ranks, which would move every shard
+    after the hole. Only with ``segment == 1``.
     """
     previous_rank = {pid: rank for rank, pid in enumerate(previous_actives)}
     ordered = sorted(arrivals, key=lambda a: _priority(a, previous_rank))
+    if keep_ranks:
+        if segment != 1:
+            raise ValueError("keep_ranks needs segment == 1")
+        return _keep_ranks(ordered, previous_rank, min_nodes)
     if segment == 1:
         return Assignment(tuple(ordered[:min_nodes]), tuple(ordered[min_nodes:]))
 
@@ -113,6 +122,22 @@ def assign_ranks(arrivals: Iterable[Arrival], previous_actives: Sequence[str], m
         active.extend(members[:min(usable, (room // segment) * segment)])
     chosen = {a.position for a in active}
     return Assignment(tuple(active), tuple(a for a in ordered if a.position not in chosen))
+
+
+def _keep_ranks(ordered: Sequence[Arrival], previous_rank: dict[str, int], min_nodes: int) -> Assignment:
+    places: list[Arrival | None] = [None] * min_nodes
+    others = []
+    for arrival in ordered:
+        old = previous_rank.get(arrival.participant_id)
+        if old is not None and old < min_nodes and places[old] is None:
+            places[old] = arrival
+        else:
+            others.append(arrival)
+    for index, place in enumerate(places):
+        if place is None and others:
+            places[index] = others.pop(0)
+    active = tuple(place for place in places if place is not None)
+    return Assignment(active, tuple(others))
 
 
 def can_form_active_set(arrivals: Sequence[Arrival], min_nodes: int, segment: int = 1) -> bool:
