@@ -19,15 +19,48 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+
+from lightning_ft.checkpoint.sharded import copy_into_shards, dtensors_to_shards, optimizer_shards_to_dtensors
 
 _CALLER_FRAMES = 8  # how far up the stack the restoring strategy is looked for
 
 
 def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
     """The full checkpoint of ``trainer`` (weights, optimizer, loop and callback state), as
-    ``ModelCheckpoint`` would save it; runs the ``on_save_checkpoint`` hooks."""
-    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    ``ModelCheckpoint`` would save it; runs the ``on_save_checkpoint`` hooks. Sharded state
+    (``ModelParallelStrategy``: ``DTensor`` values) comes as this rank's own shards
+    (:func:`~lightning_ft.checkpoint.sharded.dtensors_to_shards`)."""
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    return dtensors_to_shards(checkpoint) if holds_shards(trainer) else checkpoint  # no walk for DDP
+
+
+def holds_shards(trainer: pl.Trainer) -> bool:
+    """Whether each rank's checkpoint holds only its own shards of the state: Lightning's
+    ``ModelParallelStrategy`` (FSDP2) saving a distributed checkpoint."""
+    strategy = trainer.strategy
+    return isinstance(strategy, ModelParallelStrategy) and bool(strategy._save_distributed_checkpoint)
+
+
+def restore_shards(trainer: pl.Trainer, checkpoint: dict[str, Any], where: str) -> None:
+    """After :func:`restore_from` on a strategy that :func:`holds_shards`: copy this rank's saved
+    shards into the live parameters and load the optimizers' sharded state (the strategy's own
+    ``load_model_state_dict`` and optimizer restore do nothing: they expect a distributed
+    checkpoint directory). Raises :class:`~lightning_ft.checkpoint.sharded.ShardLayoutError` when
+    the snapshot was taken at another world size or by another rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    strategy = trainer.strategy
+    assert isinstance(strategy, ModelParallelStrategy) and strategy.model is not None
+    model = strategy.model
+    live = model.state_dict()
+    copy_into_shards(live, checkpoint.get("state_dict", {}), where)
+    # each parameter's optimizer state lives on the mesh that parameter is sharded over
+    meshes = {name: value.device_mesh for name, value in live.items() if hasattr(value, "device_mesh")}
+    options = StateDictOptions(full_state_dict=False, cpu_offload=True)
+    for optimizer, state in zip(trainer.optimizers, checkpoint.get("optimizer_states", []), strict=False):
+        plain = getattr(optimizer, "_optimizer", optimizer)
+        set_optimizer_state_dict(model, plain, optimizer_shards_to_dtensors(state, meshes, where), options=options)
 
 
 def next_is_a_training_batch(trainer: pl.Trainer) -> bool:

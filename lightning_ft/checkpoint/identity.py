@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from lightning_ft.checkpoint.sharded import is_shard_record
+
 FINGERPRINT_CHARS = 16
 
 
@@ -63,8 +65,10 @@ def state_dict_fingerprint(state_dict: Mapping[str, Any]) -> str:
     entries = []
     for name in sorted(state_dict):
         value = state_dict[name]
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor):  # a DTensor's shape is the global one
             entries.append(f"{name}|{list(value.shape)}|{_dtype_kind(value)}")
+        elif is_shard_record(value):  # its DTensor as a snapshot holds it: the same entry
+            entries.append(f"{name}|{list(value['global_shape'])}|{_dtype_kind(value['local'])}")
         else:
             entries.append(f"{name}|{type(value).__qualname__}")
     return hashlib.sha256("\n".join(entries).encode("utf-8", "surrogatepass")).hexdigest()[:FINGERPRINT_CHARS]

@@ -163,6 +163,24 @@ def shards_to_dtensors(checkpoint: Any, mesh: Any, where: str = "snapshot") -> A
     return _map(checkpoint, leaf)
 
 
+def optimizer_shards_to_dtensors(state: dict[str, Any], meshes: dict[str, Any], where: str = "snapshot") -> Any:
+    """A sharded optimizer state dict (``get_optimizer_state_dict``: ``state`` keyed by parameter
+    name) with its shard records turned back into ``DTensor``s, each on the mesh of its
+    parameter (``meshes``: parameter name -> device mesh)."""
+    per_param = state.get("state", {})
+    restored = {}
+    for name, values in per_param.items():
+        mesh = meshes.get(name)
+        if mesh is None:
+            if count_shards(values):
+                raise ShardLayoutError(f"{where}: optimizer state of {name!r} is sharded, but the model has no "
+                                       "sharded parameter of that name")
+            restored[name] = values
+        else:
+            restored[name] = shards_to_dtensors(values, mesh, f"{where}: optimizer state of {name}")
+    return {**state, "state": restored}
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, running = [], 1
     for size in reversed(shape):

@@ -9,7 +9,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_ft._lightning.checkpointing import loaded_global_step, requested_ckpt_path, restore_from
+from lightning_ft._lightning.checkpointing import (
+    holds_shards,
+    loaded_global_step,
+    requested_ckpt_path,
+    restore_from,
+    restore_shards,
+)
 from lightning_ft.checkpoint.durable.tier import DurableTier
 from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
 from lightning_ft.checkpoint.identity import state_dict_fingerprint
@@ -76,8 +82,14 @@ class AutoResume:
         # rely on resume_start(None) happening to leave it untouched. Here we know what the
         # user's checkpoint contained and can keep it when it is newer. The process group is
         # up and every rank runs this hook, so the rank agreement (one all_gather) is safe.
-        if not replicated(trainer):
+        sharded = holds_shards(trainer)
+        if not (replicated(trainer) or sharded):
             return
+        # sharded: each rank resumes from its own shards only (another rank's copy is another shard);
+        # the durable tier keeps whole copies, not every rank's shards (not yet)
+        peers = not sharded
+        if sharded:
+            durable = None
         given = requested_ckpt_path(trainer)
         if parse_mem_url(given) is not None:
             return  # already restored from a snapshot by MemoryCheckpointIO
@@ -88,7 +100,7 @@ class AutoResume:
             local, skipped = [], []  # every rank still joins the agreement below
             log.info("rank %d: not resuming from snapshots: no run id is set", store.rank)
         else:
-            scan = store.scan(include_peers=True, expect=expect)
+            scan = store.scan(include_peers=peers, expect=expect)
             local, skipped = scan.readable, scan.foreign
         choice = agree_across_tiers(local, durable, store.rank, expect)
         self.durable_listed_everywhere = choice.durable_listed_everywhere
@@ -109,12 +121,14 @@ class AutoResume:
             return
         bring_into_memory(choice, durable, store, expect)
         self.resumed_tier = (choice.tier, choice.reason)
-        info = store.find(step, include_peers=True, expect=expect)
+        info = store.find(step, include_peers=peers, expect=expect)
         if info is None:
             raise RuntimeError(f"rank {store.rank}: snapshot at step {step} vanished or broke after the ranks "
                                f"agreed on it (run {store.run_id!r}, {store.run_dir})")
         checkpoint = store.load(info, expect=expect)
         self.resumed_from = (step, store.created(info))
         restore_from(trainer, checkpoint, f"mem://{step}")
+        if sharded:
+            restore_shards(trainer, checkpoint, f"snapshot step {step} of rank {store.rank}")
         log.info("rank %d: auto-resume from snapshot step %d (rank %d's copy)%s", store.rank, step, info.rank,
                  f", newer than ckpt_path={given} (step {loaded_step})" if given else "")

@@ -26,13 +26,19 @@ def changed_only_by_optimizer_steps(optimizers: Iterable[torch.optim.Optimizer])
     them. (A parameter no optimizer updates may be changed by anything, e.g. forward.)"""
     storages: set[int] = set()
     for optimizer in optimizers:
-        storages.update(parameter.untyped_storage().data_ptr()
-                        for group in optimizer.param_groups for parameter in group["params"])
+        storages.update(_storage(parameter) for group in optimizer.param_groups for parameter in group["params"])
         for state in optimizer.state.values():
-            storages.update(value.untyped_storage().data_ptr() for value in state.values()
-                            if isinstance(value, torch.Tensor))
+            storages.update(_storage(value) for value in state.values() if isinstance(value, torch.Tensor))
     storages.discard(0)  # empty tensors share the null pointer
     return lambda tensor: tensor.untyped_storage().data_ptr() in storages
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    # a DTensor (sharded state) has no storage of its own: its local shard has, and the
+    # checkpoint holds that shard (checkpoint/sharded.py)
+    to_local = getattr(tensor, "to_local", None)
+    local = to_local() if callable(to_local) else tensor
+    return local.untyped_storage().data_ptr()
 
 
 class BackgroundSnapshots:

@@ -16,7 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
-from lightning_ft._lightning.checkpointing import dump_checkpoint, next_is_a_training_batch
+from lightning_ft._lightning.checkpointing import dump_checkpoint, holds_shards, next_is_a_training_batch
 from lightning_ft.checkpoint.durable.persister import DurablePersister
 from lightning_ft.checkpoint.durable.tier import DurableTier
 from lightning_ft.checkpoint.lightning.auto_resume import AutoResume, replicated
@@ -277,9 +277,14 @@ class EmergencyCheckpoint(pl.Callback):
         self._events = getattr(trainer.strategy, "event_log", None) or open_event_log(f"rank{store.rank}")
         self._durable.start(lambda: self._get_store(trainer), store.rank,
                             emit=lambda event, **fields: self._events.emit(event, **fields))
-        if not replicated(trainer):
-            log.warning("EmergencyCheckpoint supports single-device and DDP strategies; with %s each rank's "
-                        "snapshot holds only what dump_checkpoint returns on that rank and auto-resume is off",
+        if holds_shards(trainer):
+            if self._durable.tier is not None:
+                log.warning("EmergencyCheckpoint with %s: each rank snapshots its own shards and resumes from "
+                            "them in memory; the durable tier does not keep sharded state yet (not used to "
+                            "resume)", type(trainer.strategy).__name__)
+        elif not replicated(trainer):
+            log.warning("EmergencyCheckpoint supports single-device, DDP and ModelParallelStrategy; with %s each "
+                        "rank's snapshot holds only what dump_checkpoint returns on that rank and auto-resume is off",
                         type(trainer.strategy).__name__)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
