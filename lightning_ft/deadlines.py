@@ -99,11 +99,18 @@ class _ExitGate:
         with self._cond:
             self._closed = True
             callers = sorted({caller for _, caller in self._in_flight.values()})
+            told = False
             while self._in_flight:
                 remaining = max(deadline for deadline, _ in self._in_flight.values()) - time.monotonic()
                 if remaining <= 0:
                     break
-                self._cond.wait(remaining)
+                if not told and time.monotonic() - start >= 1.0:  # say why the exit takes this long
+                    told = True
+                    log.warning("interpreter exit: waiting up to %.0f s more for %d store call(s) under way (%s): "
+                                "one that returned after the interpreter is gone would abort the process",
+                                remaining, len(self._in_flight),
+                                ", ".join(sorted({caller for _, caller in self._in_flight.values()})))
+                self._cond.wait(remaining if told else min(remaining, max(0.0, start + 1.0 - time.monotonic())))
             left = sorted(caller for _, caller in self._in_flight.values())
         if left:
             # an answer that comes during finalization aborts the process (see above)
@@ -207,6 +214,8 @@ class BoundedWorker:
         stuck = self._stuck
         if stuck is not None and not stuck.done():
             raise error(f"{what}: an earlier call has had no answer for more than {bound:g}s (frozen or gone)")
+        if abandon is not None and abandon.is_set():  # replaced before it started: do not start it
+            raise error(f"{what}: abandoned, the store was replaced before it started")
         future: Future = Future()
         now = time.monotonic()
         deadline = now + bound
@@ -271,7 +280,7 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str,
     """
     gate = None
     if store_call:  # like every store call: none starts once the interpreter exits, and exit waits
-        _STORE_CALLS.hook()  # (up to ``timeout_s``) for one under way -- a torch store call that
+        _STORE_CALLS.hook()  # (up to ``exit_bound``) for one under way -- a torch store call that
         gate = _STORE_CALLS  # returns during finalization aborts the process
     try:
         outcome = BoundedCall(BoundedWorker("lightning-ft-bounded", calls=1, exit_gate=gate).call(
@@ -316,10 +325,11 @@ class BoundedStore:
         _STORE_CALLS.hook()
         self._worker = None if inline else BoundedWorker("lightning_ft-store-client", exit_gate=_STORE_CALLS)
 
-    def _call(self, name: str, *args: Any) -> Any:
+    def _call(self, name: str, *args: Any, exit_bound: float | None = None) -> Any:
         method = getattr(self.raw, name)
+        exit_bound = self.bound if exit_bound is None else exit_bound
         if self._worker is None:
-            admitted = _STORE_CALLS.enter(time.monotonic() + self.bound, threading.current_thread().name)
+            admitted = _STORE_CALLS.enter(time.monotonic() + exit_bound, threading.current_thread().name)
             if admitted is None:
                 raise InterpreterExitingError("the interpreter is exiting: no store call starts")
             try:
@@ -330,7 +340,7 @@ class BoundedStore:
         if name == "wait" and len(args) > 1:  # a wait with a timeout of its own is bounded by it, plus ours
             bound += args[1].total_seconds()
         return self._worker.call(lambda: method(*args), bound, f"the rendezvous store did not answer {name}()",
-                                 StoreUnresponsiveError, self.abandon, exit_bound=self.bound)
+                                 StoreUnresponsiveError, self.abandon, exit_bound=exit_bound)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name in BoundedStore._METHODS:
@@ -340,7 +350,11 @@ class BoundedStore:
     def clone(self, bound: float | None = None, inline: bool = False) -> BoundedStore:
         """Another connection to the same store (torch's ``TCPStore.clone``), bounded alike or by
         ``bound``; ``inline``: its calls run on the caller's thread (see :attr:`inline`)."""
-        return BoundedStore(self._call("clone"), self.bound if bound is None else bound, inline=inline)
+        # torch's clone connects a new client with the store's own timeout (and its retries)
+        timeout = getattr(self.raw, "timeout", None)
+        exit_bound = connect_exit_bound(timeout.total_seconds()) if timeout is not None else None
+        return BoundedStore(self._call("clone", exit_bound=exit_bound), self.bound if bound is None else bound,
+                            inline=inline)
 
 
 def raw_store(store: Any) -> Any:

@@ -150,7 +150,7 @@ def test_a_connect_to_a_gone_or_replaced_store_returns_at_once(switchboard):
     start = time.monotonic()
     with pytest.raises(StoreUnreachableError, match="refused"):
         board._client(Endpoint("127.0.0.1", free_refused_port()), 30.0, within=30.0)
-    assert time.monotonic() - start < 20.0  # the connect's own bound is 30 s
+    assert time.monotonic() - start < 10.0  # one refused TCP connect; the connect's own bound is 30 s
 
     silent = socket.socket()  # listens, never answers: a frozen host
     silent.bind(("127.0.0.1", 0))

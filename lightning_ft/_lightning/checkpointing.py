@@ -14,6 +14,7 @@ All of it is private Lightning API (``trainer._checkpoint_connector``, the epoch
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -21,7 +22,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
-from lightning_ft.checkpoint.sharded import copy_into_shards, dtensors_to_shards, optimizer_shards_to_dtensors
+from lightning_ft.checkpoint.sharded import (
+    ShardLayoutError,
+    copy_into_shards,
+    dtensors_to_shards,
+    is_shard_record,
+    optimizer_shards_to_dtensors,
+)
 
 _CALLER_FRAMES = 8  # how far up the stack the restoring strategy is looked for
 
@@ -42,6 +49,30 @@ def holds_shards(trainer: pl.Trainer) -> bool:
     return isinstance(strategy, ModelParallelStrategy) and bool(strategy._save_distributed_checkpoint)
 
 
+def restore_after_setup(trainer: pl.Trainer, checkpoint: dict[str, Any], ckpt_path: str,
+                        used: Callable[[], None], passed_over: Callable[[Any], None]) -> None:
+    """From ``on_fit_start`` of a strategy that restores after setup (``restore_checkpoint_after_setup``,
+    e.g. ``ModelParallelStrategy``): when Lightning then loads the checkpoint of this ``fit()``
+    without a user ``ckpt_path``, it gets ``checkpoint`` instead, as if ``ckpt_path`` had been
+    passed, and ``used()`` runs (the model and optimizers are set up by then); Lightning's own
+    code restores the rest once. With a user ``ckpt_path`` that one is loaded and
+    ``passed_over(path)`` runs. One ``fit()`` only."""
+    connector = trainer._checkpoint_connector
+    original = connector.resume_start
+
+    def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+        del connector.resume_start  # the instance attribute: back to the class's method
+        if checkpoint_path:
+            passed_over(checkpoint_path)
+            original(checkpoint_path, weights_only=weights_only)
+            return
+        connector._ckpt_path = ckpt_path
+        connector._loaded_checkpoint = checkpoint
+        used()
+
+    connector.resume_start = resume_start  # type: ignore[method-assign]
+
+
 def restore_shards(trainer: pl.Trainer, checkpoint: dict[str, Any], where: str) -> None:
     """After :func:`restore_from` on a strategy that :func:`holds_shards`: copy this rank's saved
     shards into the live parameters and load the optimizers' sharded state (the strategy's own
@@ -54,7 +85,14 @@ def restore_shards(trainer: pl.Trainer, checkpoint: dict[str, Any], where: str) 
     assert isinstance(strategy, ModelParallelStrategy) and strategy.model is not None
     model = strategy.model
     live = model.state_dict()
-    copy_into_shards(live, checkpoint.get("state_dict", {}), where)
+    saved = checkpoint.get("state_dict", {})
+    copied = set(copy_into_shards(live, saved, where))
+    # names differ e.g. for a torch.compile'd module ("_orig_mod."): never resume half a model
+    unmatched = sorted(key for key, value in {**saved, **live}.items()
+                       if key not in copied and (isinstance(value, torch.Tensor) or is_shard_record(value)))
+    if unmatched:
+        raise ShardLayoutError(f"{where}: {len(unmatched)} tensor(s) of the model and the snapshot do not match "
+                               f"by name, e.g. {unmatched[:5]}")
     # each parameter's optimizer state lives on the mesh that parameter is sharded over
     meshes = {name: value.device_mesh for name, value in live.items() if hasattr(value, "device_mesh")}
     options = StateDictOptions(full_state_dict=False, cpu_offload=True)

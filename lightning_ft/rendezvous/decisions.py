@@ -125,6 +125,8 @@ def assign_ranks(arrivals: Iterable[Arrival], previous_actives: Sequence[str], m
 
 
 def _keep_ranks(ordered: Sequence[Arrival], previous_rank: dict[str, int], min_nodes: int) -> Assignment:
+    # callers complete a round only with min_nodes eligible arrivals (can_form_active_set), so
+    # every place is filled and no rank moves; with fewer, the actives would close ranks
     places: list[Arrival | None] = [None] * min_nodes
     others = []
     for arrival in ordered:
@@ -133,11 +135,10 @@ def _keep_ranks(ordered: Sequence[Arrival], previous_rank: dict[str, int], min_n
             places[old] = arrival
         else:
             others.append(arrival)
-    for index, place in enumerate(places):
-        if place is None and others:
-            places[index] = others.pop(0)
+    waiting = iter(others)
+    places = [place if place is not None else next(waiting, None) for place in places]
     active = tuple(place for place in places if place is not None)
-    return Assignment(active, tuple(others))
+    return Assignment(active, tuple(waiting))
 
 
 def can_form_active_set(arrivals: Sequence[Arrival], min_nodes: int, segment: int = 1) -> bool:

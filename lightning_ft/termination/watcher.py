@@ -59,7 +59,7 @@ class StopWatcher(BackgroundThread):
     def close(self, waker: StoreStopCoordinator | None) -> None:
         """End the thread: wake it through ``waker`` (another connection) and wait at most its close
         timeout. A watcher stuck in a store that does not answer is left behind (a daemon thread);
-        nothing waits for it; without ``waker`` (on the way out) nothing waits at all."""
+        nothing waits for it; without ``waker`` nothing waits at all."""
         self.stopping.set()
         if waker is None or not self.alive:
             return

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
@@ -13,6 +14,7 @@ from lightning_ft._lightning.checkpointing import (
     holds_shards,
     loaded_global_step,
     requested_ckpt_path,
+    restore_after_setup,
     restore_from,
     restore_shards,
 )
@@ -126,9 +128,28 @@ class AutoResume:
             raise RuntimeError(f"rank {store.rank}: snapshot at step {step} vanished or broke after the ranks "
                                f"agreed on it (run {store.run_id!r}, {store.run_dir})")
         checkpoint = store.load(info, expect=expect)
+        if sharded:
+            self._restore_sharded_after_setup(trainer, store, info, checkpoint, step)
+            return
         self.resumed_from = (step, store.created(info))
         restore_from(trainer, checkpoint, f"mem://{step}")
-        if sharded:
-            restore_shards(trainer, checkpoint, f"snapshot step {step} of rank {store.rank}")
         log.info("rank %d: auto-resume from snapshot step %d (rank %d's copy)%s", store.rank, step, info.rank,
                  f", newer than ckpt_path={given} (step {loaded_step})" if given else "")
+
+    def _restore_sharded_after_setup(self, trainer: pl.Trainer, store: SnapshotStore, info: SnapshotInfo,
+                                     checkpoint: dict, step: int) -> None:
+        # A strategy that holds shards restores after on_fit_start (restore_checkpoint_after_setup):
+        # the snapshot goes in where Lightning then loads the checkpoint, unless the user passed
+        # ckpt_path -- whose step cannot be compared before it is loaded, so it wins (logged).
+        def used() -> None:
+            restore_shards(trainer, checkpoint, f"snapshot step {step} of rank {store.rank}")
+            self.resumed_from = (step, store.created(info))
+            log.info("rank %d: auto-resume from this rank's shards of snapshot step %d", store.rank, step)
+
+        def passed_over(ckpt_path: Any) -> None:
+            self.resumed_tier = None
+            log.warning("rank %d: restoring ckpt_path=%s as given, not snapshot step %d: with sharded state their "
+                        "steps cannot be compared before loading (remove ckpt_path to resume from the snapshots)",
+                        store.rank, ckpt_path, step)
+
+        restore_after_setup(trainer, checkpoint, f"mem://{step}", used, passed_over)
