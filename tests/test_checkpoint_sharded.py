@@ -73,3 +73,23 @@ def test_model_parallel_strategy_resumes_each_rank_from_its_own_shards_exactly(p
     uninterrupted = json.loads((tmp_path / "uninterrupted.json").read_text())
     assert resumed["resumed"] == 8 and resumed["step"] == uninterrupted["step"] == 12, resumed
     assert resumed["digest"] == uninterrupted["digest"], (resumed, uninterrupted)
+
+
+def test_a_restore_after_setup_is_used_once_and_a_leftover_is_dropped():
+    import lightning.pytorch as pl
+
+    from lightning_ft._lightning.checkpointing import drop_pending_restore, restore_after_setup
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    connector = trainer._checkpoint_connector
+    used: list[str] = []
+    checkpoint = {"global_step": 8}
+    restore_after_setup(trainer, checkpoint, "mem://8", lambda: used.append("used"),
+                        lambda path: used.append(f"passed over {path}"))
+    connector.resume_start(None)  # what Lightning calls after setup when no ckpt_path was given
+    assert used == ["used"] and connector._loaded_checkpoint is checkpoint and connector._ckpt_path == "mem://8"
+    assert "resume_start" not in vars(connector)  # once: the next fit() loads as Lightning does
+    restore_after_setup(trainer, checkpoint, "mem://8", lambda: used.append("again"), lambda path: None)
+    drop_pending_restore(trainer)  # that fit() ended before Lightning loaded anything
+    connector.resume_start(None)
+    assert used == ["used"]

@@ -73,6 +73,12 @@ def restore_after_setup(trainer: pl.Trainer, checkpoint: dict[str, Any], ckpt_pa
     connector.resume_start = resume_start  # type: ignore[method-assign]
 
 
+def drop_pending_restore(trainer: pl.Trainer) -> None:
+    """Forget a :func:`restore_after_setup` of an earlier ``fit()`` that ended before Lightning
+    loaded its checkpoint (it must not inject that snapshot into this one)."""
+    vars(trainer._checkpoint_connector).pop("resume_start", None)
+
+
 def restore_shards(trainer: pl.Trainer, checkpoint: dict[str, Any], where: str) -> None:
     """After :func:`restore_from` on a strategy that :func:`holds_shards`: copy this rank's saved
     shards into the live parameters and load the optimizers' sharded state (the strategy's own

@@ -16,7 +16,12 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
-from lightning_ft._lightning.checkpointing import dump_checkpoint, holds_shards, next_is_a_training_batch
+from lightning_ft._lightning.checkpointing import (
+    drop_pending_restore,
+    dump_checkpoint,
+    holds_shards,
+    next_is_a_training_batch,
+)
 from lightning_ft.checkpoint.durable.persister import DurablePersister
 from lightning_ft.checkpoint.durable.tier import DurableTier
 from lightning_ft.checkpoint.lightning.auto_resume import AutoResume, replicated
@@ -290,6 +295,7 @@ class EmergencyCheckpoint(pl.Callback):
                         type(trainer.strategy).__name__)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        drop_pending_restore(trainer)
         self._warn_if_unprotected(trainer)
         self._resume.reset()
         self._space_checked, self._estimated_bytes = False, None  # once per fit: the model may differ
