@@ -178,6 +178,25 @@ def test_spare_steps_in_when_failure_opens_next_round(tcp_store):
     assert second[1].is_active
 
 
+def test_with_keep_ranks_the_spare_takes_the_lost_rank_and_the_survivor_keeps_its_own(tcp_store):
+    rdzvs = [make(tcp_store, i, infra=i, previous_active_grace=0.5, keep_ranks=True) for i in range(3)]
+    try:
+        first = join_all(rdzvs)
+        assert [(r.rank, r.is_active) for r in first[:2]] == [(0, True), (1, True)] and not first[2].is_active
+        rdzvs[0].stop_heartbeat()  # rank 0 "dies"
+        second = join_all(rdzvs[1:], method="next_active_round")
+    finally:
+        stop(rdzvs)
+    assert [r.rank for r in second] == [1, 0]  # the survivor stays rank 1; the spare is rank 0 now
+
+
+def test_keep_ranks_with_segments_is_a_clear_error():
+    from lightning_ft.rendezvous.settings import RendezvousConfigError
+
+    with pytest.raises(RendezvousConfigError, match="keep_ranks needs segment 1"):
+        RendezvousSettings.of("job", 2, 3, segment=2, keep_ranks=True)
+
+
 def test_previous_active_keeps_place_over_faster_spare(tcp_store):
     rdzvs = [make(tcp_store, i, infra=i, previous_active_grace=5.0) for i in range(3)]
     try:

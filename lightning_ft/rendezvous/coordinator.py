@@ -222,7 +222,7 @@ class Coordinator:
         # answers unread.
         decision = f"{self.rdzv.participant_id}#{uuid.uuid4().hex[:8]}"
         assignment = assign_ranks(arrivals, self.previous_actives, self.settings.min_nodes,
-                                  self.settings.segment)
+                                  self.settings.segment, keep_ranks=self.settings.keep_ranks)
         world = len(assignment.active)
         answers = [(a, rank) for rank, a in enumerate(assignment.active)]
         answers += [(a, -1) for a in assignment.standby] + [(a, EXTRA_RANK) for a in extras]

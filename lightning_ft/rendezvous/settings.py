@@ -34,6 +34,10 @@ class RendezvousOptions:
                               "(1: no rule)", rule=_POSITIVE_INT, parse=parse_int)
     health_check: bool = setting(False, "run the node-health probes before joining a round (torchrun backend)",
                                  rule=boolean, parse=parse_flag)
+    keep_ranks: bool = setting(False, "survivors of a failure keep their ranks and a newcomer (a hot spare) takes "
+                                      "the lost rank's place, instead of closing ranks (sharded state: a rank's "
+                                      "shard exists only where that rank ran); only with segment 1",
+                               rule=boolean, parse=parse_flag)
     store_failover: bool = setting(True, "when the rendezvous store is lost (its host died, or lightning-ft "
                                          "store), a surviving participant takes it over (docs/strategy.md, "
                                          "Store fail-over); False: a lost store ends the job as before",
@@ -70,6 +74,10 @@ class RendezvousSettings:
     @property
     def health_check(self) -> bool:
         return self.options.health_check
+
+    @property
+    def keep_ranks(self) -> bool:
+        return self.options.keep_ranks
 
     @property
     def store_failover(self) -> bool:
@@ -147,6 +155,9 @@ def validate_settings(settings: RendezvousSettings) -> None:
             f"min_nodes ({settings.min_nodes}) must be a multiple of segment ({settings.segment})")
     if not isinstance(settings.options, RendezvousOptions):
         raise RendezvousConfigError(f"options must be RendezvousOptions, got {settings.options!r}")
+    if settings.options.keep_ranks and settings.segment != 1:
+        raise RendezvousConfigError(f"keep_ranks needs segment 1 (got segment {settings.segment}): a newcomer "
+                                    "takes one lost rank's place, not a whole group's")
     if not isinstance(settings.timeouts, Timeouts):
         raise RendezvousConfigError(f"timeouts must be Timeouts, got {settings.timeouts!r}")
 
