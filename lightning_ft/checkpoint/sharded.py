@@ -13,6 +13,7 @@ Resharding is not supported; :class:`ShardLayoutError` names the saved and the c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -130,20 +131,13 @@ def _check_layout(record: dict[str, Any], mesh: Any, where: str) -> None:
     if saved != now:
         raise ShardLayoutError(
             f"{where}: the snapshot was taken with a device mesh of shape {saved} (world size "
-            f"{_product(saved)}) and this run has {now} (world size {_product(now)}): sharded state "
+            f"{math.prod(saved)}) and this run has {now} (world size {math.prod(now)}): sharded state "
             "cannot be restored at another world size (resharding is not supported); resume with "
-            f"{_product(saved)} active participants or start from a full checkpoint")
+            f"{math.prod(saved)} active participants or start from a full checkpoint")
     coordinate = list(mesh.get_coordinate() or [])
     if list(record.get("coordinate", [])) != coordinate:
         raise ShardLayoutError(f"{where}: the snapshot holds the shard of mesh coordinate {record.get('coordinate')} "
                                f"and this rank is {coordinate}: a rank must restore its own shard")
-
-
-def _product(values: list[int]) -> int:
-    out = 1
-    for value in values:
-        out *= int(value)
-    return out
 
 
 def shards_to_dtensors(checkpoint: Any, mesh: Any, where: str = "snapshot") -> Any:
