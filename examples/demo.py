@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lightning_ft from this checkout, installed or not
 from lightning_ft.events import EventLog, read_events
+from lightning_ft.events.names import JOIN, ROUND_COMPLETE
 from lightning_ft.events.report import format_report, summarize
 
 import common  # this directory is on sys.path when the demo runs as a script
@@ -111,9 +112,9 @@ def standing_by(events: list[dict]) -> list[str]:
     domain_of: dict[str, str] = {}
     latest: dict[str, bool] = {}
     for event in events:
-        if event.get("event") == "join":
+        if event.get("event") == JOIN:
             domain_of[event.get("who", "")] = event.get("domain", "")
-        elif event.get("event") == "round_complete":
+        elif event.get("event") == ROUND_COMPLETE:
             latest[domain_of.get(event.get("who", ""), "")] = bool(event.get("standby"))
     return sorted(name for name, standby in latest.items() if standby and name in NODES)
 

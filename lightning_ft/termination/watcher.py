@@ -56,12 +56,12 @@ class StopWatcher(BackgroundThread):
     def peer_unhealthy(self) -> bool:
         return bool(self.unhealthy)
 
-    def close(self, waker: StoreStopCoordinator | None) -> None:
+    def close(self, waker: StoreStopCoordinator) -> None:
         """End the thread: wake it through ``waker`` (another connection) and wait at most its close
         timeout. A watcher stuck in a store that does not answer is left behind (a daemon thread);
-        nothing waits for it; without ``waker`` nothing waits at all."""
+        nothing waits for it."""
         self.stopping.set()
-        if waker is None or not self.alive:
+        if not self.alive:
             return
         call_with_timeout(waker.wake_self, self.join_timeout, "waking the stop watcher")
         self.stop(join=True)
