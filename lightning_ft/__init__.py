@@ -20,6 +20,7 @@ _LAZY_NAMES = {
     "GracefulTermination": "lightning_ft.termination.callback",
     "EmergencyCheckpoint": "lightning_ft.checkpoint.lightning.callback",
     "FaultTolerantDDPStrategy": "lightning_ft.strategy",
+    "FaultTolerantFSDPStrategy": "lightning_ft.strategy",
 }
 
 __all__ = ["ExitCode", "FaultTolerantExit", "__version__", *_LAZY_NAMES]

@@ -36,6 +36,26 @@ def test_records_are_recognised_and_bad_placements_refused():
         decode_placements(["P"])
 
 
+def test_the_newest_step_with_every_shard_wins_and_each_rank_receives_its_own():
+    from lightning_ft.checkpoint.policy import ShardTransferPlan, plan_shard_transfers
+
+    assert plan_shard_transfers([[], []]) is None
+    assert plan_shard_transfers([]) is None
+    # a relaunch placed the participants in the other order: each holds the other's shards
+    assert plan_shard_transfers([[(1, 8)], [(0, 8)]]) == ShardTransferPlan(8, ((1, 0), (0, 1)))
+    # in place: nothing moves
+    assert plan_shard_transfers([[(0, 4), (0, 8)], [(1, 4), (1, 8)]]) == ShardTransferPlan(8, ())
+    # rank 1's shard of step 12 is lost (its holder died): step 8 is the newest whole model
+    assert plan_shard_transfers([[(0, 8), (0, 12)], [(1, 8)]]) == ShardTransferPlan(8, ())
+    # a new rank 1 (a spare) gets rank 1's shard from the rank that keeps a replica of it
+    assert plan_shard_transfers([[(0, 8), (1, 8)], [], [(2, 8)]]) == ShardTransferPlan(8, ((0, 1),))
+    # the lowest holder sends; shards of ranks beyond this world are nobody's
+    assert plan_shard_transfers([[(0, 8)], [(0, 8), (1, 8), (5, 8)]]) == ShardTransferPlan(8, ())
+    assert plan_shard_transfers([[(1, 8)], [(0, 8)], [(0, 8), (2, 8)]]) == ShardTransferPlan(8, ((1, 0), (0, 1)))
+    # a shard missing everywhere: no whole model, nothing to resume
+    assert plan_shard_transfers([[(0, 8)], [(0, 8)]]) is None
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_two_ranks_snapshot_their_own_shards_and_restore_them(tmp_path):

@@ -186,6 +186,16 @@ def test_peer_error_is_no_restart_and_local_error_raises():
     assert decide_recovery(FailureKind.STOP, 1, 2, 0, None).action is FailureAction.RAISE
 
 
+def test_a_strategy_that_cannot_reform_ends_the_job_with_its_reason():
+    for kind in (FailureKind.PEER_LOST, FailureKind.GROUP_BROKEN, FailureKind.DEADLOCK):
+        decision = decide_recovery(kind, 1, 2, 0, None, cannot_reform="sharded state")
+        assert decision.action is FailureAction.NO_RESTART and decision.close is CloseKind.FAILED
+        assert decision.reason == f"{kind.value}: sharded state"
+    # a bug or a stop is still what it is
+    assert decide_recovery(FailureKind.LOCAL_ERROR, 1, 2, 0, None, "sharded").action is FailureAction.RAISE
+    assert "error of its own" in decide_recovery(FailureKind.PEER_ERROR, 1, 2, 0, None, "sharded").reason
+
+
 # ------------------------------------------------------------------ end of the rendezvous
 
 

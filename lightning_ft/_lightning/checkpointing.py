@@ -43,9 +43,11 @@ def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
 
 
 def holds_shards(trainer: pl.Trainer) -> bool:
-    """Whether each rank's checkpoint holds only its own shards of the state: Lightning's
-    ``ModelParallelStrategy`` (FSDP2) saving a distributed checkpoint."""
+    """Whether each rank's checkpoint holds only its own shards of the state: ``fsdp_ft``, or
+    Lightning's ``ModelParallelStrategy`` (FSDP2) saving a distributed checkpoint."""
     strategy = trainer.strategy
+    if getattr(strategy, "shards_state", False):  # FaultTolerantFSDPStrategy (not imported here: a cycle)
+        return True
     return isinstance(strategy, ModelParallelStrategy) and bool(strategy._save_distributed_checkpoint)
 
 
@@ -87,9 +89,8 @@ def restore_shards(trainer: pl.Trainer, checkpoint: dict[str, Any], where: str) 
     the snapshot was taken at another world size or by another rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    strategy = trainer.strategy
-    assert isinstance(strategy, ModelParallelStrategy) and strategy.model is not None
-    model = strategy.model
+    model = trainer.strategy.model
+    assert model is not None  # set up by now (restore_checkpoint_after_setup)
     live = model.state_dict()
     saved = checkpoint.get("state_dict", {})
     copied = set(copy_into_shards(live, saved, where))

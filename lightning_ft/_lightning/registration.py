@@ -1,4 +1,4 @@
-"""Register the ``ddp_ft`` strategy with Lightning without importing Lightning early.
+"""Register the ``ddp_ft`` and ``fsdp_ft`` strategies with Lightning without importing Lightning early.
 
 ``import lightning_ft`` installs an import watcher; as soon as ``lightning.pytorch`` has
 loaded (before or after this package), ``ddp_ft`` is registered and the known-harmless
@@ -21,7 +21,12 @@ from types import ModuleType
 from typing import Any
 
 from lightning_ft._lightning.compat import silence_known_warnings
-from lightning_ft._lightning.names import STRATEGY_DESCRIPTION, STRATEGY_NAME
+from lightning_ft._lightning.names import (
+    FSDP_STRATEGY_DESCRIPTION,
+    FSDP_STRATEGY_NAME,
+    STRATEGY_DESCRIPTION,
+    STRATEGY_NAME,
+)
 from lightning_ft._lightning.slurm import install as install_slurm_compat
 
 # The whole package, not ``lightning.pytorch.strategies``: that one loads while
@@ -37,14 +42,23 @@ def create_ddp_ft(**kwargs: Any) -> Any:
     return FaultTolerantDDPStrategy(**kwargs)
 
 
+def create_fsdp_ft(**kwargs: Any) -> Any:
+    """What ``StrategyRegistry.get("fsdp_ft")`` calls: a ``FaultTolerantFSDPStrategy`` (see :func:`create_ddp_ft`)."""
+    from lightning_ft.strategy.fsdp import FaultTolerantFSDPStrategy  # on first use (module docstring)
+
+    return FaultTolerantFSDPStrategy(**kwargs)
+
+
 def _register_strategy() -> None:
     silence_known_warnings()
     # loaded by now: this runs once lightning.pytorch has finished importing
     from lightning.pytorch.strategies import StrategyRegistry
 
-    if STRATEGY_NAME not in StrategyRegistry:
-        StrategyRegistry.register(STRATEGY_NAME, create_ddp_ft, description=STRATEGY_DESCRIPTION)
-    install_slurm_compat(create_ddp_ft)  # under srun, Lightning's SLURM checks would reject ddp_ft layouts
+    for name, factory, description in ((STRATEGY_NAME, create_ddp_ft, STRATEGY_DESCRIPTION),
+                                       (FSDP_STRATEGY_NAME, create_fsdp_ft, FSDP_STRATEGY_DESCRIPTION)):
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, factory, description=description)
+        install_slurm_compat(factory)  # under srun, Lightning's SLURM checks would reject our layouts
 
 
 class _LoaderThatRegistersAfterwards(importlib.abc.Loader):

@@ -166,6 +166,41 @@ def plan_snapshot_transfer(steps_per_rank: Sequence[Iterable[int]]) -> TransferP
     return TransferPlan(newest, holders[0], receivers)
 
 
+@dataclass(frozen=True)
+class ShardTransferPlan:
+    """Sharded state: resume at ``step``; each ``(source, receiver)`` sends rank ``receiver``'s
+    shards of that step, which ``source`` holds and ``receiver`` lacks."""
+
+    step: int
+    transfers: tuple[tuple[int, int], ...]
+
+
+def plan_shard_transfers(held_per_rank: Sequence[Iterable[tuple[int, int]]]) -> ShardTransferPlan | None:
+    """After a group of sharded ranks forms: the step to resume from and the shards to move.
+
+    ``held_per_rank[r]``: the ``(shard_rank, step)`` snapshots rank ``r`` can read (its own and
+    those of other ranks on its host). Unlike replicated state, a step is usable only when every
+    rank's shards of it exist somewhere: the newest such step wins (a newer step that lacks a
+    shard would resume a model mixed from two steps). Each rank that lacks its own shards of
+    that step receives them from the lowest rank that holds them -- a relaunch that placed the
+    participants in another order, or a rank that replaced a lost one. ``None``: no complete step.
+    """
+    held = [set(pairs) for pairs in held_per_rank]
+    world = len(held)
+    holders: dict[tuple[int, int], list[int]] = {}
+    for rank, pairs in enumerate(held):
+        for shard, step in pairs:
+            if 0 <= shard < world:  # shards of a larger world belong to no rank of this one
+                holders.setdefault((shard, step), []).append(rank)
+    complete = [step for step in {step for _, step in holders}
+                if all((shard, step) in holders for shard in range(world))]
+    if not complete:
+        return None
+    step = max(complete)
+    transfers = tuple((holders[(rank, step)][0], rank) for rank in range(world) if (rank, step) not in held[rank])
+    return ShardTransferPlan(step, transfers)
+
+
 def replica_needed(active_domains: Sequence[str], factor: int) -> bool:
     """Does the newest snapshot need copies beyond the actives' own?
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
-from lightning_ft.checkpoint.exchange.transfer import exchange_snapshots
+from lightning_ft.checkpoint.exchange.transfer import exchange_shards, exchange_snapshots
 from lightning_ft.checkpoint.identity import ExpectedIdentity
 from lightning_ft.checkpoint.memory.store import SnapshotStore
-from lightning_ft.checkpoint.policy import TransferPlan
+from lightning_ft.checkpoint.policy import ShardTransferPlan, TransferPlan
 from lightning_ft.schema.encryption import ReplicaCipher
 
 
@@ -54,6 +54,15 @@ class SnapshotService:
         resumes."""
         with self.open_store_for(rank) as store:
             return exchange_snapshots(store, rank, world_size, emit, model)
+
+    def exchange_shards(self, rank: int, world_size: int, emit: Callable[..., None],
+                        model: str | None = None) -> ShardTransferPlan | None:
+        """:meth:`exchange` for sharded state: every rank ends up holding its own shards of the
+        newest step whose shards all exist (see
+        :func:`~lightning_ft.checkpoint.exchange.transfer.exchange_shards`); its step is where
+        training resumes (None: no complete step)."""
+        with self.open_store_for(rank) as store:
+            return exchange_shards(store, rank, world_size, emit, model)
 
 
 def replica_puller(service: SnapshotService | None, domain_id: str, replication_factor: int,

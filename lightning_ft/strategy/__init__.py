@@ -14,9 +14,10 @@ from lightning_ft.strategy.settings import StrategyConfigError
 
 _LAZY = {
     "FaultTolerantDDPStrategy": "lightning_ft.strategy.strategy",
+    "FaultTolerantFSDPStrategy": "lightning_ft.strategy.fsdp",
     "register_strategy": "lightning_ft.strategy.strategy",
 }
 
-__all__ = ["FaultTolerantDDPStrategy", "StrategyConfigError", "register_strategy"]
+__all__ = ["FaultTolerantDDPStrategy", "FaultTolerantFSDPStrategy", "StrategyConfigError", "register_strategy"]
 
 __getattr__ = lazy_getattr("lightning_ft.strategy", _LAZY, globals())

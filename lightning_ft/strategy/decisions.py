@@ -268,25 +268,26 @@ def decide_on_failure(kind: FailureKind) -> FailureOutcome:
 
 def decide_after_interruption(kind: FailureKind, termination_in_progress: bool, failures_without_progress: int,
                               max_failures_without_progress: int, recoveries: int,
-                              max_recoveries: int | None) -> FailureOutcome:
+                              max_recoveries: int | None, cannot_reform: str | None = None) -> FailureOutcome:
     """The second decision, once the callbacks saw the interruption: a termination in progress
     (the SIGTERM path decided in ``on_exception``) stops the job; else :func:`decide_recovery`."""
     if termination_in_progress:
         return FailureOutcome(FailureAction.RAISE, "a termination is in progress (SIGTERM path)",
                               close=CloseKind.STOPPED)
     return decide_recovery(kind, failures_without_progress, max_failures_without_progress, recoveries,
-                           max_recoveries)
+                           max_recoveries, cannot_reform)
 
 
 def decide_recovery(kind: FailureKind, failures_without_progress: int,
                     max_failures_without_progress: int, recoveries: int,
-                    max_recoveries: int | None) -> FailureOutcome:
+                    max_recoveries: int | None, cannot_reform: str | None = None) -> FailureOutcome:
     """What to do about a classified failure of a peer.
 
     ``failures_without_progress`` counts failed rounds in a row that completed no training
     step beyond the step where the previous failure struck, including this one: a failure
     that recurs before any progress (a collective that fails deterministically, a spare that
-    cannot start, a deadlock) must not loop forever.
+    cannot start, a deadlock) must not loop forever. ``cannot_reform``: why the strategy
+    cannot re-form a round in-process (sharded state, for now); such a failure ends the job.
     """
     if kind is FailureKind.STOP or kind is FailureKind.LOCAL_ERROR:
         return FailureOutcome(FailureAction.RAISE, f"{kind.value}: not a peer failure; re-raising")
@@ -294,6 +295,8 @@ def decide_recovery(kind: FailureKind, failures_without_progress: int,
         return FailureOutcome(FailureAction.NO_RESTART,
                               "a peer failed with an error of its own; restarting would repeat it",
                               close=CloseKind.FAILED)
+    if cannot_reform is not None:
+        return FailureOutcome(FailureAction.NO_RESTART, f"{kind.value}: {cannot_reform}", close=CloseKind.FAILED)
     if failures_without_progress > max_failures_without_progress:
         return FailureOutcome(
             FailureAction.NO_RESTART,

@@ -155,7 +155,7 @@ class RecoveryExecutor:
         self._interrupt(trainer, exc, kind, detector, step)
         outcome = decide_after_interruption(kind, _termination_in_progress(trainer), failures_without_progress,
                                             settings.max_failures_without_progress, run.recoveries,
-                                            settings.max_recoveries)
+                                            settings.max_recoveries, self._host.cannot_reform)
         result = runtime.result
         if outcome.action is FailureAction.RAISE:  # a termination takes over: leave as it decided
             session.events.emit(ev.STOPPED, round=result.round, reason="termination in progress during a peer failure")

@@ -20,6 +20,8 @@ class StrategyHost(Protocol):
 
     settings: StrategySettings
     session: Session | None
+    #: why a failed round cannot re-form in-process with this strategy (None: it can)
+    cannot_reform: str | None
 
     @property
     def event_log(self) -> EventLog | NullEventLog: ...

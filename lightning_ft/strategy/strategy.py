@@ -117,6 +117,11 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     """
 
     strategy_name = STRATEGY_NAME
+    strategy_description = STRATEGY_DESCRIPTION
+    #: each rank holds only its own shards of the state (FaultTolerantFSDPStrategy)
+    shards_state = False
+    #: why a failed round cannot re-form in-process (None: it can)
+    cannot_reform: str | None = None
 
     def __init__(
         self,
@@ -313,9 +318,10 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if checkpoint is None:
             return None
         round_id = self.round.round_id if self.round is not None else None
-        plan = checkpoint.snapshots.exchange(self.global_rank, self.world_size,
-                                             lambda event, **f: self.event_log.emit(event, round=round_id, **f),
-                                             model=model_fingerprint_before_setup(self.lightning_module))
+        exchange = checkpoint.snapshots.exchange_shards if self.shards_state else checkpoint.snapshots.exchange
+        plan = exchange(self.global_rank, self.world_size,
+                        lambda event, **f: self.event_log.emit(event, round=round_id, **f),
+                        model=model_fingerprint_before_setup(self.lightning_module))
         if self.round is not None and self.round.follows_a_failure and not checkpoint.auto_resume:
             log.info("ddp_ft: turning on EmergencyCheckpoint auto-resume to continue after the failure")
             checkpoint.auto_resume = True
@@ -361,7 +367,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             self._snapshot_round_start(step)
         # rank 0 publishes copies for hot spares; decided once per round, not per step
         self._replicas = None
+        # (copies of rank 0's snapshot: with sharded state, only rank 0's shards)
         if (self.settings.replication_factor and self._checkpoint is not None and self.global_rank == 0
+                and not self.shards_state
                 and self.settings.mode is LaunchMode.RENDEZVOUS and self.session is not None):
             signer = self.session.rendezvous.signer
             cipher = replica_cipher(signer, self.settings.replication_factor)  # None without a job secret
@@ -460,8 +468,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(STRATEGY_NAME, cls, description=STRATEGY_DESCRIPTION)
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description)
             install_slurm_compat(cls)
 
 

@@ -4,6 +4,8 @@ Same script for every mode:
 
 * ``--strategy ddp_ft``: one process per participant; settings from LIGHTNING_FT_* variables,
   each process with its own LIGHTNING_FT_SNAPSHOT_DIR and LIGHTNING_FT_DOMAIN_ID (node identity);
+* ``--strategy fsdp_ft``: the same with ``FaultTolerantFSDPStrategy``; the model shards its
+  layers in ``configure_model`` (FSDP2 ``fully_shard`` over ``device_mesh["data_parallel"]``);
 * ``--strategy ddp --devices 2`` under ``torchrun``: plain DDP, the reference and the baseline
   (``--checkpoint-dir``: Lightning ModelCheckpoint every ``--checkpoint-every`` steps, resumed
   from ``last.ckpt`` after torchrun restarts the workers).
@@ -71,7 +73,7 @@ def _inject_fault(spec: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--strategy", default="ddp_ft", choices=["ddp_ft", "ddp"])
+    parser.add_argument("--strategy", default="ddp_ft", choices=["ddp_ft", "fsdp_ft", "ddp"])
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--num-nodes", type=int, default=1, help="plain ddp under torchrun with several agents")
     parser.add_argument("--max-steps", type=int, default=60)
@@ -141,6 +143,8 @@ def main() -> int:
 
     import lightning.pytorch as pl
     from torch import nn
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_ft
@@ -180,12 +184,29 @@ def main() -> int:
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-2)
 
+        def configure_model(self):
+            if args.strategy != "fsdp_ft" or isinstance(self.net, FSDPModule):  # configure_model runs every fit
+                return
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def full_weights(self) -> list[float]:
+            """Every parameter, whole (collective with sharded parameters: every rank calls it)."""
+            tensors = [p.full_tensor() if isinstance(p, DTensor) else p for p in self.parameters()]
+            return [float(v) for t in tensors for v in t.detach().flatten()]
+
         def train_dataloader(self):
             g = torch.Generator().manual_seed(1234)
             x = torch.randn(256, 16, generator=g)
             return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=args.batch_size, shuffle=True)
 
     class Recorder(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            pl_module.final_weights = pl_module.full_weights()  # here, while the round's group is up
+
         def on_train_start(self, trainer, pl_module):
             if os.environ.get("FT_TRAIN_PIN_CPU"):  # diagnosis: every thread of rank r on core r
                 core = {trainer.global_rank % os.cpu_count()}
@@ -217,9 +238,9 @@ def main() -> int:
             ckpt_path = str(Path(args.checkpoint_dir) / "last.ckpt")
 
     pg_timeout = datetime.timedelta(seconds=args.pg_timeout)
-    if args.strategy == "ddp_ft" and args.ft_by_name:
-        strategy = "ddp_ft"
-    elif args.strategy == "ddp_ft":
+    if args.strategy in ("ddp_ft", "fsdp_ft") and args.ft_by_name:
+        strategy = args.strategy
+    elif args.strategy in ("ddp_ft", "fsdp_ft"):
         options = {}
         for item in args.ft_option:
             key, _, raw = item.partition("=")
@@ -227,7 +248,9 @@ def main() -> int:
                 options[key] = json.loads(raw)
             except json.JSONDecodeError:
                 options[key] = raw
-        strategy = lightning_ft.FaultTolerantDDPStrategy(
+        strategy_class = (lightning_ft.FaultTolerantFSDPStrategy if args.strategy == "fsdp_ft"
+                          else lightning_ft.FaultTolerantDDPStrategy)
+        strategy = strategy_class(
             hang_timeout_floor=args.hang_floor, timeout=pg_timeout, replication_factor=args.replication_factor,
             **options)
     else:
@@ -261,7 +284,7 @@ def main() -> int:
         profiler.dump_stats(str(Path(profile_to) / f"fit-{pid}.prof"))
     trained = getattr(trainer.strategy, "trained", True)
     result = {"rank": trainer.global_rank, "trained": trained, "step": trainer.global_step, "t": time.time(),
-              "weights": [float(v) for p in model.parameters() for v in p.detach().flatten()]}
+              "weights": getattr(model, "final_weights", None) or model.full_weights()}
     (out / f"result-{pid}.json").write_text(json.dumps(result))
     if args.strategy == "ddp":
         import torch.distributed as dist

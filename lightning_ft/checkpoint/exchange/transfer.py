@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lightning_ft.checkpoint.exchange.agreement import gather_steps
 from lightning_ft.checkpoint.memory.store import SnapshotStore
-from lightning_ft.checkpoint.policy import TransferPlan, plan_snapshot_transfer
+from lightning_ft.checkpoint.policy import ShardTransferPlan, TransferPlan, plan_shard_transfers, plan_snapshot_transfer
 from lightning_ft.events import names as ev
 
 log = logging.getLogger(__name__)
@@ -85,4 +85,70 @@ def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int, emit: C
         emit(ev.SNAPSHOT_RECEIVED, step=plan.step, from_rank=plan.source, bytes=nbytes, seconds=round(seconds, 4))
         log.info("rank %d: received snapshot step %d (%d bytes) from rank %d in %.3fs", rank, plan.step, nbytes,
                  plan.source, seconds)
+    return plan
+
+
+def exchange_shards(store: SnapshotStore, rank: int, world_size: int, emit: Callable[..., None],
+                    model: str | None = None) -> ShardTransferPlan | None:
+    """Sharded state: make every rank hold its own shards of the newest step whose shards all
+    exist somewhere (collective over the default group; see
+    :func:`~lightning_ft.checkpoint.policy.plan_shard_transfers`).
+
+    Each rank offers the ``(shard rank, step)`` snapshots it can read -- its own directory and
+    those of other ranks on its host (a participant placed at another rank by a relaunch finds
+    its old shards there) -- of this run and ``model``; one all_gather of integers. Each transfer
+    sends the verified file bytes point to point (all sends and receives posted at once, so no
+    order of them can deadlock); the receiver commits them as its own snapshot. Nothing
+    received is unpickled here. Returns the plan (None: no complete step).
+    """
+    expect = store.expected_identity(model=model)
+    by_shard = {(info.rank, info.step): info for info in store.readable_in_every_rank_dir(expect)}
+    gathered = gather_steps([value for shard, step in by_shard for value in (shard, step)])
+    if len(gathered) != world_size:
+        raise RuntimeError(f"ddp_ft: shard exchange expected {world_size} ranks, the default group has "
+                           f"{len(gathered)}")
+    plan = plan_shard_transfers([list(zip(flat[0::2], flat[1::2], strict=True)) for flat in gathered])
+    emit(ev.SNAPSHOT_PLAN, step=plan.step if plan else None,
+         transfers=[list(t) for t in plan.transfers] if plan else [])
+    if plan is None or not plan.transfers:
+        return plan
+    start = time.perf_counter()
+    with contextlib.ExitStack() as held:
+        sizes = torch.zeros(len(plan.transfers), dtype=torch.int64)
+        payloads: dict[int, torch.Tensor] = {}
+        for index, (source, receiver) in enumerate(plan.transfers):
+            if source != rank:
+                continue
+            try:
+                payloads[index] = held.enter_context(store.bytes_to_send(by_shard[(receiver, plan.step)]))
+                sizes[index] = payloads[index].numel()
+            except Exception as exc:  # noqa: BLE001 - told to the receiver as size -1
+                log.error("rank %d: cannot read rank %d's shards of step %d for transfer: %s", rank, receiver,
+                          plan.step, exc)
+                sizes[index] = -1
+        dist.all_reduce(sizes)  # each entry is written by its source only
+        failed = [plan.transfers[i] for i in range(len(plan.transfers)) if sizes[i] < 0]
+        if failed:
+            raise RuntimeError(f"ddp_ft: shards of step {plan.step} vanished before they could be sent "
+                               f"(source, receiver): {failed}")
+        requests, received = [], {}
+        for index, (source, receiver) in enumerate(plan.transfers):
+            if source == rank:
+                requests.append(dist.isend(payloads[index], dst=receiver))
+            if receiver == rank:
+                received[index] = torch.empty(int(sizes[index]), dtype=torch.uint8)
+                requests.append(dist.irecv(received[index], src=source))
+        for request in requests:
+            assert request is not None  # isend/irecv return None only to ranks outside the group
+            request.wait()
+        payloads.clear()  # the last references to the maps' views go before the maps are closed
+    seconds = round(time.perf_counter() - start, 4)
+    for index, (source, receiver) in enumerate(plan.transfers):
+        if source == rank:
+            emit(ev.SNAPSHOT_SENT, step=plan.step, to_rank=receiver, bytes=int(sizes[index]), seconds=seconds)
+        if receiver == rank:
+            store.write_bytes(received[index].numpy().data)
+            emit(ev.SNAPSHOT_RECEIVED, step=plan.step, from_rank=source, bytes=int(sizes[index]), seconds=seconds)
+            log.info("rank %d: received its shards of step %d (%d bytes) from rank %d in %.3fs", rank, plan.step,
+                     int(sizes[index]), source, seconds)
     return plan

@@ -150,6 +150,19 @@ class SnapshotReader:
             _log_skip(info, reason)
         return result.readable
 
+    def readable_in_every_rank_dir(self, expect: ExpectedIdentity | None = None) -> list[SnapshotInfo]:
+        """Every intact snapshot fitting ``expect`` in any rank directory of this run on this host,
+        each rank's own (sharded state: the directory's rank is whose shards it holds)."""
+        found = []
+        for rank in self._listing.ranks_to_read(True):
+            for info in self._listing.list(rank):
+                reason = self.verify(info, expect)
+                if reason is None:
+                    found.append(info)
+                else:
+                    _log_skip(info, reason)
+        return found
+
     def find(self, step: int, include_peers: bool = False,
              expect: ExpectedIdentity | None = None) -> SnapshotInfo | None:
         """An intact snapshot at ``step`` fitting ``expect``: this rank's own if possible, else

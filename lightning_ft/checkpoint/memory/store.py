@@ -103,6 +103,11 @@ class SnapshotStore:
         """Ranks that have a directory in this run."""
         return self._listing.ranks()
 
+    def readable_in_every_rank_dir(self, expect: ExpectedIdentity | None = None) -> list[SnapshotInfo]:
+        """Intact snapshots fitting ``expect`` in every rank directory of this run on this host,
+        each with the rank of its directory (sharded state: whose shards it holds)."""
+        return self._reader.readable_in_every_rank_dir(expect)
+
     def list(self, rank: int | None = None) -> list[SnapshotInfo]:
         """Committed snapshots of ``rank`` (default: this store's), newest step first. Not verified.
 
