@@ -11,7 +11,8 @@ is here, so it reads the same way in both:
 * ``GracefulTermination`` turns SIGTERM into a snapshot at an agreed step and exit 81
   ("requeue me"); running the same command again continues from that step;
 * ``--strategy ddp_ft`` runs the fault-tolerant strategy, configured from the
-  ``LIGHTNING_FT_*`` environment (see ``examples/demo.py``).
+  ``LIGHTNING_FT_*`` environment (see ``examples/demo.py``); ``--strategy fsdp_ft`` the same
+  with sharded state (the model shards its layers with FSDP2 in ``configure_model``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-STRATEGIES = ("auto", "ddp", "ddp_ft")
+STRATEGIES = ("auto", "ddp", "ddp_ft", "fsdp_ft")
+#: the lightning_ft strategies: one process per participant, configured by LIGHTNING_FT_* variables
+FT_STRATEGIES = ("ddp_ft", "fsdp_ft")
 FINAL_LINE_PREFIX = "FINAL"  # tests and the demo look for this word at the start of a line
 #: without --snapshot-every: snapshots within this share of training time (the ddp_ft strategy's default)
 SNAPSHOT_OVERHEAD = 0.005
@@ -137,7 +140,8 @@ def add_training_args(parser: argparse.ArgumentParser, *, max_steps: int, batch_
     ft.add_argument("--strategy", choices=STRATEGIES, default="auto",
                     help="auto: one process; ddp: Lightning DDP with --devices local processes; ddp_ft: "
                          "fault-tolerant DDP, one process per participant, configured by LIGHTNING_FT_ENDPOINT, "
-                         "LIGHTNING_FT_RUN_ID, LIGHTNING_FT_NNODES (default auto)")
+                         "LIGHTNING_FT_RUN_ID, LIGHTNING_FT_NNODES; fsdp_ft: the same with the model's layers "
+                         "sharded (FSDP2) (default auto)")
     ft.add_argument("--devices", type=positive_int, default=1,
                     help="processes for --strategy ddp (default 1; ddp_ft always runs one per participant)")
     ft.add_argument("--snapshot-every", type=positive_int, default=None,
@@ -163,7 +167,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, enviro
     if args.devices > 1 and args.strategy != "ddp":
         parser.error(f"--devices {args.devices} needs --strategy ddp (with {args.strategy!r} each process is "
                      "one device)")
-    if args.strategy == "ddp_ft":
+    if args.strategy in FT_STRATEGIES:
         # the strategy would raise the same error from inside the Trainer; say it before any work
         from lightning_ft.strategy.settings import StrategyConfigError, resolve_launch_config
 
@@ -316,12 +320,31 @@ def progress_printer(every_n_steps: int, step_delay: float, max_steps: int):
 # ---------------------------------------------------------------------- the end of the run
 
 def weights_digest(module) -> str:
-    """Short hash of the weights: equal digests mean bit-identical models (checks exact resume)."""
+    """Short hash of the weights: equal digests mean bit-identical models (checks exact resume).
+    Sharded weights are gathered whole first (a collective: every rank calls it then)."""
     h = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
+        whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        h.update(whole.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:12]
+
+
+def final_of_sharded(evaluate: Callable[[], dict[str, float]]):
+    """A callback that, with sharded state (``fsdp_ft``), evaluates and digests the model at the end
+    of training on every rank -- the forward passes and the gathering of the weights are
+    collectives, and the round's group is up only inside ``fit()`` -- for :func:`finish` to print."""
+    import lightning.pytorch as pl
+
+    class FinalOfSharded(pl.Callback):
+        def __init__(self) -> None:
+            self.result: tuple[dict[str, float], str] | None = None
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            if getattr(trainer.strategy, "shards_state", False):
+                self.result = (evaluate(), weights_digest(pl_module))
+
+    return FinalOfSharded()
 
 
 def format_final_line(example: str, step: int, metrics: dict[str, float], digest: str) -> str:
@@ -354,8 +377,10 @@ def free_snapshots(trainer, root: str | None, run_id: str) -> None:
             store.delete(info)
 
 
-def finish(example: str, trainer, model, evaluate: Callable[[], dict[str, float]], args, run_id: str) -> int:
-    """After fit(): the final metric line on rank 0, snapshot clean-up; returns the exit code."""
+def finish(example: str, trainer, model, evaluate: Callable[[], dict[str, float]], args, run_id: str,
+           sharded: Any = None) -> int:
+    """After fit(): the final metric line on rank 0, snapshot clean-up; returns the exit code.
+    ``sharded``: the :func:`final_of_sharded` callback of this run (its result, when it has one)."""
     if not run_finished(trainer):
         print(f"{example}: training did not finish (status {trainer.state.status.value})", file=sys.stderr)
         return 1
@@ -369,5 +394,7 @@ def finish(example: str, trainer, model, evaluate: Callable[[], dict[str, float]
     if not args.keep_snapshots:
         free_snapshots(trainer, args.snapshot_dir, run_id)
     if trainer.global_rank == 0:
-        print(format_final_line(example, trainer.global_step, evaluate(), weights_digest(model)), flush=True)
+        metrics, digest = (sharded.result if sharded is not None and sharded.result is not None
+                           else (evaluate(), weights_digest(model)))
+        print(format_final_line(example, trainer.global_step, metrics, digest), flush=True)
     return 0

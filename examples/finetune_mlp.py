@@ -11,6 +11,7 @@ generated from ``--seed`` (no downloads, no scikit-learn).
     python examples/finetune_mlp.py                        # one process
     python examples/finetune_mlp.py --strategy ddp --devices 2
     python examples/finetune_mlp.py --strategy ddp_ft      # one participant; see examples/demo.py
+    python examples/finetune_mlp.py --strategy fsdp_ft     # the same, every layer sharded (FSDP2)
 
 Send SIGTERM mid-run: the run stops at an agreed step, snapshots to shared memory and
 exits 81; the same command again resumes at that step and ends with the same weights
@@ -122,6 +123,7 @@ def pretrain_body(hidden: int, steps: int, seed: int):
 def make_module(args: argparse.Namespace, body, train_set):
     import lightning.pytorch as pl
     from torch import nn
+    from torch.distributed.fsdp import FSDPModule, fully_shard
     from torchmetrics.classification import MulticlassAccuracy
 
     class TabularFineTuner(pl.LightningModule):
@@ -142,6 +144,15 @@ def make_module(args: argparse.Namespace, body, train_set):
             self.log("loss", loss, on_step=True, on_epoch=False)
             self.log("train_acc", self.train_acc, on_step=True, on_epoch=False)
             return loss
+
+        def configure_model(self):
+            # fsdp_ft (as Lightning's ModelParallelStrategy): shard every layer over the data-parallel
+            # ranks; configure_model runs in every fit(), so only once
+            if args.strategy != "fsdp_ft" or isinstance(self.head, FSDPModule):
+                return
+            for layer in [*self.body, self.head]:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=self.device_mesh["data_parallel"])
 
         def configure_optimizers(self):
             # discriminative learning rates: the pretrained body moves slowly, the new head fast
@@ -169,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     train_set, val_set = target_data(args.seed, args.target_rows)
     body = pretrain_body(args.hidden, args.pretrain_steps, args.seed)
     model = make_module(args, body, train_set)
-    trainer = common.build_trainer(args, run_id)
+    sharded = common.final_of_sharded(lambda: evaluate(model, val_set))
+    trainer = common.build_trainer(args, run_id, [sharded])
     trainer.fit(model)
-    return common.finish(EXAMPLE, trainer, model, lambda: evaluate(model, val_set), args, run_id)
+    return common.finish(EXAMPLE, trainer, model, lambda: evaluate(model, val_set), args, run_id, sharded)
 
 
 if __name__ == "__main__":

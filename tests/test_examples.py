@@ -157,3 +157,24 @@ def test_sigterm_stops_with_81_and_the_rerun_resumes_to_the_same_weights(tmp_pat
     (final,) = FINAL.findall(second.stdout)
     assert final == ref_final, f"resumed run differs from the uninterrupted one:\n{final}\n{ref_final}"
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_the_mlp_example_with_fsdp_ft_trains_sharded_in_two_participants(processes, tmp_path):
+    """``--strategy fsdp_ft``: two participants (one binds the store), every layer sharded; rank 0
+    prints the final line, evaluated and digested on the gathered weights."""
+    from proc_utils import free_port
+
+    env = {**example_env(), "LIGHTNING_FT_ENDPOINT": f"127.0.0.1:{free_port()}", "LIGHTNING_FT_RUN_ID": "fsdp-example",
+           "LIGHTNING_FT_NNODES": "2", "OMP_NUM_THREADS": "1"}
+    args = [str(EXAMPLES / "finetune_mlp.py"), *SMOKE_ARGS["finetune_mlp.py"], "--strategy", "fsdp_ft",
+            "--snapshot-every", "2"]
+    for name in ("a", "b"):
+        processes.python(name, [*args, "--snapshot-dir", str(tmp_path / f"shm-{name}")],
+                         env={**env, "LIGHTNING_FT_DOMAIN_ID": f"host-{name}"})
+    codes = processes.wait_all(timeout=120)
+    assert codes == {"a": 0, "b": 0}, processes.dump_logs()
+    finals = [FINAL.findall(processes.procs[name].log()) for name in ("a", "b")]
+    assert sorted(len(f) for f in finals) == [0, 1], processes.dump_logs()
+    assert next(f for f in finals if f)[0][1] == "6"

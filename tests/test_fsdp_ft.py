@@ -42,7 +42,7 @@ def _cluster(processes, tmp_path, run_id: str, nnodes: str = "2:2") -> Cluster:
 
 
 def _start(cluster: Cluster, order: dict[str, int], args: list[str], store: str = "store",
-           node_of: dict[str, str] | None = None) -> None:
+           node_of: dict[str, str] | None = None, env: dict[str, str] | None = None) -> None:
     """Participants with a fixed scheduler node index each (which decides their rank in a new run);
     ``node_of``: a participant that runs on another one's node (its identity and snapshot root)."""
     cluster.out.mkdir(parents=True, exist_ok=True)
@@ -51,7 +51,7 @@ def _start(cluster: Cluster, order: dict[str, int], args: list[str], store: str 
         node = (node_of or {}).get(name, name)
         cluster.start_participant(name, [*args, "--ft-option", f"infra_rank={index}"],
                                   LIGHTNING_FT_DOMAIN_ID=f"host-{node}",
-                                  LIGHTNING_FT_SNAPSHOT_DIR=str(cluster.root / f"shm-{node}"))
+                                  LIGHTNING_FT_SNAPSHOT_DIR=str(cluster.root / f"shm-{node}"), **(env or {}))
 
 
 @pytest.mark.multiprocess
@@ -86,6 +86,30 @@ def test_sigterm_then_a_relaunch_in_the_other_order_resumes_each_shard_exactly(p
     weights = {name: again.result(name)["weights"] for name in ("A2", "B2")}
     expected = reference.result("R0")["weights"]
     assert weights["A2"] == weights["B2"] == expected
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_sigterm_with_a_durable_tier_then_a_relaunch_on_other_nodes_resumes_from_it(processes, tmp_path):
+    """Every rank's shards of the stop step are made durable before exit 81 (all-shards commit:
+    the step's manifest); the requeue lands on two new nodes with empty memory, each of which
+    downloads its own rank's shards and resumes at the stop step."""
+    durable = {"LIGHTNING_FT_PERSIST_TO": str(tmp_path / "durable"), "LIGHTNING_FT_PERSIST_EVERY_SECONDS": "0"}
+    first = _cluster(processes, tmp_path / "job", "fsdp-durable")
+    _start(first, {"A": 0, "B": 1}, [*FSDP, "--max-steps", "40"], env=durable)
+    first.wait_for_step(15, 90, among=["A", "B"])
+    first.kill("A", signal.SIGTERM)
+    assert first.wait(["A", "B"], 60) == {"A": 81, "B": 81}, first.logs()
+    stop = max(r["step"] for r in first.steps()["A"])
+    assert (tmp_path / "durable" / "fsdp-durable" / "manifests" / f"step-{stop:012d}.json").exists()
+
+    again = _cluster(processes, tmp_path / "job", "fsdp-durable")
+    _start(again, {"C": 0, "D": 1}, [*FSDP, "--max-steps", "40"], store="store2", env=durable)
+    assert again.wait(["C", "D"], 120) == {"C": 0, "D": 0}, again.logs()
+    for name in ("C", "D"):
+        starts = again.starts(name)
+        assert starts and starts[0]["step"] == stop, (name, starts, stop)
+        assert f"resume step {stop} from the durable tier" in again.procs[name].log(), again.logs()
 
 
 @pytest.mark.multiprocess

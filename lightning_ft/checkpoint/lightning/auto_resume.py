@@ -87,11 +87,9 @@ class AutoResume:
         sharded = holds_shards(trainer)
         if not (replicated(trainer) or sharded):
             return
-        # sharded: each rank resumes from its own shards only (another rank's copy is another shard);
-        # the durable tier keeps whole copies, not every rank's shards (not yet)
+        # sharded: each rank resumes from its own shards only (another rank's copy is another shard;
+        # the shard exchange after the group formed brought each rank its own), in memory or durable
         peers = not sharded
-        if sharded:
-            durable = None
         given = requested_ckpt_path(trainer)
         if parse_mem_url(given) is not None:
             return  # already restored from a snapshot by MemoryCheckpointIO

@@ -280,16 +280,11 @@ class EmergencyCheckpoint(pl.Callback):
             _no_run_id_warned = True
             log.warning(no_run_id_message(store.run_dir))
         self._events = getattr(trainer.strategy, "event_log", None) or open_event_log(f"rank{store.rank}")
-        sharded = holds_shards(trainer)
-        if sharded and self._durable.tier is not None:
-            # no uploads at all: a durable copy of one rank's shards would be listed as the state
-            log.warning("EmergencyCheckpoint with %s: each rank snapshots its own shards in memory; the durable "
-                        "tier does not keep sharded state yet, so no durable copies are made",
-                        type(trainer.strategy).__name__)
-        else:
-            self._durable.start(lambda: self._get_store(trainer), store.rank,
-                                emit=lambda event, **fields: self._events.emit(event, **fields))
-        if not (sharded or replicated(trainer)):
+        # every rank uploads its own snapshot and a step is durable once all ranks' are: sharded
+        # state is made durable by the same all-shards commit as replicated state
+        self._durable.start(lambda: self._get_store(trainer), store.rank,
+                            emit=lambda event, **fields: self._events.emit(event, **fields))
+        if not (holds_shards(trainer) or replicated(trainer)):
             log.warning("EmergencyCheckpoint supports single-device, DDP and ModelParallelStrategy; with %s each "
                         "rank's snapshot holds only what dump_checkpoint returns on that rank and auto-resume is off",
                         type(trainer.strategy).__name__)
