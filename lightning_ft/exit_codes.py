@@ -47,3 +47,9 @@ class FaultTolerantExit(SystemExit):
     def __str__(self) -> str:
         name = f" ({self.exit_code.name})" if isinstance(self.exit_code, ExitCode) else ""
         return f"exit {int(self.exit_code)}{name}: {self.message}"
+
+
+class JobCannotGoOn(RuntimeError):
+    """Raised inside ``fit()`` when the job cannot go on whatever its participants do (e.g. no step
+    whose shards all exist is left after a loss); the strategy ends every participant with
+    ``NO_RESTART`` (83) and this message, instead of treating it as a bug of the training code."""

@@ -8,6 +8,7 @@ from lightning_ft.checkpoint.policy import (
     choose_resume_step,
     parse_mem_url,
     pick_disk_checkpoint,
+    plan_shard_replicas,
     plan_write,
     snapshot_due,
     snapshots_to_delete,
@@ -108,3 +109,20 @@ def test_parse_mem_url():
 def test_pick_disk_checkpoint():
     assert pick_disk_checkpoint([]) is None
     assert pick_disk_checkpoint([("a.ckpt", 1.0), ("last.ckpt", 3.0), ("b.ckpt", 2.0)]) == "last.ckpt"
+
+
+@pytest.mark.parametrize(("domains", "factor", "expected"), [
+    (["a", "b"], 1, ((1,), (0,))),  # two hosts: each holds the other's
+    (["a", "b", "c"], 1, ((1,), (2,), (0,))),  # a ring over the domains
+    (["a", "b", "c"], 2, ((1, 2), (2, 0), (0, 1))),
+    (["a", "b", "c"], 5, ((1, 2), (2, 0), (0, 1))),  # no more copies than other domains
+    (["a", "a", "b", "b"], 1, ((2,), (3,), (0,), (1,))),  # same position in the next domain: evenly
+    (["a", "b", "a", "b"], 1, ((1,), (0,), (3,), (2,))),  # domains in order of their first rank
+    (["a", "a", "a", "b"], 1, ((3,), (3,), (3,), (0,))),  # a small domain holds for a large one
+    (["a", "a"], 1, ((), ())),  # one domain: a copy there protects nothing
+    (["a", "b"], 0, ((), ())),  # off
+])
+def test_plan_shard_replicas(domains, factor, expected):
+    holders = plan_shard_replicas(domains, factor)
+    assert holders == expected
+    assert all(domains[h] != domains[r] for r, held in enumerate(holders) for h in held)

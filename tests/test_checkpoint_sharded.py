@@ -113,3 +113,42 @@ def test_a_restore_after_setup_is_used_once_and_a_leftover_is_dropped():
     drop_pending_restore(trainer)  # that fit() ended before Lightning loaded anything
     connector.resume_start(None)
     assert used == ["used"]
+
+
+def test_the_module_template_rebuilds_fresh_children_as_fit_received_them():
+    """What a sharded round's survivor puts in place of its sharded children: new objects with the
+    same structure, parameters allocated (values come from the snapshot), tied ones still tied,
+    ``requires_grad`` and every buffer -- a non-persistent one too -- as at fit() start; the
+    template itself holds no parameter memory (meta)."""
+    from torch import nn
+
+    from lightning_ft._lightning.module_template import ModuleTemplate
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight  # tied
+            self.norm = nn.BatchNorm1d(3)
+            self.frozen = nn.Linear(3, 3)
+            self.frozen.requires_grad_(False)
+            self.register_buffer("cache", torch.arange(3.0), persistent=False)
+
+    root = nn.Module()
+    root.net = Net()
+    root.net.norm.running_mean.fill_(7.0)
+    template = ModuleTemplate.capture(root)
+    assert all(p.is_meta for child in template.children.values() for p in child.parameters())
+    old = root.net
+    root.net.cache.fill_(-1.0)  # changes during training are not what fit() received
+    assert template.rebuild_problem(root) is None
+    template.rebuild(root, torch.device("cpu"))
+    net = root.net
+    assert net is not old and isinstance(net, Net)
+    assert net.head.weight is net.embed.weight and not net.embed.weight.is_meta
+    assert [p.requires_grad for p in net.frozen.parameters()] == [False, False]
+    assert torch.equal(net.cache, torch.arange(3.0)) and torch.equal(net.norm.running_mean, torch.full((3,), 7.0))
+    assert {n: p.shape for n, p in net.named_parameters()} == {n: p.shape for n, p in old.named_parameters()}
+    root.extra = nn.Linear(1, 1)
+    assert "submodules changed" in template.rebuild_problem(root)

@@ -496,3 +496,24 @@ def test_a_deferred_tensor_changed_before_the_commit_abandons_the_snapshot(store
         store.save(state, 4)
     assert "background snapshot of step 3 abandoned before a new snapshot" in caplog.text
     assert [i.step for i in store.list()] == [4, 1]
+
+
+def test_a_copy_for_another_rank_is_kept_in_its_directory_and_an_abandoned_one_is_discarded(tmp_path):
+    """Sharded state: a holder keeps rank 1's snapshot in rank 1's directory (refused when the
+    blob holds another rank's state); after a resume at step 10, copies newer than it in other
+    ranks' directories are removed, this rank's own are not (its resume removes those)."""
+    source = SnapshotStore(root=tmp_path / "host-b", run_id="unit", rank=1)
+    blobs = {step: source.read_bytes(source.save({"w": torch.full((4,), float(step))}, step=step))
+             for step in (10, 20)}
+    holder_own = SnapshotStore(root=tmp_path / "host-a", run_id="unit", rank=0)
+    holder_own.save({"w": torch.zeros(4)}, step=20)
+    with SnapshotStore(root=tmp_path / "host-a", run_id="unit", rank=1) as copies:
+        for blob in blobs.values():
+            copies.write_bytes(blob, taken_by=1)
+        with pytest.raises(SnapshotError, match="holds rank 1's state, not rank 0's"):
+            copies.write_bytes(blobs[10], taken_by=0)
+        assert [i.step for i in copies.list()] == [20, 10]
+    assert holder_own.discard_newer_in_other_rank_dirs(10) == [(1, 20)]
+    assert [i.step for i in holder_own.list(1)] == [10] and [i.step for i in holder_own.list()] == [20]
+    source.close()
+    holder_own.close()

@@ -265,3 +265,32 @@ def replica_header_mismatch(meta: ReplicaMeta, header_step: int, header_bytes: i
         if announced != held:
             return f"its meta announces {what} {announced!r}, its snapshot header holds {held!r}"
     return None
+
+
+def plan_shard_replicas(domains: Sequence[str], factor: int) -> tuple[tuple[int, ...], ...]:
+    """Sharded state: which ranks keep a copy of each rank's snapshot (``holders[r]``).
+
+    ``domains[r]``: rank ``r``'s failure domain. A copy helps only in another domain (one domain
+    holds its ranks' snapshots in its own memory already), so the copies of a rank go to up to
+    ``factor`` other domains, each a different one: a ring over the domains (in order of their
+    first rank), each rank's copy to the rank at its own position in the next domain, so equal
+    domains share the copies evenly. Fewer than ``factor`` other domains: fewer copies (none with
+    one domain).
+    """
+    order: list[str] = []
+    members: dict[str, list[int]] = {}
+    for rank, domain in enumerate(domains):
+        if domain not in members:
+            order.append(domain)
+            members[domain] = []
+        members[domain].append(rank)
+    holders = []
+    for rank, domain in enumerate(domains):
+        here = order.index(domain)
+        position = members[domain].index(rank)
+        chosen = []
+        for hop in range(1, min(factor, len(order) - 1) + 1):
+            other = members[order[(here + hop) % len(order)]]
+            chosen.append(other[position % len(other)])
+        holders.append(tuple(chosen))
+    return tuple(holders)

@@ -43,10 +43,16 @@ class GroupTransport:
 
     def __init__(self, before: dict[int, str], after: dict[int, str], store_port: int | None) -> None:
         self._sockets: dict[int, str] = {}
-        for fd, ident in after.items():
-            if before.get(fd) != ident and with_socket(fd, lambda sock: _is_group_connection(sock, store_port)):
-                self._sockets[fd] = ident
+        self._store_port = store_port
+        self.include(before, after)
         self.aborted = False
+
+    def include(self, before: dict[int, str], after: dict[int, str]) -> None:
+        """Also the connections opened between ``before`` and ``after`` (``open_sockets()``): the
+        subgroups made after the default group (a device mesh's), whose collectives hang alike."""
+        for fd, ident in after.items():
+            if before.get(fd) != ident and with_socket(fd, lambda sock: _is_group_connection(sock, self._store_port)):
+                self._sockets[fd] = ident
 
     def abort(self) -> int:
         """Shut down the group's connections; returns how many were shut down."""
@@ -106,7 +112,8 @@ def retire_group(transport: GroupTransport | None) -> None:
         transport.abort()
     try:
         if dist.is_available() and dist.is_initialized():
-            _BROKEN_GROUPS.append(dist.distributed_c10d._get_default_group())
-    except (RuntimeError, ValueError):
+            # the default group and every subgroup (a device mesh's): each has gloo worker threads
+            _BROKEN_GROUPS.extend(dist.distributed_c10d._world.pg_map)
+    except (RuntimeError, ValueError, AttributeError):
         pass
     destroy_process_group()

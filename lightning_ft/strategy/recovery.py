@@ -30,7 +30,7 @@ from lightning_ft._lightning.trainer_reset import reset_trainer_for_rerun, teard
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.deadlines import call_with_timeout, first_line
 from lightning_ft.events import names as ev
-from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
+from lightning_ft.exit_codes import ExitCode, FaultTolerantExit, JobCannotGoOn
 from lightning_ft.process import ExitWatchdog, destroy_process_group, planned_exit_code
 from lightning_ft.schema.round import VERDICT_KEY, decode_verdict, failed_key
 from lightning_ft.schema.run import CloseKind, CloseReason
@@ -141,6 +141,10 @@ class RecoveryExecutor:
         run, session, settings = self._run, self._session, self._host.settings
         runtime = run.round
         assert runtime is not None and runtime.result is not None
+        if isinstance(exc, JobCannotGoOn):  # every rank found it alike: the job ends, said why
+            runtime.stop_watchdog()
+            _call_on_exception(trainer, exc)  # e.g. the SIGTERM path's watcher ends with the round
+            self.give_up(str(exc), cause=exc, close=True)
         step = trainer.global_step if trainer is not None else 0
         failures_without_progress = run.count_failure(step)
         watchdog = runtime.stop_watchdog()
@@ -163,9 +167,11 @@ class RecoveryExecutor:
             raise exc
         session.events.emit(ev.DECISION, round=result.round, kind=kind.value, action=outcome.action.value,
                             reason=outcome.reason)
-        if outcome.action is FailureAction.RECOVER:
+        if outcome.action is FailureAction.RECOVER and not self._host.shards_state:
             # before anything resets the Trainer: the survivors' live state is the step the next
-            # round resumes from (the snapshot exchange sends the newest step to whoever lacks it)
+            # round resumes from (the snapshot exchange sends the newest step to whoever lacks it).
+            # Not with sharded state: the lost rank's shards exist only at a snapshot step, so the
+            # next round resumes at the newest step whose shards all exist, never at a live one.
             save_live_state(trainer, f"{kind.value} in round {result.round}")
         self._teardown(trainer, runtime)
         if outcome.action is FailureAction.NO_RESTART:
@@ -200,6 +206,7 @@ class RecoveryExecutor:
         reset_trainer_for_rerun(trainer)
         if self._pristine is not None:
             self._pristine.restore(trainer, self._module)
+        self._host.rebuild_module()  # after the pristine state: it shares the module tree it restores
         run.recoveries += 1
         error_text = f"{type(exc).__name__}: {first_line(exc)}"
         try:

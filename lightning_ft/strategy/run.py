@@ -20,8 +20,15 @@ class StrategyHost(Protocol):
 
     settings: StrategySettings
     session: Session | None
-    #: why a failed round cannot re-form in-process with this strategy (None: it can)
-    cannot_reform: str | None
+    #: each rank holds only its own shards of the state (no live state to resume from after a loss)
+    shards_state: bool
+
+    @property
+    def cannot_reform(self) -> str | None:
+        """Why a failed round cannot re-form in-process with this strategy (None: it can)."""
+
+    def rebuild_module(self) -> None:
+        """Return the model to what a fresh process builds before ``configure_model`` (sharded state)."""
 
     @property
     def event_log(self) -> EventLog | NullEventLog: ...

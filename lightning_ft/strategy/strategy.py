@@ -120,8 +120,14 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     strategy_description = STRATEGY_DESCRIPTION
     #: each rank holds only its own shards of the state (FaultTolerantFSDPStrategy)
     shards_state = False
-    #: why a failed round cannot re-form in-process (None: it can)
-    cannot_reform: str | None = None
+
+    @property
+    def cannot_reform(self) -> str | None:
+        """Why a failed round cannot re-form in-process (None: it can)."""
+        return None
+
+    def rebuild_module(self) -> None:
+        """Replicated state needs no rebuild: the model's parameters survive a failed round."""
 
     def __init__(
         self,

@@ -110,7 +110,13 @@ def exchange_shards(store: SnapshotStore, rank: int, world_size: int, emit: Call
     plan = plan_shard_transfers([list(zip(flat[0::2], flat[1::2], strict=True)) for flat in gathered])
     emit(ev.SNAPSHOT_PLAN, step=plan.step if plan else None,
          transfers=[list(t) for t in plan.transfers] if plan else [])
-    if plan is None or not plan.transfers:
+    if plan is None:
+        return plan
+    # copies of other ranks' shards newer than the resume step belong to an abandoned timeline
+    for shard, step in store.discard_newer_in_other_rank_dirs(plan.step):
+        log.info("rank %d: removed the copy of rank %d's shards of step %d: newer than the resume step %d",
+                 rank, shard, step, plan.step)
+    if not plan.transfers:
         return plan
     start = time.perf_counter()
     with contextlib.ExitStack() as held:
@@ -147,7 +153,7 @@ def exchange_shards(store: SnapshotStore, rank: int, world_size: int, emit: Call
         if source == rank:
             emit(ev.SNAPSHOT_SENT, step=plan.step, to_rank=receiver, bytes=int(sizes[index]), seconds=seconds)
         if receiver == rank:
-            store.write_bytes(received[index].numpy().data)
+            store.write_bytes(received[index].numpy().data, taken_by=rank)
             emit(ev.SNAPSHOT_RECEIVED, step=plan.step, from_rank=source, bytes=int(sizes[index]), seconds=seconds)
             log.info("rank %d: received its shards of step %d (%d bytes) from rank %d in %.3fs", rank, plan.step,
                      int(sizes[index]), source, seconds)

@@ -192,6 +192,11 @@ class EmergencyCheckpoint(pl.Callback):
                   store.rank, reason, step, seconds, info.nbytes / 2**20)
         return info
 
+    def scheduled(self, step: int) -> bool:
+        """Whether ``step`` is a periodic snapshot step of the schedule every rank agreed on,
+        whether or not this rank's save of it succeeded (the same answer on every rank)."""
+        return snapshot_due(step, None, self.every_n_steps, self._calibration.snapshot_interval)
+
     def save_live_state(self, trainer: pl.Trainer, reason: str) -> SnapshotInfo | None:
         """After a failure inside the next optimizer step (a peer's death fails its gradient
         all-reduce before any update): snapshot the last optimizer-step boundary from the live

@@ -20,6 +20,7 @@ import torch
 
 from lightning_ft._validation import require_number
 from lightning_ft.checkpoint.identity import ExpectedIdentity, SnapshotIdentity
+from lightning_ft.checkpoint.memory.format import SnapshotError
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo, SnapshotListing, SnapshotScan
 from lightning_ft.checkpoint.memory.reading import SnapshotReader
 from lightning_ft.checkpoint.memory.roots import (
@@ -279,6 +280,20 @@ class SnapshotStore:
         self._settle("removing newer snapshots")
         return self._writer.discard_newer_than(step)
 
+    def discard_newer_in_other_rank_dirs(self, step: int) -> builtins.list[tuple[int, int]]:
+        """Remove the snapshots newer than ``step`` in the other ranks' directories of this run on
+        this host (sharded state: copies of an abandoned timeline, which a later resume must not
+        mix with the new one's); returns the removed ``(rank, step)`` pairs."""
+        removed = []
+        for rank in self._listing.ranks():
+            if rank == self.rank:
+                continue  # this rank's own: discard_newer_than, once it resumed
+            for info in self._listing.list(rank):
+                if info.step > step:
+                    self._writer.delete(info)
+                    removed.append((rank, info.step))
+        return removed
+
     def remove_stale_temp_files(self) -> builtins.list[str]:
         """Delete temp files left in this rank's directory by writers that no longer exist."""
         return self._writer.remove_stale_temp_files()
@@ -293,15 +308,19 @@ class SnapshotStore:
         map, valid inside the ``with`` block (see :meth:`SnapshotReader.bytes_to_send`)."""
         return self._reader.bytes_to_send(info)
 
-    def write_bytes(self, blob: bytes | bytearray | memoryview) -> SnapshotInfo:
+    def write_bytes(self, blob: bytes | bytearray | memoryview, taken_by: int | None = None) -> SnapshotInfo:
         """Verify a blob from ``read_bytes`` (possibly another rank/host) and commit it as this
         rank's snapshot of the step recorded inside it. The copy keeps the identity it was taken
         with (run id, the taking rank, step, model). Raises SnapshotError if it is damaged,
         belongs to another run than this store's, or its metadata would be refused when loaded
-        (so a refused snapshot is never kept, offered to peers or chosen to resume from)."""
-        header, taken_by = self._writer.check_received(blob)
+        (so a refused snapshot is never kept, offered to peers or chosen to resume from).
+        ``taken_by``: the rank that must have taken it (sharded state: whose shards it holds)."""
+        header, took = self._writer.check_received(blob)
+        if taken_by is not None and took != taken_by:
+            raise SnapshotError(f"received snapshot of step {header.step} holds rank {took}'s state, not rank "
+                                f"{taken_by}'s; not stored")
         self._settle("storing a received snapshot")
-        return self._writer.commit_received(blob, header, taken_by)
+        return self._writer.commit_received(blob, header, took)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
