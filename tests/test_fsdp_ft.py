@@ -4,6 +4,7 @@ and snapshot root, so no participant can read another's shards from disk."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -169,6 +170,29 @@ def test_a_lost_shard_without_a_copy_ends_the_job_truthfully(processes, tmp_path
     assert cluster.wait(others, 60) == dict.fromkeys(others, 83), cluster.logs()
     reasons = [e["reason"] for e in cluster.events_of("no_restart")]
     assert reasons and all("no step has every rank's shards" in r for r in reasons), reasons
+
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_frozen_active_is_replaced_by_the_spare_far_below_the_group_timeout(processes, tmp_path):
+    """SIGSTOP an active: its connections stay open, so the survivor's FSDP collective would wait
+    for the group timeout (120 s); the watchdog's hang verdict breaks the round's group (FSDP's
+    data-parallel group is the default group), the survivor leaves its collective at once and
+    the spare takes the frozen rank's place with its shards from the survivor's copy."""
+    cluster = _cluster(processes, tmp_path, "fsdp-frozen", nnodes="2:3")
+    _start(cluster, {"A": 0, "B": 1, "C": 2},
+           [*FSDP, "--max-steps", "60", "--hang-floor", "3", "--pg-timeout", "120"])
+    victim = cluster.wait_for_step(25, 90, among=["A", "B", "C"])
+    os.kill(cluster.procs[victim].pid, signal.SIGSTOP)
+    others = sorted(set(cluster.procs) - {victim})
+    try:
+        codes = cluster.wait(others, 60)
+    finally:
+        os.kill(cluster.procs[victim].pid, signal.SIGKILL)
+    assert codes == dict.fromkeys(others, 0), cluster.logs()
+    _assert_resumed_together(cluster, others, newest_complete=20)
+    assert {e["detector"] for e in cluster.events_of("failure_detected")} == {"hang"}, cluster.logs()
 
 
 def _assert_resumed_together(cluster: Cluster, names: list[str], newest_complete: int) -> int:

@@ -43,7 +43,6 @@ from lightning_ft._lightning.names import FSDP_STRATEGY_DESCRIPTION, FSDP_STRATE
 from lightning_ft.checkpoint.exchange.shard_replicas import ShardReplicator
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.exit_codes import JobCannotGoOn
-from lightning_ft.sockets import open_sockets
 from lightning_ft.strategy.settings import StrategyConfigError
 from lightning_ft.strategy.strategy import FaultTolerantDDPStrategy
 
@@ -114,11 +113,9 @@ class FaultTolerantFSDPStrategy(FaultTolerantDDPStrategy):
         if self._template is None:  # before configure_model shards anything in this process
             self._template = ModuleTemplate.capture(self.lightning_module)
         super().setup_environment()  # the round's process group (setup_distributed)
-        before = open_sockets()
+        # data_parallel spans the world, so torch gives it the default group: FSDP's collectives
+        # run on the round's group, which a hang verdict breaks and a failure retires
         self._device_mesh = _setup_device_mesh(self.world_size, 1, self.world_size, self.root_device)
-        runtime = self.round
-        if runtime is not None and runtime.transport is not None:
-            runtime.transport.include(before, open_sockets())  # FSDP's collectives run on the mesh's groups
         self.lightning_module._device_mesh = self._device_mesh
 
     def setup(self, trainer: pl.Trainer) -> None:

@@ -43,16 +43,10 @@ class GroupTransport:
 
     def __init__(self, before: dict[int, str], after: dict[int, str], store_port: int | None) -> None:
         self._sockets: dict[int, str] = {}
-        self._store_port = store_port
-        self.include(before, after)
-        self.aborted = False
-
-    def include(self, before: dict[int, str], after: dict[int, str]) -> None:
-        """Also the connections opened between ``before`` and ``after`` (``open_sockets()``): the
-        subgroups made after the default group (a device mesh's), whose collectives hang alike."""
         for fd, ident in after.items():
-            if before.get(fd) != ident and with_socket(fd, lambda sock: _is_group_connection(sock, self._store_port)):
+            if before.get(fd) != ident and with_socket(fd, lambda sock: _is_group_connection(sock, store_port)):
                 self._sockets[fd] = ident
+        self.aborted = False
 
     def abort(self) -> int:
         """Shut down the group's connections; returns how many were shut down."""
