@@ -23,6 +23,9 @@ class ExitCode(enum.IntEnum):
     UNHEALTHY_NODE = 82
     #: Unrecoverable (e.g. no hot spare left, bad configuration); do not requeue.
     NO_RESTART = 83
+    #: Evicted as a straggler: this node was persistently slower than its peers and a hot spare
+    #: took its place; the job goes on without it. Inspect the node before using it again.
+    EVICTED = 84
     #: Stopped by SIGTERM (here or elsewhere in the job) with nothing of its own saved: 128 + SIGTERM.
     STOPPED = 128 + signal.SIGTERM
 
@@ -53,3 +56,8 @@ class JobCannotGoOn(RuntimeError):
     """Raised inside ``fit()`` when the job cannot go on whatever its participants do (e.g. no step
     whose shards all exist is left after a loss); the strategy ends every participant with
     ``NO_RESTART`` (83) and this message, instead of treating it as a bug of the training code."""
+
+
+class StragglerEvicted(RuntimeError):
+    """Raised inside ``fit()`` at a step boundary on the rank the straggler policy evicted: the
+    strategy withdraws it from the job (never placed again) and ends it with ``EVICTED`` (84)."""

@@ -95,6 +95,7 @@ KEEP: dict[str, tuple] = {
     "stop_agreed": (),
     "termination_decision": ("action", "exit_code", "tier"),
     "unhealthy_exit": ("exit_code",),
+    "evicted": ("round",),
 }
 #: events kept as a set per participant, not in the sequence: they come from a thread of their
 #: own, in no fixed order with the others (the health check runs while the ranks agree on the

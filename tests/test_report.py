@@ -245,3 +245,22 @@ def test_a_stopped_run_says_which_tier_holds_the_state():
     summary = summarize(events)
     assert summary.status == "stopped"
     assert "state held by: durable/memory+shard" in format_report(summary)
+
+
+def test_work_per_rank_says_who_the_others_wait_for_and_which_straggler_was_found():
+    events = [
+        ev(0.0, "node0", "join"), ev(0.1, "node1", "join"),
+        ev(1.0, "node0", "work", round=0, step=25, steps=25, busy_seconds=0.05, wait_seconds=0.001),
+        ev(1.0, "node1", "work", round=0, step=25, steps=25, busy_seconds=0.05, wait_seconds=0.002),
+        ev(9.0, "node0", "work", round=0, step=50, steps=25, busy_seconds=0.20, wait_seconds=0.001),
+        ev(9.0, "node1", "work", round=0, step=50, steps=25, busy_seconds=0.05, wait_seconds=0.15),
+        ev(9.5, "node0", "straggler", round=0, rank=0, step=50, action="warn", score=4.0, reason="slow"),
+        ev(9.6, "node0", "work", round=0, step="bad", busy_seconds="x", wait_seconds=0.1),
+    ]
+    summary = summarize(events)
+    assert [(w.who, w.busy_seconds, w.wait_seconds) for w in summary.work] == [("node0", 0.20, 0.001),
+                                                                              ("node1", 0.05, 0.15)]
+    text = format_report(summary)
+    assert "the others wait for node0 (4.00x their own work)" in text
+    assert "rank 0 at step 50: warn (score 4.0) by node0" in text
+    assert "busy_seconds" not in text.split("Summary:")[0]  # work reports stay out of the timeline

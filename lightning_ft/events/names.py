@@ -17,6 +17,14 @@ event                          fields
 ``snapshot_plan``              round, step (newest held by any rank, or null), source, receivers
 ``snapshot_sent``              round, step, to_rank, bytes, seconds
 ``snapshot_received``          round, step, from_rank, bytes, seconds
+``shard_replica``              round, step, to_ranks, bytes, seconds (``fsdp_ft``: this rank's snapshot copied to
+                               ranks in other failure domains)
+``work``                       round, step, steps, busy_seconds, wait_seconds (this rank's median own work per
+                               step and median wait for its peers over its last ``steps`` steps; every
+                               ``straggler_window`` steps)
+``straggler``                  round, rank, step, action (``evict`` | ``warn``), score (own work over the peers'
+                               median), reason (rank 0: the straggler policy found a persistently slow rank)
+``evicted``                    round, step, reason (this rank leaves as a straggler; exit 84)
 ``restored``                   round, step (global step training resumes from)
 ``failure_detected``           round, step (training had reached), error, detector (``collective`` | ``hang`` |
                                ``rendezvous``), stalled (ranks blamed by the hang detector), stuck_seconds,
@@ -88,6 +96,9 @@ SNAPSHOT_PLAN = "snapshot_plan"
 SNAPSHOT_SENT = "snapshot_sent"
 SNAPSHOT_RECEIVED = "snapshot_received"
 SHARD_REPLICA = "shard_replica"
+WORK = "work"
+STRAGGLER = "straggler"
+EVICTED = "evicted"
 RESTORED = "restored"
 FAILURE_DETECTED = "failure_detected"
 DECISION = "decision"
@@ -118,4 +129,5 @@ DURABLE_PACING = "durable_pacing"
 LIVE_STATE = "live_state"
 
 #: a participant whose log ends with one of these left on its own terms
-EXIT_EVENTS = (FINISHED, SPARE_EXIT, NO_RESTART, NODE_FAULT, STOPPED, TERMINATION_DECISION, UNHEALTHY_EXIT)
+EXIT_EVENTS = (FINISHED, SPARE_EXIT, NO_RESTART, NODE_FAULT, STOPPED, TERMINATION_DECISION, UNHEALTHY_EXIT,
+               EVICTED)

@@ -45,6 +45,7 @@ from typing import Any
 
 from lightning_ft.events import names as ev
 from lightning_ft.events.log import read_events
+from lightning_ft.events.work_report import WorkSummary, format_work, straggler_lines, work_per_round
 from lightning_ft.exit_codes import ExitCode
 
 # fields every event has; the rest are the event's own "key fields"
@@ -113,6 +114,10 @@ class RunSummary:
     lost_seconds: float = 0.0
     #: 1 - lost_seconds / training_seconds (None: no training time)
     goodput: float | None = None
+    #: own work and wait per participant and round (``work`` events; stragglers)
+    work: tuple[WorkSummary, ...] = ()
+    #: what the straggler policy found (``straggler`` events), one line each
+    stragglers: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------- pure decisions
@@ -332,6 +337,8 @@ def summarize(events: Iterable[Any]) -> RunSummary:
         training_seconds=training,
         lost_seconds=lost,
         goodput=None if not training else max(0.0, 1.0 - lost / training),
+        work=work_per_round(timeline),
+        stragglers=straggler_lines(timeline),
     )
 
 
@@ -415,7 +422,8 @@ def _fmt_opt(value: Any) -> str:
 
 
 def format_timeline(summary: RunSummary) -> list[str]:
-    entries = summary.timeline
+    # the periodic work reports would drown the timeline; the summary gives their medians
+    entries = tuple(e for e in summary.timeline if e.event != ev.WORK)
     if not entries:
         return []
     multi_pid = {p.who for p in summary.participants if len(p.pids) > 1}
@@ -454,6 +462,7 @@ def format_summary(summary: RunSummary) -> list[str]:
     lines.append(f"  spares used   {', '.join(summary.spares_used) or 'none'}")
     if summary.spares_exited:
         lines.append(f"  spares exited unused  {', '.join(summary.spares_exited)}")
+    lines += format_work(summary.work, summary.stragglers)
     lines.append(f"  final status  {summary.status.upper()}: {summary.status_detail}")
     return lines
 

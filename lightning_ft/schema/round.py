@@ -150,3 +150,38 @@ def decode_replica_meta(raw: bytes) -> ReplicaMeta | None:
     if meta.step < 0 or meta.nbytes < 0 or meta.chunk_bytes <= 0:
         return None
     return meta
+
+
+def work_key(rank: int) -> str:
+    """``rank``'s own work and wait over its last steps (published by its watchdog; stragglers)."""
+    return f"work/{rank}"
+
+
+#: the rank the straggler policy evicted in this round, and why (first writer wins)
+EVICT_KEY = "evict"
+
+
+def encode_work(step: int, count: int, median: float, low: float, wait: float) -> str:
+    return json.dumps([step, count, round(median, 6), round(low, 6), round(wait, 6)])
+
+
+def decode_work(raw: bytes) -> tuple[int, int, float, float, float] | None:
+    """``(step, count, median, low, wait)``, or None for anything else (a damaged or foreign value)."""
+    try:
+        step, count, median, low, wait = json.loads(raw)
+        return int(step), int(count), float(median), float(low), float(wait)
+    except (ValueError, TypeError):
+        return None
+
+
+def encode_eviction(rank: int, step: int, reason: str) -> str:
+    return f"{rank}{SEP}{step}{SEP}{reason}"
+
+
+def decode_eviction(raw: bytes) -> tuple[int, int, str] | None:
+    """``(rank, step, reason)`` of an eviction, or None for anything else."""
+    parts = raw.decode(errors="replace").split(SEP, 2)
+    try:
+        return int(parts[0]), int(parts[1]), parts[2]
+    except (ValueError, IndexError):
+        return None

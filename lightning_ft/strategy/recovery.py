@@ -30,7 +30,7 @@ from lightning_ft._lightning.trainer_reset import reset_trainer_for_rerun, teard
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.deadlines import call_with_timeout, first_line
 from lightning_ft.events import names as ev
-from lightning_ft.exit_codes import ExitCode, FaultTolerantExit, JobCannotGoOn
+from lightning_ft.exit_codes import ExitCode, FaultTolerantExit, JobCannotGoOn, StragglerEvicted
 from lightning_ft.process import ExitWatchdog, destroy_process_group, planned_exit_code
 from lightning_ft.schema.round import VERDICT_KEY, decode_verdict, failed_key
 from lightning_ft.schema.run import CloseKind, CloseReason
@@ -145,6 +145,10 @@ class RecoveryExecutor:
             runtime.stop_watchdog()
             _call_on_exception(trainer, exc)  # e.g. the SIGTERM path's watcher ends with the round
             self.give_up(str(exc), cause=exc, close=True)
+        if isinstance(exc, StragglerEvicted):
+            runtime.stop_watchdog()
+            _call_on_exception(trainer, exc)
+            self._leave_evicted(exc, trainer)
         step = trainer.global_step if trainer is not None else 0
         failures_without_progress = run.count_failure(step)
         watchdog = runtime.stop_watchdog()
@@ -245,6 +249,18 @@ class RecoveryExecutor:
         log.info("ddp_ft: %s; not recovering (%s)", text, kind.value)
         raise exc
 
+    def _leave_evicted(self, exc: StragglerEvicted, trainer: Any) -> NoReturn:
+        """This rank was evicted as a straggler: leave the job for good (withdrawn, never placed again)
+        without closing it -- its peers see a lost peer and a hot spare takes the place."""
+        runtime = self._run.round
+        message = str(exc)
+        self._session.events.emit(ev.EVICTED, round=runtime.round_id if runtime is not None else None,
+                                  step=trainer.global_step if trainer is not None else None, reason=message)
+        log.warning("ddp_ft: %s; leaving with exit code %d (EVICTED)", message, int(ExitCode.EVICTED))
+        print(f"lightning_ft: EVICTED ({int(ExitCode.EVICTED)}): {message}", file=sys.stderr, flush=True)
+        self.leave(withdraw=message)
+        raise FaultTolerantExit(ExitCode.EVICTED, message) from exc
+
     def _teardown(self, trainer: Any, runtime: RoundRuntime) -> None:
         # what Lightning's _call_and_handle_interrupt does after on_exception, minus re-raising;
         # bounded: a teardown stuck on the broken group would leave this process alive but useless
@@ -262,7 +278,7 @@ class RecoveryExecutor:
     # ------------------------------------------------------------------ ways out
 
     def leave(self, close: CloseReason | None = None, *, unhealthy: str | None = None, failed: str | None = None,
-              destroy_group: bool = True) -> None:
+              withdraw: str | None = None, destroy_group: bool = True) -> None:
         """The leave sequence: tell the others (this rank's error, the close, an unhealthy node),
         stop this round's threads, shut down the rendezvous, retire and destroy the group. Telling
         is best effort: a store that is gone is logged, never raised."""
@@ -273,6 +289,8 @@ class RecoveryExecutor:
                 session.round_values(result).put(failed_key(result.rank), failed)
             if unhealthy is not None:
                 session.rendezvous.report_unhealthy(unhealthy)
+            if withdraw is not None:
+                session.rendezvous.withdraw(withdraw)
             if close is not None:
                 session.close(close.kind, close.text)
         except (RuntimeError, OSError) as exc:  # the store is gone: nobody is left to tell

@@ -29,9 +29,11 @@ from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore, job_signer
 from lightning_ft.settings import Timeouts
+from lightning_ft.stragglers.meter import WorkMeter
+from lightning_ft.stragglers.watch import StragglerWatch
 from lightning_ft.strategy.decisions import Detector
 from lightning_ft.strategy.process_group import GroupTransport, retire_group
-from lightning_ft.strategy.settings import HangSettings, StrategySettings
+from lightning_ft.strategy.settings import HangSettings, StragglerSettings, StrategySettings
 from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
 
 log = logging.getLogger(__name__)
@@ -133,6 +135,10 @@ class RoundRuntime:
     clock: StepClock = field(default_factory=StepClock)
     transport: GroupTransport | None = None
     watchdog: RoundWatchdog | None = None
+    #: this rank's own work per step (None: stragglers are not watched in this round)
+    work: WorkMeter | None = None
+    #: the straggler watch the watchdog drives (None without ``work``)
+    stragglers: StragglerWatch | None = None
     #: a training step completed in this round
     progressed: bool = False
     awaiting_first_step: bool = False
@@ -161,7 +167,7 @@ class RoundRuntime:
         return now - self.failure_at if self.failure_at is not None else None
 
     def start_watchdog(self, session: Session, hang: HangSettings, timeouts: Timeouts,
-                       global_step: Callable[[], int | None]) -> None:
+                       global_step: Callable[[], int | None], stragglers: StragglerSettings | None = None) -> None:
         """Watch this round from a thread with its own store connection (see :class:`RoundWatchdog`)."""
         result, events, keys = self.result, session.events, session.keys
         assert result is not None  # only a round of the barrier rendezvous is watched
@@ -184,6 +190,12 @@ class RoundRuntime:
             if detector.judges_a_stall and opened == result.round + 1:
                 events.emit(ev.ROUND_OPEN, round=result.round + 1, after=result.round, reason=reason)
 
+        if stragglers is not None and stragglers.straggler_factor is not None and result.world_size > 1:
+            self.work = WorkMeter(stragglers.straggler_window)
+            self.stragglers = StragglerWatch(
+                self.work, rank=result.rank, world_size=result.world_size, round_id=result.round,
+                factor=stragglers.straggler_factor, window=stragglers.straggler_window, round_values=round_values,
+                records=records, emit=events.emit)
         transport = self.transport
         self.clock.touch()  # building the group was progress; the watchdog measures from here
         self.watchdog = RoundWatchdog(
@@ -193,7 +205,8 @@ class RoundRuntime:
             hang_factor=hang.hang_safety_factor,
             dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,
             break_group=transport.abort if transport is not None else (lambda: 0),
-            poll_interval=hang.watchdog_interval, join_timeout=timeouts.thread_stop_timeout)
+            poll_interval=hang.watchdog_interval, join_timeout=timeouts.thread_stop_timeout,
+            on_poll=self.stragglers.tick if self.stragglers is not None else None)
         self.watchdog.start()
 
     def stop_watchdog(self) -> RoundWatchdog | None:

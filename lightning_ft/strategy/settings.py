@@ -86,6 +86,20 @@ class HangSettings:
 
 
 @dataclass(frozen=True)
+class StragglerSettings:
+    """When a rank counts as a straggler (see :func:`~lightning_ft.stragglers.policy.judge`)."""
+
+    straggler_factor: float | None = setting(2.0, "a rank whose own work per step (not waiting for its peers) "
+                                                  "stays at least this many times its peers' median over a "
+                                                  "window is a straggler: evicted when a hot spare can take its "
+                                                  "place (exit 84), else warned about; never below 1.3; None: "
+                                                  "off (ddp_ft only)",
+                                             rule=number(minimum=1, inclusive=True, allow_none=True))
+    straggler_window: int = setting(25, "steps a straggler must stay slow in (and between two evictions)",
+                                    rule=number(integer=True, minimum=2, inclusive=True))
+
+
+@dataclass(frozen=True)
 class StrategySettings:
     """Everything ``FaultTolerantDDPStrategy`` was configured with, validated."""
 
@@ -118,6 +132,7 @@ class StrategySettings:
     max_recoveries: int | None = setting(None, "optional cap on recoveries in one process",
                                          rule=number(integer=True, inclusive=True, allow_none=True))
     hang: HangSettings = group(HangSettings)
+    stragglers: StragglerSettings = group(StragglerSettings)
     rendezvous: RendezvousOptions = group(RendezvousOptions, exclude=("health_check",))
     timeouts: Timeouts = group(Timeouts)
     #: the EmergencyCheckpoint the strategy adds when the Trainer has none (its run id is the strategy's)

@@ -61,6 +61,7 @@ from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
+from lightning_ft.exit_codes import StragglerEvicted
 from lightning_ft.process import plan_exit
 from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
 from lightning_ft.schema.run import decode_log_versions, encode_log_versions
@@ -68,6 +69,7 @@ from lightning_ft.schema.signing import SealedStore
 from lightning_ft.settings import describe
 from lightning_ft.settings.environment import local_rank, master_port, scheduler_node_index
 from lightning_ft.settings.fields import setting_names
+from lightning_ft.stragglers.watch import StragglerWatch
 from lightning_ft.strategy.environment import NO_RANK, ElasticEnvironment, RoundEnvironment
 from lightning_ft.strategy.launcher import ElasticLauncher, FaultTolerantLauncher
 from lightning_ft.strategy.process_group import GroupTransport, init_round_group, open_sockets
@@ -307,7 +309,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._printed_device_info = True
         resume_step = self._share_snapshots()
         self._keep_log_history(session, runtime, resume_step)
-        runtime.start_watchdog(session, self.settings.hang, self.settings.timeouts, self._global_step)
+        runtime.start_watchdog(session, self.settings.hang, self.settings.timeouts, self._global_step,
+                               stragglers=None if self.shards_state else self.settings.stragglers)
 
     @property
     def _environment(self) -> RoundEnvironment:
@@ -365,6 +368,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if runtime is not None and (runtime.follows_a_failure or step > 0):
             self.event_log.emit(ev.RESTORED, round=runtime.round_id, step=step)
         self._checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
+        if runtime is not None and runtime.work is not None:
+            runtime.work.begin()
         if self._checkpoint is not None and self.settings.mode is LaunchMode.RENDEZVOUS:
             resumed = self._checkpoint.resumed_from
             assert runtime is not None  # the launcher started the round
@@ -404,18 +409,54 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if store is None or not any(info.step == step for info in store.list()):
             checkpoint.save_now(self.trainer, reason=f"start of round {runtime.round_id}")
 
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        runtime = self.round
+        if runtime is None or runtime.work is None or not isinstance(self.model, DistributedDataParallel):
+            return
+        if self._ddp_comm_hook is not None:  # DDP takes one hook: the user's wins, own work is not measured
+            log.info("ddp_ft: a DDP communication hook is set; stragglers are not watched (own work is measured "
+                     "by the strategy's hook)")
+            runtime.work = None
+            return
+        self.model.register_comm_hook(None, runtime.work.sync_hook)
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self.round is not None:
-            self.round.step_started()
+        runtime = self.round
+        if runtime is None:
+            return
+        runtime.step_started()
+        watch = runtime.stragglers
+        if watch is None:
+            return
+        if watch.evicted is not None:  # at a step boundary: the peers' live state is this step
+            raise StragglerEvicted(f"evicted as a straggler at step {self.trainer.global_step}: {watch.evicted}")
+        if self.global_rank == 0 and watch.scores:
+            self._log_work(watch)
+
+    def _log_work(self, watch: StragglerWatch) -> None:
+        """Rank 0: every rank's own work and wait, and their straggler scores, to the Trainer's loggers."""
+        summaries, scores = watch.summaries, watch.scores
+        watch.scores = {}  # each judgement is logged once
+        metrics = {"ft/straggler_score": max(scores.values())}
+        for rank, summary in summaries.items():
+            metrics[f"ft/busy_seconds/rank{rank}"] = summary.median
+            metrics[f"ft/wait_seconds/rank{rank}"] = summary.wait
+        for logger in self.trainer.loggers:
+            logger.log_metrics(metrics, step=self.trainer.global_step)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: pl.LightningModule | Module | None = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        # forward, backward (with its all-reduce) and the update are done: the step completed
         runtime = self.round
+        work = runtime.work if runtime is not None else None
+        output = super().optimizer_step(optimizer, work.timed_closure(closure) if work is not None else closure,
+                                        model, **kwargs)
+        # forward, backward (with its all-reduce) and the update are done: the step completed
         if runtime is None:
             return output
+        if work is not None:
+            work.step_finished(self.trainer.global_step + 1)
         since_failure = runtime.step_finished()
         if since_failure is not None:
             # Lightning counts the optimizer step as completed only after this returns

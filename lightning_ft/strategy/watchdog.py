@@ -130,7 +130,8 @@ class RoundWatchdog(BackgroundThread):
                  world_size: int, clock: StepClock,
                  hang_detection: bool, hang_floor: float, hang_factor: float, dead_after: float,
                  on_trigger: Callable[[Detector, str, tuple[int, ...]], None], break_group: Callable[[], int],
-                 poll_interval: float = 0.2, progress_interval: float = 1.0, join_timeout: float = 2.0) -> None:
+                 poll_interval: float = 0.2, progress_interval: float = 1.0, join_timeout: float = 2.0,
+                 on_poll: Callable[[], None] | None = None) -> None:
         super().__init__("lightning_ft-round-watchdog", join_timeout)
         self.round_values = round_values
         self.records = records
@@ -145,6 +146,8 @@ class RoundWatchdog(BackgroundThread):
         self.on_trigger = on_trigger
         self.break_group = break_group
         self.poll_interval = poll_interval
+        #: more work for each poll on this thread and connection (the straggler watch)
+        self.on_poll = on_poll
         # Peers read a rank's progress only once their own progress is overdue (>= hang_floor),
         # so publishing it every poll is wasted store traffic, which competes with training for
         # the CPU when the store shares the machine; fresh within progress_interval suffices.
@@ -209,6 +212,8 @@ class RoundWatchdog(BackgroundThread):
         overdue = self.hang_detection and idle >= timeout
         waiting = waiting_in_collective(sys._current_frames().get(self._training_thread)) if overdue else None
         self._publish((clock.completed, clock.activity, waiting), now, urgent=overdue)
+        if self.on_poll is not None and not overdue:
+            self.on_poll()
         current = self.records.current_round()
         if current > self.round_id:
             return self._trigger(Detector.RENDEZVOUS, f"round {current} opened while this rank trains in round "

@@ -168,7 +168,10 @@ def main() -> int:
                 while os.path.exists(args.hold_first_step_while):
                     time.sleep(0.05)
             if args.step_sleep:
-                time.sleep(args.step_sleep)
+                # FT_TRAIN_SLOW="STEP:FACTOR": this process's steps take FACTOR x as long from STEP on (a straggler)
+                slow_from, _, factor = os.environ.get("FT_TRAIN_SLOW", "-1:1").partition(":")
+                slow = float(factor) if 0 <= int(slow_from) <= self.trainer.global_step else 1.0
+                time.sleep(args.step_sleep * slow)
             if args.raise_at_step is not None and self.trainer.global_step == args.raise_at_step \
                     and self.trainer.global_rank == args.raise_on_rank:
                 raise ValueError(f"deliberate bug at step {args.raise_at_step}")

@@ -1,0 +1,119 @@
+"""The straggler watch of one round: share each rank's own work, judge, and evict or warn.
+
+Driven by the round watchdog's thread (its store connection, no collective, nothing on the
+training thread but the meter's clock reads): every rank publishes its window's summary
+(:func:`~lightning_ft.schema.round.work_key`) about once a second and reads whether it was
+evicted; rank 0 reads every rank's summary every few seconds and asks the policy
+(:mod:`lightning_ft.stragglers.policy`). An eviction is written once per round
+(:data:`~lightning_ft.schema.round.EVICT_KEY`); the evicted rank leaves at its next step
+boundary (the strategy raises :class:`~lightning_ft.exit_codes.StragglerEvicted` there), its
+peers see a lost peer and a hot spare takes the place, resuming from their live state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from lightning_ft.events import names as ev
+from lightning_ft.rendezvous.records import RunRecords
+from lightning_ft.schema.round import EVICT_KEY, decode_eviction, decode_work, encode_eviction, encode_work, work_key
+from lightning_ft.schema.signing import SealedStore
+from lightning_ft.stragglers.meter import WorkMeter
+from lightning_ft.stragglers.policy import StragglerAction, WorkSummary, decide, judge
+
+log = logging.getLogger(__name__)
+
+
+class StragglerWatch:
+    """This rank's part; :meth:`tick` is called by the round watchdog on every poll."""
+
+    def __init__(self, meter: WorkMeter, *, rank: int, world_size: int, round_id: int, factor: float, window: int,
+                 round_values: SealedStore, records: RunRecords, emit: Callable[..., None],
+                 publish_interval: float = 1.0, judge_interval: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.meter = meter
+        self.rank = rank
+        self.world_size = world_size
+        self.round_id = round_id
+        self.factor = factor
+        self.window = window
+        self.round_values = round_values
+        self.records = records
+        self.emit = emit
+        self.publish_interval = publish_interval
+        self.judge_interval = judge_interval
+        self.clock = clock
+        #: why this rank was evicted (None: it was not); read by the training thread
+        self.evicted: str | None = None
+        #: rank 0: every rank's latest summary and score (for the Trainer's loggers)
+        self.summaries: dict[int, WorkSummary] = {}
+        self.scores: dict[int, float] = {}
+        self._published_at = float("-inf")
+        self._published_step = -1
+        self._reported_step = -1
+        self._judged_at = float("-inf")
+        self._warned: tuple[int, int] | None = None  # (rank, step) of the last warning
+
+    def tick(self) -> None:
+        """Publish, read the eviction, judge -- each at its own pace."""
+        now = self.clock()
+        if now - self._published_at >= self.publish_interval:
+            self._published_at = now
+            self._publish()
+            raw = self.round_values.get(EVICT_KEY)
+            eviction = decode_eviction(raw) if raw is not None else None
+            if eviction is not None and eviction[0] == self.rank and self.evicted is None:
+                self.evicted = eviction[2]
+        if self.rank == 0 and now - self._judged_at >= self.judge_interval:
+            self._judged_at = now
+            self._judge()
+
+    def _publish(self) -> None:
+        summary = self.meter.summary()
+        if summary.count == 0 or summary.step == self._published_step:
+            return
+        self.round_values.put(work_key(self.rank), encode_work(summary.step, summary.count, summary.median,
+                                                               summary.low, summary.wait))
+        self._published_step = summary.step
+        if summary.step - self._reported_step >= self.window:
+            self._reported_step = summary.step
+            self.emit(ev.WORK, round=self.round_id, step=summary.step, steps=summary.count,
+                      busy_seconds=round(summary.median, 6), wait_seconds=round(summary.wait, 6))
+
+    def _judge(self) -> None:
+        summaries = {0: self.meter.summary()}
+        names = [work_key(rank) for rank in range(1, self.world_size)]
+        for rank, raw in enumerate(self.round_values.multi_get(names) if names else [], start=1):
+            decoded = decode_work(raw) if raw is not None else None
+            if decoded is not None:
+                summaries[rank] = WorkSummary(*decoded)
+        if len(summaries) < self.world_size:
+            return
+        verdict = judge(summaries, self.factor, self.window)
+        self.summaries, self.scores = summaries, verdict.scores
+        if verdict.straggler is None:
+            return
+        step = summaries[0].step
+        action, reason = decide(verdict, self._spares(), step, None, self.window)
+        straggler = verdict.straggler
+        if action is StragglerAction.EVICT:
+            winner = self.round_values.put_if_absent(EVICT_KEY, encode_eviction(straggler, step, reason))
+            if decode_eviction(winner) == (straggler, step, reason):
+                log.warning("ddp_ft: evicting rank %d as a straggler at step %d: %s", straggler, step, reason)
+                self.emit(ev.STRAGGLER, round=self.round_id, rank=straggler, step=step, action=action.value,
+                          score=round(verdict.scores[straggler], 3), reason=reason)
+            return
+        if self._warned is not None and self._warned[0] == straggler and step - self._warned[1] < self.window:
+            return  # said within this window already
+        self._warned = (straggler, step)
+        log.warning("ddp_ft: rank %d is a straggler at step %d: %s", straggler, step, reason)
+        self.emit(ev.STRAGGLER, round=self.round_id, rank=straggler, step=step, action=action.value,
+                  score=round(verdict.scores[straggler], 3), reason=reason)
+
+    def _spares(self) -> int:
+        """Hot spares that could take a place now: live participants of the run beyond its actives."""
+        lost = self.records.lost()
+        live = [a for a in self.records.arrivals(self.round_id) if a.participant_id not in lost]
+        return max(0, len(live) - self.world_size)
