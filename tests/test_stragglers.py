@@ -3,13 +3,14 @@ participant's steps become slower (``FT_TRAIN_SLOW``: its step sleep multiplied 
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
 
 from lightning_ft.stragglers.policy import NEVER_BELOW, StragglerAction, WorkSummary, decide, judge, summarize
 
-from proc_utils import REPO_ROOT
+from proc_utils import REPO_ROOT, child_env
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
 from ft_cluster import Cluster
@@ -67,11 +68,12 @@ def test_eviction_needs_a_spare_and_comes_at_most_once_per_window():
 ARGS = ["--step-sleep", "0.05", "--snapshot-every", "10", "--ft-option", "straggler_window=10"]
 
 
-def _start_actives_then_spare(cluster: Cluster, args: list[str], slow: str | None, spare: bool) -> None:
+def _start_actives_then_spare(cluster: Cluster, args: list[str], slow: str | None, spare: bool,
+                              **env_a: str) -> None:
     """A and B train (A possibly slow); C, started once they train, waits as the hot spare."""
     cluster.start_store()
     cluster.out.mkdir(parents=True, exist_ok=True)
-    cluster.start_participant("A", args, **({"FT_TRAIN_SLOW": slow} if slow else {}))
+    cluster.start_participant("A", args, **({"FT_TRAIN_SLOW": slow} if slow else {}), **env_a)
     cluster.start_participant("B", args)
     cluster.wait_for_step(2, 90, among=["A", "B"])
     if spare:
@@ -81,8 +83,12 @@ def _start_actives_then_spare(cluster: Cluster, args: list[str], slow: str | Non
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_4x_straggler_is_evicted_and_the_spare_takes_its_place(processes, tmp_path):
+    """A 4x slower from step 30 (window 10): evicted with 84, its marker written -- the health
+    check then reports its node unhealthy (82) --, the spare steps in, no step is trained again."""
+    marker = tmp_path / "node-a-suspect"
     cluster = Cluster(processes, tmp_path, "2:3", run_id="straggler-evict")
-    _start_actives_then_spare(cluster, [*ARGS, "--max-steps", "120"], slow="30:4", spare=True)
+    _start_actives_then_spare(cluster, [*ARGS, "--max-steps", "120"], slow="30:4", spare=True,
+                              LIGHTNING_FT_STRAGGLER_MARKER=str(marker))
     codes = cluster.wait(["A", "B", "C"], 150)
     assert codes == {"A": 84, "B": 0, "C": 0}, cluster.logs()
     [straggler] = [e for e in cluster.events_of("straggler") if e["action"] == "evict"]
@@ -90,6 +96,10 @@ def test_a_4x_straggler_is_evicted_and_the_spare_takes_its_place(processes, tmp_
     [evicted] = cluster.events_of("evicted")
     assert "evicted as a straggler" in evicted["reason"]
     assert "EVICTED (84)" in cluster.procs["A"].log()
+    assert "evicted as a straggler from run straggler-evict" in marker.read_text()
+    health = subprocess.run([sys.executable, "-m", "lightning_ft.cli", "health", "--marker", str(marker)],
+                            capture_output=True, text=True, timeout=60, env=child_env())
+    assert health.returncode == 82 and "evicted as a straggler" in health.stdout + health.stderr, health
     assert all(cluster.result(name)["step"] == 120 for name in ("B", "C"))
     # no work redone: the round after the eviction resumed from the survivor's live state
     [restored] = [e for e in cluster.events_of("restored") if e.get("round") == 1][:1]

@@ -256,6 +256,13 @@ class SealedStore:
             return []
         return [self.signer.open(k, raw) for k, raw in zip(keys, self.store.multi_get(keys), strict=True)]
 
+    def multi_get_if_all_present(self, names: list[str]) -> list[bytes | None] | None:
+        """:meth:`multi_get` when every one of ``names`` exists (two requests), else None; never
+        blocks (values are never deleted, so what ``check`` found is still there)."""
+        if names and not self.store.check([self.key(n) for n in names]):
+            return None
+        return self.multi_get(names)
+
     def multi_put(self, names: list[str], values: Sequence[bytes | str]) -> None:
         keys = [self.key(n) for n in names]
         self.store.multi_set(keys, [self.signer.seal(k, v) for k, v in zip(keys, values, strict=True)])

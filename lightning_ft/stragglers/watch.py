@@ -3,7 +3,7 @@
 Driven by the round watchdog's thread (its store connection, no collective, nothing on the
 training thread but the meter's clock reads): every rank publishes its window's summary
 (:func:`~lightning_ft.schema.round.work_key`) about once a second and reads whether it was
-evicted; rank 0 reads every rank's summary every few seconds and asks the policy
+evicted; rank 0 reads every rank's summary as often and asks the policy
 (:mod:`lightning_ft.stragglers.policy`). An eviction is written once per round
 (:data:`~lightning_ft.schema.round.EVICT_KEY`); the evicted rank leaves at its next step
 boundary (the strategy raises :class:`~lightning_ft.exit_codes.StragglerEvicted` there), its
@@ -31,7 +31,7 @@ class StragglerWatch:
 
     def __init__(self, meter: WorkMeter, *, rank: int, world_size: int, round_id: int, factor: float, window: int,
                  round_values: SealedStore, records: RunRecords, emit: Callable[..., None],
-                 publish_interval: float = 1.0, judge_interval: float = 2.0,
+                 publish_interval: float | None = None, judge_interval: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.meter = meter
         self.rank = rank
@@ -42,8 +42,10 @@ class StragglerWatch:
         self.round_values = round_values
         self.records = records
         self.emit = emit
-        self.publish_interval = publish_interval
-        self.judge_interval = judge_interval
+        # about once a second; slower with thousands of ranks, so that together they stay near
+        # 1,000 publications (and as many reads of the eviction) per second on the store
+        self.publish_interval = publish_interval or max(1.0, world_size / 1000)
+        self.judge_interval = judge_interval or self.publish_interval
         self.clock = clock
         #: why this rank was evicted (None: it was not); read by the training thread
         self.evicted: str | None = None
@@ -85,12 +87,15 @@ class StragglerWatch:
     def _judge(self) -> None:
         summaries = {0: self.meter.summary()}
         names = [work_key(rank) for rank in range(1, self.world_size)]
-        for rank, raw in enumerate(self.round_values.multi_get(names) if names else [], start=1):
+        values = self.round_values.multi_get_if_all_present(names)  # never waits for a rank yet to publish
+        if values is None:
+            return
+        for rank, raw in enumerate(values, start=1):
             decoded = decode_work(raw) if raw is not None else None
             if decoded is not None:
                 summaries[rank] = WorkSummary(*decoded)
-        if len(summaries) < self.world_size:
-            return
+        if len(summaries) < self.world_size or any(s.count == 0 for s in summaries.values()):
+            return  # every rank measured some steps first
         verdict = judge(summaries, self.factor, self.window)
         self.summaries, self.scores = summaries, verdict.scores
         if verdict.straggler is None:

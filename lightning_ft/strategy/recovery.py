@@ -257,6 +257,13 @@ class RecoveryExecutor:
         self._session.events.emit(ev.EVICTED, round=runtime.round_id if runtime is not None else None,
                                   step=trainer.global_step if trainer is not None else None, reason=message)
         log.warning("ddp_ft: %s; leaving with exit code %d (EVICTED)", message, int(ExitCode.EVICTED))
+        marker = self._host.settings.stragglers.straggler_marker
+        if marker:  # the health-marker hook: this node reads as unhealthy until someone looks at it
+            try:
+                with open(marker, "w") as f:
+                    f.write(f"evicted as a straggler from run {self._host.settings.run_id}: {message}\n")
+            except OSError as error:
+                log.warning("ddp_ft: could not write the straggler marker %s: %s", marker, error)
         print(f"lightning_ft: EVICTED ({int(ExitCode.EVICTED)}): {message}", file=sys.stderr, flush=True)
         self.leave(withdraw=message)
         raise FaultTolerantExit(ExitCode.EVICTED, message) from exc

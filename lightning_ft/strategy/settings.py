@@ -97,6 +97,11 @@ class StragglerSettings:
                                              rule=number(minimum=1, inclusive=True, allow_none=True))
     straggler_window: int = setting(25, "steps a straggler must stay slow in (and between two evictions)",
                                     rule=number(integer=True, minimum=2, inclusive=True))
+    straggler_marker: str | None = setting(None, "a file an evicted straggler writes (its reason as content): "
+                                                 "the health probe's marker file (lightning-ft health --marker, "
+                                                 "LIGHTNING_FT_HEALTH_MARKERS) then reports this node unhealthy "
+                                                 "until someone removes it", rule=optional_text,
+                                           env="LIGHTNING_FT_STRAGGLER_MARKER", parse=parse_text)
 
 
 @dataclass(frozen=True)

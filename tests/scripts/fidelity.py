@@ -198,9 +198,15 @@ def run_reference(processes, root: Path, args: list[str], resume_step: int, *, c
     return Run(root, second)
 
 
+#: metrics the strategy logs about the run's timing (stragglers: own work and wait per rank), which
+#: no two runs share; everything else a run logs must be equal
+TIMING_METRICS = "ft/"
+
+
 def metric_points(run: Run) -> dict[tuple[int, str], float]:
     """(step, metric) -> value over every version of the CSV logs; later versions win (a resumed
-    run logs the steps after its snapshot again, into a new version under Lightning's default)."""
+    run logs the steps after its snapshot again, into a new version under Lightning's default).
+    Timing metrics (:data:`TIMING_METRICS`) are left out."""
     points: dict[tuple[int, str], float] = {}
     for version in sorted((run.logs_root / "lightning_logs").glob("version_*"), key=lambda p: int(p.name[8:])):
         path = version / "metrics.csv"
@@ -209,15 +215,17 @@ def metric_points(run: Run) -> dict[tuple[int, str], float]:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
                 for key, value in row.items():
-                    if key not in ("step", "epoch") and value:
+                    if key not in ("step", "epoch") and value and not key.startswith(TIMING_METRICS):
                         points[(int(row["step"]), key)] = float(value)
     return points
 
 
 def metric_rows(run: Run, version: int = 0) -> list[dict[str, str]]:
+    """The CSV log's rows without timing metrics (rows that held only those are left out)."""
     path = run.logs_root / "lightning_logs" / f"version_{version}" / "metrics.csv"
     with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+        rows = [{k: v for k, v in row.items() if not k.startswith(TIMING_METRICS)} for row in csv.DictReader(f)]
+    return [row for row in rows if any(v for k, v in row.items() if k not in ("step", "epoch"))]
 
 
 def final_checkpoints(run: Run, after_step: int = -1) -> list[str]:

@@ -187,14 +187,17 @@ def main() -> int:
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-2)
 
-        def configure_model(self):
-            if args.strategy != "fsdp_ft" or isinstance(self.net, FSDPModule):  # configure_model runs every fit
-                return
-            mesh = self.device_mesh["data_parallel"]
-            for layer in self.net:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(self.net, mesh=mesh)
+        if args.strategy == "fsdp_ft":
+            # only then: a module that overrides configure_model has no model fingerprint before
+            # setup, so a hot spare could not refuse a replica of another model (test_replica_trust)
+            def configure_model(self):
+                if isinstance(self.net, FSDPModule):  # configure_model runs every fit
+                    return
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.net:
+                    if isinstance(layer, nn.Linear):
+                        fully_shard(layer, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
 
         def full_weights(self) -> list[float]:
             """Every parameter, whole (collective with sharded parameters: every rank calls it)."""
