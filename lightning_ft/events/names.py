@@ -18,7 +18,8 @@ event                          fields
 ``snapshot_sent``              round, step, to_rank, bytes, seconds
 ``snapshot_received``          round, step, from_rank, bytes, seconds
 ``shard_replica``              round, step, to_ranks, bytes, seconds (``fsdp_ft``: this rank's snapshot copied to
-                               ranks in other failure domains)
+                               ranks in other failure domains; seconds: what the copy held training up,
+                               sending, receiving and writing the copies this rank keeps)
 ``work``                       round, step, steps, busy_seconds, wait_seconds (this rank's median own work per
                                step and median wait for its peers over its last ``steps`` steps; every
                                ``straggler_window`` steps)

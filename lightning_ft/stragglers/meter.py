@@ -2,16 +2,16 @@
 
 In ``DistributedDataParallel`` the only wait for peers inside a step is the gradient all-reduce:
 a rank whose backward finished early waits there for the slowest. The meter marks the moment
-this rank's last gradient bucket is ready (a DDP communication hook that then runs torch's own
-all-reduce hook, so the gradients are the same bits) and the moment the synchronised backward
-returned (the optimizer's closure); everything else in the step -- loading the batch, forward,
-backward, the optimizer update -- is this rank's own work:
+this rank's backward finished computing -- the last gradient accumulated into a parameter (a
+post-accumulate-grad hook on each parameter; DDP's own communication is left as it is) -- and
+the moment the synchronised backward returned (the optimizer's closure); everything else in the
+step -- loading the batch, forward, backward, the optimizer update -- is this rank's own work:
 
-    own  = (bucket ready - previous step's end) + (step's end - closure returned)
-    wait = closure returned - bucket ready
+    own  = (last gradient ready - previous step's end) + (step's end - closure returned)
+    wait = closure returned - last gradient ready
 
-Costs a few clock reads per step. Written on the training thread, read (a copy of the window)
-by the round watchdog's thread.
+Costs a clock read per parameter and a few per step. Written on the training thread, read (a
+copy of the window) by the round watchdog's thread.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+import torch
+from torch import nn
 
 from lightning_ft.stragglers.policy import WorkSummary, summarize
 
@@ -40,15 +40,23 @@ class WorkMeter:
         self._ready: float | None = None
         self._synced: float | None = None
         self.last_step = -1
+        self._hooks: list[Any] = []
 
-    @property
-    def sync_hook(self) -> Callable[[Any, dist.GradBucket], Any]:
-        """A DDP communication hook: torch's all-reduce hook, noting when the last bucket is ready."""
-        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations, not strings
-            if bucket.is_last():
-                self._ready = self.clock()
-            return default_hooks.allreduce_hook(state, bucket)
-        return hook
+    def watch_gradients(self, module: nn.Module) -> None:
+        """Note when each gradient of ``module``'s trainable parameters is ready (the last one of a
+        step marks the end of this rank's backward); :meth:`close` removes the hooks."""
+        for parameter in module.parameters():
+            if parameter.requires_grad:
+                self._hooks.append(parameter.register_post_accumulate_grad_hook(self._gradient_ready))
+
+    def _gradient_ready(self, parameter: torch.Tensor) -> None:
+        self._ready = self.clock()
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the round is over; the next round's meter adds its own)."""
+        hooks, self._hooks = self._hooks, []
+        for handle in hooks:
+            handle.remove()
 
     def timed_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` (forward and the synchronised backward), noting when it returned."""

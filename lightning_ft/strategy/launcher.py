@@ -269,9 +269,12 @@ class FaultTolerantLauncher(_Launcher):
         settings = strategy.settings
         checkpoint = first_callback_of_type(self.run.trainer, EmergencyCheckpoint)
         assert settings.domain_id is not None  # resolved by resolve_settings
+        # sharded state is never copied through the store (its copies go to ranks in other domains
+        # over the process group): a spare pulls nothing, and no warning says store copies are off
+        factor = 0 if strategy.shards_state else settings.replication_factor
         replicas = replica_puller(checkpoint.snapshots if checkpoint is not None else None, settings.domain_id,
-                                  settings.replication_factor, session.events.emit,
-                                  cipher=replica_cipher(session.rendezvous.signer, settings.replication_factor),
+                                  factor, session.events.emit,
+                                  cipher=replica_cipher(session.rendezvous.signer, factor),
                                   model=model_fingerprint_before_setup(self.run.trainer.lightning_module),
                                   max_bytes=settings.replica_max_bytes)
         monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys, signer=session.rendezvous.signer,

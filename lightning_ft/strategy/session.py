@@ -214,6 +214,8 @@ class RoundRuntime:
         watchdog, self.watchdog = self.watchdog, None
         if watchdog is not None:
             watchdog.stop()
+        if self.work is not None:
+            self.work.close()  # its gradient hooks: the parameters outlive the round
         return watchdog
 
     def retire_group(self) -> None:

@@ -412,14 +412,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         super().configure_ddp()
         runtime = self.round
-        if runtime is None or runtime.work is None or not isinstance(self.model, DistributedDataParallel):
-            return
-        if self._ddp_comm_hook is not None:  # DDP takes one hook: the user's wins, own work is not measured
-            log.info("ddp_ft: a DDP communication hook is set; stragglers are not watched (own work is measured "
-                     "by the strategy's hook)")
-            runtime.work = None
-            return
-        self.model.register_comm_hook(None, runtime.work.sync_hook)
+        if runtime is not None and runtime.work is not None and self.lightning_module is not None:
+            runtime.work.watch_gradients(self.lightning_module)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)

@@ -95,23 +95,22 @@ class ShardReplicator:
             payload = None  # the last reference to the map's view goes before the map is closed
         if own is not None and int(size.item()) >= 0:
             self._sent_step = own.step
-        seconds = round(time.perf_counter() - start, 4)
         for source, buffer in received.items():
-            self._keep(source, buffer, seconds)
+            self._keep(source, buffer)
+        seconds = round(time.perf_counter() - start, 4)  # what the copy held training up: sends and writes
         if int(size.item()) >= 0:
             assert own is not None
             self._emit(ev.SHARD_REPLICA, step=own.step, to_ranks=list(send_to), bytes=int(size.item()),
                        seconds=seconds)
 
-    def _keep(self, source: int, buffer: torch.Tensor, seconds: float) -> None:
+    def _keep(self, source: int, buffer: torch.Tensor) -> None:
         try:
             with self._open_store_for(source) as store:
                 info = store.write_bytes(buffer.numpy().data)
         except Exception as exc:  # noqa: BLE001 - a refused copy is dropped; older copies stand
             log.warning("rank %d: copy of rank %d's shards refused: %s", self.rank, source, exc)
             return
-        log.debug("rank %d: keeps rank %d's shards of step %d (%d bytes, %.3fs)", self.rank, source, info.step,
-                  info.nbytes, seconds)
+        log.debug("rank %d: keeps rank %d's shards of step %d (%d bytes)", self.rank, source, info.step, info.nbytes)
 
 
 def _wait(requests: Sequence[dist.Work | None]) -> None:
