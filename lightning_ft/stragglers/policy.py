@@ -66,17 +66,13 @@ def judge(summaries: Mapping[int, WorkSummary], factor: float, window: int) -> S
     if len(summaries) < 2:
         return StragglerVerdict({}, None, "fewer than two ranks measured")
     short = sorted(rank for rank, s in summaries.items() if s.count < window)
-    scores: dict[int, float] = {}
-    for rank, summary in summaries.items():
-        peers = statistics.median(s.median for other, s in summaries.items() if other != rank)
-        scores[rank] = summary.median / peers if peers > 0 else 0.0
+    peers = {rank: statistics.median(s.median for other, s in summaries.items() if other != rank)
+             for rank in summaries}
+    scores = {rank: summary.median / peers[rank] if peers[rank] > 0 else 0.0 for rank, summary in summaries.items()}
     if short:
         return StragglerVerdict(scores, None, f"rank(s) {short} measured fewer than {window} steps")
-    candidates = []
-    for rank, summary in summaries.items():
-        peers = statistics.median(s.median for other, s in summaries.items() if other != rank)
-        if peers > 0 and summary.low >= threshold * peers:
-            candidates.append((-scores[rank], rank))
+    candidates = [(-scores[rank], rank) for rank, summary in summaries.items()
+                  if peers[rank] > 0 and summary.low >= threshold * peers[rank]]
     if not candidates:
         top = max(scores, key=lambda r: (scores[r], -r))
         return StragglerVerdict(scores, None, f"highest score {scores[top]:.2f} (rank {top}) stays below "

@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 _one_domain_warned = False  # said once per process
 
 
-
 class FaultTolerantFSDPStrategy(FaultTolerantDDPStrategy):
     """FSDP2 sharded training (as Lightning's ``ModelParallelStrategy``, data parallel only) over
     ``ddp_ft``'s barrier rendezvous: stable ranks, sharded snapshots, the SIGTERM path.
@@ -136,7 +135,6 @@ class FaultTolerantFSDPStrategy(FaultTolerantDDPStrategy):
                 "survived (replication_factor, persist_to); resuming would mix steps or start over")
         super().on_train_start()  # the round-start snapshot, among others
         self._shard_replicas = None
-        checkpoint = self._checkpoint
         if (checkpoint is None or runtime is None or runtime.result is None
                 or not self.settings.replication_factor or self.world_size < 2):
             return

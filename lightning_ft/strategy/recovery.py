@@ -141,14 +141,12 @@ class RecoveryExecutor:
         run, session, settings = self._run, self._session, self._host.settings
         runtime = run.round
         assert runtime is not None and runtime.result is not None
-        if isinstance(exc, JobCannotGoOn):  # every rank found it alike: the job ends, said why
+        if isinstance(exc, (JobCannotGoOn, StragglerEvicted)):  # decided, not a failure to classify
             runtime.stop_watchdog()
             _call_on_exception(trainer, exc)  # e.g. the SIGTERM path's watcher ends with the round
-            self.give_up(str(exc), cause=exc, close=True)
-        if isinstance(exc, StragglerEvicted):
-            runtime.stop_watchdog()
-            _call_on_exception(trainer, exc)
-            self._leave_evicted(exc, trainer)
+            if isinstance(exc, StragglerEvicted):
+                self._leave_evicted(exc, trainer)
+            self.give_up(str(exc), cause=exc, close=True)  # every rank found it alike: the job ends, said why
         step = trainer.global_step if trainer is not None else 0
         failures_without_progress = run.count_failure(step)
         watchdog = runtime.stop_watchdog()
@@ -286,7 +284,8 @@ class RecoveryExecutor:
 
     def leave(self, close: CloseReason | None = None, *, unhealthy: str | None = None, failed: str | None = None,
               withdraw: str | None = None, destroy_group: bool = True) -> None:
-        """The leave sequence: tell the others (this rank's error, the close, an unhealthy node),
+        """The leave sequence: tell the others (this rank's error, the close, an unhealthy node, a
+        withdrawal),
         stop this round's threads, shut down the rendezvous, retire and destroy the group. Telling
         is best effort: a store that is gone is logged, never raised."""
         session, runtime = self._session, self._run.round
