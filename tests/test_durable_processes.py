@@ -151,8 +151,7 @@ def test_after_kill_9_of_every_process_resume_from_the_newest_complete_durable_s
     first.start(["A", "B"], ["--max-steps", "400", *TRAIN, *big], **env)
     assert wait_until(lambda: manifest_steps(durable, run_id), 60), first.logs()
     first.wait_for_step(max(manifest_steps(durable, run_id)) + 10, 60)
-    for name in ("A", "B"):
-        first.kill(name, signal.SIGKILL)
+    first.kill_together(["A", "B"])
     assert first.wait(["A", "B"], 20) == {"A": -9, "B": -9}
     newest = max(manifest_steps(durable, run_id))
     wipe_memory(first)
@@ -192,8 +191,7 @@ def test_with_callbacks_given_no_arguments_a_short_run_still_leaves_a_durable_st
     newest = max(manifest_steps(durable, run_id))
     assert newest == 8, manifest_steps(durable, run_id)
     first.wait_for_step(30, 60)
-    for name in ("A", "B"):
-        first.kill(name, signal.SIGKILL)
+    first.kill_together(["A", "B"])
     assert first.wait(["A", "B"], 20) == {"A": -9, "B": -9}
     newest = max(manifest_steps(durable, run_id))
     wipe_memory(first)

@@ -160,6 +160,13 @@ class Cluster:
         os.kill(self.procs[name].pid, sig)
         return t
 
+    def kill_together(self, names: list[str]) -> None:
+        """SIGKILL several participants as one event: each is frozen (SIGSTOP) before any dies, so
+        none sees another's death and starts a recovery first (which the machine's load would decide)."""
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for name in names:
+                os.kill(self.procs[name].pid, sig)
+
     def wait(self, names: list[str], timeout: float) -> dict[str, int | None]:
         deadline = time.monotonic() + timeout
         codes = {}
