@@ -169,7 +169,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, enviro
                      "one device)")
     if args.strategy in FT_STRATEGIES:
         # the strategy would raise the same error from inside the Trainer; say it before any work
-        from lightning_ft.strategy.settings import StrategyConfigError, resolve_launch_config
+        from lightning_ft.runtime.settings import StrategyConfigError, resolve_launch_config
 
         try:
             resolve_launch_config(None, None, None, None, env=environ)
@@ -341,7 +341,7 @@ def final_of_sharded(evaluate: Callable[[], dict[str, float]]):
             self.result: tuple[dict[str, float], str] | None = None
 
         def on_train_end(self, trainer, pl_module) -> None:
-            if getattr(trainer.strategy, "shards_state", False):
+            if isinstance(trainer.strategy, pl.strategies.ModelParallelStrategy):  # fsdp_ft
                 self.result = (evaluate(), weights_digest(pl_module))
 
     return FinalOfSharded()

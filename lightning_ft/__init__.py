@@ -10,8 +10,8 @@ the torchrun agent, which loads our rendezvous backend, free of the Lightning im
 from __future__ import annotations
 
 from lightning_ft._lazy import lazy_getattr
-from lightning_ft._lightning.registration import register_when_lightning_loads
 from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
+from lightning_ft.strategy.registration import register_when_lightning_loads
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 from outside the code that uses it (a call blocked on it then returns at once).
 
 Used to end what nothing else can: a gloo collective blocked on a frozen peer
-(:mod:`lightning_ft.strategy.process_group`) and store calls stuck on a store that was
+(:mod:`lightning_ft.runtime.transport`) and store calls stuck on a store that was
 replaced by a fail-over (:mod:`lightning_ft.rendezvous.failover`).
 """
 

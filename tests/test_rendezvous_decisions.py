@@ -11,9 +11,9 @@ from lightning_ft.rendezvous.decisions import (
     assign_ranks,
     can_form_active_set,
     decide_completion,
-    newly_dead,
     split_extras,
 )
+from lightning_ft.rendezvous.liveness import HeartbeatTracker
 from lightning_ft.rendezvous.participant import ParticipantInfo
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousSettings, settings_from_config
 from lightning_ft.schema.run import ArrivalRecord, decode_arrival, encode_arrival
@@ -153,21 +153,21 @@ def test_close_for_good_when_too_few_can_ever_arrive():
     assert decide_completion(still_possible, settings(), RoundTimer(0.0), 0.0).action is Action.WAIT
 
 
-def test_newly_dead_needs_a_silent_heartbeat_for_dead_after():
-    seen = {}
-    assert newly_dead({"a": 1, "b": None}, seen, now=0.0, dead_after=1.0) == set()
-    assert newly_dead({"a": 2, "b": None}, seen, now=0.9, dead_after=1.0) == set()
-    assert newly_dead({"a": 2, "b": None}, seen, now=1.0, dead_after=1.0) == {"b"}
-    assert newly_dead({"a": 2, "b": None}, seen, now=2.0, dead_after=1.0) == {"a", "b"}
+def test_a_heartbeat_is_silent_once_it_stood_still_for_the_threshold():
+    seen = HeartbeatTracker()
+    assert seen.silent({"a": 1, "b": None}, 0.0, 1.0) == set()
+    assert seen.silent({"a": 2, "b": None}, 0.9, 1.0) == set()
+    assert seen.silent({"a": 2, "b": None}, 1.0, 1.0) == {"b"}
+    assert seen.silent({"a": 2, "b": None}, 2.0, 1.0) == {"a", "b"}
 
 
 def test_only_a_rising_heartbeat_counts_as_a_beat():
-    seen = {}
-    assert newly_dead({"a": 5}, seen, now=0.0, dead_after=1.0) == set()
+    seen = HeartbeatTracker()
+    assert seen.silent({"a": 5}, 0.0, 1.0) == set()
     # a replayed older value, or one that failed its check (None), is silence
-    assert newly_dead({"a": 3}, seen, now=0.6, dead_after=1.0) == set()
-    assert newly_dead({"a": None}, seen, now=1.0, dead_after=1.0) == {"a"}
-    assert newly_dead({"a": 6}, seen, now=1.1, dead_after=1.0) == set()
+    assert seen.silent({"a": 3}, 0.6, 1.0) == set()
+    assert seen.silent({"a": None}, 1.0, 1.0) == {"a"}
+    assert seen.silent({"a": 6}, 1.1, 1.0) == set()
 
 
 @pytest.mark.parametrize("kwargs, needle", [

@@ -100,7 +100,7 @@ def test_the_torchrun_backend_and_ddp_ft_share_their_defaults(monkeypatch):
     domain for segments and replica placement); it is the host name now, as under ddp_ft."""
     from lightning_ft.rendezvous.participant import local_participant
     from lightning_ft.rendezvous.settings import torchrun_config
-    from lightning_ft.strategy.settings import resolve_settings
+    from lightning_ft.runtime.settings import resolve_settings
 
     monkeypatch.delenv("LIGHTNING_FT_DOMAIN_ID", raising=False)
     assert local_participant().domain_id == socket.gethostname()
@@ -114,8 +114,8 @@ def test_the_torchrun_backend_and_ddp_ft_share_their_defaults(monkeypatch):
 
 
 def test_strategy_arguments_that_are_no_setting_are_named_not_handed_to_ddp():
-    from lightning_ft.strategy.settings import StrategyConfigError
-    from lightning_ft.strategy.strategy import split_strategy_kwargs
+    from lightning_ft.runtime.settings import StrategyConfigError
+    from lightning_ft.strategy.ddp import split_strategy_kwargs
 
     given, ddp = split_strategy_kwargs({"replication_factor": 2, "find_unused_parameters": True})
     assert given == {"replication_factor": 2} and ddp == {"find_unused_parameters": True}
@@ -129,8 +129,8 @@ def test_every_snapshot_and_persist_setting_is_a_strategy_argument(tmp_path, mon
     from types import SimpleNamespace
 
     from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
-    from lightning_ft.strategy.launcher import add_default_callbacks
-    from lightning_ft.strategy.settings import StrategyConfigError, resolve_settings
+    from lightning_ft.runtime.fit_loop import add_default_callbacks
+    from lightning_ft.runtime.settings import StrategyConfigError, resolve_settings
 
     for key in ("LIGHTNING_FT_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "LIGHTNING_FT_PERSIST_TO"):
         monkeypatch.delenv(key, raising=False)

@@ -7,10 +7,10 @@ import pytest
 import torch.distributed as dist
 
 from lightning_ft.rendezvous.records import RunRecords
+from lightning_ft.runtime.spare_monitor import SpareMonitor
 from lightning_ft.schema.round import encode_member, member_key
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys, encode_number
 from lightning_ft.schema.signing import SealedStore, Signer
-from lightning_ft.strategy.spare_monitor import SpareMonitor
 
 
 def monitor_of_silent_actives(closed: bool) -> list:

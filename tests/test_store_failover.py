@@ -18,7 +18,7 @@ from ft_cluster import Cluster, in_order, ordered_start, release
 pytestmark = [pytest.mark.multiprocess]
 
 SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
-OPEN_ROUND = "lightning_ft.strategy.session:Session.open_round"
+OPEN_ROUND = "lightning_ft.runtime.session:Session.open_round"
 PROPOSE = "lightning_ft.termination.coordination:StoreStopCoordinator.propose"
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_ft.checkpoint.policy import TransferPlan, plan_snapshot_transfer, replica_needed, should_pull_replica
-from lightning_ft.schema.run import CloseKind
-from lightning_ft.strategy.decisions import (
+from lightning_ft.runtime.decisions import (
     EndAction,
     EndCause,
     FailureAction,
@@ -24,7 +23,8 @@ from lightning_ft.strategy.decisions import (
     looks_like_peer_gone,
     parse_nnodes,
 )
-from lightning_ft.strategy.settings import LaunchMode, StrategyConfigError, resolve_launch_config
+from lightning_ft.runtime.settings import LaunchMode, StrategyConfigError, resolve_launch_config
+from lightning_ft.schema.run import CloseKind
 
 # ------------------------------------------------------------------ hang timeout
 
@@ -319,7 +319,7 @@ def test_a_detected_deadlock_is_recovered_like_a_broken_group_until_it_repeats()
 
 
 def test_the_first_decision_leaves_at_once_only_for_this_nodes_own_failures():
-    from lightning_ft.strategy.decisions import decide_on_failure
+    from lightning_ft.runtime.decisions import decide_on_failure
 
     unhealthy = decide_on_failure(FailureKind.NODE_FAULT)
     assert unhealthy.action is FailureAction.UNHEALTHY and unhealthy.close is None
@@ -332,7 +332,7 @@ def test_the_first_decision_leaves_at_once_only_for_this_nodes_own_failures():
 
 
 def test_after_the_interruption_a_termination_stops_else_the_recovery_rules_decide():
-    from lightning_ft.strategy.decisions import decide_after_interruption
+    from lightning_ft.runtime.decisions import decide_after_interruption
 
     stopping = decide_after_interruption(FailureKind.PEER_LOST, True, 1, 2, 0, None)
     assert (stopping.action, stopping.close) == (FailureAction.RAISE, CloseKind.STOPPED)

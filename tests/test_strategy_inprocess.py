@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from lightning_ft import EmergencyCheckpoint, ExitCode, FaultTolerantDDPStrategy  # noqa: E402
 from lightning_ft.exit_codes import FaultTolerantExit  # noqa: E402
 from lightning_ft.rendezvous import BarrierRendezvous, ParticipantInfo, RendezvousSettings  # noqa: E402
+from lightning_ft.runtime.fit_loop import RendezvousFitLoop, add_default_callbacks  # noqa: E402
 from lightning_ft.schema.signing import job_signer  # noqa: E402
-from lightning_ft.strategy.launcher import FaultTolerantLauncher, add_default_callbacks  # noqa: E402
 
 from proc_utils import wait_for  # noqa: E402
 
@@ -119,7 +119,7 @@ def _quiet():
 
 def test_collective_failure_recovers_in_place_from_the_live_state(tmp_path, port):
     trainer = make_trainer(tmp_path, port)
-    assert isinstance(trainer.strategy.launcher, FaultTolerantLauncher)
+    assert isinstance(trainer.strategy.launcher.loop, RendezvousFitLoop)
     model = Model(fail_at=[15])
     first_loop = trainer.fit_loop
     trainer.fit(model)

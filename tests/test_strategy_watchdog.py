@@ -9,10 +9,10 @@ import pytest
 import torch.distributed as dist
 
 from lightning_ft.rendezvous.records import RunRecords
+from lightning_ft.runtime.watchdog import RoundWatchdog, StepClock
 from lightning_ft.schema.round import decode_progress, encode_member, member_key, progress_key
 from lightning_ft.schema.run import RunKeys
 from lightning_ft.schema.signing import SealedStore, Signer
-from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -142,9 +142,9 @@ def test_an_unusable_secret_is_a_configuration_error_at_every_entry_point(tmp_pa
 
     from lightning_ft.rendezvous.handler import create_handler
     from lightning_ft.rendezvous.settings import RendezvousConfigError
+    from lightning_ft.runtime.settings import StrategyConfigError
     from lightning_ft.schema.signing import job_signer
     from lightning_ft.strategy import FaultTolerantDDPStrategy
-    from lightning_ft.strategy.settings import StrategyConfigError
 
     bad = tmp_path / "secret"
     bad.write_text("abc")

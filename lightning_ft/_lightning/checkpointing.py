@@ -22,33 +22,26 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
-from lightning_ft.checkpoint.sharded import (
-    ShardLayoutError,
-    copy_into_shards,
-    dtensors_to_shards,
-    is_shard_record,
-    optimizer_shards_to_dtensors,
-)
-
 _CALLER_FRAMES = 8  # how far up the stack the restoring strategy is looked for
 
 
 def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
     """The full checkpoint of ``trainer`` (weights, optimizer, loop and callback state), as
     ``ModelCheckpoint`` would save it; runs the ``on_save_checkpoint`` hooks. Sharded state
-    (``ModelParallelStrategy``: ``DTensor`` values) comes as this rank's own shards
-    (:func:`~lightning_ft.checkpoint.sharded.dtensors_to_shards`)."""
-    checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-    return dtensors_to_shards(checkpoint) if holds_shards(trainer) else checkpoint  # no walk for DDP
+    comes as Lightning's strategy returns it (``DTensor`` values)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
 def holds_shards(trainer: pl.Trainer) -> bool:
-    """Whether each rank's checkpoint holds only its own shards of the state: ``fsdp_ft``, or
-    Lightning's ``ModelParallelStrategy`` (FSDP2) saving a distributed checkpoint."""
+    """Whether each rank's checkpoint holds only its own shards of the state: Lightning's
+    ``ModelParallelStrategy`` (FSDP2, ``fsdp_ft`` included) saving a distributed checkpoint."""
     strategy = trainer.strategy
-    if getattr(strategy, "shards_state", False):  # FaultTolerantFSDPStrategy (not imported here: a cycle)
-        return True
     return isinstance(strategy, ModelParallelStrategy) and bool(strategy._save_distributed_checkpoint)
+
+
+def plain_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer`` (itself when it is one already)."""
+    return getattr(optimizer, "_optimizer", optimizer)
 
 
 def restore_after_setup(trainer: pl.Trainer, checkpoint: dict[str, Any], ckpt_path: str,
@@ -72,40 +65,13 @@ def restore_after_setup(trainer: pl.Trainer, checkpoint: dict[str, Any], ckpt_pa
         connector._loaded_checkpoint = checkpoint
         used()
 
-    connector.resume_start = resume_start  # type: ignore[method-assign]
+    vars(connector)["resume_start"] = resume_start  # this connector's only, in place of its method
 
 
 def drop_pending_restore(trainer: pl.Trainer) -> None:
     """Forget a :func:`restore_after_setup` of an earlier ``fit()`` that ended before Lightning
     loaded its checkpoint (it must not inject that snapshot into this one)."""
     vars(trainer._checkpoint_connector).pop("resume_start", None)
-
-
-def restore_shards(trainer: pl.Trainer, checkpoint: dict[str, Any], where: str) -> None:
-    """After :func:`restore_from` on a strategy that :func:`holds_shards`: copy this rank's saved
-    shards into the live parameters and load the optimizers' sharded state (the strategy's own
-    ``load_model_state_dict`` and optimizer restore do nothing: they expect a distributed
-    checkpoint directory). Raises :class:`~lightning_ft.checkpoint.sharded.ShardLayoutError` when
-    the snapshot was taken at another world size or by another rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    model = trainer.strategy.model
-    assert model is not None  # set up by now (restore_checkpoint_after_setup)
-    live = model.state_dict()
-    saved = checkpoint.get("state_dict", {})
-    copied = set(copy_into_shards(live, saved, where))
-    # names differ e.g. for a torch.compile'd module ("_orig_mod."): never resume half a model
-    unmatched = sorted(key for key, value in {**saved, **live}.items()
-                       if key not in copied and (isinstance(value, torch.Tensor) or is_shard_record(value)))
-    if unmatched:
-        raise ShardLayoutError(f"{where}: {len(unmatched)} tensor(s) of the model and the snapshot do not match "
-                               f"by name, e.g. {unmatched[:5]}")
-    # each parameter's optimizer state lives on the mesh that parameter is sharded over
-    meshes = {name: value.device_mesh for name, value in live.items() if hasattr(value, "device_mesh")}
-    options = StateDictOptions(full_state_dict=False, cpu_offload=True)
-    for optimizer, state in zip(trainer.optimizers, checkpoint.get("optimizer_states", []), strict=False):
-        plain = getattr(optimizer, "_optimizer", optimizer)
-        set_optimizer_state_dict(model, plain, optimizer_shards_to_dtensors(state, meshes, where), options=options)
 
 
 def next_is_a_training_batch(trainer: pl.Trainer) -> bool:

@@ -46,7 +46,14 @@ import pickletools
 from typing import Any
 
 import torch
-from torch import _weights_only_unpickler as _torch_allowlist
+
+from lightning_ft._torch import (
+    tensor_and_storage_classes,
+    tensor_rebuild_functions,
+    user_allowed_globals,
+    weights_only_allowed_globals,
+    weights_only_blocked_modules,
+)
 
 
 class DisallowedGlobal(pickle.UnpicklingError):
@@ -77,9 +84,9 @@ MAX_ALLOCATION = 1 << 20
 
 def _tensor_machinery_names() -> set[str]:
     """Globals torch needs to rebuild tensors and storages; our format never pickles them."""
-    names = {f"torch._utils.{f.__name__}" for f in _torch_allowlist._tensor_rebuild_functions()}
+    names = {f"torch._utils.{f.__name__}" for f in tensor_rebuild_functions()}
     names.add("torch._tensor._rebuild_from_type_v2")
-    names.update(f"{c.__module__}.{c.__name__}" for c in (*torch._tensor_classes, *torch._storage_classes))
+    names.update(f"{c.__module__}.{c.__name__}" for c in tensor_and_storage_classes())
     names.update(("torch.Tensor", "torch.nn.parameter.Parameter"))
     return names
 
@@ -88,7 +95,7 @@ def _tensor_machinery_names() -> set[str]:
 def default_allowed_globals() -> dict[str, Any]:
     """torch's default weights_only allow-list minus the tensor/storage rebuild machinery."""
     machinery = _tensor_machinery_names()
-    return {name: obj for name, obj in _torch_allowlist._get_allowed_globals().items() if name not in machinery}
+    return {name: obj for name, obj in weights_only_allowed_globals().items() if name not in machinery}
 
 
 def allowed_globals() -> dict[str, Any]:
@@ -96,7 +103,7 @@ def allowed_globals() -> dict[str, Any]:
     ``torch.serialization.add_safe_globals`` takes effect at once); never a tensor class or a
     tensor rebuild function, whoever registered it."""
     machinery = _tensor_machinery_names()
-    user = {name: obj for name, obj in _torch_allowlist._get_user_allowed_globals().items()
+    user = {name: obj for name, obj in user_allowed_globals().items()
             if name not in machinery and not name.startswith(_TENSOR_MODULES)
             and not (isinstance(obj, type) and issubclass(obj, torch.Tensor))}
     return {**default_allowed_globals(), **user}
@@ -188,7 +195,7 @@ def _check_allocation(func: tuple[str, Any], args: tuple[str, Any], max_allocati
 
 
 def _blocked(module: str) -> bool:
-    return module.split(".")[0] in _torch_allowlist._blocklisted_modules
+    return module.split(".")[0] in weights_only_blocked_modules()
 
 
 class RestrictedUnpickler(pickle.Unpickler):

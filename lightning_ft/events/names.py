@@ -30,7 +30,7 @@ event                          fields
 ``failure_detected``           round, step (training had reached), error, detector (``collective`` | ``hang`` |
                                ``rendezvous``), stalled (ranks blamed by the hang detector), stuck_seconds,
                                step_seconds (median step of the failed round; prices the redone steps)
-``decision``                   round, kind (:class:`~lightning_ft.strategy.decisions.FailureKind`),
+``decision``                   round, kind (:class:`~lightning_ft.runtime.decisions.FailureKind`),
                                action (``recover`` | ``raise`` | ``no_restart``), reason
 ``round_open``                 round (the new round), after (the failed round), reason
 ``first_step_after_recovery``  round, step, seconds_since_failure

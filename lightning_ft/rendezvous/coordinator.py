@@ -22,9 +22,9 @@ from lightning_ft.rendezvous.decisions import (
     RoundView,
     assign_ranks,
     decide_completion,
-    newly_dead,
     split_extras,
 )
+from lightning_ft.rendezvous.liveness import HeartbeatTracker
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.rendezvous.settings import RendezvousSettings
 from lightning_ft.schema.run import (
@@ -108,7 +108,7 @@ class Coordinator:
         self.clock = rendezvous.clock
         self.timer = RoundTimer(opened_at=self.clock())
         self.previous_actives = self._read_previous_actives()
-        self._heartbeats_seen: dict[str, tuple[int | None, float]] = {}
+        self._heartbeats = HeartbeatTracker()
         self._dead: set[str] = set()
         # a coordinator this one took over from fell silent; if its heartbeat is silent too it
         # is dead, and must not get a place in the round it failed to decide. The same for the
@@ -172,14 +172,15 @@ class Coordinator:
         missing += [p for p in self._suspects if p in arrived_ids and p not in self._dead and p not in missing]
         if not missing:
             return False
-        values = self.records.heartbeats(missing)
-        before = {p: self._heartbeats_seen.get(p) for p in self._suspects}
-        dead = newly_dead(values, self._heartbeats_seen, self.clock(), self.settings.dead_after)
-        for pid, seen in before.items():
-            beat = values.get(pid)
-            if seen is not None and beat is not None and (seen[0] is None or beat > seen[0]):
+        now, dead = self.clock(), set()
+        for pid, beat in self.records.heartbeats(missing).items():
+            known = self._heartbeats.knows(pid)
+            still = self._heartbeats.observe(pid, beat, now)
+            if still >= self.settings.dead_after:
+                dead.add(pid)
+            elif known and still == 0.0 and pid in self._suspects:
                 self._suspects.discard(pid)  # its heartbeat rises: slow, not dead; it keeps its place
-        for pid in dead:
+        for pid in sorted(dead):
             self._dead.add(pid)
             why = ("coordinator of this round that went silent" if pid in self._suspects
                    else f"previous active, missing from round {self.round_id}")

@@ -212,26 +212,6 @@ def decide_completion(view: RoundView, settings: RendezvousSettings, timer: Roun
                                      f"the last call ended")
 
 
-def newly_dead(heartbeats: dict[str, int | None], last_seen: dict[str, tuple[int | None, float]],
-               now: float, dead_after: float) -> set[str]:
-    """Participants whose heartbeat did not rise for ``dead_after``.
-
-    ``heartbeats`` maps id -> the authentic heartbeat number read (None: absent or not
-    authentic); ``last_seen`` maps id -> (highest number seen, when it was first seen) and is
-    updated in place. Only a *higher* number counts as a beat: a replayed older value, or a
-    value that fails its check, is silence. A participant that never beat counts as silent.
-    """
-    dead = set()
-    for pid, value in heartbeats.items():
-        previous = last_seen.get(pid)
-        if previous is None or (value is not None and (previous[0] is None or value > previous[0])):
-            last_seen[pid] = (value, now)
-            continue
-        if now - previous[1] >= dead_after:
-            dead.add(pid)
-    return dead
-
-
 def choose_incarnation(current: int, closed_at: float | None, started_at: float) -> int:
     """Which incarnation of a run a participant belongs to.
 

@@ -22,6 +22,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from lightning_ft._logging import ensure_log_output
+from lightning_ft._torch import exit_barrier_names
 from lightning_ft.deadlines import raw_store
 from lightning_ft.process import exit_now
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, UnhealthyNodeError
@@ -40,12 +41,9 @@ def _check_torch_exit_barrier_key() -> None:
     # Standby nodes leave when torch's agents have passed their exit barrier, seen as this
     # key; if a torch version renamed it they would wait forever. Checked here, where torch's
     # agent is loaded anyway (the schema cannot import it: see EXIT_BARRIER_KEY).
-    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
-    from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN
-
-    if (_TERMINAL_STATE_SYNC_ID, _TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN) != (EXIT_BARRIER_PREFIX,
-                                                                                      EXIT_BARRIER_KEY):
-        raise ImportError(f"this torch names its exit barrier {_TERMINAL_STATE_SYNC_ID!r}+{_LAST_MEMBER_CHECKIN!r}; "
+    names = exit_barrier_names()
+    if names != (EXIT_BARRIER_PREFIX, EXIT_BARRIER_KEY):
+        raise ImportError(f"this torch names its exit barrier {names[0]!r} (last member {names[1]!r}); "
                           f"lightning_ft knows {EXIT_BARRIER_KEY!r} and does not support it")
 
 BACKEND_NAME = "lightning_ft"

@@ -8,7 +8,7 @@ from lightning_ft.settings.fields import markdown_table
 
 #: docs page -> the settings classes it documents
 TABLES = {
-    "docs/strategy.md": ["lightning_ft.strategy.settings:StrategySettings"],
+    "docs/strategy.md": ["lightning_ft.runtime.settings:StrategySettings"],
     "docs/torchrun.md": ["lightning_ft.rendezvous.settings:TorchrunConfig"],
     "docs/snapshots.md": ["lightning_ft.checkpoint.settings:SnapshotSettings"],
     "docs/sigterm.md": ["lightning_ft.termination.settings:TerminationSettings",

@@ -85,7 +85,7 @@ def any_value(value: Any) -> str | None:
 def _reads(expects: str) -> Callable[[Callable[[str], Any]], Callable[[str], Any]]:
     """Name what a parse function accepts (the error message says it when the text is not that)."""
     def mark(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-        parse.expects = expects  # type: ignore[attr-defined]  # a function attribute, read with getattr
+        vars(parse)["expects"] = expects  # a function attribute, read with getattr
         return parse
     return mark
 

@@ -1,21 +1,20 @@
-"""``Trainer(strategy="ddp_ft")``: DDP with a barrier rendezvous, hot spares and in-process recovery.
+"""``Trainer(strategy="ddp_ft")`` and ``Trainer(strategy="fsdp_ft")``: Lightning's ``DDPStrategy`` and
+``ModelParallelStrategy``, each holding the fault-tolerance runtime (:mod:`lightning_ft.runtime`).
 
-The strategy (:mod:`.strategy`) is the Lightning surface; :mod:`.launcher` runs ``fit()``
-round by round, :mod:`.recovery` handles a failed round, :mod:`.session` holds the state of
-the session and of the round, :mod:`.decisions` holds the rules as pure functions and
-:mod:`.settings` the validated settings. Importing this package is cheap; the
-Lightning-facing names load on first use (the pure modules stay Lightning-free).
+:mod:`.ddp` and :mod:`.fsdp` are the two strategies, :mod:`.surface` the hooks they share and
+:mod:`.environment` the cluster environments (ranks from the round). Importing this package is
+cheap; the Lightning-facing names load on first use.
 """
 
 from __future__ import annotations
 
 from lightning_ft._lazy import lazy_getattr
-from lightning_ft.strategy.settings import StrategyConfigError
 
 _LAZY = {
-    "FaultTolerantDDPStrategy": "lightning_ft.strategy.strategy",
+    "StrategyConfigError": "lightning_ft.runtime.settings",
+    "FaultTolerantDDPStrategy": "lightning_ft.strategy.ddp",
     "FaultTolerantFSDPStrategy": "lightning_ft.strategy.fsdp",
-    "register_strategy": "lightning_ft.strategy.strategy",
+    "register_strategy": "lightning_ft.strategy.ddp",
 }
 
 __all__ = ["FaultTolerantDDPStrategy", "FaultTolerantFSDPStrategy", "StrategyConfigError", "register_strategy"]

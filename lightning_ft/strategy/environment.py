@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from lightning.fabric.plugins.environments import ClusterEnvironment, TorchElasticEnvironment
 
-#: the rank of a process that is not (or no longer) training: a hot spare, or after fit()
-NO_RANK = -1
-
 
 class RoundEnvironment(ClusterEnvironment):
     """Rank and world size come from the current rendezvous round; Lightning's setters are no-ops."""

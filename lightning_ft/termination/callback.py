@@ -43,7 +43,9 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
+from lightning_ft._lightning.launcher import disarm_child_observer
 from lightning_ft._logging import ensure_log_output
+from lightning_ft._torch import default_group_store
 from lightning_ft._validation import require
 from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.events import NullEventLog, open_event_log
@@ -211,7 +213,7 @@ class GracefulTermination(pl.Callback):
                 log.warning("rank %d: world size %d but no process group; ranks cannot agree on a stop step",
                             self._rank, self._world_size)
                 return LocalStopCoordinator()
-            store = dist.distributed_c10d._get_default_store()
+            store = default_group_store()
         # A fresh namespace per fit, chosen by rank 0 and broadcast once while all ranks are
         # in step (never from a signal handler). Stores outlive worker groups: torchrun's
         # agent keeps one TCPStore across worker restarts and membership changes, so a
@@ -272,7 +274,8 @@ class GracefulTermination(pl.Callback):
                 return self._termination
             termination = Termination(signum, started_at, cause)
             self._termination = termination
-        _disarm_lightning_child_observer(self._rank)
+        if disarm_child_observer():
+            log.info("rank %d: disabled Lightning's child-process observer for the termination", self._rank)
         assert self._executor is not None  # made in setup(), before anything can begin a termination
         self._executor.start(termination)
         return termination
@@ -458,16 +461,6 @@ class GracefulTermination(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._finish()
-
-
-def _disarm_lightning_child_observer(rank: int) -> None:
-    # Under Lightning's popen `ddp` launcher, rank 0 runs a thread that SIGKILLs rank 0
-    # and all children as soon as any child exits non-zero -- which every rank now does
-    # on purpose (81/82/143), possibly while rank 0 is still writing its snapshot.
-    for thread in threading.enumerate():
-        if type(thread).__name__ == "_ChildProcessObserver" and thread.is_alive():
-            thread._run = lambda: True  # type: ignore[attr-defined]  # Lightning's subclass; its loop ends at the next poll
-            log.info("rank %d: disabled Lightning's child-process observer for the termination", rank)
 
 
 def _validate_signals(signals: Sequence[int]) -> tuple[signal.Signals, ...]:

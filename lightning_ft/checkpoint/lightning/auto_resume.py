@@ -16,11 +16,11 @@ from lightning_ft._lightning.checkpointing import (
     requested_ckpt_path,
     restore_after_setup,
     restore_from,
-    restore_shards,
 )
 from lightning_ft.checkpoint.durable.tier import DurableTier
 from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
 from lightning_ft.checkpoint.identity import state_dict_fingerprint
+from lightning_ft.checkpoint.lightning.state import restore_shards
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.policy import parse_mem_url

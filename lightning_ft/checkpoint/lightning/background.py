@@ -12,7 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_ft._lightning.checkpointing import dump_checkpoint
+from lightning_ft.checkpoint.lightning.state import dump_state
 from lightning_ft.checkpoint.memory.format import SnapshotError
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.store import SnapshotStore
@@ -64,7 +64,7 @@ class BackgroundSnapshots:
         if it could not start."""
         start = time.perf_counter()
         try:
-            checkpoint = dump_checkpoint(trainer)
+            checkpoint = dump_state(trainer)
             dumped = time.perf_counter() - start
             deferred = changed_only_by_optimizer_steps(trainer.optimizers)
             store.save_in_background(checkpoint, step, deferred, reason="periodic")

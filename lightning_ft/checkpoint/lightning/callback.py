@@ -18,7 +18,6 @@ import lightning.pytorch as pl
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._lightning.checkpointing import (
     drop_pending_restore,
-    dump_checkpoint,
     holds_shards,
     next_is_a_training_batch,
 )
@@ -29,6 +28,7 @@ from lightning_ft.checkpoint.lightning.background import BackgroundSnapshots
 from lightning_ft.checkpoint.lightning.calibration import ScheduleCalibration
 from lightning_ft.checkpoint.lightning.durable_copies import DurableCopies
 from lightning_ft.checkpoint.lightning.live import LiveState
+from lightning_ft.checkpoint.lightning.state import dump_state
 from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.roots import (
@@ -182,7 +182,7 @@ class EmergencyCheckpoint(pl.Callback):
         self.commit_pending()
         start = time.perf_counter()
         store = self._get_store(trainer)
-        checkpoint = dump_checkpoint(trainer)
+        checkpoint = dump_state(trainer)
         step = trainer.global_step
         info = store.save(checkpoint, step, reason=reason)
         seconds = time.perf_counter() - start
@@ -417,7 +417,7 @@ class EmergencyCheckpoint(pl.Callback):
         if self._last_snapshot is not None:
             return self._last_snapshot.nbytes
         if self._estimated_bytes is None:
-            self._estimated_bytes = fmt.encode(dump_checkpoint(trainer), check_loadable=False).file_size
+            self._estimated_bytes = fmt.encode(dump_state(trainer), check_loadable=False).file_size
         return self._estimated_bytes
 
     def space_problem(self, trainer: pl.Trainer) -> str | None:

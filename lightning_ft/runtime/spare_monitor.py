@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
 from lightning_ft.deadlines import BackgroundThread, StoreClient
+from lightning_ft.rendezvous.liveness import HeartbeatTracker
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.round import decode_member, member_key
 from lightning_ft.schema.run import RunKeys
@@ -54,7 +55,7 @@ class SpareMonitor(BackgroundThread):
         self.poll_interval = poll_interval
         self._watched_round = -1
         self._members: dict[int, str] = {}
-        self._beats: dict[str, tuple[int | None, float]] = {}
+        self._beats = HeartbeatTracker()
 
     def run(self) -> None:
         while not self.stopping.wait(self.poll_interval):
@@ -85,15 +86,9 @@ class SpareMonitor(BackgroundThread):
         if not self._members or self.store.check([self.keys.exit_barrier(round_id)]):
             return
         # Only when *every* active is silent (see the module docstring).
-        silent = []
-        for participant in self._members.values():
-            beat = self.records.heartbeat(participant)
-            seen = self._beats.get(participant)
-            # only a rise counts: a replayed older value, or one that fails its check, is silence
-            if seen is None or (beat is not None and (seen[0] is None or beat > seen[0])):
-                self._beats[participant] = (beat, now)
-            elif now - seen[1] >= self.dead_after:
-                silent.append(participant)
+        members = self._members.values()
+        silent = [p for p in members
+                  if self._beats.silent({p: self.records.heartbeat(p)}, now, self.dead_after)]
         if len(silent) == len(self._members):
             if self._closed_for_good():
                 return  # the actives stopped (SIGTERM) or finished: their silence is the end, not a fault

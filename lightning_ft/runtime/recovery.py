@@ -1,12 +1,12 @@
 """What happens when a round fails, and every way out of a run: read the facts, decide, execute.
 
 The launcher hands :class:`RecoveryExecutor` the exception that ended Lightning's ``_fit_impl``.
-:func:`read_failure_facts` reads the world into :class:`~lightning_ft.strategy.decisions.FailureFacts`
+:func:`read_failure_facts` reads the world into :class:`~lightning_ft.runtime.decisions.FailureFacts`
 (the exception chain, the watchdog's verdict, the store's notices, all bounded); the pure
-decisions (:func:`~lightning_ft.strategy.decisions.classify_failure`,
-:func:`~lightning_ft.strategy.decisions.decide_on_failure`,
-:func:`~lightning_ft.strategy.decisions.decide_after_interruption`) return a
-:class:`~lightning_ft.strategy.decisions.FailureOutcome`; the executor performs it:
+decisions (:func:`~lightning_ft.runtime.decisions.classify_failure`,
+:func:`~lightning_ft.runtime.decisions.decide_on_failure`,
+:func:`~lightning_ft.runtime.decisions.decide_after_interruption`) return a
+:class:`~lightning_ft.runtime.decisions.FailureOutcome`; the executor performs it:
 
 * recover: interrupt the round (retire the group, callbacks' ``on_exception``), run Lightning's
   exception-path teardown (bounded), reset the Trainer to its state at ``fit()`` start, open
@@ -32,9 +32,7 @@ from lightning_ft.deadlines import call_with_timeout, first_line
 from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import ExitCode, FaultTolerantExit, JobCannotGoOn, StragglerEvicted
 from lightning_ft.process import ExitWatchdog, destroy_process_group, planned_exit_code
-from lightning_ft.schema.round import VERDICT_KEY, decode_verdict, failed_key
-from lightning_ft.schema.run import CloseKind, CloseReason
-from lightning_ft.strategy.decisions import (
+from lightning_ft.runtime.decisions import (
     Detector,
     FailureAction,
     FailureFacts,
@@ -47,8 +45,10 @@ from lightning_ft.strategy.decisions import (
     looks_like_peer_gone,
     node_fault_errno,
 )
-from lightning_ft.strategy.run import RunState, StrategyHost
-from lightning_ft.strategy.session import RoundRuntime, Session
+from lightning_ft.runtime.run import RunState, RuntimeHost
+from lightning_ft.runtime.session import RoundRuntime, Session
+from lightning_ft.schema.round import VERDICT_KEY, decode_verdict, failed_key
+from lightning_ft.schema.run import CloseKind, CloseReason
 from lightning_ft.termination.callback import GracefulTermination
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def read_failure_facts(exc: BaseException, runtime: RoundRuntime, session: Sessi
 class RecoveryExecutor:
     """Performs the decisions about this process's failed rounds, and its ways out of the run."""
 
-    def __init__(self, host: StrategyHost, run: RunState, session: Session, pristine: PristineState | None = None,
+    def __init__(self, host: RuntimeHost, run: RunState, session: Session, pristine: PristineState | None = None,
                  module: Any = None) -> None:
         self._host = host
         self._run = run
@@ -161,7 +161,7 @@ class RecoveryExecutor:
         self._interrupt(trainer, exc, kind, detector, step)
         outcome = decide_after_interruption(kind, _termination_in_progress(trainer), failures_without_progress,
                                             settings.max_failures_without_progress, run.recoveries,
-                                            settings.max_recoveries, self._host.cannot_reform)
+                                            settings.max_recoveries, self._host.cannot_reform())
         result = runtime.result
         if outcome.action is FailureAction.RAISE:  # a termination takes over: leave as it decided
             session.events.emit(ev.STOPPED, round=result.round, reason="termination in progress during a peer failure")
@@ -169,7 +169,7 @@ class RecoveryExecutor:
             raise exc
         session.events.emit(ev.DECISION, round=result.round, kind=kind.value, action=outcome.action.value,
                             reason=outcome.reason)
-        if outcome.action is FailureAction.RECOVER and not self._host.shards_state:
+        if outcome.action is FailureAction.RECOVER and self._host.layout.resumes_from_live_state:
             # before anything resets the Trainer: the survivors' live state is the step the next
             # round resumes from (the snapshot exchange sends the newest step to whoever lacks it).
             # Not with sharded state: the lost rank's shards exist only at a snapshot step, so the
@@ -320,7 +320,7 @@ class RecoveryExecutor:
         raise FaultTolerantExit(ExitCode.NO_RESTART, message) from cause
 
 
-def give_up_without_session(host: StrategyHost, message: str, cause: BaseException | None = None) -> NoReturn:
+def give_up_without_session(host: RuntimeHost, message: str, cause: BaseException | None = None) -> NoReturn:
     """NO_RESTART (83) before this process has a session (the store cannot be reached)."""
     host.event_log.emit(ev.NO_RESTART, round=None, reason=message)
     log.error("ddp_ft: giving up with exit code %d (NO_RESTART): %s", int(ExitCode.NO_RESTART), message)

@@ -37,7 +37,7 @@ _TRIGGER_MODULE = "lightning.pytorch"
 
 def create_ddp_ft(**kwargs: Any) -> Any:
     """What ``StrategyRegistry.get("ddp_ft")`` calls: a ``FaultTolerantDDPStrategy`` from its settings."""
-    from lightning_ft.strategy.strategy import FaultTolerantDDPStrategy  # on first use (module docstring)
+    from lightning_ft.strategy.ddp import FaultTolerantDDPStrategy  # on first use (module docstring)
 
     return FaultTolerantDDPStrategy(**kwargs)
 

@@ -25,16 +25,16 @@ from lightning_ft.rendezvous.failover import FailoverStore, StoreSwitchboard
 from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.rendezvous.store import connect_store
+from lightning_ft.runtime.decisions import Detector
+from lightning_ft.runtime.settings import HangSettings, StragglerSettings, StrategySettings
+from lightning_ft.runtime.transport import GroupTransport, retire_group
+from lightning_ft.runtime.watchdog import RoundWatchdog, StepClock
 from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore, job_signer
 from lightning_ft.settings import Timeouts
 from lightning_ft.stragglers.meter import WorkMeter
 from lightning_ft.stragglers.watch import StragglerWatch
-from lightning_ft.strategy.decisions import Detector
-from lightning_ft.strategy.process_group import GroupTransport, retire_group
-from lightning_ft.strategy.settings import HangSettings, StragglerSettings, StrategySettings
-from lightning_ft.strategy.watchdog import RoundWatchdog, StepClock
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,6 @@ class RoundRuntime:
 
     def retire_group(self) -> None:
         """Break the round's group (pending collectives fail) and retire it; see
-        :func:`~lightning_ft.strategy.process_group.retire_group`."""
+        :func:`~lightning_ft.runtime.transport.retire_group`."""
         transport, self.transport = self.transport, None
         retire_group(transport)

@@ -22,11 +22,11 @@ from lightning_ft.checkpoint.settings import SnapshotSettings
 from lightning_ft.events.log import EventSettings
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousOptions, RendezvousSettings
 from lightning_ft.rendezvous.store import Endpoint, parse_endpoint
+from lightning_ft.runtime.decisions import merge_setting, parse_nnodes
 from lightning_ft.schema.signing import SecretError, read_secret
 from lightning_ft.settings import SettingsError, Timeouts, describe, group, load, setting
 from lightning_ft.settings.environment import ENV_DOMAIN_ID, environ, resolve_domain_id, resolve_run_id
 from lightning_ft.settings.fields import boolean, number, optional_text, parse_flag, parse_text, setting_values
-from lightning_ft.strategy.decisions import merge_setting, parse_nnodes
 
 ENV_ENDPOINT = "LIGHTNING_FT_ENDPOINT"
 ENV_RUN_ID = "LIGHTNING_FT_RUN_ID"
@@ -74,7 +74,7 @@ _SECONDS = number()
 
 @dataclass(frozen=True)
 class HangSettings:
-    """When a step counts as hung (see :func:`~lightning_ft.strategy.decisions.hang_timeout`)."""
+    """When a step counts as hung (see :func:`~lightning_ft.runtime.decisions.hang_timeout`)."""
 
     hang_detection: bool = setting(True, "treat a step that runs longer than max(hang_timeout_floor, "
                                          "hang_safety_factor x slowest recent step) as a hang of the rank that "

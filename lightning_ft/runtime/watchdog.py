@@ -24,10 +24,11 @@ from collections.abc import Callable
 from types import FrameType
 
 from lightning_ft.deadlines import BackgroundThread
+from lightning_ft.rendezvous.liveness import HeartbeatTracker
 from lightning_ft.rendezvous.records import RunRecords
+from lightning_ft.runtime.decisions import Detector, PeerState, find_stalled_ranks, hang_timeout
 from lightning_ft.schema.round import decode_member, decode_progress, encode_progress, member_key, progress_key
 from lightning_ft.schema.signing import SealedStore
-from lightning_ft.strategy.decisions import Detector, PeerState, find_stalled_ranks, hang_timeout
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ class RoundWatchdog(BackgroundThread):
         self._published: tuple[int, int, str | None] | None = None
         self._published_at = float("-inf")
         self._members: dict[int, str] = {}
-        self._heartbeats: dict[int, tuple[int | None, float]] = {}
+        self._heartbeats = HeartbeatTracker()
         self._positions: dict[int, tuple[bytes, float]] = {}
         self._warned_at = -1
 
@@ -265,15 +266,8 @@ class RoundWatchdog(BackgroundThread):
                 if raw is not None:
                     self._members[rank] = decode_member(raw).participant_id
             participant = self._members.get(rank)
-            silent = 0.0
-            if participant is not None:
-                beat = self.records.heartbeat(participant)
-                seen = self._heartbeats.get(rank)
-                # only a rise counts: a replayed older value, or one that fails its check, is silence
-                if seen is None or (beat is not None and (seen[0] is None or beat > seen[0])):
-                    self._heartbeats[rank] = (beat, now)
-                else:
-                    silent = now - seen[1]
+            silent = 0.0 if participant is None else \
+                self._heartbeats.observe(rank, self.records.heartbeat(participant), now)
             raw = self.round_values.get(progress_key(rank)) or b""
             position = self._positions.get(rank)
             if position is None or position[0] != raw:

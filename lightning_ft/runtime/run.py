@@ -1,8 +1,8 @@
-"""What one ``ddp_ft`` process knows about its run across rounds, and what it needs from the strategy.
+"""What one process knows about its run across rounds, and what the fit loop needs of the runtime.
 
-:class:`RunState` is created and written by the launcher and the recovery executor; the
-strategy only reads it (its hooks need the current round). :class:`StrategyHost` is the part
-of the strategy those two use, so neither imports the strategy (no import cycle).
+:class:`RunState` is created and written by the fit loop and the recovery executor; the
+runtime's hooks only read it (they need the current round). :class:`RuntimeHost` is the part
+of the runtime those two use, so neither imports the runtime (no import cycle).
 """
 
 from __future__ import annotations
@@ -11,24 +11,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lightning_ft.events import EventLog, NullEventLog
-from lightning_ft.strategy.session import RoundRuntime, Session
-from lightning_ft.strategy.settings import StrategySettings
+from lightning_ft.runtime.layout import StateLayout
+from lightning_ft.runtime.session import RoundRuntime, Session
+from lightning_ft.runtime.settings import StrategySettings
 
 
-class StrategyHost(Protocol):
-    """The strategy as the launcher and the recovery executor see it."""
+class RuntimeHost(Protocol):
+    """The runtime as the fit loop and the recovery executor see it."""
 
     settings: StrategySettings
     session: Session | None
-    #: each rank holds only its own shards of the state (no live state to resume from after a loss)
-    shards_state: bool
-
-    @property
-    def cannot_reform(self) -> str | None:
-        """Why a failed round cannot re-form in-process with this strategy (None: it can)."""
-
-    def rebuild_module(self) -> None:
-        """Return the model to what a fresh process builds before ``configure_model`` (sharded state)."""
+    layout: StateLayout
 
     @property
     def event_log(self) -> EventLog | NullEventLog: ...
@@ -38,6 +31,12 @@ class StrategyHost(Protocol):
     def leave_as_spare(self) -> None: ...
 
     def stop_round_threads(self) -> None: ...
+
+    def cannot_reform(self) -> str | None:
+        """Why a failed round cannot re-form in-process (None: it can)."""
+
+    def rebuild_module(self) -> None:
+        """Return the model to what a fresh process builds before ``configure_model`` (sharded state)."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ import socket
 
 import torch.distributed as dist
 
+from lightning_ft._torch import all_groups, set_default_group_timeout
 from lightning_ft.process import destroy_process_group
 from lightning_ft.sockets import open_sockets, shut_down, with_socket
 
@@ -87,8 +88,16 @@ def init_round_group(backend: str, rank: int, world_size: int, store: dist.Store
         timeout = min(timeout, pg_timeout)
     dist.init_process_group(backend, rank=rank, world_size=world_size, store=store, timeout=timeout)
     if pg_timeout is not None and pg_timeout != timeout:
-        dist.distributed_c10d._set_pg_timeout(pg_timeout)
+        set_default_group_timeout(pg_timeout)
     return GroupTransport(before, open_sockets(), store_port)
+
+
+def init_torchrun_group(backend: str, rank: int, world_size: int, pg_timeout: datetime.timedelta | None) -> None:
+    """Create the default group under torchrun (``MASTER_ADDR``/``MASTER_PORT`` from its agent),
+    unless one exists already."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=pg_timeout)
 
 
 def retire_group(transport: GroupTransport | None) -> None:
@@ -107,7 +116,7 @@ def retire_group(transport: GroupTransport | None) -> None:
     try:
         if dist.is_available() and dist.is_initialized():
             # the default group and every subgroup (a device mesh's): each has gloo worker threads
-            _BROKEN_GROUPS.extend(dist.distributed_c10d._world.pg_map)
+            _BROKEN_GROUPS.extend(all_groups())
     except (RuntimeError, ValueError, AttributeError):
         pass
     destroy_process_group()

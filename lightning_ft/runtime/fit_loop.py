@@ -1,18 +1,18 @@
-"""How one ``ddp_ft`` process runs ``fit()``: the launchers Lightning calls instead of its own.
+"""How one process runs ``fit()`` under the runtime: the loops the strategy's launcher runs.
 
-:class:`FaultTolerantLauncher` (rendezvous mode) -- the loop around Lightning's ``_fit_impl``:
+:class:`RendezvousFitLoop` (rendezvous mode) -- the loop around Lightning's ``_fit_impl``:
 
 1. join the barrier rendezvous; a hot spare blocks there until a failure needs it, and
    returns from ``fit()`` (exit 0) when the job finishes or the rendezvous is closed for good;
 2. an active participant runs ``_fit_impl``: the strategy's ``setup_distributed`` builds the
    round's group, shares the newest snapshot and starts the watchdog, and
    ``EmergencyCheckpoint``'s auto-resume restores the snapshot;
-3. a failure goes to :class:`~lightning_ft.strategy.recovery.FailureHandler`, which either
+3. a failure goes to :class:`~lightning_ft.runtime.recovery.FailureHandler`, which either
    prepares the next round (back to 1, inside the same ``fit()`` call) or ends the process;
 4. success: the actives pass torch's elastic exit barrier for the round, close the
    rendezvous for good (spares leave), acknowledge, and destroy the group.
 
-:class:`ElasticLauncher` -- under torchrun: run ``fit`` once (torchrun restarts workers).
+:class:`TorchrunFitLoop` -- under torchrun: run ``fit`` once (torchrun restarts workers).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from types import FrameType
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousError,
@@ -39,6 +37,7 @@ from torch.distributed.elastic.utils import store as store_util
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer_reset import mark_finished
+from lightning_ft._torch import exit_barrier_names
 from lightning_ft.checkpoint.exchange.replication import replica_cipher
 from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
@@ -48,25 +47,25 @@ from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
 from lightning_ft.process import destroy_process_group
 from lightning_ft.rendezvous.barrier import ActivesFinishedError, ParticipantExcludedError, RoundResult
-from lightning_ft.schema.run import CloseKind
-from lightning_ft.settings.environment import torchelastic_restart_count
-from lightning_ft.strategy.decisions import (
+from lightning_ft.runtime.decisions import (
     EndAction,
     EndCause,
     Role,
     decide_on_rendezvous_end,
     looks_like_collective_error,
 )
-from lightning_ft.strategy.recovery import (
+from lightning_ft.runtime.recovery import (
     RecoveryExecutor,
     exception_chain,
     give_up_without_session,
     save_live_state,
 )
-from lightning_ft.strategy.run import RunState, StrategyHost
-from lightning_ft.strategy.session import RoundRuntime, Session
-from lightning_ft.strategy.settings import StrategyConfigError, StrategySettings
-from lightning_ft.strategy.spare_monitor import ALL_SILENT_AFTER, SpareMonitor
+from lightning_ft.runtime.run import RunState, RuntimeHost
+from lightning_ft.runtime.session import RoundRuntime, Session
+from lightning_ft.runtime.settings import StrategyConfigError, StrategySettings
+from lightning_ft.runtime.spare_monitor import ALL_SILENT_AFTER, SpareMonitor
+from lightning_ft.schema.run import CloseKind
+from lightning_ft.settings.environment import torchelastic_restart_count
 from lightning_ft.termination.callback import GracefulTermination
 from lightning_ft.termination.signals import SignalHandler
 
@@ -108,11 +107,11 @@ def _refuse_other_stages(trainer: Any) -> None:
             "fitted model or a checkpoint, or strategy='ddp' under torchrun")
 
 
-class FaultTolerantLauncher(_Launcher):
+class RendezvousFitLoop:
     """Runs ``fit`` in this process inside the rendezvous/recovery loop (see the module docstring)."""
 
-    def __init__(self, strategy: StrategyHost) -> None:
-        self._strategy = strategy
+    def __init__(self, host: RuntimeHost) -> None:
+        self._host = host
         #: this process's run (the launcher owns it; the strategy reads it)
         self.run = RunState()
         self._executor: RecoveryExecutor | None = None
@@ -120,30 +119,23 @@ class FaultTolerantLauncher(_Launcher):
         self._callbacks_added = False
         self._saw_round = False  # a round formed while this process took part (active or standby)
 
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return True
-
-    def kill(self, signum: int) -> None:
-        pass  # no child processes
-
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        strategy, run = self._strategy, self.run
+        host, run = self._host, self.run
         _refuse_other_stages(trainer)
         if self._finished:
             raise StrategyConfigError(
-                f"ddp_ft: run {strategy.settings.run_id!r} already ended in this process; a FaultTolerantDDPStrategy "
+                f"ddp_ft: run {host.settings.run_id!r} already ended in this process; a FaultTolerantDDPStrategy "
                 "runs one fit() per run_id (use a new run_id, and a new Trainer, for another fit)")
         run.trainer = trainer
         session = self._open_session()
         if not self._callbacks_added and trainer is not None:
             self._callbacks_added = True
-            add_default_callbacks(trainer, strategy.settings)
+            add_default_callbacks(trainer, host.settings)
         module = next((a for a in args if isinstance(a, pl.LightningModule)), None)
         datamodule = next((a for a in args if isinstance(a, pl.LightningDataModule)), None)
         # what a relaunched process would start fit() with; a recovery returns to it
         pristine = PristineState.capture(trainer, module, datamodule, keep=(EmergencyCheckpoint, GracefulTermination))
-        self._executor = RecoveryExecutor(strategy, run, session, pristine, module)
+        self._executor = RecoveryExecutor(host, run, session, pristine, module)
         while True:
             result = self._join_round(session)
             if result is None:
@@ -160,11 +152,11 @@ class FaultTolerantLauncher(_Launcher):
             return output
 
     def _open_session(self) -> Session:
-        strategy = self._strategy
+        host = self._host
         try:
-            return strategy.open_session()
+            return host.open_session()
         except RendezvousError as exc:
-            give_up_without_session(strategy, f"cannot reach the rendezvous store: {exc}", cause=exc)
+            give_up_without_session(host, f"cannot reach the rendezvous store: {exc}", cause=exc)
 
     # ------------------------------------------------------------------ joining a round
 
@@ -196,7 +188,7 @@ class FaultTolerantLauncher(_Launcher):
             self._rendezvous_ended(session, EndCause.SIGTERM, "SIGTERM while waiting in the rendezvous")
         except (RuntimeError, OSError) as exc:  # the store itself (DistStoreError is a RuntimeError)
             self._rendezvous_ended(session, EndCause.STORE_LOST,
-                                   f"lost the rendezvous store at {self._strategy.settings.launch.endpoint}: "
+                                   f"lost the rendezvous store at {self._host.settings.launch.endpoint}: "
                                    f"{type(exc).__name__}: {first_line(exc)}")
         except RendezvousError as exc:  # extra participant, unhealthy
             if isinstance(exc, ParticipantExcludedError) and not self.run.trained:
@@ -258,20 +250,20 @@ class FaultTolerantLauncher(_Launcher):
         self._executor.give_up(message)
 
     def _leave_as_spare(self) -> None:
-        self._strategy.leave_as_spare()
+        self._host.leave_as_spare()
         trainer = self.run.trainer
         if trainer is not None:
             mark_finished(trainer)
         destroy_process_group()
 
     def _start_spare_monitor(self, session: Session) -> SpareMonitor:
-        strategy = self._strategy
-        settings = strategy.settings
+        host = self._host
+        settings = host.settings
         checkpoint = first_callback_of_type(self.run.trainer, EmergencyCheckpoint)
         assert settings.domain_id is not None  # resolved by resolve_settings
         # sharded state is never copied through the store (its copies go to ranks in other domains
         # over the process group): a spare pulls nothing, and no warning says store copies are off
-        factor = 0 if strategy.shards_state else settings.replication_factor
+        factor = settings.replication_factor if host.layout.replicates_through_store else 0
         replicas = replica_puller(checkpoint.snapshots if checkpoint is not None else None, settings.domain_id,
                                   factor, session.events.emit,
                                   cipher=replica_cipher(session.rendezvous.signer, factor),
@@ -287,16 +279,16 @@ class FaultTolerantLauncher(_Launcher):
     # ------------------------------------------------------------------ success
 
     def _finish_success(self, session: Session, result: RoundResult) -> None:
-        strategy, run = self._strategy, self.run
-        strategy.stop_round_threads()
+        host, run = self._host, self.run
+        host.stop_round_threads()
         start = time.monotonic()
-        timeout = strategy.settings.timeouts.exit_barrier_timeout
+        timeout = host.settings.timeouts.exit_barrier_timeout
         # torch's elastic exit barrier, same keys and semantics as the agent's: spares watching
         # keys.exit_barrier(round) see that this round's actives finished. Our work is done, so
         # a peer lost at the very end (or a store that froze) is no reason to fail: bounded --
         # a frozen store would hold torch's barrier for good -- and on we go.
         call_with_timeout(lambda: store_util.barrier(session.round_store(result), result.world_size,
-                                                     key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=timeout),
+                                                     key_prefix=exit_barrier_names()[0], barrier_timeout=timeout),
                           timeout + 1.0, f"ddp_ft: exit barrier of round {result.round} (bound {timeout:.0f}s)",
                           unanswered="going on without it", log_problem=True, store_call=True)
         step = run.trainer.global_step if run.trainer is not None else None
@@ -308,31 +300,24 @@ class FaultTolerantLauncher(_Launcher):
         log.info("ddp_ft: fit() finished in round %d as rank %d at step %s", result.round, result.rank, step)
 
 
-class ElasticLauncher(_Launcher):
+class TorchrunFitLoop:
     """Under torchrun: run ``fit`` once; destroy the group at the end (Lightning never does for gloo)."""
 
-    def __init__(self, strategy: StrategyHost) -> None:
-        self._strategy = strategy
+    def __init__(self, host: RuntimeHost) -> None:
+        self._host = host
         #: this process's run (the launcher owns it; the strategy reads it)
         self.run = RunState()
         self._callbacks_added = False
 
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return True
-
-    def kill(self, signum: int) -> None:
-        pass
-
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        strategy, run = self._strategy, self.run
+        host, run = self._host, self.run
         run.trainer = trainer
         # torchrun's worker-group restarts play the part of rounds; it starts workers only on active nodes
         runtime = RoundRuntime(None, torchelastic_restart_count())
         run.start_round(runtime)
         if not self._callbacks_added and trainer is not None:
             self._callbacks_added = True
-            add_default_callbacks(trainer, strategy.settings)
+            add_default_callbacks(trainer, host.settings)
         try:
             output = function(*args, **kwargs)
         except BaseException as exc:
@@ -346,7 +331,7 @@ class ElasticLauncher(_Launcher):
             raise
         destroy_process_group()
         # the run's outcome for `lightning-ft report --exit-code` (rendezvous mode: _finish_success)
-        strategy.event_log.emit(ev.FINISHED, round=runtime.round_id, rank=trainer.global_rank if trainer else None,
+        host.event_log.emit(ev.FINISHED, round=runtime.round_id, rank=trainer.global_rank if trainer else None,
                                 step=trainer.global_step if trainer is not None else None)
         return output
 

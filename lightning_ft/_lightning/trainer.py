@@ -1,0 +1,31 @@
+"""Small pieces of Lightning's private API the strategies use (device lines, meshes, backends)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.strategies.model_parallel import _setup_device_mesh
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.pytorch.trainer.setup import _log_device_info
+
+
+def log_device_info(trainer: Any) -> None:
+    """Lightning's "GPU available ..." lines of ``Trainer.__init__`` (held back until rank 0 is known)."""
+    if trainer is not None:
+        _log_device_info(trainer)
+
+
+def default_backend_for(device: Any) -> str:
+    """The process-group backend Lightning picks for ``device`` (``nccl`` for CUDA, else ``gloo``)."""
+    return _get_default_process_group_backend_for_device(device)
+
+
+def data_parallel_mesh(world_size: int, device: Any) -> Any:
+    """A device mesh as ``ModelParallelStrategy`` builds it: ``data_parallel`` over every rank,
+    ``tensor_parallel`` of size 1 (it spans the world, so torch gives it the default group)."""
+    return _setup_device_mesh(world_size, 1, world_size, device)
+
+
+def give_module_its_mesh(module: Any, mesh: Any) -> None:
+    """What ``LightningModule.device_mesh`` returns in ``configure_model``."""
+    module._device_mesh = mesh

@@ -1,0 +1,65 @@
+"""Every private torch name lightning_ft uses, in one place: when torch changes, look here.
+
+Public torch API is used everywhere else; what torch does not offer publicly is wrapped here,
+each with the reason it is needed.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+from torch import _weights_only_unpickler as _weights_only
+
+
+def exit_barrier_names() -> tuple[str, str]:
+    """torch's elastic exit barrier: its key prefix (the agent's, and ours at the end of fit())
+    and the key its last member writes; standby nodes leave when the actives passed it."""
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN
+
+    return _TERMINAL_STATE_SYNC_ID, _TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN
+
+
+def set_default_group_timeout(timeout: datetime.timedelta) -> None:
+    """Set the default group's collective timeout after it was created (the group is created
+    with a shorter one, which bounds its creation; torch has no public setter)."""
+    dist.distributed_c10d._set_pg_timeout(timeout)
+
+
+def all_groups() -> list[Any]:
+    """The default group and every subgroup (a device mesh's) this process holds."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def default_group_store() -> Any:
+    """The store the default process group was built over (torch's own ``init_process_group``)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def tensor_and_storage_classes() -> tuple[type, ...]:
+    """Every tensor and storage class torch defines (what its unpickler may rebuild)."""
+    import torch
+
+    return (*torch._tensor_classes, *torch._storage_classes)
+
+
+def tensor_rebuild_functions() -> set[Any]:
+    """The functions torch rebuilds tensors with when unpickling (``torch._utils``)."""
+    return set(_weights_only._tensor_rebuild_functions())
+
+
+def weights_only_blocked_modules() -> set[str]:
+    """Top-level modules torch's weights_only loader never imports from."""
+    return set(_weights_only._blocklisted_modules)
+
+
+def weights_only_allowed_globals() -> dict[str, Any]:
+    """torch's default allow-list of ``torch.load(weights_only=True)``."""
+    return dict(_weights_only._get_allowed_globals())
+
+
+def user_allowed_globals() -> dict[str, Any]:
+    """What users allowed with ``torch.serialization.add_safe_globals`` (read at each call)."""
+    return dict(_weights_only._get_user_allowed_globals())

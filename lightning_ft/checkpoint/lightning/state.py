@@ -1,0 +1,57 @@
+"""A Trainer's state as a snapshot holds it, and back: sharded state as each rank's own shards.
+
+* :func:`dump_state` -- the full checkpoint of a Trainer as ``ModelCheckpoint`` would save it,
+  with ``DTensor`` values (FSDP2) as this rank's own shards
+  (:func:`~lightning_ft.checkpoint.sharded.dtensors_to_shards`);
+* :func:`restore_shards` -- this rank's saved shards into the live parameters and optimizers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_ft._lightning.checkpointing import dump_checkpoint, holds_shards, plain_optimizer
+from lightning_ft.checkpoint.sharded import (
+    ShardLayoutError,
+    copy_into_shards,
+    dtensors_to_shards,
+    is_shard_record,
+    optimizer_shards_to_dtensors,
+)
+
+
+def dump_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """The full checkpoint of ``trainer``; runs the ``on_save_checkpoint`` hooks. Sharded state
+    comes as this rank's own shards (no walk of the checkpoint for replicated state)."""
+    checkpoint = dump_checkpoint(trainer)
+    return dtensors_to_shards(checkpoint) if holds_shards(trainer) else checkpoint
+
+
+def restore_shards(trainer: pl.Trainer, checkpoint: dict[str, Any], where: str) -> None:
+    """After a restore on a strategy that holds shards: copy this rank's saved shards into the
+    live parameters and load the optimizers' sharded state (the strategy's own
+    ``load_model_state_dict`` and optimizer restore do nothing: they expect a distributed
+    checkpoint directory). Raises :class:`~lightning_ft.checkpoint.sharded.ShardLayoutError` when
+    the snapshot was taken at another world size or by another rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    model = trainer.strategy.model
+    assert model is not None  # set up by now (restore_checkpoint_after_setup)
+    live = model.state_dict()
+    saved = checkpoint.get("state_dict", {})
+    copied = set(copy_into_shards(live, saved, where))
+    # names differ e.g. for a torch.compile'd module ("_orig_mod."): never resume half a model
+    unmatched = sorted(key for key, value in {**saved, **live}.items()
+                       if key not in copied and (isinstance(value, torch.Tensor) or is_shard_record(value)))
+    if unmatched:
+        raise ShardLayoutError(f"{where}: {len(unmatched)} tensor(s) of the model and the snapshot do not match "
+                               f"by name, e.g. {unmatched[:5]}")
+    # each parameter's optimizer state lives on the mesh that parameter is sharded over
+    meshes = {name: value.device_mesh for name, value in live.items() if hasattr(value, "device_mesh")}
+    options = StateDictOptions(full_state_dict=False, cpu_offload=True)
+    for optimizer, state in zip(trainer.optimizers, checkpoint.get("optimizer_states", []), strict=False):
+        set_optimizer_state_dict(model, plain_optimizer(optimizer), optimizer_shards_to_dtensors(state, meshes, where),
+                                 options=options)

@@ -1,0 +1,373 @@
+"""The fault-tolerance runtime: one object per process that a Lightning strategy holds.
+
+:class:`FaultToleranceRuntime` owns everything fault tolerance does in one process -- the
+rendezvous session and its rounds (:mod:`.session`), the loop that runs ``fit()`` round by round
+and recovers (:mod:`.fit_loop`, :mod:`.recovery`), the round's watchdog and straggler watch, the
+snapshots around a round (exchange when a group forms, the round-start snapshot, copies for hot
+spares or other domains) and the callbacks of the SIGTERM path -- so that a strategy only
+forwards Lightning's hooks to it. What differs between strategies is the state's layout
+(:mod:`.layout`), handed in; what the runtime needs of the strategy is :class:`StrategySurface`.
+
+Errors found off the training thread (a hung peer, a straggler verdict, a newer round) are
+recorded as state by the watchdog and acted on at the training thread's next step boundary or
+collective (the broken group raises there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from lightning_ft._lightning.callbacks import first_callback_of_type
+from lightning_ft._lightning.history import (
+    continue_history,
+    mark_saved_configs,
+    pin_versions,
+    resolve_versions,
+    set_aside_abandoned_checkpoints,
+    versioned_loggers,
+)
+from lightning_ft._lightning.trainer import log_device_info
+from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher, replica_cipher
+from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
+from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
+from lightning_ft.deadlines import raw_store
+from lightning_ft.events import EventLog, NullEventLog, open_event_log
+from lightning_ft.events import names as ev
+from lightning_ft.exit_codes import StragglerEvicted
+from lightning_ft.runtime.fit_loop import RendezvousFitLoop, TorchrunFitLoop
+from lightning_ft.runtime.layout import StateLayout
+from lightning_ft.runtime.run import RunState
+from lightning_ft.runtime.session import RoundRuntime, Session
+from lightning_ft.runtime.settings import LaunchMode, StrategySettings
+from lightning_ft.runtime.transport import GroupTransport, init_round_group, init_torchrun_group, open_sockets
+from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
+from lightning_ft.schema.run import decode_log_versions, encode_log_versions
+from lightning_ft.schema.signing import SealedStore
+from lightning_ft.settings.environment import local_rank, master_port
+from lightning_ft.stragglers.watch import StragglerWatch
+
+log = logging.getLogger(__name__)
+
+#: the rank of a process that is not (or no longer) training: a hot spare, or after fit()
+NO_RANK = -1
+
+
+class StrategySurface(Protocol):
+    """What the runtime needs of the Lightning strategy that holds it."""
+
+    @property
+    def lightning_module(self) -> Any: ...
+
+    @property
+    def root_device(self) -> Any: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def assign_rank(self, rank: int, world_size: int) -> None:
+        """Make ``rank`` of ``world_size`` this process's rank everywhere Lightning reads it."""
+
+    def group_backend(self) -> str:
+        """The process-group backend for this strategy's device (``gloo``, ``nccl``)."""
+
+
+class FaultToleranceRuntime:
+    """Fault tolerance for one process (see the module docstring).
+
+    ``settings``: the validated settings; ``layout``: how the state lies across ranks;
+    ``surface``: the strategy, for the few things only it knows.
+    """
+
+    def __init__(self, settings: StrategySettings, layout: StateLayout, surface: StrategySurface) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.surface = surface
+        self.session: Session | None = None
+        self.loop: RendezvousFitLoop | TorchrunFitLoop = (
+            RendezvousFitLoop(self) if settings.mode is LaunchMode.RENDEZVOUS else TorchrunFitLoop(self))
+        self._events: EventLog | NullEventLog | None = None
+        self._replicas: ReplicaPublisher | None = None
+        self._checkpoint: EmergencyCheckpoint | None = None
+        self._printed_device_info = False
+
+    # ------------------------------------------------------------------ what the process knows
+
+    @property
+    def run(self) -> RunState:
+        """This process's run (its trainer, the current round, the failures so far)."""
+        return self.loop.run
+
+    @property
+    def round(self) -> RoundRuntime | None:
+        """The round this process trains in (None while it waits, and under torchrun before fit)."""
+        return self.run.round
+
+    @property
+    def under_torchrun(self) -> bool:
+        return self.settings.mode is LaunchMode.TORCHELASTIC
+
+    @property
+    def event_log(self) -> EventLog | NullEventLog:
+        """This process's event log in the run directory (a null log when none is configured)."""
+        if self._events is None:
+            who = (self.session.participant.participant_id if self.session is not None else
+                   f"{socket.gethostname()}:{os.getpid()}:{local_rank()}")
+            self._events = open_event_log(who, self.settings.events_dir)
+        return self._events
+
+    def _event_log_for(self, participant_id: str) -> EventLog | NullEventLog:
+        if self._events is None or not self._events.enabled:
+            self._events = open_event_log(participant_id, self.settings.events_dir)
+        return self._events
+
+    def open_session(self) -> Session:
+        """Reach the rendezvous store and join the run as a participant (once per process)."""
+        if self.session is None:
+            self.session = Session.open(self.settings, self._event_log_for)
+        return self.session
+
+    @property
+    def stop_store(self) -> Any:
+        """The store the SIGTERM path agrees on a stop step through: a connection of the session's,
+        which follows the store when it fails over; None before a session."""
+        session = self.session
+        # a tight bound here also bounds how long the exit waits for the stop watcher's call in flight
+        return session.store.clone(self.settings.timeouts.stop_store_timeout) if session is not None else None
+
+    def cannot_reform(self) -> str | None:
+        """Why a failed round cannot re-form in-process (None: it can); see the layout."""
+        return self.layout.cannot_reform(self.surface.lightning_module)
+
+    def rebuild_module(self) -> None:
+        """After a failure: the module as a fresh process builds it before ``configure_model``."""
+        self.layout.rebuild(self.surface.lightning_module, self.surface.root_device)
+
+    def leave_as_spare(self) -> None:
+        """After fit() returns on a process that is not (or no longer) training: never act as rank 0."""
+        self.surface.assign_rank(NO_RANK, 1)
+
+    # ------------------------------------------------------------------ a round's group
+
+    def setup_distributed(self) -> None:
+        """Form this round's process group, share the newest snapshot, start the watchdog (under
+        torchrun: the group torchrun's environment describes, and the snapshot exchange)."""
+        if self.under_torchrun:
+            before = open_sockets()
+            init_torchrun_group(self.surface.group_backend(), self.surface.global_rank, self.surface.world_size,
+                                self.settings.pg_timeout)
+            assert self.round is not None  # started by the torchrun fit loop
+            self.round.transport = GroupTransport(before, open_sockets(), master_port())
+            self._share_snapshots()
+            return
+        runtime, session = self.round, self.session
+        if runtime is None or runtime.result is None or session is None:
+            raise RuntimeError("ddp_ft: setup_distributed ran outside the strategy's launcher")
+        result = runtime.result
+        self.surface.assign_rank(result.rank, result.world_size)
+        backend = self.surface.group_backend()
+        start = time.perf_counter()
+        runtime.transport = init_round_group(
+            backend, result.rank, result.world_size,
+            store=dist.PrefixStore(f"{result.store_prefix}/{PROCESS_GROUP}", raw_store(session.store)),
+            init_timeout=self.settings.timeouts.init_timeout, pg_timeout=self.settings.pg_timeout,
+            store_port=getattr(session.store, "port", None))
+        seconds = time.perf_counter() - start
+        self.event_log.emit(ev.GROUP_FORMED, round=result.round, rank=result.rank, world=result.world_size,
+                            seconds=round(seconds, 4))
+        log.info("ddp_ft: round %d: process group up as rank %d of %d in %.3fs (%s)", result.round,
+                 result.rank, result.world_size, seconds, backend)
+        assert self.settings.domain_id is not None  # resolved by resolve_settings
+        session.round_values(result).put(member_key(result.rank),
+                                         encode_member(session.participant.participant_id, self.settings.domain_id))
+        if result.rank == 0 and not self._printed_device_info:
+            log_device_info(self.run.trainer)  # held back until rank 0 was known (see note_early_rank)
+        self._printed_device_info = True
+        resume_step = self._share_snapshots()
+        self._keep_log_history(session, runtime, resume_step)
+        runtime.start_watchdog(session, self.settings.hang, self.settings.timeouts, self._global_step,
+                               stragglers=self.settings.stragglers if self.layout.watches_stragglers else None)
+
+    def note_early_rank(self, node_index: int) -> None:
+        """Before the rendezvous nobody knows who is rank 0, yet Lightning's rank-zero output
+        (the device lines in ``Trainer.__init__``, tips) would print on every process, spares
+        included. Only the scheduler's node 0 prints then; without a numbering, rank 0 of the first
+        round prints the device lines once it is known."""
+        self.surface.assign_rank(0 if node_index == 0 else NO_RANK, 1)
+        self._printed_device_info = node_index >= 0
+
+    def _global_step(self) -> int | None:
+        trainer = self.run.trainer
+        return trainer.global_step if trainer is not None else None
+
+    def _share_snapshots(self) -> int | None:
+        """After the group formed: make the newest snapshot any rank holds available on every rank
+        (as the layout defines it); returns its step (where training resumes), None without one."""
+        checkpoint = first_callback_of_type(self.run.trainer, EmergencyCheckpoint)
+        if checkpoint is None:
+            return None
+        round_id = self.round.round_id if self.round is not None else None
+        step = self.layout.exchange(checkpoint, self.surface.global_rank, self.surface.world_size,
+                                    lambda event, **f: self.event_log.emit(event, round=round_id, **f),
+                                    model_fingerprint_before_setup(self.surface.lightning_module))
+        if self.round is not None and self.round.follows_a_failure and not checkpoint.auto_resume:
+            log.info("ddp_ft: turning on EmergencyCheckpoint auto-resume to continue after the failure")
+            checkpoint.auto_resume = True
+        return step
+
+    def _keep_log_history(self, session: Session, runtime: RoundRuntime, resume_step: int | None) -> None:
+        """One log version per run on every participant; after a recovery, continue its history."""
+        trainer = self.run.trainer
+        loggers = versioned_loggers(trainer)
+        rank = self.surface.global_rank
+        if loggers:
+            key, values = session.keys.log_versions, session.rendezvous.values
+            if rank == 0 and not values.has(key):
+                values.put_if_absent(key, encode_log_versions(resolve_versions(loggers)))
+            pin_versions(loggers, decode_log_versions(self._wait_for_value(values, key)))
+        if not runtime.follows_a_failure:
+            return
+        if resume_step is not None:
+            continue_history(trainer, resume_step, is_global_zero=rank == 0)
+        mark_saved_configs(trainer, trainer.strategy)
+
+    def _wait_for_value(self, values: SealedStore, key: str) -> bytes:
+        """An authentic value another rank writes, polled in short slices (bounded by init_timeout)."""
+        deadline = time.monotonic() + self.settings.timeouts.init_timeout
+        while (raw := values.get(key)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ddp_ft: no authentic value of {values.key(key)} within "
+                                   f"init_timeout={self.settings.timeouts.init_timeout:g}s")
+            time.sleep(0.01)
+        return raw
+
+    # ------------------------------------------------------------------ training
+
+    def on_train_start(self) -> None:
+        trainer, runtime = self.run.trainer, self.round
+        checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
+        self._checkpoint = checkpoint
+        if runtime is not None:
+            self.layout.check_resumed(runtime.follows_a_failure,
+                                      checkpoint is not None and checkpoint.resumed_from is not None)
+        step = trainer.global_step
+        if runtime is not None and (runtime.follows_a_failure or step > 0):
+            self.event_log.emit(ev.RESTORED, round=runtime.round_id, step=step)
+        if runtime is not None and runtime.work is not None:
+            runtime.work.begin()
+        rank = self.surface.global_rank
+        if checkpoint is not None and not self.under_torchrun:
+            resumed = checkpoint.resumed_from
+            assert runtime is not None  # the fit loop started the round
+            if runtime.follows_a_failure and rank == 0 and resumed is not None:
+                set_aside_abandoned_checkpoints(trainer, snapshot_created=resumed[1])
+            self._snapshot_round_start(checkpoint, runtime, step)
+        self._replicas = self._replica_publisher(checkpoint, rank)
+        if runtime is not None and runtime.result is not None:
+            round_id = runtime.round_id
+            assert self.settings.domain_id is not None  # resolved by resolve_settings
+            self.layout.start_round(checkpoint, rank, self.surface.world_size, self.settings.domain_id,
+                                    self.settings.replication_factor,
+                                    lambda event, **f: self.event_log.emit(event, round=round_id, **f))
+
+    def _replica_publisher(self, checkpoint: EmergencyCheckpoint | None, rank: int) -> ReplicaPublisher | None:
+        """Rank 0 publishes copies for hot spares; decided once per round, not per step."""
+        factor, session = self.settings.replication_factor, self.session
+        if (not factor or checkpoint is None or rank != 0 or not self.layout.replicates_through_store
+                or self.under_torchrun or session is None):
+            return None
+        signer = session.rendezvous.signer
+        cipher = replica_cipher(signer, factor)  # None without a job secret
+        if cipher is None:
+            return None
+        return ReplicaPublisher(session.store.clone, signer, cipher, factor, self.settings.replica_max_bytes,
+                                self.event_log.emit)
+
+    def _snapshot_round_start(self, checkpoint: EmergencyCheckpoint, runtime: RoundRuntime, step: int) -> None:
+        # A round must always have a snapshot to fall back to: without one, a failure before the
+        # first periodic snapshot would restart optimizer and step from scratch on top of weights
+        # DDP broadcast from a survivor's trained model. With it, "from the start" is a restore too.
+        store = checkpoint.store
+        if store is None or not any(info.step == step for info in store.list()):
+            checkpoint.save_now(self.run.trainer, reason=f"start of round {runtime.round_id}")
+
+    def watch_gradients(self, module: Any) -> None:
+        """After the model is wrapped: the straggler meter's gradient hooks (this round's)."""
+        runtime = self.round
+        if runtime is not None and runtime.work is not None and module is not None:
+            runtime.work.watch_gradients(module)
+
+    def on_train_batch_start(self) -> None:
+        """At a step boundary: a straggler verdict against this rank is acted on here."""
+        runtime = self.round
+        if runtime is None:
+            return
+        runtime.step_started()
+        watch = runtime.stragglers
+        if watch is None:
+            return
+        if watch.evicted is not None:  # at a step boundary: the peers' live state is this step
+            raise StragglerEvicted(f"evicted as a straggler at step {self.run.trainer.global_step}: {watch.evicted}")
+        if self.surface.global_rank == 0 and watch.scores:
+            self._log_work(watch)
+
+    def _log_work(self, watch: StragglerWatch) -> None:
+        """Rank 0: every rank's own work and wait, and their straggler scores, to the Trainer's loggers."""
+        trainer = self.run.trainer
+        summaries, scores = watch.summaries, watch.scores
+        watch.scores = {}  # each judgement is logged once
+        metrics = {"ft/straggler_score": max(scores.values())}
+        for rank, summary in summaries.items():
+            metrics[f"ft/busy_seconds/rank{rank}"] = summary.median
+            metrics[f"ft/wait_seconds/rank{rank}"] = summary.wait
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def timed_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The optimizer's closure, timed for the straggler meter when this round watches stragglers."""
+        runtime = self.round
+        work = runtime.work if runtime is not None else None
+        return work.timed_closure(closure) if work is not None else closure
+
+    def after_optimizer_step(self) -> None:
+        """Forward, backward (with its all-reduce) and the update are done: the step completed."""
+        runtime = self.round
+        if runtime is None:
+            return
+        # Lightning counts the optimizer step as completed only after the strategy's returns
+        step = self.run.trainer.global_step + 1
+        if runtime.work is not None:
+            runtime.work.step_finished(step)
+        since_failure = runtime.step_finished()
+        if since_failure is not None:
+            self.event_log.emit(ev.FIRST_STEP_AFTER_RECOVERY, round=runtime.round_id, step=step,
+                                seconds_since_failure=round(since_failure, 4))
+            log.info("ddp_ft: first step after recovery completed (step %d, %.3fs after the failure)",
+                     step, since_failure)
+        if self._replicas is not None and runtime.result is not None:
+            assert self._checkpoint is not None  # replicas are published only with one
+            result = runtime.result
+            self._replicas.offer(self._checkpoint.last_snapshot, result.round, result.store_prefix,
+                                 result.world_size)
+        self.layout.after_optimizer_step(self._checkpoint, self.run.trainer.global_step, self.progress)
+
+    def progress(self) -> None:
+        """A unit of progress (a collective entered or left, a validation batch): see the watchdog."""
+        if self.round is not None:
+            self.round.clock.touch()
+
+    def stop_round_threads(self) -> None:
+        """Stop the watchdog and wait (bounded) for a replica publication in flight."""
+        if self.round is not None:
+            self.round.stop_watchdog()
+        if self._replicas is not None:
+            self._replicas.stop()
