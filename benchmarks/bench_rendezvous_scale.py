@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-import lightning_ft.rendezvous.handler  # noqa: F401 - registers the backend
+import lightning_ft.launch.torchrun  # noqa: F401 - registers the backend
 from lightning_ft.deadlines import BoundedStore
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
@@ -115,7 +115,8 @@ def mark_phases() -> None:
     RunRecords.append_arrival = appended  # type: ignore[method-assign]
     Coordinator._complete = completed  # type: ignore[method-assign]
     if os.environ.get("BENCH_PHASES"):  # when each step of a join ends, for finding where time goes
-        from lightning_ft.rendezvous import barrier, candidates
+        from lightning_ft.failover import candidates
+        from lightning_ft.rendezvous import barrier
 
         def timed(owner, name):
             original = getattr(owner, name)

@@ -30,12 +30,13 @@ sys.path.insert(0, str(REPO))
 
 def worker(args) -> int:
     """One worker process: ``args.count`` participants as threads; prints a JSON line per second."""
-    from lightning_ft.rendezvous import candidates, failover
+    from lightning_ft.failover import candidates
+    from lightning_ft.failover import switchboard as failover
     from lightning_ft.rendezvous.barrier import BarrierRendezvous
     from lightning_ft.rendezvous.participant import local_participant
     from lightning_ft.rendezvous.settings import RendezvousSettings
-    from lightning_ft.rendezvous.store import connect_store, parse_endpoint
     from lightning_ft.schema.signing import job_signer
+    from lightning_ft.store.tcp import connect_store, parse_endpoint
 
     calls = [0]
     original = failover.FailoverStore._call

@@ -3,7 +3,7 @@ from outside the code that uses it (a call blocked on it then returns at once).
 
 Used to end what nothing else can: a gloo collective blocked on a frozen peer
 (:mod:`lightning_ft.runtime.transport`) and store calls stuck on a store that was
-replaced by a fail-over (:mod:`lightning_ft.rendezvous.failover`).
+replaced by a fail-over (:mod:`lightning_ft.failover.switchboard`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lightning_ft.events.report import job_exit_code, main, summarize
+from lightning_ft.report.timeline import job_exit_code, main, summarize
 
 T0 = 1_700_000_000.0
 

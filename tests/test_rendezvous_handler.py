@@ -12,8 +12,9 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousGracefulExitError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from lightning_ft.launch.torchrun import LightningFTRendezvousHandler
 from lightning_ft.rendezvous import RendezvousConfigError
-from lightning_ft.rendezvous.handler import LightningFTRendezvousHandler, parse_endpoint
+from lightning_ft.store.tcp import parse_endpoint
 
 from proc_utils import free_port, wait_for
 
@@ -29,7 +30,7 @@ def params(port, run_id="h", min_nodes=1, max_nodes=2, **conf):
 
 def test_entry_point_is_registered_for_torchrun():
     names = {ep.name: ep.value for ep in entry_points(group="torchrun.handlers")}
-    assert names.get("lightning_ft") == "lightning_ft.rendezvous.handler:torchrun_handler_creator"
+    assert names.get("lightning_ft") == "lightning_ft.launch.torchrun:torchrun_handler_creator"
 
 
 def test_registry_builds_our_handler_and_a_round_completes(port):
@@ -136,7 +137,7 @@ def test_store_server_stops_on_sigterm(processes, port):
 
 
 def test_store_server_rejects_bad_arguments():
-    from lightning_ft.rendezvous.store_server import main
+    from lightning_ft.launch.store_server import main
 
     assert main(["--host", "127.0.0.1", "--port", "70000"]) == 2
     assert main(["--host", "127.0.0.1", "--grace-timeout", "0"]) == 2

@@ -39,7 +39,7 @@ def _participants(conn: Connection, endpoint: str, run_id: str, first: int) -> N
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-        import lightning_ft.rendezvous.handler  # noqa: F401 - registers the backend
+        import lightning_ft.launch.torchrun  # noqa: F401 - registers the backend
 
         handlers = {}
         last = first + PER_PROCESS + (1 if first + PER_PROCESS == N else 0)

@@ -389,7 +389,7 @@ def test_d_unhealthy_node_exits_82_the_job_ends_82_the_epilog_drains_the_node(jo
 @pytest.mark.usefixtures("time_limit_job")  # submitted now, checked by (c)
 @pytest.mark.timeout(330)
 def test_e_plain_scancel_ends_within_kill_wait_with_a_truthful_code_and_full_is_a_kill(jobs, slurm, timings):
-    from lightning_ft.events.report import job_exit_code, summarize
+    from lightning_ft.report.timeline import job_exit_code, summarize
 
     # two jobs at once: plain scancel (SIGTERM to every process of the job, SIGKILL KillWait later)
     # and scancel --signal=TERM --full (SIGTERM to the batch step only, srun included)

@@ -10,12 +10,12 @@ import pytest
 import torch.distributed as dist
 
 from lightning_ft.deadlines import BoundedStore
-from lightning_ft.rendezvous.failover import FailoverStore, StoreSwitchboard, probe
-from lightning_ft.rendezvous.rebuild import Mirror, may_serve, merge_views
-from lightning_ft.rendezvous.store import Endpoint, host_store
+from lightning_ft.failover.rebuild import Mirror, may_serve, merge_views
+from lightning_ft.failover.switchboard import FailoverStore, StoreSwitchboard, probe
 from lightning_ft.schema.failover import ViewEntry, decode_view, encode_view
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.settings import Timeouts
+from lightning_ft.store.tcp import Endpoint, host_store
 
 # ------------------------------------------------------------------ the quorum
 
@@ -144,7 +144,7 @@ def test_a_connect_to_a_gone_or_replaced_store_returns_at_once(switchboard):
     import threading
     import time
 
-    from lightning_ft.rendezvous.failover import StoreUnreachableError
+    from lightning_ft.failover.switchboard import StoreUnreachableError
 
     board, _ = switchboard
     start = time.monotonic()
@@ -194,7 +194,7 @@ def test_without_candidates_a_lost_store_is_lost():
     client = FailoverStore(board, 2.0, first)
     client.set("k", "v")
     del store  # the server goes
-    from lightning_ft.rendezvous.failover import StoreLostError
+    from lightning_ft.failover.switchboard import StoreLostError
     with pytest.raises(StoreLostError, match="before any round completed"):
         for _ in range(20):
             client.set("k", "v")
@@ -209,7 +209,7 @@ def test_a_participant_that_left_takes_nothing_over_and_its_presence_is_gone():
     board = StoreSwitchboard(Endpoint("127.0.0.1", store.port), first, False, "me", timeouts, Signer(None))
     board.presence.start()
     board.participating = lambda: False
-    from lightning_ft.rendezvous.failover import Candidate, StoreLostError
+    from lightning_ft.failover.switchboard import Candidate, StoreLostError
     board.candidates = [Candidate("me", board.presence.endpoint)]
     client = FailoverStore(board, 2.0, first)
     del store

@@ -140,7 +140,7 @@ def test_an_unusable_secret_is_a_configuration_error_at_every_entry_point(tmp_pa
 
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from lightning_ft.rendezvous.handler import create_handler
+    from lightning_ft.launch.torchrun import create_handler
     from lightning_ft.rendezvous.settings import RendezvousConfigError
     from lightning_ft.runtime.settings import StrategyConfigError
     from lightning_ft.schema.signing import job_signer

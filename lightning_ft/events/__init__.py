@@ -1,5 +1,5 @@
-"""The run's event log: writing it (:mod:`.log`), every event name (:mod:`.names`), and
-``lightning-ft report`` (:mod:`.report`). No Lightning, no torch."""
+"""The run's event log: writing it (:mod:`.log`) and every event name (:mod:`.names`). No
+Lightning, no torch; ``lightning-ft report`` reads it (:mod:`lightning_ft.report`)."""
 
 from lightning_ft.events.log import EVENTS_DIR_ENV, EventLog, NullEventLog, open_event_log, read_events
 

@@ -1,6 +1,12 @@
-"""Barrier rendezvous with hot spares over a ``torch.distributed.Store`` (no Lightning import)."""
+"""Barrier rendezvous with hot spares over a ``torch.distributed.Store`` (no Lightning import).
 
-# torch's rendezvous package loads out-of-tree backends (ours: .handler) while it initializes.
+Pure protocol: rounds, ranks, hot spares, heartbeats (:mod:`.liveness`), closing for good. Where
+the store lives and whether it fails over is the backend's (:mod:`lightning_ft.store.backend`);
+how a process becomes a participant is :mod:`lightning_ft.launch`'s.
+"""
+
+# torch's rendezvous package loads out-of-tree backends (ours: lightning_ft.launch.torchrun,
+# which imports this package) while it initializes.
 # Import it before our modules so that load finds this package's modules complete, not
 # half-initialized (which would make torch skip our backend with an ImportError).
 import torch.distributed.elastic.rendezvous  # noqa: F401  isort: skip
@@ -19,12 +25,9 @@ from lightning_ft.rendezvous.settings import (
     RendezvousSettings,
     settings_from_config,
 )
-from lightning_ft.rendezvous.store import DEFAULT_PORT, Endpoint, connect_store, parse_endpoint
 
 __all__ = [
-    "DEFAULT_PORT",
     "BarrierRendezvous",
-    "Endpoint",
     "ExtraParticipantError",
     "ParticipantExcludedError",
     "ParticipantInfo",
@@ -33,8 +36,6 @@ __all__ = [
     "RendezvousOptions",
     "RoundResult",
     "UnhealthyNodeError",
-    "connect_store",
     "local_participant",
-    "parse_endpoint",
     "settings_from_config",
 ]

@@ -7,8 +7,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_ft.settings import SettingsError, Timeouts, group, load, setting
-from lightning_ft.settings.fields import boolean, number, optional_text, parse_flag, parse_int, parse_text
+from lightning_ft.settings import Timeouts, group, load, setting
+from lightning_ft.settings.fields import (
+    RendezvousConfigError,
+    boolean,
+    number,
+    optional_text,
+    parse_flag,
+    parse_int,
+    parse_text,
+)
 from lightning_ft.settings.timeouts import RENDEZVOUS_TIMEOUTS
 
 _POSITIVE_INT = number(integer=True)
@@ -20,10 +28,6 @@ HEARTBEATS_PER_SECOND = 2500.0
 WAKE_REQUESTS_PER_SECOND = 5000.0
 #: store requests a waiter makes per wake (its checks plus the next wait)
 REQUESTS_PER_WAKE = 5
-
-
-class RendezvousConfigError(SettingsError):
-    """A rendezvous setting is missing or invalid; the message names the setting."""
 
 
 @dataclass(frozen=True)

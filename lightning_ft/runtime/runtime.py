@@ -120,7 +120,7 @@ class FaultToleranceRuntime:
     def event_log(self) -> EventLog | NullEventLog:
         """This process's event log in the run directory (a null log when none is configured)."""
         if self._events is None:
-            who = (self.session.participant.participant_id if self.session is not None else
+            who = (self.session.participant_id if self.session is not None else
                    f"{socket.gethostname()}:{os.getpid()}:{local_rank()}")
             self._events = open_event_log(who, self.settings.events_dir)
         return self._events
@@ -188,7 +188,7 @@ class FaultToleranceRuntime:
                  result.rank, result.world_size, seconds, backend)
         assert self.settings.domain_id is not None  # resolved by resolve_settings
         session.round_values(result).put(member_key(result.rank),
-                                         encode_member(session.participant.participant_id, self.settings.domain_id))
+                                         encode_member(session.participant_id, self.settings.domain_id))
         if result.rank == 0 and not self._printed_device_info:
             log_device_info(self.run.trainer)  # held back until rank 0 was known (see note_early_rank)
         self._printed_device_info = True

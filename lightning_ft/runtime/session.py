@@ -19,19 +19,18 @@ import torch.distributed as dist
 from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
+from lightning_ft.failover.backend import FailoverBackend
+from lightning_ft.launch.factory import Participant, open_participant
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
-from lightning_ft.rendezvous.candidates import FailoverParticipant
-from lightning_ft.rendezvous.failover import FailoverStore, StoreSwitchboard
-from lightning_ft.rendezvous.participant import ParticipantInfo, local_participant
+from lightning_ft.rendezvous.participant import local_participant
 from lightning_ft.rendezvous.records import RunRecords
-from lightning_ft.rendezvous.store import connect_store
 from lightning_ft.runtime.decisions import Detector
 from lightning_ft.runtime.settings import HangSettings, StragglerSettings, StrategySettings
 from lightning_ft.runtime.transport import GroupTransport, retire_group
 from lightning_ft.runtime.watchdog import RoundWatchdog, StepClock
 from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
-from lightning_ft.schema.signing import SealedStore, job_signer
+from lightning_ft.schema.signing import SealedStore
 from lightning_ft.settings import Timeouts
 from lightning_ft.stragglers.meter import WorkMeter
 from lightning_ft.stragglers.watch import StragglerWatch
@@ -43,14 +42,8 @@ log = logging.getLogger(__name__)
 class Session:
     """Per-process rendezvous state (kept across rounds)."""
 
-    store: Any
-    rendezvous: BarrierRendezvous
-    participant: ParticipantInfo
-    keys: RunKeys
-    hosting_store: bool
+    participant: Participant
     events: EventLog | NullEventLog
-    switchboard: StoreSwitchboard | None = None
-    failover: FailoverParticipant | None = None
 
     @classmethod
     def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> Session:
@@ -58,45 +51,48 @@ class Session:
         when the store cannot be reached; ``events_for(participant_id)`` opens the event log."""
         launch = settings.launch
         assert launch.endpoint is not None  # a rendezvous launch has one (resolve_launch_config)
-        # every call of ours on the store returns within a bound, even if the store freezes
-        first, hosting = connect_store(launch.endpoint, settings.is_store_host, settings.timeouts)
-        participant = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
-        switchboard: StoreSwitchboard | None = None
-        store: Any = first
-        if settings.rendezvous.store_failover:
-            # every connection of this process follows the store when it fails over to a participant
-            switchboard = StoreSwitchboard(launch.endpoint, first, hosting, participant.participant_id,
-                                           settings.timeouts, job_signer())
-            store = FailoverStore(switchboard, settings.timeouts.store_timeout, first)
-        rendezvous = BarrierRendezvous(store, settings.rendezvous_settings(), participant, is_store_host=hosting,
-                                       heartbeat_store_factory=lambda: store.clone(inline=True))
-        rendezvous.open_connections()
-        session = cls(store, rendezvous, participant, rendezvous.keys, hosting,
-                      events_for(participant.participant_id), switchboard)
-        if switchboard is not None:
-            session.failover = FailoverParticipant(switchboard, rendezvous)
-            switchboard.on_switch.append(session._store_moved)
-        session.events.emit(ev.JOIN, participant=participant.participant_id, domain=settings.domain_id,
+        info = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
+        participant = open_participant(launch.endpoint, settings.is_store_host, info, settings.rendezvous_settings())
+        session = cls(participant, events_for(info.participant_id))
+        participant.on_switch.append(session._store_moved)
+        session.events.emit(ev.JOIN, participant=info.participant_id, domain=settings.domain_id,
                             endpoint=str(launch.endpoint), run_id=launch.run_id, min_nodes=launch.min_nodes,
-                            max_nodes=launch.max_nodes, store_host=hosting)
+                            max_nodes=launch.max_nodes, store_host=participant.hosting)
         log.info("ddp_ft: participant %s (domain %s) joins run %s at %s (nodes %d:%d)%s",
-                 participant.participant_id, settings.domain_id, launch.run_id, launch.endpoint, launch.min_nodes,
-                 launch.max_nodes, "; hosting the store" if hosting else "")
+                 info.participant_id, settings.domain_id, launch.run_id, launch.endpoint, launch.min_nodes,
+                 launch.max_nodes, "; hosting the store" if participant.hosting else "")
         return session
 
+    @property
+    def store(self) -> Any:
+        """The store client every connection of this process is cloned from (follows a fail-over)."""
+        return self.participant.store
+
+    @property
+    def rendezvous(self) -> BarrierRendezvous:
+        return self.participant.rendezvous
+
+    @property
+    def keys(self) -> RunKeys:
+        return self.participant.rendezvous.keys
+
+    @property
+    def participant_id(self) -> str:
+        return self.participant.info.participant_id
+
     def _store_moved(self, hosting: bool) -> None:
-        assert self.switchboard is not None
-        self.hosting_store = self.rendezvous.is_store_host = hosting
-        epoch, seconds, successor = self.switchboard.failovers[-1] if self.switchboard.failovers else \
-            (self.switchboard.epoch, 0.0, "")
-        self.events.emit(ev.STORE_FAILOVER, epoch=epoch, endpoint=str(self.switchboard.endpoint), hosting=hosting,
+        backend = self.participant.backend
+        assert isinstance(backend, FailoverBackend)  # only a fail-over moves the store
+        switchboard = backend.switchboard
+        epoch, seconds, successor = switchboard.failovers[-1] if switchboard.failovers else \
+            (switchboard.epoch, 0.0, "")
+        self.events.emit(ev.STORE_FAILOVER, epoch=epoch, endpoint=str(switchboard.endpoint), hosting=hosting,
                          seconds=round(seconds, 3), successor=successor)
 
     def follow_newest_store(self) -> None:
         """Before re-joining: follow the store the others failed over to while this process was
-        frozen, if they did (see :meth:`StoreSwitchboard.follow_newest`)."""
-        if self.failover is not None:
-            self.failover.follow_newest()
+        frozen, if they did (see the backend)."""
+        self.participant.backend.follow_newest()
 
     def round_store(self, result: RoundResult, store: Any = None) -> dist.PrefixStore:
         """The job's store of a round (on ``store``, default the session's connection), for

@@ -21,12 +21,12 @@ from lightning_ft.checkpoint.durable.settings import DurableSettings
 from lightning_ft.checkpoint.settings import SnapshotSettings
 from lightning_ft.events.log import EventSettings
 from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousOptions, RendezvousSettings
-from lightning_ft.rendezvous.store import Endpoint, parse_endpoint
 from lightning_ft.runtime.decisions import merge_setting, parse_nnodes
 from lightning_ft.schema.signing import SecretError, read_secret
 from lightning_ft.settings import SettingsError, Timeouts, describe, group, load, setting
 from lightning_ft.settings.environment import ENV_DOMAIN_ID, environ, resolve_domain_id, resolve_run_id
 from lightning_ft.settings.fields import boolean, number, optional_text, parse_flag, parse_text, setting_values
+from lightning_ft.store.tcp import Endpoint, parse_endpoint
 
 ENV_ENDPOINT = "LIGHTNING_FT_ENDPOINT"
 ENV_RUN_ID = "LIGHTNING_FT_RUN_ID"

@@ -32,6 +32,10 @@ class SettingsError(ValueError):
     """A setting is missing, invalid or contradicts another; the message names it."""
 
 
+class RendezvousConfigError(SettingsError):
+    """A rendezvous setting (the endpoint among them) is missing or invalid; the message names the setting."""
+
+
 @dataclass(frozen=True)
 class SettingInfo:
     """What :func:`describe` tells about one setting."""

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from lightning_ft.deadlines import BoundedStore, call_with_timeout, connect_exit_bound, first_line
-from lightning_ft.rendezvous.settings import RendezvousConfigError
 from lightning_ft.settings import Timeouts
+from lightning_ft.settings.fields import RendezvousConfigError
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
@@ -24,15 +23,14 @@ from torch.distributed.elastic.rendezvous.api import (
 from lightning_ft._logging import ensure_log_output
 from lightning_ft._torch import exit_barrier_names
 from lightning_ft.deadlines import raw_store
+from lightning_ft.launch.factory import Participant, open_participant
 from lightning_ft.process import exit_now
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, UnhealthyNodeError
-from lightning_ft.rendezvous.candidates import FailoverParticipant
-from lightning_ft.rendezvous.failover import FailoverStore, StoreSwitchboard
 from lightning_ft.rendezvous.participant import local_participant
 from lightning_ft.rendezvous.settings import RendezvousConfigError, torchrun_config
-from lightning_ft.rendezvous.store import DEFAULT_PORT, connect_store, parse_endpoint
 from lightning_ft.schema.run import EXIT_BARRIER_KEY, EXIT_BARRIER_PREFIX, CloseKind, CloseReason
 from lightning_ft.schema.signing import SecretError, job_signer
+from lightning_ft.store.tcp import parse_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +54,10 @@ class LightningFTRendezvousHandler(RendezvousHandler):
     with ``RendezvousGracefulExitError`` when the job finished or closed for good.
     """
 
-    def __init__(self, rendezvous: BarrierRendezvous, local_addr: str | None = None,
-                 health_check: Callable[[], tuple[bool, str]] | None = None,
-                 failover: FailoverParticipant | None = None) -> None:
-        self._rdzv = rendezvous
-        self._failover = failover
+    def __init__(self, participant: Participant, local_addr: str | None = None,
+                 health_check: Callable[[], tuple[bool, str]] | None = None) -> None:
+        self._participant = participant
+        self._rdzv = participant.rendezvous
         self._local_addr = local_addr
         self._health_check = health_check
         self._shut_down = False
@@ -94,8 +91,8 @@ class LightningFTRendezvousHandler(RendezvousHandler):
                 raise UnhealthyNodeError(
                     f"node {self._rdzv.participant_id} failed its health check and is excluded: {reasons}")
         last = self._rdzv.last_result
-        if self._failover is not None and last is not None and last.is_active:
-            self._failover.follow_newest()  # the others may have moved while this agent was frozen
+        if last is not None and last.is_active:
+            self._participant.backend.follow_newest()  # the others may have moved while this agent was frozen
         result = self._rdzv.next_active_round()
         round_store = dist.PrefixStore(result.store_prefix, raw_store(self._rdzv.store))
         bootstrap = RendezvousStoreInfo.build(result.rank, round_store, local_addr=self._local_addr)
@@ -134,7 +131,7 @@ class LightningFTRendezvousHandler(RendezvousHandler):
                 self._rdzv.withdraw("its workers failed and it gave up (restarts exhausted or error)")
                 if self._rdzv.is_store_host:
                     log.warning("the store host is leaving; the store fails over to another node%s",
-                                "" if self._failover is not None else
+                                "" if self._participant.backend.name == "failover" else
                                 " -- not here (store_failover=false): the other nodes lose it")
         except (RuntimeError, OSError) as exc:
             log.warning("rendezvous shutdown could not reach the store: %s", exc)
@@ -170,27 +167,14 @@ def create_handler(params: RendezvousParameters) -> LightningFTRendezvousHandler
     endpoint = parse_endpoint(params.endpoint)
     # bounded like every store connection of ours: a frozen store makes a call fail after
     # store_timeout (the agent then ends truthfully) instead of blocking the agent for good
-    first, hosting = connect_store(endpoint, options.is_host, settings.timeouts)
-    participant = local_participant(local_id=options.local_id, domain_id=options.domain_id,
-                                    infra_rank=options.infra_rank, addr=params.local_addr)
-    switchboard: StoreSwitchboard | None = None
-    store: Any = first
-    if settings.store_failover:  # every connection of this agent follows the store when it fails over
-        switchboard = StoreSwitchboard(endpoint, first, hosting, participant.participant_id, settings.timeouts,
-                                       job_signer())
-        store = FailoverStore(switchboard, settings.timeouts.store_timeout, first)
-    rendezvous = BarrierRendezvous(store, settings, participant, is_store_host=hosting,
-                                   heartbeat_store_factory=lambda: store.clone(inline=True))
-    rendezvous.open_connections()
-    failover = None
-    if switchboard is not None:
-        failover = FailoverParticipant(switchboard, rendezvous)
-        switchboard.on_switch.append(lambda hosts: setattr(rendezvous, "is_store_host", hosts))
+    info = local_participant(local_id=options.local_id, domain_id=options.domain_id,
+                             infra_rank=options.infra_rank, addr=params.local_addr)
+    participant = open_participant(endpoint, options.is_host, info, settings)
     health_check = _node_health_check(settings.timeouts.health_timeout) if settings.health_check else None
     log.info("lightning_ft rendezvous: run %s, nodes %d:%d, endpoint %s, %s, participant %s (domain %s)",
              settings.run_id, settings.min_nodes, settings.max_nodes, endpoint,
-             "store host" if hosting else "store client", participant.participant_id, participant.domain_id)
-    return LightningFTRendezvousHandler(rendezvous, params.local_addr, health_check, failover)
+             "store host" if participant.hosting else "store client", info.participant_id, info.domain_id)
+    return LightningFTRendezvousHandler(participant, params.local_addr, health_check)
 
 
 def _node_health_check(timeout_s: float) -> Callable[[], tuple[bool, str]]:
@@ -212,12 +196,9 @@ def torchrun_handler_creator() -> Callable[[RendezvousParameters], RendezvousHan
 
 __all__ = [
     "BACKEND_NAME",
-    "DEFAULT_PORT",
     "LightningFTRendezvousHandler",
     "RendezvousClosedError",
     "RendezvousGracefulExitError",
-    "connect_store",
     "create_handler",
-    "parse_endpoint",
     "torchrun_handler_creator",
 ]

@@ -1,5 +1,5 @@
 """A participant's presence listener: how the others learn, during a store fail-over, whether
-this process is alive and which store it follows (see :mod:`lightning_ft.rendezvous.failover`).
+this process is alive and which store it follows (see :mod:`lightning_ft.failover.switchboard`).
 
 A refused connection proves the process gone (its host's kernel says so); a frozen or
 unreachable one is silent. The listener answers ``<epoch> <store host:port>`` and, on
@@ -12,7 +12,7 @@ import socket
 from typing import NamedTuple, Protocol
 
 from lightning_ft.deadlines import BackgroundThread
-from lightning_ft.rendezvous.store import Endpoint, listen_on, parse_endpoint
+from lightning_ft.store.tcp import Endpoint, listen_on, parse_endpoint
 
 
 class PresenceOwner(Protocol):

@@ -1,7 +1,7 @@
 """The fail-over candidates, as a participant learns them: who may host the store next.
 
 After each round it completes, a participant takes the round's participants that announced a
-presence, in arrivals-log order, as its :class:`~lightning_ft.rendezvous.failover.StoreSwitchboard`'s
+presence, in arrivals-log order, as its :class:`~lightning_ft.failover.switchboard.StoreSwitchboard`'s
 candidates (the first of them that is alive serves the store if it is lost). Apart from the
 module of the switchboard, which moves the store; this one only feeds it.
 """
@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from lightning_ft.deadlines import BackgroundThread, first_line
-from lightning_ft.rendezvous.failover import Candidate, StoreSwitchboard
+from lightning_ft.failover.switchboard import Candidate, StoreSwitchboard
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.failover import presence_key
 from lightning_ft.schema.run import ROSTER_HEAD, decode_roster_head

@@ -1,6 +1,6 @@
 """Pure rules of a store fail-over: who may serve, and what the successor store holds.
 
-No I/O here; :mod:`lightning_ft.rendezvous.failover` reads the world, asks, and performs.
+No I/O here; :mod:`lightning_ft.failover.switchboard` reads the world, asks, and performs.
 
 * :func:`may_serve` -- the quorum rule that keeps a partition from producing two stores that
   both decide.

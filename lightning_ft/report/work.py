@@ -1,6 +1,6 @@
 """The part of ``lightning-ft report`` about stragglers: each participant's own work and wait
 per step (its ``work`` events), who the others wait for, and what the straggler policy found
-(``straggler`` events). Pure, like :mod:`lightning_ft.events.report`, which uses it and hands
+(``straggler`` events). Pure, like :mod:`lightning_ft.report.timeline`, which uses it and hands
 it its timeline (``TimelineEntry``: ``who``, ``event``, ``fields``, ``seconds``)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from lightning_ft.stragglers.policy import NEVER_BELOW
 
 
 @dataclass(frozen=True)
-class WorkSummary:
+class RoundWork:
     """One participant's own work and wait per step (medians) over its last window of steps in a round."""
 
     who: str  # display name
@@ -24,16 +24,16 @@ class WorkSummary:
     wait_seconds: float
 
 
-def work_per_round(timeline: Sequence[Any]) -> tuple[WorkSummary, ...]:
+def work_per_round(timeline: Sequence[Any]) -> tuple[RoundWork, ...]:
     """Each participant's last ``work`` report of each round: its last window of steps there
     (a straggler shows where the round ended, not diluted by the steps before it slowed down)."""
-    last: dict[tuple[str, int | None], WorkSummary] = {}
+    last: dict[tuple[str, int | None], RoundWork] = {}
     for e in timeline:
         busy, wait = _number(e.fields.get("busy_seconds")), _number(e.fields.get("wait_seconds"))
         if e.event == ev.WORK and busy is not None and wait is not None:
             number = _number(e.fields.get("round"))
             round_id = int(number) if number is not None else None
-            last[(e.who, round_id)] = WorkSummary(e.who, round_id, busy, wait)
+            last[(e.who, round_id)] = RoundWork(e.who, round_id, busy, wait)
     return tuple(last.values())
 
 
@@ -43,7 +43,7 @@ def straggler_lines(timeline: Sequence[Any]) -> tuple[str, ...]:
                  for e in timeline if e.event == ev.STRAGGLER)
 
 
-def format_work(work: Sequence[WorkSummary], stragglers: Sequence[str]) -> list[str]:
+def format_work(work: Sequence[RoundWork], stragglers: Sequence[str]) -> list[str]:
     """Own work and wait per step by round, who the others wait for, and the stragglers found."""
     if not work and not stragglers:
         return []

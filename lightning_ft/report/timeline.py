@@ -45,8 +45,8 @@ from typing import Any
 
 from lightning_ft.events import names as ev
 from lightning_ft.events.log import read_events
-from lightning_ft.events.work_report import WorkSummary, format_work, straggler_lines, work_per_round
 from lightning_ft.exit_codes import ExitCode
+from lightning_ft.report.work import RoundWork, format_work, straggler_lines, work_per_round
 
 # fields every event has; the rest are the event's own "key fields"
 _ENVELOPE = ("t", "mono", "pid", "who", "event")
@@ -115,7 +115,7 @@ class RunSummary:
     #: 1 - lost_seconds / training_seconds (None: no training time)
     goodput: float | None = None
     #: own work and wait per participant and round (``work`` events; stragglers)
-    work: tuple[WorkSummary, ...] = ()
+    work: tuple[RoundWork, ...] = ()
     #: what the straggler policy found (``straggler`` events), one line each
     stragglers: tuple[str, ...] = ()
 

@@ -19,9 +19,9 @@ How a fail-over goes (epoch ``e`` -> ``e + 1``):
    told so at once.
 3. The successor serves a new TCPStore next to its presence listener. Participants connect,
    hand it their *view* (every key they wrote or read on the lost store, see :class:`Mirror`)
-   and register. It opens only with a quorum (:func:`~lightning_ft.rendezvous.rebuild.may_serve`:
+   and register. It opens only with a quorum (:func:`~lightning_ft.failover.rebuild.may_serve`:
    a majority of the participants not proven gone, one of them active), rebuilds the state
-   from the views (:func:`~lightning_ft.rendezvous.rebuild.merge_views`) and marks the epoch
+   from the views (:func:`~lightning_ft.failover.rebuild.merge_views`) and marks the epoch
    open; otherwise it writes why it gave up, and everyone raises :class:`StoreLostError` (the
    truthful exit of a lost store).
 4. Connections reconnect to the new endpoint on their next call and retry the call once.
@@ -51,9 +51,8 @@ from lightning_ft.deadlines import (
     connect_exit_bound,
     first_line,
 )
-from lightning_ft.rendezvous.presence import Presence, local_address_towards, probe
-from lightning_ft.rendezvous.rebuild import Mirror, may_serve, merge_views
-from lightning_ft.rendezvous.store import Endpoint, host_store, parse_endpoint
+from lightning_ft.failover.presence import Presence, local_address_towards, probe
+from lightning_ft.failover.rebuild import Mirror, may_serve, merge_views
 from lightning_ft.schema.failover import (
     EPOCH_KEY,
     EpochKeys,
@@ -66,6 +65,7 @@ from lightning_ft.schema.run import decode_number, encode_number
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.settings import Timeouts
 from lightning_ft.sockets import break_connections_to
+from lightning_ft.store.tcp import Endpoint, host_store, parse_endpoint
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from types import FrameType
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.rendezvous.lifecycle import wait_for_acknowledgements
 from lightning_ft.rendezvous.records import RunRecords, current_incarnation
-from lightning_ft.rendezvous.store import host_store
 from lightning_ft.schema.run import CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore, SecretError, job_signer
+from lightning_ft.store.tcp import host_store
 
 log = logging.getLogger(__name__)
 
