@@ -72,7 +72,7 @@ from lightning_ft.checkpoint.lightning.background import changed_only_by_optimiz
 from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.roots import default_root
 from lightning_ft.checkpoint.memory.store import SnapshotStore
-from lightning_ft.checkpoint.tiers import PACING_START_BYTES_PER_SECOND, UploadPacer
+from lightning_ft.checkpoint.pacing import PACING_START_BYTES_PER_SECOND, UploadPacer
 
 HERE = Path(__file__).resolve().parent
 LOOP_EVERY = 4  # training-loop section: a checkpoint every so many steps

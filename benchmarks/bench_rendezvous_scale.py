@@ -116,7 +116,7 @@ def mark_phases() -> None:
     Coordinator._complete = completed  # type: ignore[method-assign]
     if os.environ.get("BENCH_PHASES"):  # when each step of a join ends, for finding where time goes
         from lightning_ft.failover import candidates
-        from lightning_ft.rendezvous import barrier
+        from lightning_ft.rendezvous import barrier, beats
 
         def timed(owner, name):
             original = getattr(owner, name)
@@ -133,7 +133,7 @@ def mark_phases() -> None:
                             (barrier.BarrierRendezvous, "_read_result"),
                             (barrier.BarrierRendezvous, "_tick_connection"),
                             (RunRecords, "claim_coordinator"), (RunRecords, "current_round"),
-                            (candidates.FailoverParticipant, "track_round"), (barrier.TickWaiter, "wait"),
+                            (candidates.FailoverParticipant, "track_round"), (beats.TickWaiter, "wait"),
                             (barrier.BarrierRendezvous, "_is_ready")):
             timed(owner, name)
 

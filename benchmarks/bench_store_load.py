@@ -30,8 +30,7 @@ sys.path.insert(0, str(REPO))
 
 def worker(args) -> int:
     """One worker process: ``args.count`` participants as threads; prints a JSON line per second."""
-    from lightning_ft.failover import candidates
-    from lightning_ft.failover import switchboard as failover
+    from lightning_ft.failover import candidates, connection, switchboard
     from lightning_ft.rendezvous.barrier import BarrierRendezvous
     from lightning_ft.rendezvous.participant import local_participant
     from lightning_ft.rendezvous.settings import RendezvousSettings
@@ -39,26 +38,26 @@ def worker(args) -> int:
     from lightning_ft.store.tcp import connect_store, parse_endpoint
 
     calls = [0]
-    original = failover.FailoverStore._call
+    original = connection.FailoverStore._call
 
     def counted(self, name, *call_args):
         result = original(self, name, *call_args)
         calls[0] += 1  # the GIL makes a lost update rare; the count is a rate, not an audit
         return result
 
-    failover.FailoverStore._call = counted
+    connection.FailoverStore._call = counted
     settings = RendezvousSettings.of("load", args.participants // 2, args.participants, join_timeout=120,
                                      last_call_timeout=1.0)
     endpoint = parse_endpoint(args.endpoint)
-    boards: list[failover.StoreSwitchboard] = []
+    boards: list[switchboard.StoreSwitchboard] = []
 
     def participant(local_id: int) -> None:
         first, _ = connect_store(endpoint, False, settings.timeouts)
         info = local_participant(local_id=local_id, domain_id=f"d{local_id}")
-        board = failover.StoreSwitchboard(endpoint, first, False, info.participant_id, settings.timeouts,
+        board = switchboard.StoreSwitchboard(endpoint, first, False, info.participant_id, settings.timeouts,
                                           job_signer())
         boards.append(board)
-        store = failover.FailoverStore(board, settings.timeouts.store_timeout, first)
+        store = connection.FailoverStore(board, settings.timeouts.store_timeout, first)
         rendezvous = BarrierRendezvous(store, settings, info, heartbeat_store_factory=store.clone)
         candidates.FailoverParticipant(board, rendezvous)
         result = rendezvous.join_round()

@@ -34,7 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lightning_ft from this checkout, installed or not
 from lightning_ft.events import EventLog, read_events
 from lightning_ft.events.names import JOIN, ROUND_COMPLETE
-from lightning_ft.report.timeline import format_report, summarize
+from lightning_ft.report.text import format_report
+from lightning_ft.report.timeline import summarize
 
 import common  # this directory is on sys.path when the demo runs as a script
 from procs import Proc, ProcessSet, write_secret

@@ -9,7 +9,7 @@ import sys
 _SUBCOMMANDS = {
     "store": ("lightning_ft.launch.store_server", "host a standalone rendezvous TCPStore"),
     "health": ("lightning_ft.health.cli", "run the node-health probes and print the report"),
-    "report": ("lightning_ft.report.timeline", "print the recovery timeline of a run directory"),
+    "report": ("lightning_ft.report.text", "print the recovery timeline of a run directory"),
     "exit-code": ("lightning_ft.termination.exit_records",
                   "run a launcher (torchrun) and exit with the code its ranks recorded"),
 }

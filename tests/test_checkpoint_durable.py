@@ -197,7 +197,7 @@ def test_settings_come_from_the_environment_and_bad_ones_are_clear(tmp_path):
 def test_the_persister_paces_by_steps_an_upload_ran_through_and_leaves_out_the_rest(tmp_path, stores):
     """A real upload on the persister's thread, held at 64 KiB/s so it runs through the steps below;
     the step durations are given, so the verdict is known."""
-    from lightning_ft.checkpoint.tiers import UploadPacer
+    from lightning_ft.checkpoint.pacing import UploadPacer
 
     store = stores[0]
     tier = tier_at(tmp_path)
@@ -285,7 +285,7 @@ def test_in_a_trainer_steps_during_uploads_pace_the_bound_and_say_so(tmp_path, m
     from lightning_ft.checkpoint.durable.persister import DurablePersister
     from lightning_ft.checkpoint.durable.settings import DurableSettings
     from lightning_ft.checkpoint.lightning.calibration import ScheduleCalibration
-    from lightning_ft.checkpoint.tiers import UploadPacer
+    from lightning_ft.checkpoint.pacing import UploadPacer
     from lightning_ft.events import read_events
 
     from ckpt_helpers import make_module, trainer_kwargs

@@ -5,28 +5,25 @@ from __future__ import annotations
 import pytest
 
 from lightning_ft.checkpoint.durable.settings import DurableSettings
+from lightning_ft.checkpoint.pacing import UploadPacer, bucket_delay, next_upload_rate, slowdown_estimate
 from lightning_ft.checkpoint.policy import plan_write
 from lightning_ft.checkpoint.tiers import (
     Schedule,
     ScheduleProposal,
     ShardMarker,
-    UploadPacer,
     abandoned_manifests,
     agree_schedule,
-    bucket_delay,
     calibration_due,
     choose_resume_source,
     complete_steps,
     daly_interval_seconds,
     durable_copy_seconds,
     flush_fits,
-    next_upload_rate,
     persist_due,
     persist_interval_steps,
     plan_durable_retention,
     propose_schedule,
     shard_rank_to_fetch,
-    slowdown_estimate,
     snapshot_interval_for_budget,
     space_shortfall,
     upload_decision,

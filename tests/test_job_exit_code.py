@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from lightning_ft.report.timeline import job_exit_code, main, summarize
+from lightning_ft.report.text import main
+from lightning_ft.report.timeline import job_exit_code, summarize
 
 T0 = 1_700_000_000.0
 

@@ -420,7 +420,7 @@ def test_a_tick_given_after_the_waiters_check_wakes_its_wait(tcp_store):
     """The coordinator writes its decision, then ticks. A waiter that checked the decision just
     before it was written must be woken by that tick (it notes the newest tick before checking),
     not sleep through it until the coordinator looks silent."""
-    from lightning_ft.rendezvous.barrier import TickWaiter
+    from lightning_ft.rendezvous.beats import TickWaiter
 
     keys = RunKeys("ticks")
     tcp_store.set(keys.last_tick(0), "3")  # ticks 0..3 came before

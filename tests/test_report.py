@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from lightning_ft.report.timeline import format_report, main, summarize, summary_as_dict
+from lightning_ft.report.text import format_report, main, summary_as_dict
+from lightning_ft.report.timeline import summarize
 
 T0 = 1_700_000_000.0
 PIDS = {"node0": 100, "node1": 101, "node2": 102}

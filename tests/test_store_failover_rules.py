@@ -10,8 +10,9 @@ import pytest
 import torch.distributed as dist
 
 from lightning_ft.deadlines import BoundedStore
+from lightning_ft.failover.connection import FailoverStore
 from lightning_ft.failover.rebuild import Mirror, may_serve, merge_views
-from lightning_ft.failover.switchboard import FailoverStore, StoreSwitchboard, probe
+from lightning_ft.failover.switchboard import StoreSwitchboard, probe
 from lightning_ft.schema.failover import ViewEntry, decode_view, encode_view
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.settings import Timeouts

@@ -1,7 +1,8 @@
 """The rendezvous store fails over to a surviving participant (a :class:`~.backend.FailoverBackend`).
 
-* :mod:`.switchboard` -- where the store is now and the fail-over that moves it (every connection
-  of the process follows: :class:`~.switchboard.FailoverStore`);
+* :mod:`.switchboard` -- where the store is now and the fail-over that moves it;
+* :mod:`.connection` -- :class:`~.connection.FailoverStore`, a connection that follows it (every
+  connection of the process is one);
 * :mod:`.presence` -- each participant's presence listener, and probing one;
 * :mod:`.rebuild` -- pure rules: who may serve (a quorum), the state rebuilt from the views;
 * :mod:`.candidates` -- who may host the store next, as the participant learns it each round;

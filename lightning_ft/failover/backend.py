@@ -1,6 +1,6 @@
 """The rendezvous backend whose store fails over to a surviving participant.
 
-Every connection of the process is a :class:`~.switchboard.FailoverStore` over one
+Every connection of the process is a :class:`~.connection.FailoverStore` over one
 :class:`~.switchboard.StoreSwitchboard` (where the store is now); once the participant exists a
 :class:`~.candidates.FailoverParticipant` announces its presence and feeds the switchboard the
 candidates of every round it completes. How a fail-over goes: :mod:`.switchboard`.
@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 from lightning_ft.deadlines import BoundedStore
 from lightning_ft.failover.candidates import FailoverParticipant
-from lightning_ft.failover.switchboard import FailoverStore, StoreSwitchboard
+from lightning_ft.failover.connection import FailoverStore
+from lightning_ft.failover.switchboard import StoreSwitchboard
 from lightning_ft.rendezvous.barrier import BarrierRendezvous
 from lightning_ft.schema.signing import Signer
 from lightning_ft.settings import Timeouts

@@ -33,7 +33,6 @@ calling thread waits in short slices, so signals are handled in between.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import logging
 import time
@@ -41,7 +40,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from torch.distributed import DistStoreError
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousError,
@@ -49,8 +47,9 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from lightning_ft.deadlines import BackgroundThread, StoreClient
-from lightning_ft.rendezvous.coordinator import Coordinator, CoordinatorWatch, newest_tick
+from lightning_ft.deadlines import StoreClient
+from lightning_ft.rendezvous.beats import Heartbeat, TickWaiter
+from lightning_ft.rendezvous.coordinator import Coordinator, CoordinatorWatch
 from lightning_ft.rendezvous.lifecycle import wait_for_acknowledgements
 from lightning_ft.rendezvous.participant import ParticipantInfo, process_start_time
 from lightning_ft.rendezvous.records import RunRecords, resolve_incarnation
@@ -62,7 +61,6 @@ from lightning_ft.schema.run import (
     RunKeys,
     decode_rank_answer,
     decode_ready,
-    encode_number,
 )
 from lightning_ft.schema.signing import SealedStore, Signer, job_signer
 
@@ -353,7 +351,8 @@ class BarrierRendezvous:
                         coordinator.tick()  # its waiters learn it now, not a tick interval later
                     self._withdraw_arrival(round_id)
                     return None
-                if coordinator is None and self._should_take_over(round_id, watch):
+                if coordinator is None and watch.should_take_over(self.records, round_id, self.participant_id,
+                                                                          self.settings, self.clock()):
                     coordinator = Coordinator(self, round_id, replaces=watch.replaced)
                 if coordinator is not None and not coordinator.still_mine():
                     coordinator = None
@@ -373,31 +372,6 @@ class BarrierRendezvous:
             else:
                 remaining = max(0.0, deadline - self.clock())
                 ticks.wait(min(remaining, settings.tick_interval + settings.takeover_after) + settings.poll_interval)
-
-    def _should_take_over(self, round_id: int, watch: CoordinatorWatch) -> bool:
-        # The coordinator renews a sealed lease each tick. If it does not rise for ``takeover_after``
-        # (the coordinator died), one waiter replaces the claim and coordinates instead.
-        now = self.clock()
-        if now < watch.next_check:
-            return False
-        watch.next_check = now + self.settings.heartbeat_every
-        if watch.lease_rose(self.records.lease(round_id), now):
-            return False
-        if now - watch.since < self.settings.takeover_after:
-            return False
-        seen, claim = self.records.coordinator(round_id)
-        holder, earlier = claim if claim is not None else ("", ())
-        if holder != (watch.holder or ""):  # a new holder: its silence is timed from now
-            watch.holder, watch.since = holder, now
-            return False
-        replaced = tuple(dict.fromkeys(p for p in (holder, *earlier) if p and p != self.participant_id))
-        if self.records.take_over_coordinator(round_id, seen, self.participant_id, replaced):
-            log.info("%s took over coordinating round %d from %r (silent for %.1fs)",
-                     self.participant_id, round_id, holder, now - watch.since)
-            watch.replaced = replaced
-            return True
-        watch.since = now
-        return False
 
     def _read_result(self, round_id: int) -> RoundResult:
         raw_ready = self._ready_seen[1] if self._ready_seen[0] == round_id else None  # _is_ready read it
@@ -517,67 +491,3 @@ class BarrierRendezvous:
             # joined: a process that leaves right after must not end with a beat on its way
             # (a thread back from a store call while the interpreter finalizes aborts it)
             self._heartbeat.stop()
-
-
-class TickWaiter:
-    """A waiter's side of the coordinator's ticks: waits on the store for the next one.
-
-    The store answers a ``wait`` when the key appears, so a waiter makes a request per tick
-    instead of one per poll. Returns when woken or after ``timeout`` (the coordinator is silent:
-    the caller then judges its lease). A waiter that fell behind skips to the newest tick.
-    """
-
-    def __init__(self, store: StoreClient, keys: RunKeys, round_id: int) -> None:
-        self.store, self.keys, self.round_id = store, keys, round_id
-        self._next: int | None = None
-
-    def arm(self) -> None:
-        """Note the newest tick; call it *before* checking what the tick announces. The coordinator
-        writes a decision first and ticks after it, so a decision this check missed comes with a
-        tick newer than the one noted here, and :meth:`wait` returns for it at once. (Noted after
-        the check, that tick could already be the newest: the wait would sleep through it.)"""
-        if self._next is None:
-            self._next = newest_tick(self.store, self.keys, self.round_id) + 1
-
-    def wait(self, timeout: float) -> bool:
-        """True when a tick newer than the one :meth:`arm` noted came within ``timeout`` seconds."""
-        self.arm()
-        assert self._next is not None
-        started = time.monotonic()
-        try:
-            self.store.wait([self.keys.tick(self.round_id, self._next)], datetime.timedelta(seconds=timeout))
-        except DistStoreError:  # the wait timed out (a lost store raises a network error instead)
-            self._next = None
-            return False
-        self._next += 1
-        if time.monotonic() - started < 0.001:  # that tick was there already: skip to the newest
-            self._next = max(self._next, newest_tick(self.store, self.keys, self.round_id) + 1)
-        return True
-
-
-class Heartbeat(BackgroundThread):
-    """Raises this participant's sealed heartbeat number every ``interval`` on a connection of its
-    own (one that does not rise for ``dead_after`` counts as dead); stops quietly when the store
-    is gone. A sealed number, not a counter: a store client can neither bump it nor replay an
-    older one to keep a dead participant alive."""
-
-    def __init__(self, values: SealedStore, key: str, interval: float) -> None:
-        super().__init__("lightning_ft-heartbeat", join_timeout=interval)
-        self.values, self.key, self.interval = values, key, interval
-        self._beats = itertools.count(1)
-
-    def beat(self) -> None:
-        self.values.put(self.key, encode_number(next(self._beats)))
-
-    def start(self) -> None:
-        self.beat()  # the first beat before returning: the round may judge at once
-        super().start()
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                self.beat()
-            except Exception as exc:  # noqa: BLE001 - store gone: stop beating quietly
-                log.debug("heartbeat stopped: %s", exc)
-                return
-            self.stopping.wait(self.interval)

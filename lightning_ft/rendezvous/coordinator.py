@@ -87,6 +87,34 @@ class CoordinatorWatch:
         return True
 
 
+    def should_take_over(self, records: RunRecords, round_id: int, participant_id: str,
+                         settings: RendezvousSettings, now: float) -> bool:
+        """Whether this waiter takes the round over, and has (its claim replaced the silent one's).
+
+        The coordinator renews a sealed lease each tick. If it does not rise for ``takeover_after``
+        (the coordinator died), one waiter replaces the claim and coordinates instead."""
+        if now < self.next_check:
+            return False
+        self.next_check = now + settings.heartbeat_every
+        if self.lease_rose(records.lease(round_id), now):
+            return False
+        if now - self.since < settings.takeover_after:
+            return False
+        seen, claim = records.coordinator(round_id)
+        holder, earlier = claim if claim is not None else ("", ())
+        if holder != (self.holder or ""):  # a new holder: its silence is timed from now
+            self.holder, self.since = holder, now
+            return False
+        replaced = tuple(dict.fromkeys(p for p in (holder, *earlier) if p and p != participant_id))
+        if records.take_over_coordinator(round_id, seen, participant_id, replaced):
+            log.info("%s took over coordinating round %d from %r (silent for %.1fs)",
+                     participant_id, round_id, holder, now - self.since)
+            self.replaced = replaced
+            return True
+        self.since = now
+        return False
+
+
 def newest_tick(store: Any, keys: RunKeys, round_id: int) -> int:
     """The number of the newest tick of ``round_id`` (-1: none yet, or not a number: it is a hint)."""
     raw = get_if_present(store, keys.last_tick(round_id))

@@ -13,7 +13,8 @@ from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.files import open_snapshot_file
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.store import SnapshotStore
-from lightning_ft.checkpoint.tiers import UploadPacer, upload_decision
+from lightning_ft.checkpoint.pacing import UploadPacer
+from lightning_ft.checkpoint.tiers import upload_decision
 from lightning_ft.events import names as ev
 
 log = logging.getLogger(__name__)

@@ -8,12 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_ft.checkpoint.tiers import (
-    DEFAULT_MTBF_SECONDS,
-    DEFAULT_PERSIST_OVERHEAD,
-    UploadPacer,
-    daly_interval_seconds,
-)
+from lightning_ft.checkpoint.pacing import DEFAULT_PERSIST_OVERHEAD, UploadPacer
+from lightning_ft.checkpoint.tiers import DEFAULT_MTBF_SECONDS, daly_interval_seconds
 from lightning_ft.settings import load, setting
 from lightning_ft.settings.fields import mapping, number, optional_path, parse_json, parse_text
 

@@ -43,11 +43,11 @@ from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.files import close_map, open_snapshot_file
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.store import SnapshotStore
+from lightning_ft.checkpoint.pacing import bucket_delay
 from lightning_ft.checkpoint.tiers import (
     Completion,
     ShardMarker,
     abandoned_manifests,
-    bucket_delay,
     complete_steps,
     plan_durable_retention,
     shard_rank_to_fetch,

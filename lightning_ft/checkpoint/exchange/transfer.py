@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_ft.checkpoint.exchange.agreement import gather_steps
+from lightning_ft.checkpoint.identity import ExpectedIdentity
+from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.policy import ShardTransferPlan, TransferPlan, plan_shard_transfers, plan_snapshot_transfer
 from lightning_ft.events import names as ev
@@ -49,42 +51,9 @@ def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int, emit: C
     if plan is None or not plan.receivers:
         return plan
     if rank == plan.source:
-        start = time.perf_counter()
-        with contextlib.ExitStack() as held:
-            payload: torch.Tensor | None = None
-            info = store.find(plan.step, include_peers=True, expect=expect)
-            if info is not None:
-                try:
-                    payload = held.enter_context(store.bytes_to_send(info))
-                except Exception as exc:  # noqa: BLE001 - told to the receivers as size -1
-                    log.error("rank %d: cannot read snapshot step %d for transfer: %s", rank, plan.step, exc)
-            nbytes = payload.numel() if payload is not None else -1
-            for receiver in plan.receivers:
-                dist.send(torch.tensor([nbytes], dtype=torch.int64), dst=receiver)
-                if payload is not None:
-                    dist.send(payload, dst=receiver)
-                    emit(ev.SNAPSHOT_SENT, step=plan.step, to_rank=receiver, bytes=nbytes,
-                         seconds=round(time.perf_counter() - start, 4))
-            payload = None  # the last reference to the map's view goes before the map is closed
-        if nbytes < 0:
-            raise RuntimeError(f"ddp_ft: snapshot of step {plan.step} vanished on rank {rank} before it could "
-                               "be sent to the ranks that lack it")
-        log.info("rank %d: sent snapshot step %d (%d bytes) to rank(s) %s in %.3fs", rank, plan.step, nbytes,
-                 list(plan.receivers), time.perf_counter() - start)
+        _send_snapshot(store, plan, rank, emit, expect)
     elif rank in plan.receivers:
-        start = time.perf_counter()
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src=plan.source)
-        nbytes = int(size.item())
-        if nbytes < 0:
-            raise RuntimeError(f"ddp_ft: rank {plan.source} could not send the snapshot of step {plan.step}")
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        dist.recv(buffer, src=plan.source)
-        store.write_bytes(buffer.numpy().data)  # a memoryview of the received bytes
-        seconds = time.perf_counter() - start
-        emit(ev.SNAPSHOT_RECEIVED, step=plan.step, from_rank=plan.source, bytes=nbytes, seconds=round(seconds, 4))
-        log.info("rank %d: received snapshot step %d (%d bytes) from rank %d in %.3fs", rank, plan.step, nbytes,
-                 plan.source, seconds)
+        _receive_snapshot(store, plan, rank, emit)
     return plan
 
 
@@ -118,6 +87,59 @@ def exchange_shards(store: SnapshotStore, rank: int, world_size: int, emit: Call
                  rank, shard, step, plan.step)
     if not plan.transfers:
         return plan
+    _move_shards(store, plan, by_shard, rank, emit)
+    return plan
+
+
+def _send_snapshot(store: SnapshotStore, plan: TransferPlan, rank: int, emit: Callable[..., None],
+                   expect: ExpectedIdentity) -> None:
+    """The source's side: the verified bytes of the plan's step to every receiver (size first;
+    -1 tells them it could not be read)."""
+    start = time.perf_counter()
+    with contextlib.ExitStack() as held:
+        payload: torch.Tensor | None = None
+        info = store.find(plan.step, include_peers=True, expect=expect)
+        if info is not None:
+            try:
+                payload = held.enter_context(store.bytes_to_send(info))
+            except Exception as exc:  # noqa: BLE001 - told to the receivers as size -1
+                log.error("rank %d: cannot read snapshot step %d for transfer: %s", rank, plan.step, exc)
+        nbytes = payload.numel() if payload is not None else -1
+        for receiver in plan.receivers:
+            dist.send(torch.tensor([nbytes], dtype=torch.int64), dst=receiver)
+            if payload is not None:
+                dist.send(payload, dst=receiver)
+                emit(ev.SNAPSHOT_SENT, step=plan.step, to_rank=receiver, bytes=nbytes,
+                     seconds=round(time.perf_counter() - start, 4))
+        payload = None  # the last reference to the map's view goes before the map is closed
+    if nbytes < 0:
+        raise RuntimeError(f"ddp_ft: snapshot of step {plan.step} vanished on rank {rank} before it could "
+                           "be sent to the ranks that lack it")
+    log.info("rank %d: sent snapshot step %d (%d bytes) to rank(s) %s in %.3fs", rank, plan.step, nbytes,
+             list(plan.receivers), time.perf_counter() - start)
+
+
+def _receive_snapshot(store: SnapshotStore, plan: TransferPlan, rank: int, emit: Callable[..., None]) -> None:
+    """A receiver's side: the bytes, checked and committed as this rank's own snapshot."""
+    start = time.perf_counter()
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src=plan.source)
+    nbytes = int(size.item())
+    if nbytes < 0:
+        raise RuntimeError(f"ddp_ft: rank {plan.source} could not send the snapshot of step {plan.step}")
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    dist.recv(buffer, src=plan.source)
+    store.write_bytes(buffer.numpy().data)  # a memoryview of the received bytes
+    seconds = time.perf_counter() - start
+    emit(ev.SNAPSHOT_RECEIVED, step=plan.step, from_rank=plan.source, bytes=nbytes, seconds=round(seconds, 4))
+    log.info("rank %d: received snapshot step %d (%d bytes) from rank %d in %.3fs", rank, plan.step, nbytes,
+             plan.source, seconds)
+
+
+def _move_shards(store: SnapshotStore, plan: ShardTransferPlan, by_shard: dict[tuple[int, int], SnapshotInfo],
+                 rank: int, emit: Callable[..., None]) -> None:
+    """Every transfer of ``plan`` at once: sizes first (one all_reduce; -1: a source could not read
+    its file), then all sends and receives posted together; receivers commit what they got."""
     start = time.perf_counter()
     with contextlib.ExitStack() as held:
         sizes = torch.zeros(len(plan.transfers), dtype=torch.int64)
@@ -157,4 +179,3 @@ def exchange_shards(store: SnapshotStore, rank: int, world_size: int, emit: Call
             emit(ev.SNAPSHOT_RECEIVED, step=plan.step, from_rank=source, bytes=int(sizes[index]), seconds=seconds)
             log.info("rank %d: received its shards of step %d (%d bytes) from rank %d in %.3fs", rank, plan.step,
                      int(sizes[index]), source, seconds)
-    return plan

@@ -19,7 +19,7 @@ from lightning_ft._lightning.checkpointing import (
 )
 from lightning_ft.checkpoint.durable.tier import DurableTier
 from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
-from lightning_ft.checkpoint.identity import state_dict_fingerprint
+from lightning_ft.checkpoint.identity import ExpectedIdentity, state_dict_fingerprint
 from lightning_ft.checkpoint.lightning.state import restore_shards
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.store import SnapshotStore
@@ -121,12 +121,17 @@ class AutoResume:
             return
         bring_into_memory(choice, durable, store, expect)
         self.resumed_tier = (choice.tier, choice.reason)
+        self._resume(trainer, store, step, peers, expect, given, loaded_step)
+
+    def _resume(self, trainer: pl.Trainer, store: SnapshotStore, step: int, peers: bool, expect: ExpectedIdentity,
+                given: Any, loaded_step: int | None) -> None:
+        """Load the agreed step (now in memory) and restore it as Lightning would a ``ckpt_path``."""
         info = store.find(step, include_peers=peers, expect=expect)
         if info is None:
             raise RuntimeError(f"rank {store.rank}: snapshot at step {step} vanished or broke after the ranks "
                                f"agreed on it (run {store.run_id!r}, {store.run_dir})")
         checkpoint = store.load(info, expect=expect)
-        if sharded:
+        if not peers:  # sharded: only this rank's own shards
             self._restore_sharded_after_setup(trainer, store, info, checkpoint, step)
             return
         self.resumed_from = (step, store.created(info))
