@@ -200,7 +200,8 @@ def test_settings_from_rdzv_conf():
 
 
 def test_the_store_load_of_waiters_and_heartbeats_stays_bounded_as_the_job_grows():
-    from lightning_ft.rendezvous.settings import HEARTBEATS_PER_SECOND, REQUESTS_PER_WAKE, WAKE_REQUESTS_PER_SECOND
+    from lightning_ft.rendezvous.liveness import HEARTBEATS_PER_SECOND
+    from lightning_ft.rendezvous.settings import REQUESTS_PER_WAKE, WAKE_REQUESTS_PER_SECOND
 
     small, large = settings(max_nodes=8), settings(min_nodes=2, max_nodes=10_000)
     # small jobs keep the configured timing

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from lightning_ft.rendezvous.liveness import LivenessThresholds
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.runtime.watchdog import RoundWatchdog, StepClock
 from lightning_ft.schema.round import decode_progress, encode_member, member_key, progress_key
@@ -30,7 +31,7 @@ def watchdog(store, rank: int, clock: StepClock, triggered: list, hang_floor: fl
     return RoundWatchdog(
         round_values=values, records=RunRecords(store, Signer(None), RunKeys("watched")), round_id=0, rank=rank,
         world_size=2, clock=clock,
-        hang_detection=True, hang_floor=hang_floor, hang_factor=10.0, dead_after=0.4,
+        hang_detection=True, hang_floor=hang_floor, hang_factor=10.0, liveness=LivenessThresholds(0.1, 2),
         on_trigger=lambda *args: triggered.append(args), break_group=lambda: 0, progress_interval=0.3)
 
 

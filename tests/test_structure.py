@@ -234,23 +234,41 @@ def test_the_private_name_finder_finds_them(tmp_path):
         "dist.distributed_c10d._world"])
 
 
-def _settings_documented_in(page: str, kind: type) -> list[str]:
+def _settings_documented_in(page: str, kind: type, tier: str) -> list[str]:
     from lightning_ft.settings import describe
 
     text = (DOCS / page).read_text()
-    return [info.name for info in describe(kind) if f"`{info.name}`" not in text]
+    return [info.name for info in describe(kind) if info.tier == tier and f"`{info.name}`" not in text]
 
 
-@pytest.mark.parametrize("page, kind", [
+SETTINGS_PAGES = [
     ("strategy.md", "lightning_ft.runtime.settings:StrategySettings"),
     ("torchrun.md", "lightning_ft.rendezvous.settings:TorchrunConfig"),
     ("snapshots.md", "lightning_ft.checkpoint.settings:SnapshotSettings"),
     ("sigterm.md", "lightning_ft.termination.settings:TerminationSettings"),
     ("sigterm.md", "lightning_ft.health.settings:HealthSettings"),
-])
+]
+
+
+@pytest.mark.parametrize("page, kind", SETTINGS_PAGES)
 def test_every_setting_is_documented(page, kind):
+    """Public settings on their component's page, advanced ones on docs/advanced-settings.md."""
     import importlib
 
     module, _, name = kind.partition(":")
-    missing = _settings_documented_in(page, getattr(importlib.import_module(module), name))
+    settings = getattr(importlib.import_module(module), name)
+    missing = _settings_documented_in(page, settings, "public")
     assert not missing, f"docs/{page} does not name {missing}"
+    missing = _settings_documented_in("advanced-settings.md", settings, "advanced")
+    assert not missing, f"docs/advanced-settings.md does not name {missing}"
+
+
+def test_the_internal_constants_are_documented():
+    from lightning_ft.runtime.settings import HangSettings
+    from lightning_ft.settings import Timeouts
+    from lightning_ft.settings.fields import internal_constants
+
+    text = (DOCS / "advanced-settings.md").read_text()
+    missing = [info.name for kind in (Timeouts, HangSettings) for info in internal_constants(kind)
+               if f"`{info.name}`" not in text]
+    assert not missing, missing

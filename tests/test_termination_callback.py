@@ -62,8 +62,9 @@ def test_defaults_and_bad_configuration_messages(tmp_path):
         ({"save_safety_factor": 0.9}, "save_safety_factor"),
         ({"exit_reserve_seconds": -1}, "exit_reserve_seconds"),
         ({"exit_reserve_seconds": 40}, "exit_reserve_seconds"),
-        ({"exit_timeout": 0}, "exit_timeout"),
-        ({"exit_timeout_seconds": 1}, "exit_timeout_seconds.*did you mean 'exit_timeout'"),
+        ({"margin_steps": 0}, "margin_steps"),
+        ({"margin_step": 1}, "margin_step.*did you mean 'margin_steps'"),
+        ({"exit_timeout": 5}, "unknown setting.*exit_timeout"),  # an internal bound, not a setting
     ]
     for kwargs, name in bad:
         with pytest.raises(ValueError, match=f"GracefulTermination: .*{name}"):

@@ -30,24 +30,24 @@ class SnapshotSettings:
         rule=number(allow_none=True))
     keep_last: int = setting(2, "snapshots kept per rank (>= 1); with >= 2 the oldest file is overwritten in place "
                                 "by the next snapshot, ~3x faster than a fresh tmpfs file",
-                             rule=number(integer=True, minimum=1, inclusive=True))
+                             rule=number(integer=True, minimum=1, inclusive=True), advanced=True)
     run_id: str | None = setting(None, "scope (default: LIGHTNING_FT_RUN_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID); "
                                        "without any, snapshots go to <root>/default and are never resumed",
                                  rule=optional_text, parse=parse_text)
     auto_resume: bool = setting(True, "on fit(), restore the newest snapshot of this run id and this model when it "
                                       "is newer than the ckpt_path given; snapshots of another job or model are "
-                                      "skipped with a warning that says which and why", rule=boolean)
+                                      "skipped with a warning that says which and why", rule=boolean, advanced=True)
     preallocate: bool = setting(True, "keep a spare snapshot file with its pages allocated whenever the next save "
                                       "could not overwrite an old one (one state-size of shared memory; makes "
-                                      "the first emergency save as fast as later ones)", rule=boolean)
+                                      "the first emergency save as fast as later ones)", rule=boolean, advanced=True)
     background_copy: bool = setting(True, "periodic snapshots copy parameters and optimizer state on a helper "
                                           "thread during the next forward and backward and commit before the next "
                                           "optimizer step; False: every snapshot is copied synchronously",
-                                    rule=boolean)
+                                    rule=boolean, advanced=True)
     live_state: bool = setting(True, "after a failure inside an optimizer step (a peer's death fails its gradient "
                                      "all-reduce), snapshot the last step boundary from the live state, so the "
                                      "recovery resumes there instead of at the last periodic snapshot; False: the "
-                                     "newest snapshot", rule=boolean)
+                                     "newest snapshot", rule=boolean, advanced=True)
     location: RootSettings = group(RootSettings)
     durable: DurableSettings = group(DurableSettings)
 

@@ -5,12 +5,77 @@ a beat only when the number *rises* above the highest it saw: a replayed older v
 fails its check, is silence (a store client without the job secret cannot keep a dead peer
 alive). The rendezvous coordinator (previous actives that did not come back), the round
 watchdog (a frozen peer) and a hot spare (every active silent) all ask this tracker, each with
-its own threshold derived from the heartbeat interval (see ``RendezvousSettings.dead_after``).
+its own threshold; every threshold is derived from the one primary setting ``heartbeat_interval``
+(and the job's size) by :class:`LivenessThresholds`:
+
+=====================  ===========================================  ================================
+threshold              formula                                      who judges by it
+=====================  ===========================================  ================================
+``heartbeat_every``    ``max(heartbeat_interval, max_nodes/2500)``  every participant beats this often
+``dead_after``         ``4 x heartbeat_every``                      the coordinator: a previous active
+                                                                    that did not come back is lost
+``takeover_after``     ``max(dead_after, 2 s)``                     a waiter replaces a silent
+                                                                    coordinator
+``frozen_peer_after``  ``max(5 x dead_after, 2 s)``                 the round watchdog: a peer whose
+                                                                    heartbeat stood still this long
+                                                                    while this rank cannot progress
+                                                                    is frozen (SIGSTOP, a hung host)
+``all_silent_after``   ``max(dead_after, 3 s)``                     a hot spare opens the next round
+                                                                    when every active is this silent
+=====================  ===========================================  ================================
+
+The floors keep a loaded machine from looking like a dead one: work that holds the GIL kept every
+heartbeat thread of a job from running for about a second at the start of training (seen on 2
+cores), and a coordinator replaced again and again keeps a round from completing. The hang
+timeout of a step is the other primary setting, ``hang_timeout_floor`` (see
+``lightning_ft.runtime.decisions.hang_timeout``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+
+#: all heartbeats of a job together stay near this many store requests per second
+HEARTBEATS_PER_SECOND = 2500.0
+#: the shortest lease silence after which a coordinator is replaced (see the module docstring)
+TAKEOVER_FLOOR = 2.0
+#: the shortest heartbeat silence after which the round watchdog judges a peer frozen
+FROZEN_PEER_FLOOR = 2.0
+#: the shortest silence of every active after which a hot spare opens the next round
+ALL_SILENT_FLOOR = 3.0
+
+
+@dataclass(frozen=True)
+class LivenessThresholds:
+    """Every threshold that judges a participant dead, from ``heartbeat_interval`` and the job's size."""
+
+    heartbeat_interval: float
+    max_nodes: int
+
+    @property
+    def heartbeat_every(self) -> float:
+        """``heartbeat_interval``, or slower in a job so large that all heartbeats together would pass
+        :data:`HEARTBEATS_PER_SECOND` (the store serves every participant; at 0.1 s, 4,096
+        participants alone sent 41,000 beats/s). 1,024 participants: 0.41 s."""
+        return max(self.heartbeat_interval, self.max_nodes / HEARTBEATS_PER_SECOND)
+
+    @property
+    def dead_after(self) -> float:
+        """Heartbeat silence after which a participant counts as dead: four beats."""
+        return 4 * self.heartbeat_every
+
+    @property
+    def takeover_after(self) -> float:
+        return max(self.dead_after, TAKEOVER_FLOOR)
+
+    @property
+    def frozen_peer_after(self) -> float:
+        return max(5 * self.dead_after, FROZEN_PEER_FLOOR)
+
+    @property
+    def all_silent_after(self) -> float:
+        return max(self.dead_after, ALL_SILENT_FLOOR)
 
 
 class HeartbeatTracker:

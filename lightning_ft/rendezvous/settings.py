@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_ft.rendezvous.liveness import LivenessThresholds
 from lightning_ft.settings import Timeouts, group, load, setting
 from lightning_ft.settings.fields import (
     RendezvousConfigError,
@@ -21,9 +22,6 @@ from lightning_ft.settings.timeouts import RENDEZVOUS_TIMEOUTS
 
 _POSITIVE_INT = number(integer=True)
 
-#: all heartbeats of a job together stay near this many store requests per second (see
-#: :attr:`RendezvousSettings.heartbeat_every`)
-HEARTBEATS_PER_SECOND = 2500.0
 #: the waiters of a round woken by the coordinator's tick stay near this many requests per second
 WAKE_REQUESTS_PER_SECOND = 5000.0
 #: store requests a waiter makes per wake (its checks plus the next wait)
@@ -35,13 +33,13 @@ class RendezvousOptions:
     """The settings of a barrier rendezvous beyond its run id and node counts."""
 
     segment: int = setting(1, "active nodes come in whole groups of this many with the same domain_id "
-                              "(1: no rule)", rule=_POSITIVE_INT, parse=parse_int)
+                              "(1: no rule)", rule=_POSITIVE_INT, parse=parse_int, advanced=True)
     health_check: bool = setting(False, "run the node-health probes before joining a round (torchrun backend)",
                                  rule=boolean, parse=parse_flag)
     keep_ranks: bool = setting(False, "survivors of a failure keep their ranks and a newcomer (a hot spare) takes "
                                       "the lost rank's place, instead of closing ranks (sharded state: a rank's "
                                       "shard exists only where that rank ran); only with segment 1",
-                               rule=boolean, parse=parse_flag)
+                               rule=boolean, parse=parse_flag, advanced=True)
     store_failover: bool = setting(True, "when the rendezvous store is lost (its host died, or lightning-ft "
                                          "store), a surviving participant takes it over (docs/strategy.md, "
                                          "Store fail-over); False: a lost store ends the job as before",
@@ -88,24 +86,21 @@ class RendezvousSettings:
         return self.options.store_failover
 
     @property
+    def liveness(self) -> LivenessThresholds:
+        """Every threshold that judges a participant dead (see :mod:`.liveness`)."""
+        return LivenessThresholds(self.timeouts.heartbeat_interval, self.max_nodes)
+
+    @property
     def heartbeat_every(self) -> float:
-        """How often each participant raises its heartbeat: ``heartbeat_interval``, or slower in a
-        job so large that all heartbeats together would pass :data:`HEARTBEATS_PER_SECOND` (the
-        store serves every participant; at 0.1 s, 4,096 participants alone sent 41,000 beats/s). A
-        failure round waits ``dead_after`` for a lost active's silence: 1.6 s at 1,024 participants."""
-        return max(self.timeouts.heartbeat_interval, self.max_nodes / HEARTBEATS_PER_SECOND)
+        return self.liveness.heartbeat_every
 
     @property
     def dead_after(self) -> float:
-        """Heartbeat silence after which a participant counts as dead: four beats."""
-        return 4 * self.heartbeat_every
+        return self.liveness.dead_after
 
     @property
     def takeover_after(self) -> float:
-        """Lease silence after which a waiter takes the coordinator's place: ``dead_after``, at
-        least 2 s. A coordinator that only falls behind (a loaded machine, a slow store) and is
-        replaced again and again keeps a round from completing; a dead one costs these seconds once."""
-        return max(self.dead_after, 2.0)
+        return self.liveness.takeover_after
 
     @property
     def poll_interval(self) -> float:
@@ -178,7 +173,7 @@ class HandlerOptions:
     infra_rank: int | None = setting(None, "the scheduler's node index (default: from SLURM/JobSet variables)",
                                      rule=number(integer=True, inclusive=True, allow_none=True), parse=parse_int)
     local_id: int = setting(0, "tells apart participants of one process (benchmarks)",
-                            rule=number(integer=True, inclusive=True), parse=parse_int)
+                            rule=number(integer=True, inclusive=True), parse=parse_int, advanced=True)
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ from lightning_ft.runtime.recovery import (
 from lightning_ft.runtime.run import RunState, RuntimeHost
 from lightning_ft.runtime.session import RoundRuntime, Session
 from lightning_ft.runtime.settings import StrategyConfigError, StrategySettings
-from lightning_ft.runtime.spare_monitor import ALL_SILENT_AFTER, SpareMonitor
+from lightning_ft.runtime.spare_monitor import SpareMonitor
 from lightning_ft.schema.run import CloseKind
 from lightning_ft.settings.environment import torchelastic_restart_count
 from lightning_ft.termination.callback import GracefulTermination
@@ -270,7 +270,7 @@ class RendezvousFitLoop:
                                   model=model_fingerprint_before_setup(self.run.trainer.lightning_module),
                                   max_bytes=settings.replica_max_bytes)
         monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys, signer=session.rendezvous.signer,
-                               dead_after=max(session.rendezvous.settings.dead_after, ALL_SILENT_AFTER),
+                               dead_after=session.rendezvous.settings.liveness.all_silent_after,
                                open_round=session.open_round,
                                replicas=replicas, join_timeout=settings.timeouts.thread_stop_timeout)
         monitor.start()

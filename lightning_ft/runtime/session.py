@@ -199,7 +199,7 @@ class RoundRuntime:
             world_size=result.world_size,
             clock=self.clock, hang_detection=hang.hang_detection, hang_floor=hang.hang_timeout_floor,
             hang_factor=hang.hang_safety_factor,
-            dead_after=session.rendezvous.settings.dead_after, on_trigger=on_trigger,
+            liveness=session.rendezvous.settings.liveness, on_trigger=on_trigger,
             break_group=transport.abort if transport is not None else (lambda: 0),
             poll_interval=hang.watchdog_interval, join_timeout=timeouts.thread_stop_timeout,
             on_poll=self.stragglers.tick if self.stragglers is not None else None)

@@ -25,7 +25,15 @@ from lightning_ft.runtime.decisions import merge_setting, parse_nnodes
 from lightning_ft.schema.signing import SecretError, read_secret
 from lightning_ft.settings import SettingsError, Timeouts, describe, group, load, setting
 from lightning_ft.settings.environment import ENV_DOMAIN_ID, environ, resolve_domain_id, resolve_run_id
-from lightning_ft.settings.fields import boolean, number, optional_text, parse_flag, parse_text, setting_values
+from lightning_ft.settings.fields import (
+    boolean,
+    internal,
+    number,
+    optional_text,
+    parse_flag,
+    parse_text,
+    setting_values,
+)
 from lightning_ft.store.tcp import Endpoint, parse_endpoint
 
 ENV_ENDPOINT = "LIGHTNING_FT_ENDPOINT"
@@ -78,11 +86,13 @@ class HangSettings:
 
     hang_detection: bool = setting(True, "treat a step that runs longer than max(hang_timeout_floor, "
                                          "hang_safety_factor x slowest recent step) as a hang of the rank that "
-                                         "did not progress (the first step of a round is exempt)", rule=boolean)
+                                         "did not progress (the first step of a round is exempt)", rule=boolean,
+                                   advanced=True)
     hang_timeout_floor: float = setting(60.0, "the shortest hang timeout (seconds)", rule=_SECONDS)
-    hang_safety_factor: float = setting(10.0, "the slowest recent step is multiplied by this", rule=_SECONDS)
-    watchdog_interval: float = setting(0.2, "how often the round watchdog publishes progress and checks for a "
-                                            "newer round or a hung step (seconds)", rule=_SECONDS)
+    hang_safety_factor: float = setting(10.0, "the slowest recent step is multiplied by this", rule=_SECONDS,
+                                        advanced=True)
+    watchdog_interval: float = internal(0.2, "how often the round watchdog publishes progress and checks for a "
+                                             "newer round or a hung step (seconds)")
 
 
 @dataclass(frozen=True)
@@ -96,12 +106,12 @@ class StragglerSettings:
                                                   "off (ddp_ft only)",
                                              rule=number(minimum=1, inclusive=True, allow_none=True))
     straggler_window: int = setting(25, "steps a straggler must stay slow in (and between two evictions)",
-                                    rule=number(integer=True, minimum=2, inclusive=True))
+                                    rule=number(integer=True, minimum=2, inclusive=True), advanced=True)
     straggler_marker: str | None = setting(None, "a file an evicted straggler writes (its reason as content): "
                                                  "the health probe's marker file (lightning-ft health --marker, "
                                                  "LIGHTNING_FT_HEALTH_MARKERS) then reports this node unhealthy "
                                                  "until someone removes it", rule=optional_text,
-                                           env="LIGHTNING_FT_STRAGGLER_MARKER", parse=parse_text)
+                                           env="LIGHTNING_FT_STRAGGLER_MARKER", parse=parse_text, advanced=True)
 
 
 @dataclass(frozen=True)
@@ -117,25 +127,25 @@ class StrategySettings:
     is_store_host: bool | None = setting(None, "True: host the store at endpoint; False: only connect; None: "
                                                "host it when the port can be bound here",
                                          rule=lambda v: None if v in (None, True, False) else "True, False or None",
-                                         env="LIGHTNING_FT_IS_STORE_HOST", parse=parse_flag)
+                                         env="LIGHTNING_FT_IS_STORE_HOST", parse=parse_flag, advanced=True)
     infra_rank: int | None = setting(None, "the scheduler's node index (default: from SLURM/JobSet variables)",
-                                     rule=number(integer=True, inclusive=True, allow_none=True))
+                                     rule=number(integer=True, inclusive=True, allow_none=True), advanced=True)
     events: EventSettings = group(EventSettings)
     graceful_termination: bool = setting(True, "add a GracefulTermination (default probes) when the Trainer has "
                                                "none, so SIGTERM takes the SIGTERM path (stop step, snapshot, exit "
                                                "81) instead of Lightning's handling, which exits 0 without saving",
-                                         rule=boolean)
+                                         rule=boolean, advanced=True)
     replication_factor: int = setting(1, "copies of each snapshot wanted on other participants, on other domains "
                                          "when possible (hot spares receive encrypted copies through the store "
                                          "while fewer than factor + 1 participants/domains train; only with a job "
                                          "secret); 0 disables", rule=_COUNT)
     replica_max_bytes: int = setting(256 * 2**20, "snapshots larger than this are not replicated through the "
                                                   "store, and a hot spare refuses a replica that announces more",
-                                     rule=_COUNT)
+                                     rule=_COUNT, advanced=True)
     max_failures_without_progress: int = setting(2, "failed rounds in a row without a completed training step "
-                                                    "before giving up with NO_RESTART", rule=_COUNT)
+                                                    "before giving up with NO_RESTART", rule=_COUNT, advanced=True)
     max_recoveries: int | None = setting(None, "optional cap on recoveries in one process",
-                                         rule=number(integer=True, inclusive=True, allow_none=True))
+                                         rule=number(integer=True, inclusive=True, allow_none=True), advanced=True)
     hang: HangSettings = group(HangSettings)
     stragglers: StragglerSettings = group(StragglerSettings)
     rendezvous: RendezvousOptions = group(RendezvousOptions, exclude=("health_check",))

@@ -6,7 +6,8 @@ every active of the current round is silent -- survivors detect the loss of some
 themselves, but nobody would open the next round if all of them were gone. It uses a store
 connection of its own (``TCPStore.clone()``).
 
-Its window is at least :data:`ALL_SILENT_AFTER`, longer than the rendezvous's ``dead_after``: the
+Its window is ``all_silent_after`` (:mod:`lightning_ft.rendezvous.liveness`), at least 3 s, longer
+than the rendezvous's ``dead_after``: the
 actives do the same work at the same moment (setting up, a snapshot of the same step), and on a
 loaded machine work that holds the GIL kept all of their heartbeat threads from running for
 about a second at the start of training -- long enough for a spare to open a round against a
@@ -29,9 +30,6 @@ from lightning_ft.schema.run import RunKeys
 from lightning_ft.schema.signing import SealedStore, Signer
 
 log = logging.getLogger(__name__)
-
-#: the shortest silence of every active after which a spare opens the next round (see above)
-ALL_SILENT_AFTER = 3.0
 
 
 class SpareMonitor(BackgroundThread):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from lightning_ft.deadlines import BackgroundThread
-from lightning_ft.rendezvous.liveness import HeartbeatTracker
+from lightning_ft.rendezvous.liveness import HeartbeatTracker, LivenessThresholds
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.runtime.decisions import Detector, PeerState, find_stalled_ranks, hang_timeout
 from lightning_ft.schema.round import decode_member, decode_progress, encode_progress, member_key, progress_key
@@ -129,7 +129,7 @@ class RoundWatchdog(BackgroundThread):
 
     def __init__(self, *, round_values: SealedStore, records: RunRecords, round_id: int, rank: int,
                  world_size: int, clock: StepClock,
-                 hang_detection: bool, hang_floor: float, hang_factor: float, dead_after: float,
+                 hang_detection: bool, hang_floor: float, hang_factor: float, liveness: LivenessThresholds,
                  on_trigger: Callable[[Detector, str, tuple[int, ...]], None], break_group: Callable[[], int],
                  poll_interval: float = 0.2, progress_interval: float = 1.0, join_timeout: float = 2.0,
                  on_poll: Callable[[], None] | None = None) -> None:
@@ -143,7 +143,7 @@ class RoundWatchdog(BackgroundThread):
         self.hang_detection = hang_detection
         self.hang_floor = hang_floor
         self.hang_factor = hang_factor
-        self.dead_after = dead_after
+        self.dead_after = liveness.dead_after
         self.on_trigger = on_trigger
         self.break_group = break_group
         self.poll_interval = poll_interval
@@ -159,7 +159,7 @@ class RoundWatchdog(BackgroundThread):
         # hung host): a failure at once, not after the hang timeout -- which has no step times to
         # go by in the first steps of a round and falls back to its floor. Looked at only after
         # this long without progress, so that steady training reads no heartbeats.
-        self.silence_after = max(5 * dead_after, 2.0)
+        self.silence_after = liveness.frozen_peer_after
         self.triggered: tuple[Detector, str, tuple[int, ...]] | None = None
         self._training_thread = threading.get_ident()
         self._published: tuple[int, int, str | None] | None = None

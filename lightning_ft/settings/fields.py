@@ -2,6 +2,10 @@
 
 A setting is declared once, as a field made with :func:`setting`: its default, its
 documentation, the rule a value must satisfy, and the environment variable that may set it.
+Settings come in two tiers: *public* ones a user tunes (the main tables of the docs), and
+*advanced* ones (``advanced=True``; their own page). A bound or interval that is not a setting
+at all is an :func:`internal` field: a named constant with its reason, which code and tests may
+pass to the constructor but no keyword argument, variable or ``--rdzv-conf`` key reaches.
 :func:`load` builds a settings object from explicit values (a constructor's keyword
 arguments, torchrun's ``--rdzv-conf``) and the environment; :func:`describe` lists every
 setting of a class for documentation and tests. Nested groups (:func:`group`) share the
@@ -44,6 +48,8 @@ class SettingInfo:
     default: Any
     doc: str
     env: str | None
+    #: ``public`` (the main tables) or ``advanced`` (docs/advanced-settings.md)
+    tier: str = "public"
 
 
 def number(*, integer: bool = False, minimum: float = 0, inclusive: bool = False, allow_none: bool = False,
@@ -122,10 +128,11 @@ def parse_flag(raw: str) -> bool:
 
 
 def setting(default: Any, doc: str, *, rule: Rule = any_value, env: str | None = None,
-            parse: Callable[[str], Any] | None = None) -> Any:
+            parse: Callable[[str], Any] | None = None, advanced: bool = False) -> Any:
     """A settings field: ``default``, one ``doc`` string, the ``rule`` a value satisfies, and the
     environment variable ``env`` that sets it when no explicit value is given (parsed with ``parse``;
-    by default as the default's type: a flag, an integer, text, else a number).
+    by default as the default's type: a flag, an integer, text, else a number). ``advanced``: not
+    among the settings a user normally tunes (documented on the advanced page).
     """
     if parse is None:
         parse = (parse_flag if isinstance(default, bool) else parse_int if isinstance(default, int)
@@ -133,10 +140,22 @@ def setting(default: Any, doc: str, *, rule: Rule = any_value, env: str | None =
     factory = None
     if isinstance(default, (dict, list)):
         factory, frozen_default = (lambda d=default: type(d)(d)), default
-    metadata = {"doc": doc, "rule": rule, "env": env, "parse": parse}
+    metadata = {"doc": doc, "rule": rule, "env": env, "parse": parse, "tier": "advanced" if advanced else "public"}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={**metadata, "shown_default": frozen_default})
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def internal(default: Any, doc: str) -> Any:
+    """A field that is not a setting: a named constant (``doc`` says what it bounds and why this
+    value). Code and tests may construct the class with another value; :func:`load` never sets it."""
+    return dataclasses.field(default=default, metadata={"internal": True, "doc": doc})
+
+
+def internal_constants(kind: type) -> list[SettingInfo]:
+    """The :func:`internal` fields of ``kind``, for the docs."""
+    return [SettingInfo(item.name, item.default, item.metadata["doc"], None, "internal")
+            for item in dataclasses.fields(kind) if item.metadata.get("internal")]
 
 
 def group(kind: type, *, prefix: str = "", exclude: tuple[str, ...] = (), only: tuple[str, ...] = (),
@@ -152,7 +171,7 @@ def group(kind: type, *, prefix: str = "", exclude: tuple[str, ...] = (), only: 
 
 def _fields(kind: type) -> Iterator[tuple[str, dataclasses.Field]]:
     for item in dataclasses.fields(kind):
-        if item.init:
+        if item.init and not item.metadata.get("internal"):
             yield item.name, item
 
 
@@ -167,7 +186,7 @@ def describe(kind: type, prefix: str = "", exclude: tuple[str, ...] = ()) -> lis
             found += describe(meta["group"], prefix + meta["prefix"], meta["exclude"])
         elif "doc" in meta:
             default = meta.get("shown_default", item.default)
-            found.append(SettingInfo(prefix + name, default, meta["doc"], meta["env"]))
+            found.append(SettingInfo(prefix + name, default, meta["doc"], meta["env"], meta["tier"]))
     return found
 
 
@@ -287,11 +306,13 @@ def _parse(meta: Mapping[str, Any], raw: str, source: str, error: type[Exception
         raise error(f"{prefix}{source} {what}, got {raw!r}") from None
 
 
-def markdown_table(kind: type, prefix: str = "", exclude: tuple[str, ...] = ()) -> str:
-    """The settings of ``kind`` as a Markdown table (setting, default, environment variable, meaning),
-    for the docs pages (``python -m lightning_ft.settings`` prints them)."""
+def markdown_table(kind: type, prefix: str = "", exclude: tuple[str, ...] = (), tier: str | None = None) -> str:
+    """The settings of ``kind`` (of one ``tier``, or all) as a Markdown table (setting, default,
+    environment variable, meaning), for the docs pages (``python -m lightning_ft.settings`` prints them)."""
     rows = ["| setting | default | environment | meaning |", "|---|---|---|---|"]
     for info in describe(kind, prefix, exclude):
+        if tier is not None and info.tier != tier:
+            continue
         default = "`None`" if info.default is None else f"`{info.default!r}`"
         env = f"`{info.env}`" if info.env else ""
         rows.append(f"| `{info.name}` | {default} | {env} | {info.doc.replace('|', '/')} |")

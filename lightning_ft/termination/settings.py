@@ -22,14 +22,15 @@ class TerminationSettings:
               "environment", rule=number(allow_none=True), env="LIGHTNING_FT_GRACE_SECONDS")
     margin_steps: int = setting(1, "optimizer steps between the first boundary after the signal and the agreed "
                                    "stop (>= 1 keeps the agreement exact; 1 stops soonest)",
-                                rule=number(integer=True, minimum=1, inclusive=True))
+                                rule=number(integer=True, minimum=1, inclusive=True), advanced=True)
     save_safety_factor: float = setting(1.5, "the measured snapshot cost is multiplied by this before it is "
                                              "compared with the time left",
-                                        rule=number(minimum=1, inclusive=True))
+                                        rule=number(minimum=1, inclusive=True), advanced=True)
     exit_reserve_seconds: float = setting(1.0, "time kept back from the grace period for the exit itself",
-                                          rule=number(inclusive=True))
+                                          rule=number(inclusive=True), advanced=True)
     overrun_is_unhealthy: bool = setting(True, "a health probe that has not answered by the deadline counts as "
-                                               "unhealthy (else it is reported and ignored)", rule=boolean)
+                                               "unhealthy (else it is reported and ignored)", rule=boolean,
+                                         advanced=True)
     exit_record_dir: str | None = setting(
         None, "where to write rank-<R>.json with the decided exit code before exiting (for `lightning-ft "
               "exit-code`, since torchrun exits 1 whatever its workers did): a directory of this user that nobody "

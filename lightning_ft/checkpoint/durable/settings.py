@@ -40,18 +40,18 @@ class DurableSettings:
         env="LIGHTNING_FT_PERSIST_EVERY_SECONDS")
     persist_mtbf_seconds: float = setting(DEFAULT_MTBF_SECONDS, "the job's mean time between failures assumed "
                                                                 "for the default interval", rule=number(),
-                                          env="LIGHTNING_FT_MTBF_SECONDS")
+                                          env="LIGHTNING_FT_MTBF_SECONDS", advanced=True)
     persist_max_mib_per_second: float = setting(DEFAULT_MAX_MIB_PER_SECOND, "upload bandwidth bound per rank "
                                                                             "(<= 0: unbounded)", rule=_finite,
-                                                env="LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND")
+                                                env="LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND", advanced=True)
     persist_max_overhead: float = setting(
         DEFAULT_PERSIST_OVERHEAD, "share of step time that steps overlapping a durable copy may lose against the "
                                   "others: the upload bound is paced from the measured step times, starting at "
                                   "64 MiB/s and never above persist_max_mib_per_second; 0: that bound, fixed",
-        rule=number(inclusive=True, below=1), env="LIGHTNING_FT_PERSIST_MAX_OVERHEAD")
+        rule=number(inclusive=True, below=1), env="LIGHTNING_FT_PERSIST_MAX_OVERHEAD", advanced=True)
     persist_keep_last: int = setting(DEFAULT_PERSIST_KEEP_LAST, "complete durable steps kept",
                                      rule=number(integer=True, minimum=1, inclusive=True),
-                                     env="LIGHTNING_FT_PERSIST_KEEP_LAST")
+                                     env="LIGHTNING_FT_PERSIST_KEEP_LAST", advanced=True)
     storage_options: Mapping[str, Any] = setting({}, "fsspec options for persist_to (e.g. {\"endpoint_url\": "
                                                      "...}); credentials come from the usual places",
                                                  rule=mapping, env="LIGHTNING_FT_PERSIST_STORAGE_OPTIONS",
