@@ -8,7 +8,7 @@
 * :mod:`.timeouts` -- :class:`~.timeouts.Timeouts`: every bounded wait, one named field each.
 
 Each component declares its own settings class next to its code (``rendezvous/settings.py``,
-``strategy/settings.py``, ``checkpoint/settings.py``, ``termination/settings.py``,
+``runtime/settings.py``, ``checkpoint/settings.py``, ``termination/settings.py``,
 ``health/settings.py``); this package imports none of them.
 """
 
