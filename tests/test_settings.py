@@ -191,3 +191,18 @@ def test_the_strategy_has_about_twenty_public_settings():
 
     public = [info.name for info in describe(StrategySettings) if info.tier == "public"]
     assert len(public) + len(LAUNCH_ARGUMENTS) <= 20, public
+
+
+def test_straggler_eviction_can_be_turned_off_from_the_environment():
+    from lightning_ft.runtime.settings import resolve_settings
+
+    env = {"LIGHTNING_FT_ENDPOINT": "127.0.0.1:29400", "LIGHTNING_FT_RUN_ID": "r", "LIGHTNING_FT_NNODES": "1:2"}
+    assert resolve_settings(env).stragglers.straggler_factor == 2.0
+    for off in ("off", "None", " OFF "):
+        assert resolve_settings({**env, "LIGHTNING_FT_STRAGGLER_FACTOR": off}).stragglers.straggler_factor is None
+    assert resolve_settings({**env, "LIGHTNING_FT_STRAGGLER_FACTOR": "3"}).stragglers.straggler_factor == 3.0
+    # an argument wins over the variable
+    assert resolve_settings({**env, "LIGHTNING_FT_STRAGGLER_FACTOR": "off"},
+                            straggler_factor=2.5).stragglers.straggler_factor == 2.5
+    with pytest.raises(SettingsError, match="LIGHTNING_FT_STRAGGLER_FACTOR"):
+        resolve_settings({**env, "LIGHTNING_FT_STRAGGLER_FACTOR": "fast"})

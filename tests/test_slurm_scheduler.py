@@ -166,6 +166,7 @@ class Jobs:
             "FT_RUN_DIR": str(root / "run"),
             # one "node" per task on this host: own failure domain, snapshot directory, health marker
             "LIGHTNING_FT_DOMAIN_ID": "task%t",
+            "LIGHTNING_FT_STRAGGLER_FACTOR": "off",  # the tasks share two cores (see tests/proc_utils.py)
             "LIGHTNING_FT_SNAPSHOT_DIR": f"{root}/shm/task%t",
             "LIGHTNING_FT_HEALTH_MARKERS": f"{self.slurm.root}/markers/%j/unhealthy-task%t",
             "LIGHTNING_FT_GRACE_SECONDS": str(KILL_WAIT),

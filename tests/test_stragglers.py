@@ -65,7 +65,8 @@ def test_eviction_needs_a_spare_and_comes_at_most_once_per_window():
     assert decide(calm, 1, 100, None, WINDOW)[0] is StragglerAction.NONE
 
 
-ARGS = ["--step-sleep", "0.05", "--snapshot-every", "10", "--ft-option", "straggler_window=10"]
+ARGS = ["--step-sleep", "0.05", "--snapshot-every", "10", "--ft-option", "straggler_window=10",
+        "--ft-option", "straggler_factor=2.0"]  # on here; the test harness turns it off elsewhere
 
 
 def _start_actives_then_spare(cluster: Cluster, args: list[str], slow: str | None, spare: bool,

@@ -31,6 +31,7 @@ from lightning_ft.settings.fields import (
     number,
     optional_text,
     parse_flag,
+    parse_number_or_off,
     parse_text,
     setting_values,
 )
@@ -104,7 +105,8 @@ class StragglerSettings:
                                                   "window is a straggler: evicted when a hot spare can take its "
                                                   "place (exit 84), else warned about; never below 1.3; None: "
                                                   "off (ddp_ft only)",
-                                             rule=number(minimum=1, inclusive=True, allow_none=True))
+                                             rule=number(minimum=1, inclusive=True, allow_none=True),
+                                             env="LIGHTNING_FT_STRAGGLER_FACTOR", parse=parse_number_or_off)
     straggler_window: int = setting(25, "steps a straggler must stay slow in (and between two evictions)",
                                     rule=number(integer=True, minimum=2, inclusive=True), advanced=True)
     straggler_marker: str | None = setting(None, "a file an evicted straggler writes (its reason as content): "

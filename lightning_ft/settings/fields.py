@@ -112,6 +112,12 @@ def parse_int(raw: str) -> int | float:
     return int(value) if value.is_integer() else value
 
 
+@_reads("a number, or off")
+def parse_number_or_off(raw: str) -> float | None:
+    """A number; ``off`` or ``none`` (any case) turn the feature off (None)."""
+    return None if raw.strip().lower() in ("off", "none") else float(raw)
+
+
 @_reads("JSON")
 def parse_json(raw: str) -> Any:
     return json.loads(raw)

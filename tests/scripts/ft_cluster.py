@@ -46,6 +46,8 @@ def base_env(**overrides: str) -> dict[str, str]:
     # one intra-op thread per process, as torchrun sets for its workers: several training
     # processes share this machine's cores
     env["OMP_NUM_THREADS"] = "1"
+    # processes that share a machine are no stragglers of each other (see tests/proc_utils.py)
+    env["LIGHTNING_FT_STRAGGLER_FACTOR"] = "off"
     env.update(overrides)
     return env
 
