@@ -153,13 +153,14 @@ def test_a_frozen_store_and_a_frozen_peer_end_in_a_clear_decision_in_bounded_tim
     """The store host and then a peer freeze (SIGSTOP): nobody can be blamed through the store,
     but the survivor does not wait for the process-group timeout (300 s here): its watchdog
     breaks the group once overdue (hang floor 5 s + a 5 s store bound), and the recovery gives
-    up when the store does not answer within its 30 s bound (later calls fail at once) --
-    NO_RESTART, said clearly, about 40 s after the freeze."""
+    up when the store does not answer within its bound (store_timeout, 8 s here; later calls
+    fail at once) -- NO_RESTART, said clearly, about 20 s after the freeze."""
     cluster = Cluster(processes, tmp_path, "2:2")
     cluster.out.mkdir(parents=True)
     store = cluster.start_store()
     for name in "AB":
-        cluster.start_participant(name, ["--max-steps", "5000", *SLOW, "--hang-floor", "5", "--pg-timeout", "300"])
+        cluster.start_participant(name, ["--max-steps", "5000", *SLOW, "--hang-floor", "5", "--pg-timeout", "300",
+                                         "--ft-option", "store_timeout=8"])
     cluster.wait_for_step(20, 60)
     victim, survivor = cluster.active_names()
     os.kill(store.pid, signal.SIGSTOP)
