@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -168,6 +169,33 @@ class Abandon:
             self._waiters.discard(waiter)
 
 
+def _serve(calls_queue: queue.SimpleQueue, gate: _ExitGate | None, calls: int | None) -> None:
+    """A :class:`BoundedWorker`'s thread: run the calls in order (``calls``: how many before it ends;
+    None, until the worker is gone)."""
+    while calls is None or calls > 0:
+        item = calls_queue.get()
+        if item is None:
+            return
+        future, fn, deadline, caller = item
+        if calls is not None:
+            calls -= 1
+        if not future.set_running_or_notify_cancel():
+            continue
+        admitted = None
+        if gate is not None:
+            admitted = gate.enter(deadline, caller)
+            if admitted is None:
+                future.set_exception(InterpreterExitingError("the interpreter is exiting: no store call starts"))
+                continue
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
+        finally:
+            if gate is not None and admitted is not None:
+                gate.leave(admitted)
+
+
 class BoundedWorker:
     """Runs calls one after another on a daemon thread; each caller waits at most its bound.
 
@@ -175,33 +203,15 @@ class BoundedWorker:
     """
 
     def __init__(self, name: str, calls: int | None = None, exit_gate: _ExitGate | None = None) -> None:
-        #: (future, fn, when its caller stops waiting, the caller's thread name)
-        self._calls: queue.SimpleQueue[tuple[Future, Callable[[], Any], float, str]] = queue.SimpleQueue()
+        #: (future, fn, when its caller stops waiting, the caller's thread name); None ends the thread
+        self._calls: queue.SimpleQueue[tuple[Future, Callable[[], Any], float, str] | None] = queue.SimpleQueue()
         self._stuck: Future | None = None
-        self._gate = exit_gate
-        self._thread = threading.Thread(target=self._serve, args=(calls,), name=name, daemon=True)
+        # the thread holds the queue and the gate, not this object: once nobody holds the worker
+        # (its store connection was dropped), the finalizer ends the thread instead of leaving it
+        # idle for the life of the process
+        self._thread = threading.Thread(target=_serve, args=(self._calls, exit_gate, calls), name=name, daemon=True)
         self._thread.start()
-
-    def _serve(self, calls: int | None) -> None:
-        while calls is None or calls > 0:  # ``calls``: how many to run before the thread ends
-            future, fn, deadline, caller = self._calls.get()
-            if calls is not None:
-                calls -= 1
-            if not future.set_running_or_notify_cancel():
-                continue
-            gate, admitted = self._gate, None
-            if gate is not None:
-                admitted = gate.enter(deadline, caller)
-                if admitted is None:
-                    future.set_exception(InterpreterExitingError("the interpreter is exiting: no store call starts"))
-                    continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
-            finally:
-                if gate is not None and admitted is not None:
-                    gate.leave(admitted)
+        weakref.finalize(self, self._calls.put, None)
 
     def call(self, fn: Callable[[], Any], bound: float, what: str,
              error: type[DeadlineExceeded] = DeadlineExceeded, abandon: Abandon | None = None,

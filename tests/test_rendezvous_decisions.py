@@ -216,3 +216,17 @@ def test_the_store_load_of_waiters_and_heartbeats_stays_bounded_as_the_job_grows
     # spares poll; they are few, so their interval follows their number, not the job's
     assert small.standby_poll_interval == pytest.approx(0.05)
     assert settings(min_nodes=9_000, max_nodes=10_000).standby_poll_interval == pytest.approx(0.6)
+
+
+def test_a_participant_judged_dead_is_back_once_its_heartbeat_rose_past_where_it_stood_still():
+    from lightning_ft.rendezvous.liveness import came_back
+    from lightning_ft.schema.run import LostRecord, decode_lost, encode_lost
+
+    judged = decode_lost(encode_lost("b", "heartbeat silent for 0.40s", silent_at=7).encode())
+    assert judged == LostRecord("b", "heartbeat silent for 0.40s", 7)
+    assert not came_back(judged, 7) and not came_back(judged, None) and came_back(judged, 8)
+    # one that left for good itself never comes back, whatever its heartbeat does
+    withdrew = decode_lost(encode_lost("c", "withdrew: SIGTERM").encode())
+    assert withdrew == LostRecord("c", "withdrew: SIGTERM", None) and not came_back(withdrew, 10 ** 6)
+    # a separator in the reason cannot forge the number
+    assert decode_lost(encode_lost("d", "x\x1f99").encode()).silent_at is None

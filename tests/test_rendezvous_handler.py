@@ -33,6 +33,23 @@ def test_entry_point_is_registered_for_torchrun():
     assert names.get("lightning_ft") == "lightning_ft.launch.torchrun:torchrun_handler_creator"
 
 
+@pytest.mark.multiprocess
+def test_our_backend_registers_whichever_of_our_modules_is_imported_first():
+    """torch's rendezvous package imports our torchrun handler while it initializes; a module of
+    ours imported first that triggers that load must not leave the handler's imports half done
+    (torch then logs an ImportError and drops the backend). Each in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    check = ("import {m}; from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as r; "
+             "raise SystemExit(0 if r._registry.get('lightning_ft') is not None else 3)")
+    for module in ("lightning_ft.store.tcp", "lightning_ft.failover.switchboard", "lightning_ft.rendezvous.barrier",
+                   "lightning_ft.runtime.fit_loop", "lightning_ft.launch.factory"):
+        done = subprocess.run([sys.executable, "-c", check.format(m=module)], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0 and "ImportError" not in done.stderr, (module, done.stderr[-2000:])
+
+
 def test_registry_builds_our_handler_and_a_round_completes(port):
     handler = get_rendezvous_handler(params(port, store_grace_timeout="0.5"))
     try:

@@ -8,3 +8,8 @@
 * :mod:`.candidates` -- who may host the store next, as the participant learns it each round;
 * :mod:`.backend` -- the :class:`~lightning_ft.store.backend.RendezvousBackend` that ties them together.
 """
+
+# torch's rendezvous package loads out-of-tree backends (lightning_ft.launch.torchrun, which imports
+# this package) while it initializes, and modules here import it: import it first, so that load
+# finds this package's modules complete (see lightning_ft.rendezvous)
+import torch.distributed.elastic.rendezvous  # noqa: F401  isort: skip

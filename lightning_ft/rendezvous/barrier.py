@@ -432,9 +432,10 @@ class BarrierRendezvous:
         log.info("%s leaves the rendezvous: %s", self.participant_id, message)
         raise error(message)
 
-    def mark_lost(self, participant_id: str, why: str) -> bool:
-        """Record ``participant_id`` as lost for good; False when it already was."""
-        if not self.records.mark_lost(participant_id, why):
+    def mark_lost(self, participant_id: str, why: str, silent_at: int | None = None) -> bool:
+        """Record ``participant_id`` as lost for good (``silent_at``: see ``LostRecord``); False when
+        it already was."""
+        if not self.records.mark_lost(participant_id, why, silent_at):
             return False
         log.warning("participant %s lost for good: %s", participant_id, why)
         return True

@@ -59,7 +59,7 @@ class RendezvousMember(Protocol):
     @property
     def participant_id(self) -> str: ...
 
-    def mark_lost(self, participant_id: str, why: str) -> bool: ...
+    def mark_lost(self, participant_id: str, why: str, silent_at: int | None = None) -> bool: ...
 
     def close_for_good(self, reason: CloseReason) -> CloseReason: ...
 
@@ -190,7 +190,14 @@ class Coordinator:
         """The round as the store says now (arrivals in log order, lost participants)."""
         arrivals = self._read_arrivals(self.clock())
         return RoundView(self.round_id, arrivals, self.previous_actives, frozenset(self._dead),
-                         len(self.records.lost()))
+                         self._lost_count(len(arrivals)))
+
+    def _lost_count(self, arrived: int) -> int:
+        """Participants lost for good that cannot come back: one judged dead while it was only
+        frozen beats again once thawed, waits as a spare and counts as able to take part. Its
+        heartbeat is read only while the count matters (fewer than min_nodes arrived)."""
+        lost = self.records.lost_records()
+        return self.records.not_back(lost) if arrived < self.settings.min_nodes else len(lost)
 
     def _update_dead(self, view: RoundView) -> bool:
         """Mark silent previous actives dead; True when someone newly died."""
@@ -212,7 +219,8 @@ class Coordinator:
             self._dead.add(pid)
             why = ("coordinator of this round that went silent" if pid in self._suspects
                    else f"previous active, missing from round {self.round_id}")
-            self.rdzv.mark_lost(pid, f"heartbeat silent for {self.settings.dead_after:.2f}s ({why})")
+            self.rdzv.mark_lost(pid, f"heartbeat silent for {self.settings.dead_after:.2f}s ({why})",
+                                silent_at=self._heartbeats.last_beat(pid))
         return bool(dead)
 
     def step(self) -> None:
@@ -221,7 +229,7 @@ class Coordinator:
         view = self.read_view()
         if self._update_dead(view):  # deaths just recorded as lost change what the view says
             view = dataclasses.replace(view, dead_previous_actives=frozenset(self._dead),
-                                       lost_count=len(self.records.lost()))
+                                       lost_count=self._lost_count(len(view.arrivals)))
         if self._suspects:
             if self._suspects - self._dead:
                 return  # not judged yet: deciding now could give a dead coordinator a place

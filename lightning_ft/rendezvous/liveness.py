@@ -36,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
+from lightning_ft.schema.run import LostRecord
+
 #: all heartbeats of a job together stay near this many store requests per second
 HEARTBEATS_PER_SECOND = 2500.0
 #: the shortest lease silence after which a coordinator is replaced (see the module docstring)
@@ -78,6 +80,13 @@ class LivenessThresholds:
         return max(self.dead_after, ALL_SILENT_FLOOR)
 
 
+def came_back(record: LostRecord, beat_now: int | None) -> bool:
+    """Whether a participant recorded lost for good is back: one judged dead by its silent
+    heartbeat whose heartbeat rose past the number it stood still at (it was frozen, not dead;
+    thawed, it waits as a spare and can take part). One that left for good itself never is."""
+    return record.silent_at is not None and beat_now is not None and beat_now > record.silent_at
+
+
 class HeartbeatTracker:
     """The highest heartbeat seen per participant, and since when it stood still."""
 
@@ -96,6 +105,11 @@ class HeartbeatTracker:
             self._seen[who] = (beat, now)
             return 0.0
         return now - previous[1]
+
+    def last_beat(self, who: Hashable) -> int | None:
+        """The highest heartbeat number seen of ``who`` (None: none yet)."""
+        seen = self._seen.get(who)
+        return seen[0] if seen is not None else None
 
     def silent(self, beats: Mapping[Hashable, int | None], now: float, after: float) -> set[Hashable]:
         """Observe every beat of ``beats``; returns those that stood still for ``after`` seconds or more."""

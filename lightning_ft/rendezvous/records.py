@@ -18,11 +18,13 @@ from collections.abc import Iterable
 
 from lightning_ft.deadlines import StoreClient
 from lightning_ft.rendezvous.decisions import Arrival, arrivals_of_round, choose_incarnation
+from lightning_ft.rendezvous.liveness import came_back
 from lightning_ft.schema.run import (
     SEP,
     ArrivalWriter,
     Beat,
     CloseReason,
+    LostRecord,
     RunKeys,
     decode_arrival,
     decode_beat,
@@ -104,20 +106,32 @@ class RunRecords:
 
     def lost(self) -> dict[str, str]:
         """Participants lost for good (dead, unhealthy, withdrawn) -> the first reason recorded."""
-        lost: dict[str, str] = {}
+        return {pid: record.why for pid, record in self.lost_records().items()}
+
+    def lost_records(self) -> dict[str, LostRecord]:
+        """Participants lost for good -> the first record of them (see ``LostRecord``)."""
+        lost: dict[str, LostRecord] = {}
         for raw in self.values.records(self.keys.lost, self._line_cache):
             record = decode_lost(raw)
             if record is not None:
-                lost.setdefault(record.participant_id, record.why)
+                lost.setdefault(record.participant_id, record)
         return lost
 
-    def mark_lost(self, participant_id: str, why: str) -> bool:
-        """Record ``participant_id`` as lost for good; False when it already was. Racing writers
-        may both append: readers count a participant once."""
+    def mark_lost(self, participant_id: str, why: str, silent_at: int | None = None) -> bool:
+        """Record ``participant_id`` as lost for good (``silent_at``: the heartbeat number it stood
+        still at, when its silence judged it); False when it already was. Racing writers may both
+        append: readers count a participant once."""
         if participant_id in self.lost():
             return False
-        self.values.append(self.keys.lost, encode_lost(participant_id, why))
+        self.values.append(self.keys.lost, encode_lost(participant_id, why, silent_at))
         return True
+
+    def not_back(self, lost: dict[str, LostRecord]) -> int:
+        """How many of ``lost`` are still lost: all but those judged by a silent heartbeat whose
+        heartbeat has risen since (they were frozen, not dead, and wait as spares now)."""
+        judged = [pid for pid, record in lost.items() if record.silent_at is not None]
+        beats = self.heartbeats(judged) if judged else {}
+        return sum(1 for pid, record in lost.items() if not came_back(record, beats.get(pid)))
 
     # ----------------------------------------------------------------- heartbeats and the lease
 

@@ -8,3 +8,8 @@ the round's watchdog (:mod:`.watchdog`) and transport (:mod:`.transport`), a hot
 sharded state is a layout (:mod:`.layout`). The Lightning strategies in :mod:`lightning_ft.strategy`
 hold a runtime and forward Lightning's hooks to it.
 """
+
+# torch's rendezvous package loads out-of-tree backends (lightning_ft.launch.torchrun, which imports
+# this package) while it initializes, and modules here import it: import it first, so that load
+# finds this package's modules complete (see lightning_ft.rendezvous)
+import torch.distributed.elastic.rendezvous  # noqa: F401  isort: skip

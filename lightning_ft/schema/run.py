@@ -178,19 +178,28 @@ def decode_arrival(raw: bytes) -> ArrivalRecord | None:
 
 
 class LostRecord(NamedTuple):
-    """One record of the run's ``lost`` log: a participant lost for good, and why."""
+    """One record of the run's ``lost`` log: a participant lost for good, and why.
+
+    ``silent_at``: for one judged dead by its silent heartbeat, the heartbeat number it stood
+    still at (a higher one later shows it was only frozen and is back); None for one that left
+    for good itself (withdrew, unhealthy)."""
 
     participant_id: str
     why: str
+    silent_at: int | None = None
 
 
-def encode_lost(participant_id: str, why: str) -> str:
-    return SEP.join((participant_id, why))
+def encode_lost(participant_id: str, why: str, silent_at: int | None = None) -> str:
+    parts = [participant_id, why.replace(SEP, " ")]
+    return SEP.join(parts if silent_at is None else [*parts, str(silent_at)])
 
 
 def decode_lost(raw: bytes) -> LostRecord | None:
-    participant_id, sep, why = raw.decode(errors="replace").partition(SEP)
-    return LostRecord(participant_id, why) if sep and participant_id else None
+    participant_id, sep, rest = raw.decode(errors="replace").partition(SEP)
+    if not (sep and participant_id):
+        return None
+    why, sep, beat = rest.partition(SEP)
+    return LostRecord(participant_id, why, int(beat) if sep and beat.isascii() and beat.isdigit() else None)
 
 
 class Beat(NamedTuple):

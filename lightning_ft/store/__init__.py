@@ -7,3 +7,8 @@
 
 ``lightning-ft store`` (a store in a process of its own) is :mod:`lightning_ft.launch.store_server`.
 """
+
+# torch's rendezvous package loads out-of-tree backends (lightning_ft.launch.torchrun, which imports
+# this package) while it initializes, and modules here import it: import it first, so that load
+# finds this package's modules complete (see lightning_ft.rendezvous)
+import torch.distributed.elastic.rendezvous  # noqa: F401  isort: skip
