@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from lightning_ft.report.text import format_report
 from lightning_ft.report.timeline import summarize
 
 import common  # this directory is on sys.path when the demo runs as a script
-from procs import Proc, ProcessSet, write_secret
+from procs import Proc, ProcessSet, free_port, write_secret
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -73,12 +72,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------- processes
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def base_env() -> dict[str, str]:
     """Our environment minus anything that would make a child think it is part of another job."""

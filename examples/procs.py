@@ -4,8 +4,10 @@ log file, and every one of them killed by pid at the end -- also on Ctrl-C or a 
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -87,3 +89,25 @@ class ProcessSet:
                 proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+
+
+#: ports below the kernel's ephemeral range (net.ipv4.ip_local_port_range starts at 32768 on common
+#: Linux setups): a store's port, freed when its process dies, is then never handed to another
+#: process's outgoing connection or listener (gloo's), which would accept the participants'
+#: connects and never answer -- a fail-over or a truthful exit would wait out a connect timeout
+STORE_PORTS = range(20000, 32768)
+
+
+def free_port() -> int:
+    """A port of :data:`STORE_PORTS` that nothing listens on now (chosen at random among them, with
+    the operating system's randomness: a test may have seeded Python's)."""
+    chooser = random.SystemRandom()
+    for _ in range(200):
+        port = chooser.choice(STORE_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {STORE_PORTS.start}..{STORE_PORTS.stop - 1}")

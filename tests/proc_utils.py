@@ -6,7 +6,6 @@ import atexit
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,17 +16,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "examples"))
 import procs  # noqa: E402  (the demo's process helper; the demo must not import from tests)
 from prefork import Launcher  # noqa: E402
-from procs import Proc, write_secret  # noqa: E402,F401
+from procs import Proc, free_port, write_secret  # noqa: E402,F401
 
 #: this test process's fork servers (see prefork.py); stopped when it exits
 _LAUNCHER = Launcher(Path(tempfile.mkdtemp(prefix="lightning-ft-prefork-")))
 atexit.register(lambda: (_LAUNCHER.stop(), shutil.rmtree(_LAUNCHER.root, ignore_errors=True)))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 #: Straggler eviction judges each rank's own work against its peers'; the participants of a test

@@ -33,6 +33,7 @@ round's process group is built on the new store.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import socket
 import threading
@@ -75,6 +76,9 @@ _POLL = 0.02
 _PROBE_EVERY = 0.2
 
 
+#: how long one attempt of torch's client at connecting to a store that served already may take
+#: (see StoreSwitchboard._connect): a lost store's connect ends within about this long
+_CONNECT_ATTEMPT = 3.0
 #: store connections this process makes at once (see StoreSwitchboard._client)
 _CONNECTING = threading.BoundedSemaphore(4)
 
@@ -212,16 +216,24 @@ class StoreSwitchboard:
                  abandon: Abandon | None = None) -> BoundedStore:
         # torch's client retries a refused connection until its timeout (it waits for a store
         # that is still starting); every endpoint here served already, so a refusal means its
-        # host is gone: say so now, not after ``timeout``
-        if _refuses(endpoint, self.timeouts.probe_timeout):
-            raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: connection refused")
-        connecting = call_with_timeout(
-            lambda: dist.TCPStore(endpoint.host, endpoint.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout)),
-            timeout + 1.0, f"connecting to the rendezvous store at {endpoint}", store_call=True, abandon=abandon,
-            exit_bound=connect_exit_bound(timeout))
-        if not connecting.ok:
-            raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: {connecting.problem}")
+        # host is gone: say so now, not after ``timeout``. A store that dies while a client
+        # connects would leave torch retrying for the whole timeout (and a call under way holds
+        # the process's exit as long): so it connects in short attempts, each after that check.
+        deadline = time.monotonic() + timeout
+        while True:
+            if _refuses(endpoint, self.timeouts.probe_timeout):
+                raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: connection refused")
+            attempt = max(0.5, min(_CONNECT_ATTEMPT, deadline - time.monotonic()))
+            connecting = call_with_timeout(
+                functools.partial(dist.TCPStore, endpoint.host, endpoint.port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=attempt)),
+                attempt + 1.0, f"connecting to the rendezvous store at {endpoint}", store_call=True,
+                abandon=abandon, exit_bound=connect_exit_bound(attempt))
+            if connecting.ok:
+                break
+            if time.monotonic() >= deadline or (abandon is not None and abandon.is_set()):
+                raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint} within {timeout:g}s: "
+                                            f"{connecting.problem}")
         store = connecting.value
         store.set_timeout(datetime.timedelta(seconds=bound if inline else self.timeouts.store_timeout))
         return BoundedStore(store, bound, inline=inline)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,10 +26,8 @@ STARTUP_ALLOWANCE = 60.0
 CREATED: list[Cluster] = []
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+sys.path.insert(0, str(REPO_ROOT / "examples"))
+from procs import free_port  # noqa: E402  (ports outside the kernel's ephemeral range: see there)
 
 
 def base_env(**overrides: str) -> dict[str, str]:
