@@ -11,7 +11,8 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 from loopback_dns import ensure_fast_loopback_reverse_lookup
 
 import characterization
-from proc_utils import ProcessSet, free_port
+from prefork import DISABLE_ENV as DISABLE_PREFORK
+from proc_utils import ProcessSet, child_env, free_port, launcher
 
 #: modules whose tests take longest (``--durations``): they start first
 LONGEST_MODULES = ("test_recovery_fidelity.py", "test_examples_demo.py", "test_termination_processes.py")
@@ -21,6 +22,13 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # once, in the controller, before any worker starts
         config._loopback_dns = ensure_fast_loopback_reverse_lookup()
         _compile_the_package()
+    elif not os.environ.get(DISABLE_PREFORK):
+        # each worker's fork servers for the environments most of its processes use start importing
+        # now, beside the first tests, instead of when the first process is needed (prefork.py)
+        from ft_cluster import base_env
+
+        for env in (child_env(), base_env()):
+            launcher().server_for(env)
 
 
 def _compile_the_package() -> None:

@@ -45,6 +45,8 @@ RUNTIME_ONLY = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", 
 PRELOADED = ("numpy", "torch", "torch.distributed", "lightning.pytorch", "torchmetrics")
 #: servers per worker (one per start-up environment); more environments start fresh interpreters
 MAX_SERVERS = 4
+#: how long a request waits for its server to finish importing (a loaded machine: ~10 s)
+READY_WAIT = 60.0
 DISABLE_ENV = "LIGHTNING_FT_TESTS_NO_PREFORK"
 
 
@@ -104,6 +106,15 @@ class _Server:
     def ready(self) -> bool:
         return self.popen.poll() is None and self.socket_path.exists()
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the server serves within ``timeout`` seconds (False at once if it died)."""
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     def start(self, argv: list[str], env: dict[str, str], cwd: str, log_path: Path) -> ForkedPopen:
         request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "log": str(log_path)}).encode() + b"\n"
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -131,8 +142,13 @@ class _Server:
 class Launcher:
     """Per test process: one fork server per start-up environment, started on first need.
 
-    While a server is still importing, ``start`` returns None and the caller starts that process
-    the ordinary way (nothing waits for a server)."""
+    A request that finds its server still importing waits for it (up to :data:`READY_WAIT`)
+    instead of starting a fresh interpreter: a fresh one imports as long as the server does, so
+    waiting costs no time, and the suite's tests start several processes at once -- each fresh
+    one would be another ~4 CPU-s of imports on a machine that is short of CPU (measured: a third
+    of the suite's fresh interpreters were started while their server imported). A server that
+    does not come up in time, or more start-up environments than :data:`MAX_SERVERS`, start
+    processes the ordinary way."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -147,21 +163,24 @@ class Launcher:
     def start(self, argv: list[str], env: dict[str, str], cwd: str, log_path: Path) -> ForkedPopen | None:
         if not self.eligible(argv) or os.environ.get(DISABLE_ENV):
             return None
+        server = self.server_for(env)
+        if server is None or not server.wait_ready(READY_WAIT):
+            return None
+        try:
+            return server.start(argv, env, cwd, log_path)
+        except (OSError, ValueError) as exc:  # the server went away: start this one the ordinary way
+            print(f"prefork: {server.socket_path}: {exc}; starting {argv[1:3]} as a fresh interpreter",
+                  file=sys.stderr)
+            return None
+
+    def server_for(self, env: dict[str, str]) -> _Server | None:
+        """The server of ``env``'s start-up environment, started now if it is new (None: too many)."""
         key = startup_key(env)
         with self.lock:
             server = self.servers.get(key)
-            if server is None:
-                if len(self.servers) < MAX_SERVERS:
-                    self.servers[key] = _Server(self.root / f"server-{len(self.servers)}", env)
-                return None
-            if not server.ready():
-                return None
-            try:
-                return server.start(argv, env, cwd, log_path)
-            except (OSError, ValueError) as exc:  # the server went away: start this one the ordinary way
-                print(f"prefork: {server.socket_path}: {exc}; starting {argv[1:3]} as a fresh interpreter",
-                      file=sys.stderr)
-                return None
+            if server is None and len(self.servers) < MAX_SERVERS:
+                server = self.servers[key] = _Server(self.root / f"server-{len(self.servers)}", env)
+            return server
 
     def stop(self) -> None:
         with self.lock:

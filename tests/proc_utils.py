@@ -23,6 +23,11 @@ _LAUNCHER = Launcher(Path(tempfile.mkdtemp(prefix="lightning-ft-prefork-")))
 atexit.register(lambda: (_LAUNCHER.stop(), shutil.rmtree(_LAUNCHER.root, ignore_errors=True)))
 
 
+def launcher() -> Launcher:
+    """This test process's fork servers (prefork.py)."""
+    return _LAUNCHER
+
+
 #: Straggler eviction judges each rank's own work against its peers'; the participants of a test
 #: share this machine's two cores with everything else the suite runs, so one of them can be
 #: persistently slower for reasons that are not its node's (seen: 2.9x for 25 steps at a load
