@@ -44,6 +44,9 @@ def child_env(**overrides: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["TORCH_CPP_LOG_LEVEL"] = env.get("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # one intra-op thread per process, as torchrun sets for its workers: a test's processes share
+    # two cores (and one start-up environment for most of them: one fork server, prefork.py)
+    env["OMP_NUM_THREADS"] = "1"
     env.update(STRAGGLERS_OFF)
     env.update(overrides)
     return env

@@ -51,7 +51,7 @@ def _torchrun(processes, name: str, root: Path, max_steps: int, mode: str):
     result_dir.mkdir()
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             HELPERS, "ddp", str(root), "ddp-run", str(max_steps), mode, str(result_dir)]
-    env = child_env(OMP_NUM_THREADS="1")  # the explicit run id names the run (one that contradicted
+    env = child_env()  # the explicit run id names the run (one that contradicted
     # LIGHTNING_FT_RUN_ID would be refused: tests/test_settings.py)
     proc = processes.start(name, argv, env=env)
     try:
@@ -104,7 +104,7 @@ RUN_ID_VARS = ("LIGHTNING_FT_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 def _job(processes, name: str, tmp_path: Path, root: Path, args: list[str], expect_code: int = 0,
          wait: bool = True):
     """Run snapshot_job.py as a process of its own (no run id in its environment unless given)."""
-    env = child_env(OMP_NUM_THREADS="1")
+    env = child_env()
     for var in RUN_ID_VARS:
         env.pop(var, None)
     out = tmp_path / f"out-{name}"

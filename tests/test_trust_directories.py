@@ -195,7 +195,7 @@ def test_with_untrusted_records_only_a_launcher_that_succeeded_ends_0():
 def _job(processes, name: str, tmp_path: Path, durable: Path, args: list[str], expect_code: int = 0,
          **env: str) -> tuple[dict | None, str]:
     """snapshot_job.py with ``--persist-to durable`` and a fresh snapshot root (a new node): (result, log)."""
-    run_env = child_env(OMP_NUM_THREADS="1")
+    run_env = child_env()
     for var in RUN_ID_VARS:
         run_env.pop(var, None)
     run_env.update(env)
