@@ -59,6 +59,8 @@ class Cluster:
     procs: dict[str, Any] = field(default_factory=dict)
     #: name -> store process started by :meth:`start_store` (not a participant)
     stores: dict[str, Any] = field(default_factory=dict)
+    #: pid -> the reader of that process's steps file
+    _tails: dict[int, _JsonlTail] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         CREATED.append(self)
@@ -105,8 +107,10 @@ class Cluster:
     # ---------------------------------------------------------------- reading results
 
     def steps(self) -> dict[str, list[dict]]:
-        """name -> completed-step records of that process."""
-        return {name: _read_jsonl(self.out / f"steps-{proc.pid}.jsonl") for name, proc in self.procs.items()}
+        """name -> completed-step records of that process (each file read from where the last call
+        stopped: waits poll this every few ms while the files grow by a line a step)."""
+        return {name: self._tails.setdefault(proc.pid, _JsonlTail(self.out / f"steps-{proc.pid}.jsonl")).records()
+                for name, proc in self.procs.items()}
 
     def starts(self, name: str) -> list[dict]:
         return _read_jsonl(self.out / f"start-{self.procs[name].pid}.jsonl")
@@ -201,6 +205,31 @@ def _read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+class _JsonlTail:
+    """The records of a JSON-lines file that only grows, read incrementally (whole lines only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self._records: list[dict] = []
+
+    def records(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        cut = chunk.rfind(b"\n") + 1
+        self.offset += cut
+        for line in chunk[:cut].splitlines():
+            try:
+                self._records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return list(self._records)
 
 
 def ordered_start(cluster: Cluster, actives: str) -> list[str]:
