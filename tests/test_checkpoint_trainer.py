@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import os
 
@@ -482,3 +484,61 @@ def test_a_parameter_changed_outside_the_optimizer_abandons_that_snapshot_and_la
     store = SnapshotStore(root=root, run_id="bg", rank=0)
     assert [i.step for i in store.list()] == [8]
     assert tensors_equal(store.load(store.find(8))["state_dict"], record.states[8][0])
+
+
+class _Mode(enum.Enum):
+    FAST = "fast"
+
+
+@dataclasses.dataclass
+class _OptimConfig:
+    lr: float = 0.01
+    betas: tuple = (0.9, 0.99)
+    mode: _Mode = _Mode.FAST
+
+
+def _configured_module(config):
+    """A module whose saved hyperparameters hold what Hydra and typed-config users pass."""
+    module = make_module(0)
+    module.save_hyperparameters(config)
+    return module
+
+
+def test_hydra_dataclass_enum_and_path_hyperparameters_snapshot_and_resume(root, tmp_path):
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({"model": {"hidden": 16, "layers": [8, 16]}, "data": {"root": "${oc.env:HOME,/x}"},
+                               "optim": OmegaConf.structured(_OptimConfig)})
+    config.out = str(tmp_path)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=7, callbacks=[EmergencyCheckpoint(every_n_steps=5, root=root,
+                                                                                       run_id="hydra")]))
+    trainer.fit(_configured_module(config))
+    snapshot = SnapshotStore(root=root, run_id="hydra", rank=0).load()
+    saved = snapshot["hyper_parameters"]
+    # the snapshot holds the config as plain data, interpolations as written
+    assert saved["model"] == {"hidden": 16, "layers": [8, 16]} and saved["data"] == {"root": "${oc.env:HOME,/x}"}
+    assert saved["optim"] == {"lr": 0.01, "betas": (0.9, 0.99), "mode": "fast"} and saved["out"] == str(tmp_path)
+    assert snapshot["hparams_type"] == "omegaconf.dictconfig.DictConfig"
+    probe = resume_probe()
+    again = pl.Trainer(**trainer_kwargs(max_steps=9, callbacks=[EmergencyCheckpoint(root=root, run_id="hydra"),
+                                                                  probe]))
+    again.fit(_configured_module(config))
+    assert probe.start_step == 5 and again.global_step == 9
+
+
+def test_plain_data_converts_what_configs_hold_and_keeps_the_rest():
+    import argparse
+    from pathlib import PurePosixPath
+
+    from lightning_ft.checkpoint.hparams import plain_data, with_plain_hyperparameters
+
+    value = {"cfg": _OptimConfig(), "ns": argparse.Namespace(a=1, p=PurePosixPath("/d")), "tags": {"x"},
+             "pair": (1, _Mode.FAST), "none": None, "tensor": torch.ones(2)}
+    plain = plain_data(value)
+    assert plain["cfg"] == {"lr": 0.01, "betas": (0.9, 0.99), "mode": "fast"}
+    assert plain["ns"] == {"a": 1, "p": "/d"} and plain["tags"] == {"x"} and plain["pair"] == (1, "fast")
+    assert plain["none"] is None and plain["tensor"] is value["tensor"]
+    checkpoint = {"state_dict": {"w": torch.ones(1)}, "hyper_parameters": value}
+    converted = with_plain_hyperparameters(checkpoint)
+    assert converted["state_dict"] is checkpoint["state_dict"] and converted["hyper_parameters"]["cfg"]["lr"] == 0.01
+    assert with_plain_hyperparameters({"state_dict": {}}) == {"state_dict": {}}

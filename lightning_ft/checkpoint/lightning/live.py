@@ -17,6 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_ft._lightning.live_state import BoundaryRecorder
+from lightning_ft.checkpoint.hparams import with_plain_hyperparameters
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class LiveState:
     def checkpoint(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Lightning's checkpoint of the boundary's step (call only when :meth:`problem` is None)."""
         assert self._recorder is not None
-        return self._recorder.checkpoint_at_boundary(trainer)
+        return with_plain_hyperparameters(self._recorder.checkpoint_at_boundary(trainer))
 
     def stop(self) -> None:
         """At ``teardown``: no more captures; the optimizer hooks go."""

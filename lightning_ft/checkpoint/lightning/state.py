@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_ft._lightning.checkpointing import dump_checkpoint, holds_shards, plain_optimizer
+from lightning_ft.checkpoint.hparams import with_plain_hyperparameters
 from lightning_ft.checkpoint.sharded import (
     ShardLayoutError,
     copy_into_shards,
@@ -24,9 +25,11 @@ from lightning_ft.checkpoint.sharded import (
 
 
 def dump_state(trainer: pl.Trainer) -> dict[str, Any]:
-    """The full checkpoint of ``trainer``; runs the ``on_save_checkpoint`` hooks. Sharded state
-    comes as this rank's own shards (no walk of the checkpoint for replicated state)."""
-    checkpoint = dump_checkpoint(trainer)
+    """The full checkpoint of ``trainer``, as a ``ModelCheckpoint`` save makes it (the same hooks
+    run: the callbacks' ``state_dict`` and ``on_save_checkpoint``, the module's and datamodule's
+    ``on_save_checkpoint``). Sharded state comes as this rank's own shards (no walk of the
+    checkpoint for replicated state), hyperparameters as plain data (:mod:`lightning_ft.checkpoint.hparams`)."""
+    checkpoint = with_plain_hyperparameters(dump_checkpoint(trainer))
     return dtensors_to_shards(checkpoint) if holds_shards(trainer) else checkpoint
 
 
