@@ -77,8 +77,10 @@ _PROBE_EVERY = 0.2
 
 
 #: how long one attempt of torch's client at connecting to a store that served already may take
-#: (see StoreSwitchboard._connect): a lost store's connect ends within about this long
-_CONNECT_ATTEMPT = 3.0
+#: (see StoreSwitchboard._connect). Short: torch retries inside one attempt, which then lasts up
+#: to 2.5x this (deadlines.connect_exit_bound), and an attempt still under way when the process
+#: exits holds its exit that long (one that returned during finalization would abort it)
+_CONNECT_ATTEMPT = 1.0
 #: store connections this process makes at once (see StoreSwitchboard._client)
 _CONNECTING = threading.BoundedSemaphore(4)
 
