@@ -40,11 +40,14 @@ from pathlib import Path
 #: variables only read after start-up (by lightning_ft, the test scripts, torch.distributed's
 #: rendezvous), so a server imported under other values serves them; never Lightning's rank
 #: variables (RANK, LOCAL_RANK, SLURM_PROCID), which it reads on import
-RUNTIME_ONLY_PREFIXES = ("LIGHTNING_FT_", "LU_", "FT_")
-RUNTIME_ONLY = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "PYTEST_CURRENT_TEST"}
+RUNTIME_ONLY_PREFIXES = ("LIGHTNING_FT_", "LU_", "FT_", "AWS_")
+#: PYTHONPATH among them: the child puts the request's entries on its ``sys.path`` (see _become)
+RUNTIME_ONLY = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "PYTEST_CURRENT_TEST", "PYTHONPATH",
+                "NODE_NAME", "TEST_OUT"}
 PRELOADED = ("numpy", "torch", "torch.distributed", "lightning.pytorch", "torchmetrics")
-#: servers per worker (one per start-up environment); more environments start fresh interpreters
-MAX_SERVERS = 4
+#: servers per worker (one per start-up environment); more environments start fresh interpreters.
+#: A server used once costs what a fresh interpreter does, so the bound is only for memory
+MAX_SERVERS = 8
 #: how long a request waits for its server to finish importing (a loaded machine: ~10 s)
 READY_WAIT = 60.0
 DISABLE_ENV = "LIGHTNING_FT_TESTS_NO_PREFORK"
@@ -260,6 +263,10 @@ def _become(request: dict) -> None:
     os.chdir(request["cwd"])
     if "numpy" in sys.modules:  # a fresh interpreter seeds it from the OS: siblings must differ
         sys.modules["numpy"].random.seed()
+    # the request's PYTHONPATH (a runtime-only variable here), as a fresh interpreter would have it:
+    # after the script's directory, before the site-packages the preloaded modules came from
+    extra = [entry for entry in request["env"].get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[1:1] = [entry for entry in extra if entry not in sys.path]
     argv = request["argv"][1:]
     if argv[0] == "-m":
         sys.argv = argv[1:]

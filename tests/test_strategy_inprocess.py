@@ -165,21 +165,52 @@ def test_a_bug_in_training_step_is_re_raised_not_recovered(tmp_path, port):
     assert str(rendezvous.closed_reason()).startswith("job failed: rank 0 raised ValueError: bug in training_step")
 
 
-def test_second_fit_on_a_finished_run_is_refused(tmp_path, port):
-    trainer = make_trainer(tmp_path, port, max_steps=5)
-    trainer.fit(Model())
-    with pytest.raises(ValueError, match="one fit"):
-        trainer.fit(Model())
+class Evaluated(Model):
+    """A model with validation, test and predict steps over a small fixed dataset."""
+
+    def _data(self):
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+    val_dataloader = test_dataloader = predict_dataloader = _data
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
 
 
-@pytest.mark.parametrize("stage", ["test", "validate"])
-def test_evaluation_entry_points_are_refused_before_joining_the_rendezvous(tmp_path, port, stage):
+def test_a_later_fit_with_a_fresh_trainer_is_a_stage_of_the_same_job_with_snapshots_of_its_own(tmp_path, port):
+    first = make_trainer(tmp_path, port, max_steps=10)
+    first.fit(Model())
+    second = make_trainer(tmp_path, port, max_steps=10)
+    second.fit(Model())
+    assert second.global_step == 10
+    assert second.strategy.session is first.strategy.session  # one session: the job goes on
+    roots = sorted(p.name for p in (tmp_path / "shm").iterdir())
+    assert roots == ["inproc", "inproc-fit1"], roots  # a recovery in one fit never restores the other
+    finished = [e for e in events(tmp_path) if e["event"] == "finished"]
+    assert [e["round"] for e in finished] == [0, 1]
+
+
+@pytest.mark.parametrize("stage", ["test", "validate", "predict"])
+def test_evaluation_entry_points_run_as_stages_before_and_after_fit(tmp_path, port, stage):
     trainer = make_trainer(tmp_path, port, max_steps=5)
-    with pytest.raises(ValueError, match=rf"trainer.{stage}\(\) is not supported; ddp_ft runs fit\(\) only"):
-        getattr(trainer, stage)(Model())
-    assert trainer.strategy.session is None  # nothing joined, so a later fit() still works
-    trainer.fit(Model())
+    model = Evaluated()
+    before = getattr(trainer, stage)(model)
+    trainer.fit(model)
     assert trainer.global_step == 5
+    after = getattr(trainer, stage)(model)
+    if stage == "predict":
+        assert len(before) == len(after) == 4 and not torch.equal(before[0], after[0])  # the model trained
+    else:
+        key = f"{'val' if stage == 'validate' else 'test'}_loss"
+        assert before[0][key] != after[0][key]
+    assert [e["round"] for e in events(tmp_path) if e["event"] == "finished"] == [0, 1, 2]
 
 
 def test_a_graceful_termination_is_added_unless_present_or_turned_off(tmp_path, port):

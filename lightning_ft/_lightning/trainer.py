@@ -29,3 +29,10 @@ def data_parallel_mesh(world_size: int, device: Any) -> Any:
 def give_module_its_mesh(module: Any, mesh: Any) -> None:
     """What ``LightningModule.device_mesh`` returns in ``configure_model``."""
     module._device_mesh = mesh
+
+
+def is_fitting(trainer: Any) -> bool:
+    """Whether the Trainer call under way is ``fit()`` (else ``validate``, ``test`` or ``predict``;
+    no Trainer counts as fitting)."""
+    stage = getattr(getattr(trainer, "state", None), "fn", None)
+    return stage is None or stage.value == "fit"

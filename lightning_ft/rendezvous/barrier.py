@@ -54,6 +54,7 @@ from lightning_ft.rendezvous.lifecycle import wait_for_acknowledgements
 from lightning_ft.rendezvous.participant import ParticipantInfo, process_start_time
 from lightning_ft.rendezvous.records import RunRecords, resolve_incarnation
 from lightning_ft.rendezvous.settings import RendezvousSettings
+from lightning_ft.rendezvous.stages import Stages
 from lightning_ft.schema.run import (
     EXTRA_RANK,
     CloseKind,
@@ -130,6 +131,9 @@ class BarrierRendezvous:
         self._sleep = sleep
         self._heartbeat_store_factory = heartbeat_store_factory
         self._heartbeat: Heartbeat | None = None
+        #: the job's stages as this participant sees them (see :mod:`.stages`)
+        self.stages = Stages(self.records, self.open_next_round, self._raise_if_closed_for_good,
+                             settings.standby_poll_interval, self.clock, self._sleep)
         self._heartbeat_store: Any = None
         self._tick_store: StoreClient | None = None
         #: the authentic ``ready`` of a round, as :meth:`_is_ready` read it (its result reads it from here)
@@ -194,18 +198,22 @@ class BarrierRendezvous:
                 return result
 
     def wait_while_standby(self, round_id: int) -> None:
-        """Wait while round ``round_id`` trains without us; return when a newer round opens."""
+        """Wait while round ``round_id`` trains without us; return when a newer round opens.
+
+        Raises ``ActivesFinishedError`` once the round's actives finished their work (this
+        participant stays in the rendezvous: a later stage may need it), and
+        ``RendezvousGracefulExitError`` when the rendezvous is closed for good."""
         log.info("standby in round %d: waiting for a failure to open the next round", round_id)
         exit_barrier = self.keys.exit_barrier(round_id)
-        # torch's exit-barrier key cannot be sealed; with a job secret, only the (sealed) close counts
+        # torch's exit-barrier key cannot be sealed: with a job secret, only the sealed marker counts
         watch_exit_barrier = not self.signer.enabled
         poll = self.settings.standby_poll_interval
         while True:
             reason = self._closed_reason()
             if reason is not None:
                 self._graceful_exit(f"rendezvous closed for good while standby: {reason}")
-            if watch_exit_barrier and self.store.check([exit_barrier]):
-                self._graceful_exit(f"the active nodes of round {round_id} finished", ActivesFinishedError)
+            if self.records.round_finished(round_id) or (watch_exit_barrier and self.store.check([exit_barrier])):
+                raise ActivesFinishedError(f"the active nodes of round {round_id} finished")
             if self.records.current_round() > round_id:
                 return
             self._sleep(poll)

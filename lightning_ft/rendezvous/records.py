@@ -98,6 +98,23 @@ class RunRecords:
         records = self.values.records(self.keys.arrivals(round_id), self._line_cache)
         return arrivals_of_round([decode_arrival(r) for r in records])
 
+    def finish_round(self, round_id: int) -> None:
+        """Record that the actives of ``round_id`` completed their work (idempotent)."""
+        self.values.put_if_absent(self.keys.finished(round_id), encode_number(round_id))
+
+    def round_finished(self, round_id: int) -> bool:
+        """Whether the actives of ``round_id`` completed their work (an authentic marker)."""
+        return round_id >= 0 and self.values.get(self.keys.finished(round_id)) is not None
+
+    def label_stage(self, round_id: int, stage: int) -> int:
+        """Make ``round_id`` the first round of ``stage`` unless it is labelled already; returns its label."""
+        held = decode_number(self.values.put_if_absent(self.keys.stage(round_id), encode_number(stage)))
+        return held if held is not None else stage
+
+    def stage_label(self, round_id: int) -> int | None:
+        """The stage ``round_id`` is the first of (None: it is not the first round of a stage)."""
+        return decode_number(self.values.get(self.keys.stage(round_id)))
+
     def closed_for_good(self) -> bytes | None:
         """The authentic close reason of this incarnation (encoded), or None while it is open."""
         return self.values.get(self.values.unlisted(self.keys.closed_for_good))

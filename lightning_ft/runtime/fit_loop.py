@@ -36,6 +36,7 @@ from torch.distributed.elastic.utils import store as store_util
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.pristine import PristineState
+from lightning_ft._lightning.trainer import is_fitting
 from lightning_ft._lightning.trainer_reset import mark_finished
 from lightning_ft._torch import exit_barrier_names
 from lightning_ft.checkpoint.exchange.replication import replica_cipher
@@ -65,7 +66,7 @@ from lightning_ft.runtime.session import RoundRuntime, Session
 from lightning_ft.runtime.settings import StrategyConfigError, StrategySettings
 from lightning_ft.runtime.spare_monitor import SpareMonitor
 from lightning_ft.schema.run import CloseKind
-from lightning_ft.settings.environment import torchelastic_restart_count
+from lightning_ft.settings.environment import fit_run_id, torchelastic_restart_count
 from lightning_ft.termination.callback import GracefulTermination
 from lightning_ft.termination.signals import SignalHandler
 
@@ -98,13 +99,10 @@ def add_default_callbacks(trainer: Any, settings: StrategySettings) -> None:
         log.info("ddp_ft: added GracefulTermination() for the SIGTERM path")
 
 
-def _refuse_other_stages(trainer: Any) -> None:
-    stage = getattr(getattr(trainer, "state", None), "fn", None)
-    if stage is not None and stage.value != "fit":
-        raise StrategyConfigError(
-            f"ddp_ft: trainer.{stage.value}() is not supported; ddp_ft runs fit() only (its process group "
-            "and rendezvous end with fit). Evaluate with another Trainer, e.g. Trainer(devices=1) on the "
-            "fitted model or a checkpoint, or strategy='ddp' under torchrun")
+def stand_by_result(trainer: Any) -> Any:
+    """What a Trainer call returns on a participant that stood by while the actives ran it: ``fit()``
+    returns None, ``validate``/``test``/``predict`` an empty list of results."""
+    return None if is_fitting(trainer) else []
 
 
 class RendezvousFitLoop:
@@ -115,40 +113,40 @@ class RendezvousFitLoop:
         #: this process's run (the launcher owns it; the strategy reads it)
         self.run = RunState()
         self._executor: RecoveryExecutor | None = None
-        self._finished = False
         self._callbacks_added = False
         self._saw_round = False  # a round formed while this process took part (active or standby)
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        """Run one stage of the job (this Trainer call: ``fit``, ``validate``, ``test`` or ``predict``)
+        over the job's participants: the actives of the stage's round run ``function``, a hot spare
+        stands by until they finished and returns :func:`stand_by_result`."""
         host, run = self._host, self.run
-        _refuse_other_stages(trainer)
-        if self._finished:
-            raise StrategyConfigError(
-                f"ddp_ft: run {host.settings.run_id!r} already ended in this process; a FaultTolerantDDPStrategy "
-                "runs one fit() per run_id (use a new run_id, and a new Trainer, for another fit)")
         run.trainer = trainer
         session = self._open_session()
+        stage, fit = session.next_stage(is_fitting(trainer))
         if not self._callbacks_added and trainer is not None:
             self._callbacks_added = True
             add_default_callbacks(trainer, host.settings)
+        checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
+        if checkpoint is not None and fit is not None:
+            checkpoint.keep_under(fit_run_id(host.settings.run_id, fit))
         module = next((a for a in args if isinstance(a, pl.LightningModule)), None)
         datamodule = next((a for a in args if isinstance(a, pl.LightningDataModule)), None)
-        # what a relaunched process would start fit() with; a recovery returns to it
+        # what a relaunched process would start this stage with; a recovery returns to it
         pristine = PristineState.capture(trainer, module, datamodule, keep=(EmergencyCheckpoint, GracefulTermination))
         self._executor = RecoveryExecutor(host, run, session, pristine, module)
         while True:
-            result = self._join_round(session)
+            result = self._join_round(session, stage)
             if result is None:
-                self._finished = True
-                return None  # a spare that was not needed (or the job ended): leave fit() cleanly
-            run.start_round(RoundRuntime(result, result.round, run.failure_at))
+                return stand_by_result(trainer)  # a spare that was not needed (or the job ended)
+            after_failure = session.rendezvous.stages.follows_a_failure(result.round)
+            run.start_round(RoundRuntime(result, result.round, run.failure_at, after_failure=after_failure))
             try:
                 output = function(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - every exception is classified by the executor
                 run.failure_at = self._executor.handle(exc, trainer)
-                continue  # recovered: re-form the group and run fit again
-            self._finished = True
-            self._finish_success(session, result)
+                continue  # recovered: re-form the group and run the stage again
+            self._finish_stage(session, result, stage)
             return output
 
     def _open_session(self) -> Session:
@@ -160,8 +158,9 @@ class RendezvousFitLoop:
 
     # ------------------------------------------------------------------ joining a round
 
-    def _join_round(self, session: Session) -> RoundResult | None:
-        """Block until active in a round; ``None`` when this process should leave fit() cleanly."""
+    def _join_round(self, session: Session, stage: int) -> RoundResult | None:
+        """Block until active in a round of ``stage``; ``None`` when this process should leave the
+        Trainer call cleanly (the stage ended without it, or the job ended)."""
         rendezvous = session.rendezvous
         previous_handler = _install_sigterm_raiser()
         monitor = None
@@ -170,6 +169,10 @@ class RendezvousFitLoop:
             monitor = self._start_spare_monitor(session)
             if self.run.trained:
                 session.follow_newest_store()  # the others may have moved while this process was frozen
+            timeout = rendezvous.settings.timeouts.join_timeout_for(was_active=self.run.trained)
+            if not rendezvous.stages.enter(stage, timeout):
+                self._stage_over(session, f"stage {stage} ended before this participant reached it")
+                return None
             while True:
                 result = rendezvous.join_round()
                 self._saw_round = True
@@ -179,7 +182,7 @@ class RendezvousFitLoop:
                     return result
                 rendezvous.wait_while_standby(result.round)
         except ActivesFinishedError as exc:
-            self._rendezvous_ended(session, EndCause.ACTIVES_FINISHED, str(exc))
+            self._stage_over(session, str(exc))
         except (RendezvousGracefulExitError, RendezvousClosedError) as exc:
             self._rendezvous_ended(session, EndCause.CLOSED, str(exc))
         except RendezvousTimeoutError as exc:
@@ -245,6 +248,13 @@ class RendezvousFitLoop:
         self._leave_as_spare()
         return None
 
+    def _stage_over(self, session: Session, reason: str) -> None:
+        """The actives finished this stage without this participant: it stands by for the next one
+        (it stays in the rendezvous; the job ends for it at process exit)."""
+        session.events.emit(ev.SPARE_EXIT, reason=reason)
+        log.info("ddp_ft: hot spare not needed in this stage: %s", reason)
+        self._leave_as_spare()
+
     def _give_up(self, message: str) -> NoReturn:
         assert self._executor is not None
         self._executor.give_up(message)
@@ -278,26 +288,31 @@ class RendezvousFitLoop:
 
     # ------------------------------------------------------------------ success
 
-    def _finish_success(self, session: Session, result: RoundResult) -> None:
+    def _finish_stage(self, session: Session, result: RoundResult, stage: int) -> None:
+        """The stage completed on this active: pass the exit barrier with the others, release the
+        standbys (the round is finished), and stand ready for the next stage."""
         host, run = self._host, self.run
         host.stop_round_threads()
         start = time.monotonic()
         timeout = host.settings.timeouts.exit_barrier_timeout
-        # torch's elastic exit barrier, same keys and semantics as the agent's: spares watching
-        # keys.exit_barrier(round) see that this round's actives finished. Our work is done, so
-        # a peer lost at the very end (or a store that froze) is no reason to fail: bounded --
-        # a frozen store would hold torch's barrier for good -- and on we go.
+        # torch's elastic exit barrier, same keys and semantics as the agent's: every active of the
+        # round is done before the standbys are released. Our work is done, so a peer lost at the
+        # very end (or a store that froze) is no reason to fail: bounded -- a frozen store would
+        # hold torch's barrier for good -- and on we go.
         call_with_timeout(lambda: store_util.barrier(session.round_store(result), result.world_size,
                                                      key_prefix=exit_barrier_names()[0], barrier_timeout=timeout),
                           timeout + 1.0, f"ddp_ft: exit barrier of round {result.round} (bound {timeout:.0f}s)",
                           unanswered="going on without it", log_problem=True, store_call=True)
+        _best_effort(session.rendezvous.records.finish_round, result.round)
+        session.finished_as_active = True
         step = run.trainer.global_step if run.trainer is not None else None
         session.events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=step,
                             seconds=round(time.monotonic() - start, 4),
                             step_seconds=run.round.clock.median_seconds() if run.round else None)
-        session.rendezvous.shutdown(job_finished=True, reason=f"round {result.round} completed fit()")
         destroy_process_group()
-        log.info("ddp_ft: fit() finished in round %d as rank %d at step %s", result.round, result.rank, step)
+        kind = "fit" if is_fitting(run.trainer) else getattr(run.trainer.state.fn, "value", "stage")
+        log.info("ddp_ft: %s() (stage %d) finished in round %d as rank %d at step %s", kind, stage, result.round,
+                 result.rank, step)
 
 
 class TorchrunFitLoop:
@@ -313,7 +328,8 @@ class TorchrunFitLoop:
         host, run = self._host, self.run
         run.trainer = trainer
         # torchrun's worker-group restarts play the part of rounds; it starts workers only on active nodes
-        runtime = RoundRuntime(None, torchelastic_restart_count())
+        restarts = torchelastic_restart_count()
+        runtime = RoundRuntime(None, restarts, after_failure=restarts > 0)
         run.start_round(runtime)
         if not self._callbacks_added and trainer is not None:
             self._callbacks_added = True

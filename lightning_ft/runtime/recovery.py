@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 from lightning_ft._lightning.callbacks import callbacks_of_type, first_callback_of_type
 from lightning_ft._lightning.history import finalize_failed
 from lightning_ft._lightning.pristine import PristineState
+from lightning_ft._lightning.trainer import is_fitting
 from lightning_ft._lightning.trainer_reset import reset_trainer_for_rerun, teardown_trainer
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.deadlines import call_with_timeout, first_line
@@ -169,7 +170,8 @@ class RecoveryExecutor:
             raise exc
         session.events.emit(ev.DECISION, round=result.round, kind=kind.value, action=outcome.action.value,
                             reason=outcome.reason)
-        if outcome.action is FailureAction.RECOVER and self._host.layout.resumes_from_live_state:
+        if (outcome.action is FailureAction.RECOVER and self._host.layout.resumes_from_live_state
+                and is_fitting(trainer)):
             # before anything resets the Trainer: the survivors' live state is the step the next
             # round resumes from (the snapshot exchange sends the newest step to whoever lacks it).
             # Not with sharded state: the lost rank's shards exist only at a snapshot step, so the

@@ -33,7 +33,7 @@ from lightning_ft._lightning.history import (
     set_aside_abandoned_checkpoints,
     versioned_loggers,
 )
-from lightning_ft._lightning.trainer import log_device_info
+from lightning_ft._lightning.trainer import is_fitting, log_device_info
 from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher, replica_cipher
 from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
@@ -213,8 +213,8 @@ class FaultToleranceRuntime:
         """After the group formed: make the newest snapshot any rank holds available on every rank
         (as the layout defines it); returns its step (where training resumes), None without one."""
         checkpoint = first_callback_of_type(self.run.trainer, EmergencyCheckpoint)
-        if checkpoint is None:
-            return None
+        if checkpoint is None or not is_fitting(self.run.trainer):
+            return None  # snapshots are a fit()'s: an evaluation starts from the model as it is
         round_id = self.round.round_id if self.round is not None else None
         step = self.layout.exchange(checkpoint, self.surface.global_rank, self.surface.world_size,
                                     lambda event, **f: self.event_log.emit(event, round=round_id, **f),

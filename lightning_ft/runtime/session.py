@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from collections.abc import Callable
@@ -38,22 +39,49 @@ from lightning_ft.stragglers.watch import StragglerWatch
 log = logging.getLogger(__name__)
 
 
+#: the open session of each run this process takes part in, by (endpoint, run id): a script's
+#: stages (fit, validate, test, predict) share one, whichever Trainer runs them
+_SESSIONS: dict[tuple[str, str], Session] = {}
+
+
 @dataclass
 class Session:
-    """Per-process rendezvous state (kept across rounds)."""
+    """Per-process rendezvous state, kept across rounds and across the stages of a job.
+
+    A job ends for this process at interpreter exit (or when the process starts taking part in
+    another run): :meth:`end` leaves the rendezvous then, the actives of the last stage closing
+    it for good first, so that a script's later ``fit()``, ``test()`` and the rest find it open.
+    """
 
     participant: Participant
     events: EventLog | NullEventLog
+    #: stages started in this process (the next one's number)
+    stages_started: int = 0
+    #: ``fit()`` stages started in this process
+    fits_started: int = 0
+    #: this participant finished the stage it took part in last as an active
+    finished_as_active: bool = False
+    ended: bool = False
 
     @classmethod
     def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> Session:
-        """Reach (or host) the store and build this participant. Raises ``RendezvousError``
-        when the store cannot be reached; ``events_for(participant_id)`` opens the event log."""
+        """This process's session of the run: the open one, else reach (or host) the store and build
+        this participant. Raises ``RendezvousError`` when the store cannot be reached;
+        ``events_for(participant_id)`` opens the event log."""
         launch = settings.launch
         assert launch.endpoint is not None  # a rendezvous launch has one (resolve_launch_config)
+        key = (str(launch.endpoint), launch.run_id)
+        existing = _SESSIONS.get(key)
+        if existing is not None and not existing.ended:
+            return existing
+        for other in list(_SESSIONS.values()):
+            other.end()  # a process takes part in one run at a time: the run it left is over for it
+        _SESSIONS.clear()  # ended sessions go with the last runtime that holds them (their connections too)
         info = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
         participant = open_participant(launch.endpoint, settings.is_store_host, info, settings.rendezvous_settings())
         session = cls(participant, events_for(info.participant_id))
+        _SESSIONS[key] = session
+        _end_sessions_at_exit()
         participant.on_switch.append(session._store_moved)
         session.events.emit(ev.JOIN, participant=info.participant_id, domain=settings.domain_id,
                             endpoint=str(launch.endpoint), run_id=launch.run_id, min_nodes=launch.min_nodes,
@@ -62,6 +90,31 @@ class Session:
                  info.participant_id, settings.domain_id, launch.run_id, launch.endpoint, launch.min_nodes,
                  launch.max_nodes, "; hosting the store" if participant.hosting else "")
         return session
+
+    def next_stage(self, fitting: bool) -> tuple[int, int | None]:
+        """Number this process's next stage: (its stage number, and for a ``fit()`` its number among
+        the fits, else None)."""
+        stage, self.stages_started = self.stages_started, self.stages_started + 1
+        self.finished_as_active = False
+        if not fitting:
+            return stage, None
+        fit, self.fits_started = self.fits_started, self.fits_started + 1
+        return stage, fit
+
+    def end(self) -> None:
+        """The job is over for this process: leave the rendezvous (idempotent). Closes it for good
+        first when this participant finished the last stage as an active; a store that is gone is
+        logged, not raised."""
+        if self.ended:
+            return
+        self.ended = True
+        rendezvous = self.rendezvous
+        if rendezvous.left:
+            return  # it left already (an exit of its own, a withdrawal): nothing more to tell
+        try:
+            rendezvous.shutdown(job_finished=self.finished_as_active, reason="the job's last stage completed")
+        except (RuntimeError, OSError) as exc:
+            log.warning("ddp_ft: could not leave the rendezvous at the end of the job: %s", exc)
 
     @property
     def store(self) -> Any:
@@ -117,6 +170,23 @@ class Session:
             log.warning("ddp_ft: could not close the rendezvous: %s", exc)
 
 
+_exit_hook_installed = False
+
+
+def _end_sessions_at_exit() -> None:
+    """At interpreter exit, end every open session (registered once; atexit runs it before the
+    exit gate of store calls, which registered when the first store client was made)."""
+    global _exit_hook_installed
+    if not _exit_hook_installed:
+        _exit_hook_installed = True
+        atexit.register(_end_every_session)
+
+
+def _end_every_session() -> None:
+    for session in list(_SESSIONS.values()):
+        session.end()
+
+
 @dataclass
 class RoundRuntime:
     """One round this process trains in.
@@ -128,6 +198,9 @@ class RoundRuntime:
     result: RoundResult | None
     round_id: int | None
     failure_at: float | None = None
+    #: this round replaces a failed one -- the same answer on every participant of the round,
+    #: spares included (unlike ``failure_at``, which only processes that saw the failure have)
+    after_failure: bool = False
     clock: StepClock = field(default_factory=StepClock)
     transport: GroupTransport | None = None
     watchdog: RoundWatchdog | None = None
@@ -144,9 +217,8 @@ class RoundRuntime:
 
     @property
     def follows_a_failure(self) -> bool:
-        """This round replaces a failed one -- the same answer on every participant of the round,
-        spares included (unlike ``failure_at``, which only processes that saw the failure have)."""
-        return bool(self.round_id)
+        """This round replaces a failed one (see ``after_failure``)."""
+        return self.after_failure
 
     def step_started(self) -> None:
         self.clock.started(time.monotonic())

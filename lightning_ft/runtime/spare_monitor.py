@@ -81,7 +81,8 @@ class SpareMonitor(BackgroundThread):
         while (raw := values.get(member_key(rank))) is not None:
             self._members[rank] = decode_member(raw).participant_id
             rank += 1
-        if not self._members or self.store.check([self.keys.exit_barrier(round_id)]):
+        if (not self._members or self.store.check([self.keys.exit_barrier(round_id)])
+                or self.records.round_finished(round_id)):  # the actives finished: their silence is no fault
             return
         # Only when *every* active is silent (see the module docstring).
         members = self._members.values()

@@ -115,6 +115,16 @@ class RunKeys:
         """Prefix of the store handed to the training job of this round (see :mod:`.round`)."""
         return self.round_key(round_id, "job")
 
+    def finished(self, round_id: int) -> str:
+        """The round's actives completed their work (a sealed marker; standbys of it are released)."""
+        return self.round_key(round_id, "finished")
+
+    def stage(self, round_id: int) -> str:
+        """The stage a round is the first of (a sealed number): a script's fit()s, validate()s,
+        test()s and predict()s are stages of one job, each starting with a new round; rounds
+        opened after a failure have none and belong to the stage of the round before."""
+        return self.round_key(round_id, "stage")
+
     def exit_barrier(self, round_id: int) -> str:
         return f"{self.round_store_prefix(round_id)}/{EXIT_BARRIER_KEY}"
 

@@ -60,17 +60,30 @@ def run_id_from_environment(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
+def fit_run_id(run_id: str, fit: int) -> str:
+    """The run id a job's ``fit``-th ``fit()`` (0: the first) keeps its snapshots under: a script's
+    fits are stages of one job, and a recovery in one must never restore another's state."""
+    return run_id if fit == 0 else f"{run_id}-fit{fit}"
+
+
+def is_later_fit_of(run_id: str, job_run_id: str) -> bool:
+    """Whether ``run_id`` is :func:`fit_run_id` of a later ``fit()`` of the job ``job_run_id``."""
+    suffix = run_id[len(job_run_id):] if run_id.startswith(job_run_id) else ""
+    return suffix.startswith("-fit") and suffix[4:].isdigit() and suffix[4:].isascii()
+
+
 def resolve_run_id(explicit: str | None, env: Mapping[str, str] | None = None) -> tuple[str | None, str]:
     """The run id and where it came from: ``explicit``, else :func:`run_id_from_environment`.
 
     Every entry point (the strategy, ``EmergencyCheckpoint``, the exit-code wrapper) resolves
     it here, so they all name the same run. An explicit value that contradicts
-    ``LIGHTNING_FT_RUN_ID`` is an error (ValueError naming both).
+    ``LIGHTNING_FT_RUN_ID`` is an error (ValueError naming both); the run id of a later ``fit()``
+    of the same job (:func:`fit_run_id`) is that run's, not a contradiction.
     """
     env = _env(env)
     from_env = env.get(ENV_RUN_ID, "").strip() or None
     if explicit is not None:
-        if from_env is not None and from_env != explicit:
+        if from_env is not None and explicit != from_env and not is_later_fit_of(explicit, from_env):
             raise ValueError(f"contradictory settings: run_id={explicit!r} but {ENV_RUN_ID}={from_env!r}; "
                              "set one of them")
         return explicit, "run_id"

@@ -203,6 +203,14 @@ class FaultTolerantSurface(ParallelStrategy):
         self.ft.progress()
         return super().validation_step(*args, **kwargs)
 
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.ft.progress()
+        return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.ft.progress()
+        return super().predict_step(*args, **kwargs)
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         name = getattr(cls, "strategy_name", None)

@@ -69,6 +69,22 @@ def no_run_id_message(run_dir: str) -> str:
             f"to resume from them.")
 
 
+def room_problem(store: SnapshotStore, nbytes: int, copies: int, ranks: int) -> str | None:
+    """Why ``store``'s root cannot hold ``copies`` snapshot files of ``nbytes`` for each of ``ranks``
+    ranks (its own files are reusable); None when it can."""
+    stats = os.statvfs(store.root)
+    free = stats.f_bavail * stats.f_frsize
+    reusable = sum(info.nbytes for info in store.list())
+    missing = space_shortfall(free, reusable, nbytes, copies, ranks)
+    if not missing:
+        return None
+    return (f"snapshot root {store.root} has {free / 2**20:.1f} MiB free but rank {store.rank} needs "
+            f"{nbytes / 2**20:.1f} MiB x {copies} snapshot files x {ranks} rank(s) on this host "
+            f"({missing / 2**20:.1f} MiB missing); snapshots will fail. Fix: point {ENV_SNAPSHOT_DIR} "
+            f"(or root=) to a local-disk directory with room, enlarge /dev/shm (containers default to "
+            f"64 MiB: docker --shm-size, a Kubernetes memory emptyDir), or lower keep_last/preallocate")
+
+
 class EmergencyCheckpoint(pl.Callback):
     """Snapshots the full Lightning checkpoint of each rank into host shared memory.
 
@@ -138,14 +154,19 @@ class EmergencyCheckpoint(pl.Callback):
                 raise ValueError(f"EmergencyCheckpoint: run_id={self.settings.run_id!r} but the strategy's run id is "
                                  f"{run_id!r}; drop one or make them equal")
             return
-        self.run_id = resolve_run_id(run_id)
-        self._configured_run_id = configured_run_id(run_id)
-        self._durable = DurableCopies(self.durable_settings, self._configured_run_id)
+        self._take_run_id(run_id)
 
     @property
     def store(self) -> SnapshotStore | None:
         """This rank's store (created at ``setup``)."""
         return self._store
+
+    def keep_under(self, run_id: str) -> None:
+        """Keep this ``fit()``'s snapshots under ``run_id`` (each later ``fit()`` of a job has a run id
+        of its own: a recovery in one never restores another). Call before ``setup``."""
+        self._drop_store("a new run id")
+        self._take_run_id(run_id)
+        self._last_snapshot = None
 
     @property
     def snapshots(self) -> SnapshotService:
@@ -405,11 +426,20 @@ class EmergencyCheckpoint(pl.Callback):
     def _get_store(self, trainer: pl.Trainer) -> SnapshotStore:
         rank = trainer.global_rank
         if self._store is None or self._store.rank != rank:
-            if self._store is not None:
-                self.commit_pending("a new store")
-                self._store.close()
+            self._drop_store("a new store")
             self._store = SnapshotStore(self.root, self._configured_run_id, rank, self.keep_last)
         return self._store
+
+    def _take_run_id(self, run_id: str) -> None:
+        self.run_id = resolve_run_id(run_id)
+        self._configured_run_id = configured_run_id(run_id)
+        self._durable = DurableCopies(self.durable_settings, self._configured_run_id)
+
+    def _drop_store(self, why: str) -> None:
+        if self._store is not None:
+            self.commit_pending(why)
+            self._store.close()
+            self._store = None
 
     def _snapshot_bytes(self, trainer: pl.Trainer) -> int:
         """Size of this rank's snapshot file: the last one's, else estimated once (dump_checkpoint
@@ -423,21 +453,9 @@ class EmergencyCheckpoint(pl.Callback):
     def space_problem(self, trainer: pl.Trainer) -> str | None:
         """Why the snapshot root cannot hold this run's snapshots (None: it can), from free space
         (statvfs) vs the snapshot size x the copies one rank keeps x the ranks of this host."""
-        store = self._get_store(trainer)
-        nbytes = self._snapshot_bytes(trainer)
-        stats = os.statvfs(store.root)
-        free = stats.f_bavail * stats.f_frsize
-        reusable = sum(info.nbytes for info in store.list())
         copies = snapshot_copies(self.keep_last, self.preallocate, self._durable.persister is not None)
         ranks = max(1, int(getattr(trainer, "num_devices", 1) or 1))
-        missing = space_shortfall(free, reusable, nbytes, copies, ranks)
-        if not missing:
-            return None
-        return (f"snapshot root {store.root} has {free / 2**20:.1f} MiB free but rank {store.rank} needs "
-                f"{nbytes / 2**20:.1f} MiB x {copies} snapshot files x {ranks} rank(s) on this host "
-                f"({missing / 2**20:.1f} MiB missing); snapshots will fail. Fix: point {ENV_SNAPSHOT_DIR} "
-                f"(or root=) to a local-disk directory with room, enlarge /dev/shm (containers default to "
-                f"64 MiB: docker --shm-size, a Kubernetes memory emptyDir), or lower keep_last/preallocate")
+        return room_problem(self._get_store(trainer), self._snapshot_bytes(trainer), copies, ranks)
 
     def _check_space(self, trainer: pl.Trainer) -> None:
         # before the first save: a full tmpfs otherwise shows up as a failed snapshot at the

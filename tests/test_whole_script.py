@@ -1,0 +1,101 @@
+"""A user's whole script under ``ddp_ft`` (issue 35): fit, test, a second fit with a fresh Trainer,
+validate and predict are five stages of one job, over the same participants (2 actives + 1 hot
+spare, ``tests/scripts/staged_user.py``). The actives run each stage; the spare stands by in each
+and gets empty results; a node lost in a stage is replaced by the spare and the later stages run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from proc_utils import REPO_ROOT, wait_for
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
+from ft_cluster import Cluster, base_env
+
+pytestmark = [pytest.mark.multiprocess]
+
+SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "staged_user.py")
+NAMES = ("A", "B", "C")
+
+
+def run_script(processes, tmp_path, *args: str) -> tuple[Cluster, dict[str, int | None]]:
+    """The script on three participants (2:3) with a standalone store; returns their exit codes."""
+    cluster = Cluster(processes, tmp_path, "2:3", run_id="staged")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    for name in NAMES:
+        env = base_env(LIGHTNING_FT_ENDPOINT=f"127.0.0.1:{cluster.port}", LIGHTNING_FT_RUN_ID=cluster.run_id,
+                       LIGHTNING_FT_NNODES=cluster.nnodes, LIGHTNING_FT_DOMAIN_ID=f"host-{name}",
+                       LIGHTNING_FT_SNAPSHOT_DIR=str(tmp_path / f"shm-{name}"),
+                       LIGHTNING_FT_EVENTS_DIR=str(cluster.events))
+        cluster.procs[name] = processes.python(name, [SCRIPT, "--out", str(cluster.out), *args], env=env)
+    # every participant reached the second fit (the spare stands by there): its first step may go
+    reached = lambda: len(list(cluster.out.glob("second-fit-*"))) == len(NAMES)  # noqa: E731
+    if not wait_for(reached, 120):
+        return cluster, cluster.wait(list(NAMES), 1)
+    (cluster.out / "go").touch()
+    return cluster, cluster.wait(list(NAMES), 120)
+
+
+def results(cluster: Cluster) -> dict[str, dict]:
+    found = {}
+    for name, proc in cluster.procs.items():
+        path = cluster.out / f"result-{proc.pid}.json"
+        if path.exists():
+            found[name] = json.loads(path.read_text())
+    return found
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The script without a fault: what every stage returns on the actives (the yardstick)."""
+    from proc_utils import ProcessSet
+
+    root = tmp_path_factory.mktemp("uninterrupted")
+    processes = ProcessSet(log_dir=root)
+    try:
+        cluster, codes = run_script(processes, root, "--step-sleep", "0.02")
+        yield cluster, codes, results(cluster)
+    finally:
+        processes.kill_all()
+
+
+@pytest.mark.timeout(240)
+def test_every_stage_runs_on_the_actives_and_an_unused_spare_stands_by_through_the_script(uninterrupted):
+    cluster, codes, found = uninterrupted
+    assert codes == {name: 0 for name in NAMES}, cluster.logs()
+    actives = [r for r in found.values() if all(r["trained"])]
+    spares = [r for r in found.values() if not any(r["trained"])]
+    assert len(actives) == 2 and len(spares) == 1, found
+    fit, test, fit2, validate, predict = actives[0]["returned"]
+    assert fit is None and fit2 is None and test[0]["test_acc"] >= 0 and validate[0]["val_acc"] >= 0
+    assert predict == {"predictions": 32}  # each active predicts its half of the data: 4 batches of 8
+    assert actives[0]["returned"] == actives[1]["returned"] and actives[0]["weights"] == actives[1]["weights"]
+    assert actives[0]["step"] == 32
+    # the spare stood by in every stage: nothing ran there, its calls returned empty results
+    assert spares[0]["returned"] == [None, [], None, [], []], spares[0]
+    finished = [e for e in cluster.events_of("finished")]
+    assert len(finished) == 2 * 5, finished  # each active finished each of the five stages
+
+
+@pytest.mark.timeout(240)
+def test_a_node_lost_in_the_second_fit_is_replaced_and_the_later_stages_run(processes, tmp_path, uninterrupted):
+    """Rank 0 dies at step 4 of the second fit (an epoch's start: the plain DataLoader resumes
+    exactly there): the survivor and the spare re-form the group, the fit resumes at the step in
+    flight, validate and predict run on the new actives -- and they return what the uninterrupted
+    script's actives returned (the same weights)."""
+    cluster, codes = run_script(processes, tmp_path, "--step-sleep", "0.02", "--kill-stage", "2", "--kill-step", "4")
+    killed = [name for name, code in codes.items() if code == -9]
+    assert len(killed) == 1 and all(code == 0 for name, code in codes.items() if name not in killed), cluster.logs()
+    found = results(cluster)
+    survivors = [r for name, r in found.items() if name not in killed]
+    assert len(survivors) == 2 and all(r["trained"][1] for r in survivors), found
+    _, _, reference = uninterrupted
+    expected = next(r for r in reference.values() if all(r["trained"]))
+    for result in survivors:
+        assert result["weights"] == expected["weights"], (result, expected)
+        assert result["returned"][2:] == expected["returned"][2:], (result, expected)
+    assert cluster.events_of("restored"), cluster.logs()
