@@ -346,7 +346,7 @@ class TorchrunFitLoop:
                 runtime.retire_group()
             raise
         destroy_process_group()
-        # the run's outcome for `lightning-ft report --exit-code` (rendezvous mode: _finish_success)
+        # the run's outcome for `lightning-ft report --exit-code` (rendezvous mode: _finish_stage)
         host.event_log.emit(ev.FINISHED, round=runtime.round_id, rank=trainer.global_rank if trainer else None,
                                 step=trainer.global_step if trainer is not None else None)
         return output
