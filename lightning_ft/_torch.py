@@ -22,6 +22,14 @@ def exit_barrier_names() -> tuple[str, str]:
     return _TERMINAL_STATE_SYNC_ID, _TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN
 
 
+def exit_barrier_counter() -> str:
+    """The key torch's exit barrier counts its arrived members in (see :func:`exit_barrier_names`)."""
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import _NUM_MEMBERS
+
+    return _TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS
+
+
 def set_default_group_timeout(timeout: datetime.timedelta) -> None:
     """Set the default group's collective timeout after it was created (the group is created
     with a shorter one, which bounds its creation; torch has no public setter)."""

@@ -4,7 +4,7 @@ The fast tier of the fault matrix (tests/FAULTS.md): the decision paths of the r
 in seconds. The harness hosts one TCPStore; every participant is built by the real factory
 (:func:`lightning_ft.launch.factory.open_participant`) and runs, in a thread of its own, the part
 of the strategy's fit loop that decides (``RendezvousFitLoop._join_round`` and
-``_rendezvous_ended``, ``RecoveryExecutor.handle``, ``_finish_stage``), with every decision
+``_rendezvous_ended``, ``RecoveryExecutor.handle``, ``_pass_exit_barrier``), with every decision
 taken by the package: the barrier rendezvous and its coordinator, the round watchdog
 (``RoundRuntime.start_watchdog``), the hot spare's ``SpareMonitor``, ``read_failure_facts`` and
 the pure decisions of :mod:`lightning_ft.runtime.decisions`. Modelled instead of run:
@@ -577,7 +577,7 @@ class InProcessParticipant:
         self.session.events.emit(ev.STOPPED if action is EndAction.STOPPED else ev.SPARE_EXIT, reason=text)
         self._ended(end)
 
-    # ----------------------------------------------------------------- training (RecoveryExecutor, _finish_stage)
+    # ----------------------------------------------------------------- training (RecoveryExecutor, _pass_exit_barrier)
 
     def _train(self, result: RoundResult) -> bool:
         """Train in round ``result`` until the job finishes or the round fails; True when this
@@ -686,7 +686,7 @@ class InProcessParticipant:
             self.cluster.changed.notify_all()
 
     def _finish(self, runtime: RoundRuntime) -> None:
-        """``RendezvousFitLoop._finish_stage``: torch's exit barrier (bounded), then close and leave."""
+        """``RendezvousFitLoop._pass_exit_barrier``: torch's exit barrier (bounded), then close and leave."""
         session, cluster = self.session, self.cluster
         assert session is not None and runtime.result is not None
         result = runtime.result

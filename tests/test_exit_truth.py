@@ -209,7 +209,7 @@ def test_a_store_frozen_at_the_end_of_fit_still_ends_0(processes, tmp_path):
     cluster.out.mkdir(parents=True)
     store = cluster.start_store()
     bounds = ["--ft-option", "store_timeout=3", "--ft-option", "exit_barrier_timeout=3"]
-    freeze = ["--fault", "store-stop:lightning_ft.runtime.fit_loop:RendezvousFitLoop._finish_stage"]
+    freeze = ["--fault", "store-stop:lightning_ft.runtime.fit_loop:RendezvousFitLoop._pass_exit_barrier"]
     cluster.start_participant("A", ["--max-steps", "40", *bounds, *freeze], FT_TEST_STORE_PID=str(store.pid))
     cluster.start_participant("B", ["--max-steps", "40", *bounds])
     try:

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.multiprocess]
 SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
 RECEIVE = "lightning_ft.checkpoint.memory.store:SnapshotStore.write_bytes"
 OPEN_ROUND = "lightning_ft.runtime.session:Session.open_round"
-FINISH = "lightning_ft.runtime.fit_loop:RendezvousFitLoop._finish_stage"
+FINISH = "lightning_ft.runtime.fit_loop:RendezvousFitLoop._pass_exit_barrier"
 # a periodic snapshot's background copy runs (its helper thread) / is committed before the next
 # optimizer step's update (the copy may still be running)
 SAVE_COPY = "lightning_ft.checkpoint.memory.copying:BackgroundCopy._run"

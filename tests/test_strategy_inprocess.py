@@ -213,6 +213,19 @@ def test_evaluation_entry_points_run_as_stages_before_and_after_fit(tmp_path, po
     assert [e["round"] for e in events(tmp_path) if e["event"] == "finished"] == [0, 1, 2]
 
 
+def test_before_fit_a_single_participant_job_is_rank_0_as_under_ddp(tmp_path, port):
+    """Between ``Trainer()`` and ``fit()`` a 1:1 job's only process is rank 0: Lightning's rank-zero
+    warnings show, ``save_checkpoint`` writes, ``estimated_stepping_batches`` answers."""
+    trainer = make_trainer(tmp_path, port, max_steps=5)
+    model = Model()
+    assert trainer.global_rank == 0 and trainer.is_global_zero
+    trainer.strategy.connect(model)
+    trainer.save_checkpoint(tmp_path / "before.ckpt")
+    assert (tmp_path / "before.ckpt").is_file()
+    trainer.fit(model)
+    assert trainer.global_rank == 0 and trainer.estimated_stepping_batches == 5
+
+
 def test_a_graceful_termination_is_added_unless_present_or_turned_off(tmp_path, port):
     from lightning_ft import GracefulTermination
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.strategies.model_parallel import _setup_device_mesh
@@ -36,3 +37,18 @@ def is_fitting(trainer: Any) -> bool:
     no Trainer counts as fitting)."""
     stage = getattr(getattr(trainer, "state", None), "fn", None)
     return stage is None or stage.value == "fit"
+
+
+#: where ``ckpt_path`` is among the arguments Lightning 2.6 passes its ``_<fn>_impl`` (and so our launcher)
+_CKPT_PATH_POSITION = {"fit": 4, "validate": 2, "test": 2, "predict": 4}
+
+
+def replace_checkpoint_path(trainer: Any, args: tuple, choose: Callable[[Any, bool], Any]) -> tuple:
+    """The arguments of the Trainer call under way with its ``ckpt_path`` replaced by
+    ``choose(ckpt_path, model_given)``; unchanged when the call has none."""
+    stage = getattr(getattr(trainer, "state", None), "fn", None)
+    position = _CKPT_PATH_POSITION.get(getattr(stage, "value", ""))
+    if position is None or len(args) <= position:
+        return args
+    chosen = choose(args[position], args[0] is not None)
+    return args if chosen is args[position] else (*args[:position], chosen, *args[position + 1:])

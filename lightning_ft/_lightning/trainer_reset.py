@@ -38,6 +38,27 @@ log = logging.getLogger(__name__)
 
 
 def reset_trainer_for_rerun(trainer: pl.Trainer) -> None:
+    """The Trainer as its call (fit, validate, test, predict) found it, for the stage's rerun in
+    the next round: a fit gets fresh loops (the snapshot restores their progress); an evaluation
+    keeps the fit loop's progress (its global step) and rebuilds its own loader for the new group."""
+    if (trainer.state.fn or TrainerFn.FITTING) is TrainerFn.FITTING:
+        _fresh_fit_loop(trainer)
+    trainer._checkpoint_connector = _CheckpointConnector(trainer)
+
+    strategy = trainer.strategy
+    if isinstance(strategy.model, DistributedDataParallel):
+        strategy.model = strategy.lightning_module
+    _remove_leftover_forward_patch(strategy.lightning_module)
+
+    # the stage runs again as the Trainer call started it
+    stage = trainer.state.fn or TrainerFn.FITTING
+    trainer.state.fn = stage
+    trainer.state.status = TrainerStatus.RUNNING
+    _STAGE_FLAGS[stage](trainer)
+    trainer.should_stop = False
+
+
+def _fresh_fit_loop(trainer: pl.Trainer) -> None:
     old_fit = trainer.fit_loop
     old_epoch = old_fit.epoch_loop
     if type(old_fit) is _FitLoop and type(old_epoch) is _TrainingEpochLoop \
@@ -55,17 +76,26 @@ def reset_trainer_for_rerun(trainer: pl.Trainer) -> None:
         old_fit._combined_loader = None
         old_epoch.val_loop._combined_loader = None
 
-    trainer._checkpoint_connector = _CheckpointConnector(trainer)
 
-    strategy = trainer.strategy
-    if isinstance(strategy.model, DistributedDataParallel):
-        strategy.model = strategy.lightning_module
-    _remove_leftover_forward_patch(strategy.lightning_module)
-
-    trainer.state.fn = TrainerFn.FITTING
-    trainer.state.status = TrainerStatus.RUNNING
+def _set_training(trainer: pl.Trainer) -> None:
     trainer.training = True
-    trainer.should_stop = False
+
+
+def _set_validating(trainer: pl.Trainer) -> None:
+    trainer.validating = True
+
+
+def _set_testing(trainer: pl.Trainer) -> None:
+    trainer.testing = True
+
+
+def _set_predicting(trainer: pl.Trainer) -> None:
+    trainer.predicting = True
+
+
+# what ``Trainer.fit/validate/test/predict`` set before their run (the stage flags)
+_STAGE_FLAGS = {TrainerFn.FITTING: _set_training, TrainerFn.VALIDATING: _set_validating,
+                TrainerFn.TESTING: _set_testing, TrainerFn.PREDICTING: _set_predicting}
 
 
 def _remove_leftover_forward_patch(module: nn.Module | None) -> None:

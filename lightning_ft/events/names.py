@@ -44,13 +44,16 @@ event                          fields
                                metadata the restricted loader refuses)
 ``store_failover``             epoch, endpoint, hosting (bool: this process serves it now), seconds (from
                                confirming the loss to reconnected), successor (participant that hosts it)
-``spare_exit``                 reason (a hot spare leaves ``fit()``; exit 0)
+``spare_exit``                 reason (a hot spare was not needed in a stage: its Trainer call returns)
+``state_received``             round, source (rank), stage (the fit whose module state this rank received:
+                               it stood by in that fit and is active now)
 ``no_restart``                 round, reason (the job cannot go on; exit 83)
 ``node_fault``                 round, step, error, errno (this node's storage failed, e.g. ENOSPC; it leaves
                                as unhealthy, exit 82, and its peers recover without it)
 ``stopped``                    round, reason (SIGTERM path or another deliberate stop; a participant
                                stopped while waiting in the rendezvous exits 143)
-``finished``                   round, rank, step, seconds (fit completed and the exit barrier passed),
+``finished``                   round, rank, step, seconds (a stage -- fit, validate, test, predict -- completed
+                               and the exit barrier passed),
                                step_seconds (median step of the last round)
 =============================  ==================================================================
 
@@ -109,6 +112,7 @@ REPLICA_PUBLISHED = "replica_published"
 REPLICA_RECEIVED = "replica_received"
 REPLICA_REFUSED = "replica_refused"
 SPARE_EXIT = "spare_exit"
+STATE_RECEIVED = "state_received"
 STORE_FAILOVER = "store_failover"
 NO_RESTART = "no_restart"
 NODE_FAULT = "node_fault"

@@ -217,7 +217,10 @@ def looks_like_collective_error(chain: Iterable[tuple[str, str]]) -> bool:
     return False
 
 
-_PEER_GONE_TEXT = ("closed by peer", "reset by peer", "broken pipe", "connection refused")
+#: the words of the error an active raises when a peer fell silent before reaching the exit
+#: barrier (runtime/exit_barrier.py): no transport saw it, the heartbeats did
+PEER_SILENT_AT_EXIT = "fell silent before the exit barrier"
+_PEER_GONE_TEXT = ("closed by peer", "reset by peer", "broken pipe", "connection refused", PEER_SILENT_AT_EXIT)
 
 
 def looks_like_peer_gone(chain: Iterable[tuple[str, str]]) -> bool:

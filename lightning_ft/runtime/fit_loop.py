@@ -26,19 +26,18 @@ from types import FrameType
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.utils import store as store_util
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.pristine import PristineState
-from lightning_ft._lightning.trainer import is_fitting
+from lightning_ft._lightning.trainer import is_fitting, replace_checkpoint_path
 from lightning_ft._lightning.trainer_reset import mark_finished
-from lightning_ft._torch import exit_barrier_names
 from lightning_ft.checkpoint.exchange.replication import replica_cipher
 from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
@@ -49,12 +48,14 @@ from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
 from lightning_ft.process import destroy_process_group
 from lightning_ft.rendezvous.barrier import ActivesFinishedError, ParticipantExcludedError, RoundResult
 from lightning_ft.runtime.decisions import (
+    PEER_SILENT_AT_EXIT,
     EndAction,
     EndCause,
     Role,
     decide_on_rendezvous_end,
     looks_like_collective_error,
 )
+from lightning_ft.runtime.exit_barrier import BarrierOutcome, PeerSilence, wait_at_exit_barrier
 from lightning_ft.runtime.recovery import (
     RecoveryExecutor,
     exception_chain,
@@ -65,6 +66,7 @@ from lightning_ft.runtime.run import RunState, RuntimeHost
 from lightning_ft.runtime.session import RoundRuntime, Session
 from lightning_ft.runtime.settings import StrategyConfigError, StrategySettings
 from lightning_ft.runtime.spare_monitor import SpareMonitor
+from lightning_ft.runtime.stage_state import FitCheckpointPaths, checkpoint_path_for
 from lightning_ft.schema.run import CloseKind
 from lightning_ft.settings.environment import fit_run_id, torchelastic_restart_count
 from lightning_ft.termination.callback import GracefulTermination
@@ -115,6 +117,7 @@ class RendezvousFitLoop:
         self._executor: RecoveryExecutor | None = None
         self._callbacks_added = False
         self._saw_round = False  # a round formed while this process took part (active or standby)
+        self._barrier_seconds = 0.0  # the last exit barrier's wait
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         """Run one stage of the job (this Trainer call: ``fit``, ``validate``, ``test`` or ``predict``)
@@ -142,12 +145,21 @@ class RendezvousFitLoop:
             after_failure = session.rendezvous.stages.follows_a_failure(result.round)
             run.start_round(RoundRuntime(result, result.round, run.failure_at, after_failure=after_failure))
             try:
-                output = function(*args, **kwargs)
+                output = function(*self._with_checkpoint_path(session, trainer, args), **kwargs)
+                self._pass_exit_barrier(session, result)
             except BaseException as exc:  # noqa: BLE001 - every exception is classified by the executor
                 run.failure_at = self._executor.handle(exc, trainer)
                 continue  # recovered: re-form the group and run the stage again
             self._finish_stage(session, result, stage)
             return output
+
+    def _with_checkpoint_path(self, session: Session, trainer: Any, args: tuple) -> tuple:
+        """``args`` with a ``ckpt_path`` this process cannot resolve itself (``"best"`` after a fit it
+        stood by in) replaced by what the fit's rank 0 published (see runtime/stage_state.py)."""
+        raw = session.rendezvous.values.get(session.keys.fit_checkpoint_paths)
+        published = FitCheckpointPaths.decode(raw) if raw is not None else None
+        return replace_checkpoint_path(trainer, args, lambda requested, model_given: checkpoint_path_for(
+            requested, model_given, published, session.trained_through))
 
     def _open_session(self) -> Session:
         host = self._host
@@ -288,26 +300,49 @@ class RendezvousFitLoop:
 
     # ------------------------------------------------------------------ success
 
-    def _finish_stage(self, session: Session, result: RoundResult, stage: int) -> None:
-        """The stage completed on this active: pass the exit barrier with the others, release the
-        standbys (the round is finished), and stand ready for the next stage."""
-        host, run = self._host, self.run
+    def _pass_exit_barrier(self, session: Session, result: RoundResult) -> None:
+        """The stage's work is done on this active: wait for the round's other actives to be done too
+        (runtime/exit_barrier.py). A newer round opened meanwhile, or -- in an evaluation -- a peer lost
+        before it arrived, raises a ``DistError``: the recovery runs the stage again with the peer's
+        replacement. A peer that never arrives otherwise (a fit's peer lost at the very end, a frozen
+        store) is no reason to fail: bounded, and on we go."""
+        host = self._host
         host.stop_round_threads()
-        start = time.monotonic()
         timeout = host.settings.timeouts.exit_barrier_timeout
-        # torch's elastic exit barrier, same keys and semantics as the agent's: every active of the
-        # round is done before the standbys are released. Our work is done, so a peer lost at the
-        # very end (or a store that froze) is no reason to fail: bounded -- a frozen store would
-        # hold torch's barrier for good -- and on we go.
-        call_with_timeout(lambda: store_util.barrier(session.round_store(result), result.world_size,
-                                                     key_prefix=exit_barrier_names()[0], barrier_timeout=timeout),
-                          timeout + 1.0, f"ddp_ft: exit barrier of round {result.round} (bound {timeout:.0f}s)",
-                          unanswered="going on without it", log_problem=True, store_call=True)
+        peers = None
+        if not is_fitting(self.run.trainer):
+            peers = PeerSilence(session.round_values(result), session.rendezvous.records, result.rank,
+                                result.world_size, session.rendezvous.settings.liveness.frozen_peer_after)
+        start = time.monotonic()
+        outcome = call_with_timeout(
+            lambda: wait_at_exit_barrier(session.round_store(result), session.rendezvous.records, result.round,
+                                         result.world_size, timeout, peers),
+            timeout + 1.0, f"ddp_ft: exit barrier of round {result.round} (bound {timeout:.0f}s)",
+            unanswered="going on without it", log_problem=True, store_call=True)
+        self._barrier_seconds = round(time.monotonic() - start, 4)
+        if not outcome.ok or outcome.value.passed:
+            return
+        barrier: BarrierOutcome = outcome.value
+        if barrier.newer_round is not None:
+            raise dist.DistError(f"round {barrier.newer_round} opened before every active of round {result.round} "
+                                 "finished its part of the stage (a peer was lost): running the stage again")
+        raise dist.DistError(f"rank(s) {list(barrier.silent)} of round {result.round} {PEER_SILENT_AT_EXIT} (lost "
+                             "before finishing their part of the stage): running the stage again")
+
+    def _finish_stage(self, session: Session, result: RoundResult, stage: int) -> None:
+        """The stage completed on every active (the exit barrier passed): release the standbys (the
+        round is finished), and stand ready for the next stage."""
+        run = self.run
+        if is_fitting(run.trainer):
+            session.trained_through = stage
+            if result.rank == 0:  # read by whoever runs a later stage without knowing the paths
+                _best_effort(session.rendezvous.values.put, session.keys.fit_checkpoint_paths,
+                             checkpoint_paths(run.trainer, stage).encode())
         _best_effort(session.rendezvous.records.finish_round, result.round)
         session.finished_as_active = True
         step = run.trainer.global_step if run.trainer is not None else None
         session.events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=step,
-                            seconds=round(time.monotonic() - start, 4),
+                            seconds=self._barrier_seconds,
                             step_seconds=run.round.clock.median_seconds() if run.round else None)
         destroy_process_group()
         kind = "fit" if is_fitting(run.trainer) else getattr(run.trainer.state.fn, "value", "stage")
@@ -350,6 +385,16 @@ class TorchrunFitLoop:
         host.event_log.emit(ev.FINISHED, round=runtime.round_id, rank=trainer.global_rank if trainer else None,
                                 step=trainer.global_step if trainer is not None else None)
         return output
+
+
+#: how often the exit barrier looks at the store (its last member's key, the current round)
+
+
+def checkpoint_paths(trainer: Any, stage: int) -> FitCheckpointPaths:
+    """What ``ckpt_path="best"``/``"last"`` name on this process now (its first ``ModelCheckpoint``)."""
+    callback = getattr(trainer, "checkpoint_callback", None)
+    return FitCheckpointPaths(stage, str(getattr(callback, "best_model_path", "") or ""),
+                              str(getattr(callback, "last_model_path", "") or ""))
 
 
 def _best_effort(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

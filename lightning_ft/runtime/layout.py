@@ -40,6 +40,8 @@ class ReplicatedState:
     resumes_from_live_state = True
     #: hot spares receive encrypted copies of rank 0's snapshot through the store
     replicates_through_store = True
+    #: a rank that stood by in a fit receives the module state when a later stage makes it active
+    aligns_module_state = True
 
     def capture(self, module: Any) -> None:
         """Nothing to keep: the model's parameters survive a failed round."""
@@ -76,6 +78,7 @@ class ShardedState:
     watches_stragglers = False
     resumes_from_live_state = False
     replicates_through_store = False
+    aligns_module_state = False  # a rank's shards exist only where it trained (see docs/strategy.md)
 
     _one_domain_warned = False  # said once per process
 

@@ -46,6 +46,7 @@ from lightning_ft.runtime.layout import StateLayout
 from lightning_ft.runtime.run import RunState
 from lightning_ft.runtime.session import RoundRuntime, Session
 from lightning_ft.runtime.settings import LaunchMode, StrategySettings
+from lightning_ft.runtime.stage_state import align_module_state
 from lightning_ft.runtime.transport import GroupTransport, init_round_group, init_torchrun_group, open_sockets
 from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
 from lightning_ft.schema.run import decode_log_versions, encode_log_versions
@@ -196,6 +197,23 @@ class FaultToleranceRuntime:
         self._keep_log_history(session, runtime, resume_step)
         runtime.start_watchdog(session, self.settings.hang, self.settings.timeouts, self._global_step,
                                stragglers=self.settings.stragglers if self.layout.watches_stragglers else None)
+
+    def align_stage_state(self) -> None:
+        """Before the module is wrapped (``configure_model`` ran): a rank whose module state is older
+        than another's -- it stood by in a fit -- receives it (runtime/stage_state.py)."""
+        session, runtime, module = self.session, self.round, self.surface.lightning_module
+        if (session is None or runtime is None or module is None or self.surface.world_size == 1
+                or not self.layout.aligns_module_state):
+            return
+        received = align_module_state(module, session.trained_through, self.surface.root_device)
+        if received is None:
+            return
+        source, stage = received
+        if session.trained_through < stage:
+            session.trained_through = stage
+            self.event_log.emit(ev.STATE_RECEIVED, round=runtime.round_id, source=source, stage=stage)
+            log.info("ddp_ft: rank %d stood by in the fit of stage %d: took its model state from rank %d",
+                     self.surface.global_rank, stage, source)
 
     def note_early_rank(self, node_index: int) -> None:
         """Before the rendezvous nobody knows who is rank 0, yet Lightning's rank-zero output

@@ -27,6 +27,7 @@ from lightning_ft.rendezvous.participant import local_participant
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.runtime.decisions import Detector
 from lightning_ft.runtime.settings import HangSettings, StragglerSettings, StrategySettings
+from lightning_ft.runtime.stage_state import NO_FIT
 from lightning_ft.runtime.transport import GroupTransport, retire_group
 from lightning_ft.runtime.watchdog import RoundWatchdog, StepClock
 from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
@@ -61,6 +62,9 @@ class Session:
     fits_started: int = 0
     #: this participant finished the stage it took part in last as an active
     finished_as_active: bool = False
+    #: the fit() stage this process's module state is from (the last fit it finished as an active,
+    #: or whose state it received; see runtime/stage_state.py)
+    trained_through: int = NO_FIT
     ended: bool = False
 
     @classmethod

@@ -74,6 +74,8 @@ class RunKeys:
         self.last_actives = f"{p}/last_actives"
         #: the log versions of the run's loggers, decided once by rank 0 of the first round
         self.log_versions = f"{p}/log_versions"
+        #: what ckpt_path="best"/"last" named at the end of the newest fit() (its rank 0 writes it)
+        self.fit_checkpoint_paths = f"{p}/fit_checkpoint_paths"
 
     def round_key(self, round_id: int, name: str) -> str:
         return f"{self.prefix}/r{round_id}/{name}"

@@ -159,6 +159,12 @@ class FaultTolerantSurface(ParallelStrategy):
         self.set_world_ranks()
         self.ft.setup_distributed()
 
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Lightning's setup (device, wrapping), after a rank that stood by in a fit received the
+        module state of the ranks that trained (see the runtime)."""
+        self.ft.align_stage_state()
+        super().setup(trainer)
+
     def on_train_start(self) -> None:
         super().on_train_start()
         self.ft.on_train_start()
@@ -243,6 +249,8 @@ def show_settings_in_signature(strategy: type) -> None:
 def _scheduler_node_index(settings: StrategySettings) -> int:
     if settings.infra_rank is not None:
         return settings.infra_rank
+    if settings.launch.max_nodes == 1:
+        return 0  # the job's only participant is its rank 0 (as under ddp, before fit() too)
     try:
         return scheduler_node_index()
     except ValueError:  # a malformed variable is reported when the participant joins

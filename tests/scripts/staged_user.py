@@ -1,5 +1,6 @@
 """A user's whole Lightning script under ``ddp_ft``: fit, test, a second fit with a fresh Trainer,
-validate, predict -- five stages of one job.
+validate, predict -- five stages of one job. The test runs on the first fit's best checkpoint
+(``ckpt_path="best"``, a ``ModelCheckpoint`` of the first Trainer).
 
     python staged_user.py --out DIR [--steps N] [--kill-stage K --kill-step S] [--step-sleep S]
 
@@ -18,6 +19,7 @@ Before the second ``fit()`` it writes ``second-fit-<pid>``, and that fit's first
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -106,10 +109,12 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def trainer(root: Path, max_steps: int) -> pl.Trainer:
+def trainer(root: Path, max_steps: int, checkpoints: Path | None = None) -> pl.Trainer:
+    callbacks = [ModelCheckpoint(dirpath=str(checkpoints))] if checkpoints is not None else []
     return pl.Trainer(strategy="ddp_ft", accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=-1,
                       default_root_dir=str(root), logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=4, limit_test_batches=4,
+                      enable_checkpointing=checkpoints is not None, callbacks=callbacks, num_sanity_val_steps=0,
+                      limit_val_batches=4, limit_test_batches=4,
                       limit_predict_batches=4, val_check_interval=None, check_val_every_n_epoch=None)
 
 
@@ -135,18 +140,20 @@ def main() -> int:
     parser.add_argument("--kill-step", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test's stack dump of a hang
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kill = (args.kill_stage, args.kill_step) if args.kill_stage is not None else None
     model, data = Classifier(kill, out / "go", args.step_sleep), Data()
     returned, trained = [], []
 
-    first = trainer(out / f"root-{os.getpid()}", args.steps)
+    # the first fit saves Lightning checkpoints to a directory every participant reads (one host here)
+    first = trainer(out / f"root-{os.getpid()}", args.steps, checkpoints=out / "checkpoints")
     model.stage = 0
     returned.append(plain(first.fit(model, datamodule=data)))
     trained.append(bool(first.strategy.trained))
     model.stage = 1
-    returned.append(plain(first.test(model, datamodule=data)))
+    returned.append(plain(first.test(model, datamodule=data, ckpt_path="best")))
 
     (out / f"second-fit-{os.getpid()}").touch()
     second = trainer(out / f"root2-{os.getpid()}", 2 * args.steps)  # a fresh Trainer: the job's second fit
