@@ -10,7 +10,7 @@ the torchrun agent, which loads our rendezvous backend, free of the Lightning im
 from __future__ import annotations
 
 from lightning_ft._lazy import lazy_getattr
-from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
+from lightning_ft.exit_codes import ExitCode, FaultTolerantExit, JobEndedError
 from lightning_ft.strategy.registration import register_when_lightning_loads
 
 __version__ = "0.1.0"
@@ -23,7 +23,7 @@ _LAZY_NAMES = {
     "FaultTolerantFSDPStrategy": "lightning_ft.strategy",
 }
 
-__all__ = ["ExitCode", "FaultTolerantExit", "__version__", *_LAZY_NAMES]
+__all__ = ["ExitCode", "FaultTolerantExit", "JobEndedError", "__version__", *_LAZY_NAMES]
 
 __getattr__ = lazy_getattr("lightning_ft", _LAZY_NAMES, globals())
 

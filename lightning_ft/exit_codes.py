@@ -61,3 +61,10 @@ class JobCannotGoOn(RuntimeError):
 class StragglerEvicted(RuntimeError):
     """Raised inside ``fit()`` at a step boundary on the rank the straggler policy evicted: the
     strategy withdraws it from the job (never placed again) and ends it with ``EVICTED`` (84)."""
+
+
+class JobEndedError(RuntimeError):
+    """Raised by a Trainer call (``fit``, ``validate``, ``test``, ``predict``) made after an earlier
+    stage of this process ended the job with an error of its own, which the script caught: the
+    job's other participants have left, so no later stage can run in this run (a job of one
+    participant goes on instead). Catchable, as the error that ended the job was."""

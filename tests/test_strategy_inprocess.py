@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -156,13 +158,20 @@ def test_failures_without_progress_end_in_no_restart(tmp_path, port):
     assert any(e["event"] == "no_restart" for e in events(tmp_path))
 
 
-def test_a_bug_in_training_step_is_re_raised_not_recovered(tmp_path, port):
-    trainer = make_trainer(tmp_path, port)
+def test_a_bug_in_training_step_is_re_raised_not_recovered_and_a_later_fit_runs(tmp_path, port):
+    """The job's only participant raised: the user's error, catchable, as under ddp; the script that
+    catches it goes on (a later fit with the same or a fresh Trainer trains)."""
+    trainer = make_trainer(tmp_path, port, max_steps=10)
     with pytest.raises(ValueError, match="bug"):
         trainer.fit(Model(fail_at=[5], error=ValueError, message="bug in training_step"))
     assert trainer.strategy.recoveries == 0
-    rendezvous = trainer.strategy.session.rendezvous
-    assert str(rendezvous.closed_reason()).startswith("job failed: rank 0 raised ValueError: bug in training_step")
+    decisions = [e for e in events(tmp_path) if e["event"] == "decision"]
+    assert [(e["kind"], e["action"]) for e in decisions] == [("local_error", "raise")], decisions
+    trainer.fit(Model())
+    assert trainer.global_step == 10
+    fresh = make_trainer(tmp_path, port, max_steps=10)
+    fresh.fit(Model())
+    assert fresh.global_step == 10 and fresh.strategy.recoveries == 0
 
 
 class Evaluated(Model):
@@ -211,6 +220,31 @@ def test_evaluation_entry_points_run_as_stages_before_and_after_fit(tmp_path, po
         key = f"{'val' if stage == 'validate' else 'test'}_loss"
         assert before[0][key] != after[0][key]
     assert [e["round"] for e in events(tmp_path) if e["event"] == "finished"] == [0, 1, 2]
+
+
+class Tunable(Model):
+    """A model with an ``lr`` Lightning's learning-rate finder sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 0.01
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def test_the_learning_rate_finder_then_fit_are_two_stages_of_the_job(tmp_path, port):
+    """``Tuner.lr_find`` ends its trial ``fit()`` with Lightning's tuner exception: a completed
+    stage, not a failure; the ``fit()`` after it trains as usual."""
+    from lightning.pytorch.tuner import Tuner
+
+    trainer = make_trainer(tmp_path, port, max_steps=10)
+    model = Tunable()
+    finder = Tuner(trainer).lr_find(model, num_training=30, early_stop_threshold=None, update_attr=True)
+    assert finder is not None and finder.suggestion() is not None and model.lr == finder.suggestion()
+    trainer.fit(model)
+    assert trainer.global_step == 10 and trainer.strategy.recoveries == 0
+    assert [e["round"] for e in events(tmp_path) if e["event"] == "finished"] == [0, 1]
 
 
 def test_before_fit_a_single_participant_job_is_rank_0_as_under_ddp(tmp_path, port):
@@ -263,6 +297,43 @@ def test_bad_strategy_arguments_are_named(kwargs, needle, port):
 
     with pytest.raises(StrategyConfigError, match=needle):
         FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{port}", run_id="r", min_nodes=2, max_nodes=3, **kwargs)
+
+
+def test_fits_of_ever_new_runs_in_one_process_leave_nothing_behind(tmp_path):
+    """A process that takes part in one run after another (a test suite, a sweep) keeps only the
+    current run's threads and connections: the 54th fit used to fail with "Too many open files"."""
+    import gc
+
+    from examples.procs import free_port
+
+    def footprint() -> tuple[int, int]:
+        gc.collect()
+        return len(os.listdir("/proc/self/fd")), sum(t.name.startswith("lightning_ft") for t in threading.enumerate())
+
+    seen = []
+    for index in range(12):
+        strategy = FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{free_port()}", run_id=f"sweep-{index}",
+                                            min_nodes=1, max_nodes=1, events_dir=tmp_path / "events",
+                                            hang_detection=False, snapshot_every_n_seconds=None)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, max_epochs=-1,
+                             logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, default_root_dir=str(tmp_path))
+        trainer.fit(Model())
+        seen.append(footprint())
+    # the first run's own, then no growth (an ended run's threads end on their own time: waited for)
+    deadline = time.monotonic() + 10
+    while not all(now <= first for now, first in zip(footprint(), seen[1], strict=True)):
+        assert time.monotonic() < deadline, (seen, footprint())
+        time.sleep(0.1)
+
+
+def test_num_nodes_is_refused_with_a_message(port):
+    """``Trainer(num_nodes=2)`` was silently ignored: the rendezvous sizes the job."""
+    from lightning_ft.strategy import StrategyConfigError
+
+    strategy = FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{port}", run_id="r", min_nodes=1, max_nodes=1)
+    with pytest.raises(StrategyConfigError, match=r"num_nodes=2.*LIGHTNING_FT_NNODES"):
+        pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, logger=False)
 
 
 def test_more_than_one_device_per_process_is_refused(port):

@@ -114,3 +114,19 @@ def test_a_node_lost_in_any_stage_is_replaced_and_every_stage_returns_what_it_re
         assert result["returned"][index:] == expected["returned"][index:], (result, expected)
     decisions = [e for e in cluster.events_of("decision")]
     assert decisions and all(e["action"] == "recover" for e in decisions), cluster.logs()
+
+
+@pytest.mark.timeout(180)
+def test_a_bug_in_a_stage_raises_the_users_error_and_later_calls_say_the_job_ended(processes, tmp_path):
+    """Every active raises the same ValueError in the first fit (a bug): each gets it -- catchable,
+    as under ddp -- and the script that catches it and goes on gets a ``JobEndedError`` from each
+    later call (the job failed: its other participants left), not an exit; the spare ends 83 (the
+    job failed: do not requeue)."""
+    cluster, codes = run_script(processes, tmp_path, "--bug-stage", "0")
+    found = results(cluster)
+    actives = [name for name, result in found.items() if result["returned"][0] == {"raised": "ValueError"}]
+    assert len(actives) == 2, (found, cluster.logs())
+    for name in actives:
+        assert codes[name] == 0 and found[name]["returned"][1:] == [{"raised": "JobEndedError"}] * 4, found
+    spare = next(name for name in NAMES if name not in actives)
+    assert codes[spare] == 83, cluster.logs()

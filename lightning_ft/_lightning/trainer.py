@@ -8,6 +8,7 @@ from typing import Any
 from lightning.fabric.strategies.model_parallel import _setup_device_mesh
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.pytorch.trainer.setup import _log_device_info
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 
 
 def log_device_info(trainer: Any) -> None:
@@ -52,3 +53,9 @@ def replace_checkpoint_path(trainer: Any, args: tuple, choose: Callable[[Any, bo
         return args
     chosen = choose(args[position], args[0] is not None)
     return args if chosen is args[position] else (*args[:position], chosen, *args[position + 1:])
+
+
+def is_tuner_exit(exc: BaseException) -> bool:
+    """Whether ``exc`` is how Lightning's tuner (``lr_find``, ``scale_batch_size``) ends the trial
+    ``fit()`` it runs: the stage completed; Lightning's own caller handles the exception."""
+    return isinstance(exc, _TunerExitException)

@@ -46,3 +46,9 @@ class FailoverBackend:
     def follow_newest(self) -> None:
         if self.participant is not None:
             self.participant.follow_newest()
+
+    def close(self) -> None:
+        """Stop the candidates' refresher and the presence listener (joined)."""
+        if self.participant is not None:
+            self.participant.close()
+        self.switchboard.close()

@@ -74,6 +74,11 @@ class FailoverParticipant:
         """Before re-joining after a failure (see :meth:`StoreSwitchboard.follow_newest`)."""
         self.switchboard.follow_newest()
 
+    def close(self) -> None:
+        """The participant left for good: stop the refresher (joined)."""
+        if self._refresher is not None:
+            self._refresher.stop()
+
 
 class CandidateRefresher(BackgroundThread):
     """Re-reads the tracked round's arrivals when their hint changes (about once a second, one

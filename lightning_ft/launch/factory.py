@@ -41,6 +41,12 @@ class Participant:
     def hosting(self) -> bool:
         return self.backend.hosting
 
+    def close(self) -> None:
+        """After the rendezvous was left for good: stop every thread and listener of the
+        participant (its store connections end with their last holder)."""
+        self.rendezvous.stop_heartbeat()
+        self.backend.close()
+
 
 def open_participant(endpoint: Endpoint, is_host: bool | None, info: ParticipantInfo,
                      settings: RendezvousSettings) -> Participant:

@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.pristine import PristineState
-from lightning_ft._lightning.trainer import is_fitting, replace_checkpoint_path
+from lightning_ft._lightning.trainer import is_fitting, is_tuner_exit, replace_checkpoint_path
 from lightning_ft._lightning.trainer_reset import mark_finished
 from lightning_ft.checkpoint.exchange.replication import replica_cipher
 from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
@@ -44,7 +44,7 @@ from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.service import replica_puller
 from lightning_ft.deadlines import call_with_timeout, first_line
 from lightning_ft.events import names as ev
-from lightning_ft.exit_codes import ExitCode, FaultTolerantExit
+from lightning_ft.exit_codes import ExitCode, FaultTolerantExit, JobEndedError
 from lightning_ft.process import destroy_process_group
 from lightning_ft.rendezvous.barrier import ActivesFinishedError, ParticipantExcludedError, RoundResult
 from lightning_ft.runtime.decisions import (
@@ -126,6 +126,10 @@ class RendezvousFitLoop:
         host, run = self._host, self.run
         run.trainer = trainer
         session = self._open_session()
+        if session.failed_with is not None:
+            raise JobEndedError(f"ddp_ft: run {host.settings.run_id!r} ended in {session.failed_with} (this "
+                                "process's error); its other participants have left, so no later fit(), "
+                                "validate(), test() or predict() can run in it: start a new run (run id)")
         stage, fit = session.next_stage(is_fitting(trainer))
         if not self._callbacks_added and trainer is not None:
             self._callbacks_added = True
@@ -144,13 +148,21 @@ class RendezvousFitLoop:
                 return stand_by_result(trainer)  # a spare that was not needed (or the job ended)
             after_failure = session.rendezvous.stages.follows_a_failure(result.round)
             run.start_round(RoundRuntime(result, result.round, run.failure_at, after_failure=after_failure))
+            tuner_exit = None
             try:
-                output = function(*self._with_checkpoint_path(session, trainer, args), **kwargs)
+                try:
+                    output = function(*self._with_checkpoint_path(session, trainer, args), **kwargs)
+                except Exception as exc:  # a tuner's end passes; the rest goes to the executor
+                    if not is_tuner_exit(exc):
+                        raise
+                    tuner_exit = exc  # lr_find / scale_batch_size ended their trial fit: it completed
                 self._pass_exit_barrier(session, result)
             except BaseException as exc:  # noqa: BLE001 - every exception is classified by the executor
                 run.failure_at = self._executor.handle(exc, trainer)
                 continue  # recovered: re-form the group and run the stage again
             self._finish_stage(session, result, stage)
+            if tuner_exit is not None:
+                raise tuner_exit  # Lightning's caller ends the tuner's fit() with it
             return output
 
     def _with_checkpoint_path(self, session: Session, trainer: Any, args: tuple) -> tuple:

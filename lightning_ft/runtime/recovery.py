@@ -244,6 +244,18 @@ class RecoveryExecutor:
         elif outcome.close is CloseKind.STOPPED:
             session.events.emit(ev.STOPPED, round=result.round, reason=f"{CloseKind.STOPPED.label}: {text}")
             close = CloseReason(CloseKind.STOPPED, text)
+        if close is not None and close.kind is CloseKind.FAILED and self._host.settings.launch.max_nodes == 1:
+            # the job's only participant: nobody to tell, and the script may catch the error and go
+            # on to a later stage (as under ddp), which needs the rendezvous open: the stage ends
+            self._host.stop_round_threads()
+            try:
+                session.rendezvous.records.finish_round(result.round)
+            except (RuntimeError, OSError) as error:
+                log.warning("ddp_ft: could not record the end of round %d: %s", result.round, first_line(error))
+            log.info("ddp_ft: %s; not recovering (%s); a later stage of the job may still run", text, kind.value)
+            raise exc
+        if close is not None and close.kind is CloseKind.FAILED:
+            session.failed_with = f"stage {session.stages_started - 1}: {close.text}"
         # Lightning runs on_exception hooks and its teardown, as for any error: the group stays
         self.leave(close, failed=text if outcome.publish_error else None, destroy_group=False)
         log.info("ddp_ft: %s; not recovering (%s)", text, kind.value)

@@ -66,6 +66,9 @@ class Session:
     #: or whose state it received; see runtime/stage_state.py)
     trained_through: int = NO_FIT
     ended: bool = False
+    #: this process ended the job with an error of its own in a stage (its text): no later stage
+    #: can run (see JobEndedError)
+    failed_with: str | None = None
 
     @classmethod
     def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> Session:
@@ -113,12 +116,12 @@ class Session:
             return
         self.ended = True
         rendezvous = self.rendezvous
-        if rendezvous.left:
-            return  # it left already (an exit of its own, a withdrawal): nothing more to tell
-        try:
-            rendezvous.shutdown(job_finished=self.finished_as_active, reason="the job's last stage completed")
-        except (RuntimeError, OSError) as exc:
-            log.warning("ddp_ft: could not leave the rendezvous at the end of the job: %s", exc)
+        if not rendezvous.left:  # else it left already (an exit of its own, a withdrawal)
+            try:
+                rendezvous.shutdown(job_finished=self.finished_as_active, reason="the job's last stage completed")
+            except (RuntimeError, OSError) as exc:
+                log.warning("ddp_ft: could not leave the rendezvous at the end of the job: %s", exc)
+        self.participant.close()
 
     @property
     def store(self) -> Any:

@@ -41,6 +41,9 @@ class RendezvousBackend(Protocol):
         """Before a participant that trained re-joins: follow the store the others moved to while
         this process could not (it was frozen), if they did."""
 
+    def close(self) -> None:
+        """The participant left the run for good: stop the backend's threads and listeners."""
+
 
 class StoreBackend:
     """One TCPStore at the endpoint for the life of the job."""
@@ -64,3 +67,6 @@ class StoreBackend:
 
     def follow_newest(self) -> None:
         """A plain store never moves."""
+
+    def close(self) -> None:
+        """Nothing of its own runs (the store's connections go with their last holder)."""

@@ -144,6 +144,12 @@ class FaultTolerantSurface(ParallelStrategy):
                 f"{self.strategy_name}: each process is one participant and trains on one device, but devices="
                 f"{len(self.parallel_devices)} was given; pass devices=1 and start one process per device "
                 "(srun --ntasks-per-node, one container per device, ...)")
+        nodes = getattr(self, "num_nodes", 1)
+        if self.launch_mode is LaunchMode.RENDEZVOUS and nodes != 1:
+            raise StrategyConfigError(
+                f"{self.strategy_name}: Trainer(num_nodes={nodes}) is not how this job's size is set: the rendezvous "
+                "forms it from the participants that join (min_nodes/max_nodes, LIGHTNING_FT_NNODES=MIN:MAX); "
+                "leave num_nodes at 1")
         self._launcher = RuntimeLauncher(self.ft.loop)
 
     def set_world_ranks(self) -> None:

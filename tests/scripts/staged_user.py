@@ -7,7 +7,9 @@ validate, predict -- five stages of one job. The test runs on the first fit's be
 The LightningModule and the data are the same on every process; the job's settings come from the
 LIGHTNING_FT_* variables. ``--kill-stage K --kill-step S``: the process that is global rank 0 in
 stage K SIGKILLs itself at step S of that stage (a fit; its batch S in an evaluation) -- a node
-lost in the middle of that stage, once in the job.
+lost in the middle of that stage, once in the job. ``--bug-stage K``: training raises a
+``ValueError`` at step 2 of stage K on every rank (a bug in the user's code); the script catches
+what each call raises and records its type (``{"raised": "ValueError"}``) instead of a result.
 
 Writes ``result-<pid>.json`` into ``--out`` when the script ends: what every stage returned
 (``None`` for a fit; the metrics or the number of predictions, ``[]`` on a participant that stood
@@ -60,9 +62,9 @@ class Data(pl.LightningDataModule):
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, kill: tuple[int, int] | None, go: Path, step_sleep: float) -> None:
+    def __init__(self, kill: tuple[int, int] | None, go: Path, step_sleep: float, bug_stage: int | None) -> None:
         super().__init__()
-        self.go, self.step_sleep = go, step_sleep
+        self.go, self.step_sleep, self.bug_stage = go, step_sleep, bug_stage
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
         self.kill = kill
@@ -88,6 +90,8 @@ class Classifier(pl.LightningModule):
                 time.sleep(0.02)
         time.sleep(self.step_sleep)
         self._maybe_die(self.trainer.global_step)
+        if self.stage == self.bug_stage and self.trainer.global_step == 2:
+            raise ValueError("a bug in training_step")
         loss, _ = self._loss_and_accuracy(batch)
         return loss
 
@@ -132,6 +136,15 @@ def plain(results) -> object:
     return [{k: round(float(v), 6) for k, v in r.items()} for r in results]
 
 
+def call(method, *args, **kwargs) -> object:
+    """A Trainer call's results as JSON, or the type of the exception it raised (caught, as a
+    script that goes on after a failed stage does)."""
+    try:
+        return plain(method(*args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - recorded: the test reads it
+        return {"raised": type(exc).__name__}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -139,31 +152,32 @@ def main() -> int:
     parser.add_argument("--kill-stage", type=int, default=None)
     parser.add_argument("--kill-step", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--bug-stage", type=int, default=None)
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test's stack dump of a hang
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kill = (args.kill_stage, args.kill_step) if args.kill_stage is not None else None
-    model, data = Classifier(kill, out / "go", args.step_sleep), Data()
+    model, data = Classifier(kill, out / "go", args.step_sleep, args.bug_stage), Data()
     returned, trained = [], []
 
     # the first fit saves Lightning checkpoints to a directory every participant reads (one host here)
     first = trainer(out / f"root-{os.getpid()}", args.steps, checkpoints=out / "checkpoints")
     model.stage = 0
-    returned.append(plain(first.fit(model, datamodule=data)))
+    returned.append(call(first.fit, model, datamodule=data))
     trained.append(bool(first.strategy.trained))
     model.stage = 1
-    returned.append(plain(first.test(model, datamodule=data, ckpt_path="best")))
+    returned.append(call(first.test, model, datamodule=data, ckpt_path="best"))
 
     (out / f"second-fit-{os.getpid()}").touch()
     second = trainer(out / f"root2-{os.getpid()}", 2 * args.steps)  # a fresh Trainer: the job's second fit
     model.stage = 2
-    returned.append(plain(second.fit(model, datamodule=data)))
+    returned.append(call(second.fit, model, datamodule=data))
     trained.append(bool(second.strategy.trained))
     model.stage = 3
-    returned.append(plain(second.validate(model, datamodule=data)))
+    returned.append(call(second.validate, model, datamodule=data))
     model.stage = 4
-    returned.append(plain(second.predict(model, datamodule=data)))
+    returned.append(call(second.predict, model, datamodule=data))
 
     result = {"pid": os.getpid(), "returned": returned, "trained": trained, "step": second.global_step,
               "weights": digest(model)}
