@@ -206,59 +206,20 @@ def quiet_logs(verbose: bool) -> None:
 
 
 def stateful_loader(dataset: Any, batch_size: int, seed: int, trainer: Any):
-    """A shuffling ``StatefulDataLoader`` whose position is part of every snapshot, so a resume
-    continues with exactly the batch that came next (checked by the tests: same final weights).
+    """A shuffling loader whose position is part of every snapshot, so a resume continues with
+    exactly the batch that came next (checked by the tests: same final weights):
+    :func:`lightning_ft.data.resumable_loader`."""
+    from lightning_ft.data import resumable_loader
 
-    The sampler is ours (:func:`resumable_sampler`); Lightning keeps a ``DistributedSampler``
-    it is given instead of inserting its own. ``drop_last``: every step sees a full batch on
-    every rank.
-    """
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    sampler = resumable_sampler(dataset, trainer.world_size, max(trainer.global_rank, 0), seed)
-    return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    return resumable_loader(dataset, batch_size, trainer, seed=seed)
 
 
 def resumable_sampler(dataset: Any, world_size: int, rank: int, seed: int):
-    """This rank's shard of a per-epoch shuffle, that counts its own epochs and saves (epoch, position).
+    """This rank's shard of a per-epoch shuffle that saves (epoch, position): see
+    :class:`lightning_ft.data.ResumableShuffleSampler`."""
+    from lightning_ft.data import ResumableShuffleSampler
 
-    Why not the usual samplers: Lightning tells the sampler the epoch through ``set_epoch``,
-    and after a resume from a snapshot taken at the last step of an epoch its epoch counter is
-    one ahead of the uninterrupted run's, so a ``DistributedSampler`` would shuffle every later
-    epoch differently. torchdata's single-process ``RandomSampler`` shares its generator with the loader's
-    per-epoch seed draw, which a restore does not replay. Counting epochs here, seeded by
-    ``seed + epoch``, makes the order a pure function of the saved state.
-    """
-    from torch.utils.data import DistributedSampler
-
-    class ResumableShuffleSampler(DistributedSampler):
-        def __init__(self) -> None:
-            super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
-            self.yielded = 0
-            self._next_epoch = 0
-            self._restored: tuple[int, int] | None = None
-
-        def set_epoch(self, epoch: int) -> None:
-            pass  # we count epochs ourselves (see above)
-
-        def __iter__(self):
-            # a generator: nothing happens until the first index is taken, so iterators that are
-            # created and dropped (Lightning and torchdata both make spare ones) do not count
-            epoch, skip = self._restored if self._restored is not None else (self._next_epoch, 0)
-            self._restored = None
-            self.epoch, self._next_epoch, self.yielded = epoch, epoch + 1, skip
-            for index in list(super().__iter__())[skip:]:
-                self.yielded += 1
-                yield index
-
-        def state_dict(self) -> dict[str, int]:
-            return {"epoch": self.epoch, "yielded": self.yielded}
-
-        def load_state_dict(self, state: dict[str, int]) -> None:
-            self._restored = (int(state["epoch"]), int(state["yielded"]))
-            self._next_epoch = self._restored[0] + 1
-
-    return ResumableShuffleSampler()
+    return ResumableShuffleSampler(dataset, world_size, rank, seed)
 
 
 def build_trainer(args: argparse.Namespace, run_id: str, extra_callbacks: Sequence[Any] = ()):

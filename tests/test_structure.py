@@ -147,7 +147,7 @@ LAYERS = (
     ("paths", ("termination", "stragglers", "failover")),
     ("entry points", ("launch", "report", "cli")),
     ("runtime", ("runtime",)),
-    ("surfaces", ("strategy", "")),
+    ("surfaces", ("strategy", "data", "")),
 )
 
 
