@@ -55,7 +55,7 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 import lightning.pytorch as pl  # noqa: E402
 import torchmetrics  # noqa: E402
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, TensorDataset  # noqa: E402
 
 # ----------------------------------------------------------------------------- knobs
 
@@ -112,40 +112,6 @@ def progress(trainer: Any, ev: str, **fields: Any) -> None:
 # ----------------------------------------------------------------------------- data
 
 
-class ResumableShuffleSampler(DistributedSampler):
-    """A rank's shard of a per-epoch shuffle that counts epochs itself and saves (epoch, position).
-
-    Lightning calls ``set_epoch`` with its own epoch counter, which after a resume from a
-    snapshot taken at an epoch's last batch is one ahead; ignoring it and counting here makes
-    the order a function of the saved state only. ``StatefulDataLoader`` saves/restores it.
-    """
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self.position = 0
-        self._next_epoch = 0
-        self._resume: tuple[int, int] | None = None
-
-    def set_epoch(self, epoch: int) -> None:  # ignores epoch: see the class docstring
-        pass
-
-    def __iter__(self):
-        epoch, skip = self._resume if self._resume is not None else (self._next_epoch, 0)
-        self._resume = None
-        self.epoch, self._next_epoch, self.position = epoch, epoch + 1, skip
-        order = list(super().__iter__())
-        for index in order[skip:]:
-            self.position += 1
-            yield index
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self._resume = (int(state["epoch"]), int(state["position"]))
-        self._next_epoch = self._resume[0] + 1
-
-
 class UserDataModule(pl.LightningDataModule):
     """Synthetic 4-class problem: 16 features, a fixed random teacher network labels them."""
 
@@ -180,13 +146,9 @@ class UserDataModule(pl.LightningDataModule):
         if self.hparams.loader == "plain":
             # what most users write; Lightning swaps in a DistributedSampler under DDP
             return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
-        from torchdata.stateful_dataloader import StatefulDataLoader
+        from lightning_ft.data import resumable_loader
 
-        trainer = self.trainer
-        sampler = ResumableShuffleSampler(self.train_set, trainer.world_size, max(trainer.global_rank, 0),
-                                          seed=self.hparams.data_seed)
-        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=sampler,
-                                  drop_last=True)
+        return resumable_loader(self.train_set, self.hparams.batch_size, self.trainer, seed=self.hparams.data_seed)
 
     def val_dataloader(self):
         return DataLoader(self.val_set, batch_size=32, shuffle=False)
