@@ -430,3 +430,22 @@ def test_a_tick_given_after_the_waiters_check_wakes_its_wait(tcp_store):
     tcp_store.set(keys.tick(0, 4), "")
     assert waiter.wait(20.0), "the waiter slept through the tick that announced the decision"
     assert not waiter.wait(0.2), "no newer tick came"
+
+
+def test_a_participant_waiting_alone_says_why_at_a_bounded_rate(tcp_store, monkeypatch, caplog):
+    """It used to print nothing for the whole join timeout: now "waiting for N more" after a
+    moment, then at most once per interval."""
+    import lightning_ft.rendezvous.barrier as barrier
+
+    monkeypatch.setattr(barrier, "WAITING_NOTE_AFTER", 0.2)
+    monkeypatch.setattr(barrier, "WAITING_NOTE_EVERY", 0.5)
+    alone = make(tcp_store, 0, min_nodes=2, max_nodes=2, join_timeout=1.6)
+    try:
+        with caplog.at_level("INFO", logger="lightning_ft.rendezvous.barrier"), \
+                pytest.raises(RendezvousTimeoutError):
+            alone.join_round()
+    finally:
+        stop([alone])
+    notes = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert 1 <= len(notes) <= 4, notes  # 0.2 s, then every 0.5 s of a 1.6 s wait: 3 when idle
+    assert "waiting for 1 more participant(s) (1 of min_nodes=2 arrived" in notes[0], notes

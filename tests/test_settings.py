@@ -206,3 +206,30 @@ def test_straggler_eviction_can_be_turned_off_from_the_environment():
                             straggler_factor=2.5).stragglers.straggler_factor == 2.5
     with pytest.raises(SettingsError, match="LIGHTNING_FT_STRAGGLER_FACTOR"):
         resolve_settings({**env, "LIGHTNING_FT_STRAGGLER_FACTOR": "fast"})
+
+
+def test_a_misspelt_variable_is_named_with_the_closest_known_one(caplog):
+    """``LIGHTNING_FT_PERIST_TO`` (sic) was silently ignored: the durable tier was off."""
+    from lightning_ft.settings.environment import unknown_variables, warn_unknown_variables
+
+    env = {"LIGHTNING_FT_PERIST_TO": "/mnt/ckpt", "LIGHTNING_FT_RUN_ID": "r", "LIGHTNING_FT_XYZZY": "1", "HOME": "/"}
+    assert unknown_variables(env) == [("LIGHTNING_FT_PERIST_TO", "LIGHTNING_FT_PERSIST_TO"),
+                                      ("LIGHTNING_FT_XYZZY", None)]
+    with caplog.at_level("WARNING", logger="lightning_ft.settings.environment"):
+        warn_unknown_variables(env)
+        warn_unknown_variables(env)  # once per name and process
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "did you mean LIGHTNING_FT_PERSIST_TO?" in lines[0], lines
+
+
+def test_every_variable_the_package_reads_is_known():
+    """The list of known variables follows the code: every ``LIGHTNING_FT_*`` name in the package."""
+    import re
+
+    from lightning_ft.settings.environment import KNOWN_VARIABLES
+
+    from proc_utils import REPO_ROOT
+
+    named = {m for path in (REPO_ROOT / "lightning_ft").rglob("*.py")
+             for m in re.findall(r"\"(LIGHTNING_FT_[A-Z0-9_]*[A-Z0-9])\"", path.read_text())}
+    assert named and named <= KNOWN_VARIABLES, sorted(named - KNOWN_VARIABLES)

@@ -23,6 +23,7 @@ from lightning_ft.termination.decision import (
     resolve_grace_seconds,
 )
 from lightning_ft.termination.exit_records import (
+    launcher_status,
     read_exit_records,
     run_and_summarize,
     summarize_exit_codes,
@@ -186,7 +187,9 @@ def test_the_stop_watcher_learns_a_peers_stop_and_unhealthy_exit_and_confirms(tc
     try:
         assert watcher.request is None and not rank0.all_confirmed()
         agreed = rank0.propose(7, signal.SIGTERM, "rank 0: SIGTERM received")  # confirms, wakes everyone
-        assert wait_until(lambda: watcher.request is not None)
+        # two effects of one wake-up, in this order: the request is published (and confirmed),
+        # then on_stop runs -- wait for the later one before asserting both
+        assert wait_until(lambda: bool(learned))
         assert watcher.request == agreed and learned == [(agreed, "lightning-ft-stop-watcher")]
         assert rank0.wait_until_all_confirmed(10.0)  # rank 1's watcher confirmed for it
         assert not watcher.peer_unhealthy
@@ -244,6 +247,14 @@ def test_wrapper_exits_with_the_recorded_code(tmp_path):
     assert sorted(r["rank"] for r in read_exit_records(launch)) == [0, 1]
     # a crashed launch (exit 1, no record of its own) is not made 81 by another job's record
     assert run_and_summarize([sys.executable, "-c", "import sys; sys.exit(1)"], tmp_path) == 1
+
+
+def test_a_launcher_ended_by_a_signal_gives_128_plus_the_signal(tmp_path):
+    """``Popen`` reports a death by SIGTERM as -15; the wrapper used to exit with it (241 as a
+    process status, which no requeue rule matches). A real signal, a real child."""
+    script = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+    assert run_and_summarize([sys.executable, "-c", script], tmp_path) == 128 + signal.SIGTERM
+    assert launcher_status(-9) == 137 and launcher_status(0) == 0 and launcher_status(1) == 1
 
 
 def test_exit_record_is_not_written_through_a_planted_link(tmp_path):

@@ -102,6 +102,12 @@ class RoundResult:
         return self.rank >= 0
 
 
+
+#: a participant waiting for a round to complete says why after this long, then this often
+WAITING_NOTE_AFTER = 5.0
+WAITING_NOTE_EVERY = 15.0
+
+
 class BarrierRendezvous:
     """One participant's side of the barrier rendezvous.
 
@@ -338,13 +344,15 @@ class BarrierRendezvous:
         coordinator = Coordinator(self, round_id) if holder == self.participant_id else None
         watch = CoordinatorWatch(start, next_check=start + settings.heartbeat_every, holder=holder)
         ticks = TickWaiter(self._tick_connection(), self.keys, round_id)
-        checked_at = start  # join_round just checked the close and the round
+        checked_at, note_at = start, start + WAITING_NOTE_AFTER  # join_round just checked the close, the round
         while True:
             if coordinator is None:
                 ticks.arm()
             if self._is_ready(round_id):
                 return self._read_result(round_id)
             now = self.clock()
+            if now >= note_at:  # a wait that prints nothing looks like a hang: say why
+                note_at = now + note_waiting(self.records, settings, round_id, now - start, deadline - now)
             # a waiter checks each time a tick woke it; the coordinator once per tick it gives
             if coordinator is None or now - checked_at >= settings.tick_interval:
                 checked_at = now
@@ -500,3 +508,16 @@ class BarrierRendezvous:
             # joined: a process that leaves right after must not end with a beat on its way
             # (a thread back from a store call while the interpreter finalizes aborts it)
             self._heartbeat.stop()
+
+
+def note_waiting(records: RunRecords, settings: RendezvousSettings, round_id: int, waited: float,
+                 left: float) -> float:
+    """Say why a participant still waits for ``round_id`` (too few arrived); returns how long until
+    it says it again."""
+    arrived = len(records.arrivals(round_id))
+    missing = settings.min_nodes - arrived
+    if missing > 0:
+        log.info("round %d of run %r: waiting for %d more participant(s) (%d of min_nodes=%d arrived, %.0fs so "
+                 "far, %.0fs left of the join timeout)", round_id, settings.run_id, missing, arrived,
+                 settings.min_nodes, waited, left)
+    return WAITING_NOTE_EVERY

@@ -24,7 +24,13 @@ from lightning_ft.rendezvous.settings import RendezvousConfigError, RendezvousOp
 from lightning_ft.runtime.decisions import merge_setting, parse_nnodes
 from lightning_ft.schema.signing import SecretError, read_secret
 from lightning_ft.settings import SettingsError, Timeouts, describe, group, load, setting
-from lightning_ft.settings.environment import ENV_DOMAIN_ID, environ, resolve_domain_id, resolve_run_id
+from lightning_ft.settings.environment import (
+    ENV_DOMAIN_ID,
+    environ,
+    resolve_domain_id,
+    resolve_run_id,
+    warn_unknown_variables,
+)
 from lightning_ft.settings.fields import (
     boolean,
     internal,
@@ -221,6 +227,7 @@ def resolve_settings(env: Mapping[str, str] | None = None, *, timeout: Any = Non
     ``timeout``: DDP's process-group timeout.
     """
     env = environ() if env is None else env
+    warn_unknown_variables(env)  # a misspelt variable is never silently ignored
     endpoint, run_id, min_nodes, max_nodes = (given.pop(name, None) for name in LAUNCH_ARGUMENTS)
     launch = resolve_launch_config(endpoint, run_id, min_nodes, max_nodes, env)
     try:

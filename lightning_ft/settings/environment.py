@@ -8,9 +8,13 @@ index, what torchrun tells its workers.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import socket
 from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
 
 #: the run id, first of these that is set (TORCHELASTIC_RUN_ID's placeholder ``none`` does not count)
 RUN_ID_VARIABLES = ("LIGHTNING_FT_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
@@ -34,6 +38,48 @@ INFRA_RANK_VARIABLES = (
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s. Workers inherit the two environment
 # variables but never see the command-line flag.
 TORCHELASTIC_SHUTDOWN_VARIABLES = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+
+
+#: every ``LIGHTNING_FT_*`` variable something of this project reads (the package, the SLURM
+#: scripts, the test harness); another one is most likely a misspelt one of these
+KNOWN_VARIABLES = frozenset({
+    "LIGHTNING_FT_DOMAIN_ID", "LIGHTNING_FT_ENDPOINT", "LIGHTNING_FT_EVENTS_DIR", "LIGHTNING_FT_EXIT_RECORD_DIR",
+    "LIGHTNING_FT_EXIT_RECORD_LAUNCH_DIR", "LIGHTNING_FT_GRACE_SECONDS", "LIGHTNING_FT_HEALTH_COMMAND",
+    "LIGHTNING_FT_HEALTH_DISK_PATHS", "LIGHTNING_FT_HEALTH_MARKERS", "LIGHTNING_FT_HEALTH_MIN_AVAILABLE_MEMORY_MB",
+    "LIGHTNING_FT_HEALTH_MIN_FREE_DISK_MB", "LIGHTNING_FT_HEALTH_REQUIRE_CUDA", "LIGHTNING_FT_HEALTH_TIMEOUT",
+    "LIGHTNING_FT_HOST_ROOT", "LIGHTNING_FT_INFRA_RANK", "LIGHTNING_FT_IS_STORE_HOST", "LIGHTNING_FT_LOG_LEVEL",
+    "LIGHTNING_FT_MTBF_SECONDS", "LIGHTNING_FT_NNODES", "LIGHTNING_FT_PERSIST_EVERY_SECONDS",
+    "LIGHTNING_FT_PERSIST_KEEP_LAST", "LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND", "LIGHTNING_FT_PERSIST_MAX_OVERHEAD",
+    "LIGHTNING_FT_PERSIST_STORAGE_OPTIONS", "LIGHTNING_FT_PERSIST_TO", "LIGHTNING_FT_RUN_ID", "LIGHTNING_FT_SECRET",
+    "LIGHTNING_FT_SECRET_FILE", "LIGHTNING_FT_SNAPSHOT_DIR", "LIGHTNING_FT_STRAGGLER_FACTOR",
+    "LIGHTNING_FT_STRAGGLER_MARKER", "LIGHTNING_FT_PYTHON",
+    # the project's own test harness
+    "LIGHTNING_FT_TESTS_NO_PREFORK", "LIGHTNING_FT_UPDATE_CHARACTERIZATION", "LIGHTNING_FT_CHARACTERIZATION_DUMP",
+})
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """Each ``LIGHTNING_FT_*`` variable of ``env`` that nothing reads, with the closest known name
+    (None when none is close): a misspelt variable must not be silently ignored."""
+    found = []
+    for name in sorted(_env(env)):
+        if name.startswith("LIGHTNING_FT_") and name not in KNOWN_VARIABLES:
+            close = difflib.get_close_matches(name, KNOWN_VARIABLES, n=1, cutoff=0.8)
+            found.append((name, close[0] if close else None))
+    return found
+
+
+_warned_variables: set[str] = set()
+
+
+def warn_unknown_variables(env: Mapping[str, str] | None = None) -> None:
+    """Log a warning for each unknown ``LIGHTNING_FT_*`` variable (once per name and process)."""
+    for name, close in unknown_variables(env):
+        if name in _warned_variables:
+            continue
+        _warned_variables.add(name)
+        hint = f"; did you mean {close}?" if close else ""
+        log.warning("lightning_ft: the environment variable %s is not one lightning_ft reads (ignored)%s", name, hint)
 
 
 def environ() -> Mapping[str, str]:

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_ft.exit_codes import ExitCode
+from lightning_ft.exit_codes import ExitCode, stopped_by
 from lightning_ft.private_dirs import DirPurpose, make_private_dir, require_private_dir
 from lightning_ft.settings.environment import child_environment, environ, job_label
 
@@ -144,6 +144,13 @@ def summarize_exit_codes(record_codes: Sequence[int], launcher_code: int) -> int
     return int(ExitCode.PREEMPTED) if not others else int(others[0])
 
 
+def launcher_status(returncode: int) -> int:
+    """The launcher's exit status as a shell reports it: a death by signal N (``Popen`` says -N)
+    is 128 + N -- an exit status the wrapper can itself exit with (``sys.exit(-15)`` exits 241,
+    which no requeue rule matches)."""
+    return stopped_by(-returncode) if returncode < 0 else returncode
+
+
 def code_without_records(launcher_code: int) -> int:
     """The node code when the records cannot be trusted: the launcher's success stands (it needs
     no record), anything else is ``NO_RESTART`` -- never 0 or 81 for a launcher that failed."""
@@ -177,7 +184,7 @@ def run_and_summarize(command: Sequence[str], directory: str | os.PathLike,
         signal.signal(signum, _forward)
     while True:
         try:
-            launcher_code = child.wait()
+            launcher_code = launcher_status(child.wait())
             break
         except InterruptedError:  # pragma: no cover - PEP 475 retries for us
             continue
