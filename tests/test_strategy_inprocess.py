@@ -327,6 +327,20 @@ def test_fits_of_ever_new_runs_in_one_process_leave_nothing_behind(tmp_path):
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_finished_job_removes_its_snapshots_from_memory_unless_told_to_keep_them(tmp_path, port, keep):
+    first = make_trainer(tmp_path, port, max_steps=12, keep_snapshots_when_finished=keep)
+    first.fit(Model())
+    second = make_trainer(tmp_path, port, max_steps=12, keep_snapshots_when_finished=keep)
+    second.fit(Model())
+    roots = sorted(p.name for p in (tmp_path / "shm").iterdir())
+    assert roots == ["inproc", "inproc-fit1"], roots  # while the job goes on (a later stage may come)
+    (tmp_path / "shm" / "other-job").mkdir()
+    first.strategy.session.end()  # what the process's exit does
+    left = sorted(p.name for p in (tmp_path / "shm").iterdir())
+    assert left == (["inproc", "inproc-fit1", "other-job"] if keep else ["other-job"]), left
+
+
 def test_num_nodes_is_refused_with_a_message(port):
     """``Trainer(num_nodes=2)`` was silently ignored: the rendezvous sizes the job."""
     from lightning_ft.strategy import StrategyConfigError

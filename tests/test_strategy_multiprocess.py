@@ -79,6 +79,9 @@ def test_no_failure_matches_plain_ddp_and_the_spare_exits_zero(processes, tmp_pa
         assert result["weights"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert len(cluster.events_of("finished")) == 2
     assert len(cluster.events_of("spare_exit")) == 1
+    # the job finished: the actives removed their snapshots from memory (/dev/shm is RAM)
+    left = sorted(str(p.relative_to(cluster.root)) for p in cluster.root.glob(f"shm-*/{cluster.run_id}*"))
+    assert left == [], left
 
 
 def assert_resumed_at_the_step_in_flight(cluster: Cluster, victim: str, spare: str) -> int:

@@ -251,6 +251,7 @@ class RendezvousFitLoop:
             except (RuntimeError, OSError):
                 closed = None
         action = decide_on_rendezvous_end(role, cause, closed.kind if closed else None)
+        session.saw_job_finish = closed is not None and closed.kind is CloseKind.FINISHED
         text = str(closed) if closed is not None else reason
         if action is EndAction.NO_RESTART:
             if closed is not None and closed.kind is CloseKind.TOO_FEW_NODES:

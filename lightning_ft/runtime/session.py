@@ -69,6 +69,10 @@ class Session:
     #: this process ended the job with an error of its own in a stage (its text): no later stage
     #: can run (see JobEndedError)
     failed_with: str | None = None
+    #: this process saw the job finish (a spare told the rendezvous closed as finished)
+    saw_job_finish: bool = False
+    #: ``callback(finished)`` when the job ends for this process (``finished``: it completed)
+    on_end: list[Callable[[bool], None]] = field(default_factory=list)
 
     @classmethod
     def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> Session:
@@ -122,6 +126,12 @@ class Session:
             except (RuntimeError, OSError) as exc:
                 log.warning("ddp_ft: could not leave the rendezvous at the end of the job: %s", exc)
         self.participant.close()
+        finished = self.finished_as_active or self.saw_job_finish
+        for callback in self.on_end:
+            try:
+                callback(finished)
+            except Exception as exc:  # noqa: BLE001 - the end of a job is no place to fail
+                log.warning("ddp_ft: at the end of the job: %s: %s", type(exc).__name__, exc)
 
     @property
     def store(self) -> Any:

@@ -154,6 +154,10 @@ class StrategySettings:
                                                     "before giving up with NO_RESTART", rule=_COUNT, advanced=True)
     max_recoveries: int | None = setting(None, "optional cap on recoveries in one process",
                                          rule=number(integer=True, inclusive=True, allow_none=True), advanced=True)
+    keep_snapshots_when_finished: bool = setting(False, "keep the job's snapshots in memory (/dev/shm) after its "
+                                                        "last stage completed; by default each participant that "
+                                                        "saw the job finish removes its own", rule=boolean,
+                                                 advanced=True)
     hang: HangSettings = group(HangSettings)
     stragglers: StragglerSettings = group(StragglerSettings)
     rendezvous: RendezvousOptions = group(RendezvousOptions, exclude=("health_check",))

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from lightning_ft._validation import require
 from lightning_ft.private_dirs import DirPurpose, make_private_dir
 from lightning_ft.settings import load, setting
-from lightning_ft.settings.environment import RUN_ID_VARIABLES, launcher_rank
+from lightning_ft.settings.environment import RUN_ID_VARIABLES, is_later_fit_of, launcher_rank
 from lightning_ft.settings.environment import resolve_run_id as resolve_run_id_from
 from lightning_ft.settings.fields import optional_path, parse_text
 
@@ -98,3 +100,23 @@ def ensure_writable_root(root: str) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise ValueError(f"root={root!r} is not a writable directory: {exc}") from exc
+
+
+def remove_run_snapshots(root: str, run_id: str) -> list[str]:
+    """Remove the snapshot directories of the job ``run_id`` under ``root`` -- its own and each
+    later ``fit()``'s (``<run_id>-fit<N>``) -- once the job finished; returns what was removed.
+    Only directories of this user, never through a link; a problem is left for the caller to log."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return removed
+    for name in sorted(names):
+        if name != run_id and not is_later_fit_of(name, run_id):
+            continue
+        path = os.path.join(root, name)
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
