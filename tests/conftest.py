@@ -15,7 +15,8 @@ from prefork import DISABLE_ENV as DISABLE_PREFORK
 from proc_utils import ProcessSet, child_env, free_port, launcher
 
 #: modules whose tests take longest (``--durations``): they start first
-LONGEST_MODULES = ("test_recovery_fidelity.py", "test_examples_demo.py", "test_termination_processes.py")
+LONGEST_MODULES = ("test_recovery_fidelity.py", "test_whole_script.py", "test_examples_demo.py",
+                   "test_termination_processes.py")
 
 
 def pytest_configure(config):

@@ -15,7 +15,8 @@ from proc_utils import REPO_ROOT, wait_for
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
 from ft_cluster import Cluster, base_env
 
-pytestmark = [pytest.mark.multiprocess]
+# one worker runs them all, so the uninterrupted script (a module fixture) runs once per suite
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("whole-script")]
 
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "staged_user.py")
 NAMES = ("A", "B", "C")
