@@ -22,12 +22,14 @@ SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "staged_user.py")
 NAMES = ("A", "B", "C")
 
 
-def run_script(processes, tmp_path, *args: str) -> tuple[Cluster, dict[str, int | None]]:
-    """The script on three participants (2:3) with a standalone store; returns their exit codes."""
-    cluster = Cluster(processes, tmp_path, "2:3", run_id="staged")
+def run_script(processes, tmp_path, *args: str, names: tuple[str, ...] = NAMES,
+               nnodes: str = "2:3") -> tuple[Cluster, dict[str, int | None]]:
+    """The script on ``names`` (2 actives + 1 spare by default) with a standalone store; returns
+    their exit codes."""
+    cluster = Cluster(processes, tmp_path, nnodes, run_id="staged")
     cluster.out.mkdir(parents=True)
     cluster.start_store()
-    for name in NAMES:
+    for name in names:
         env = base_env(LIGHTNING_FT_ENDPOINT=f"127.0.0.1:{cluster.port}", LIGHTNING_FT_RUN_ID=cluster.run_id,
                        LIGHTNING_FT_NNODES=cluster.nnodes, LIGHTNING_FT_DOMAIN_ID=f"host-{name}",
                        LIGHTNING_FT_SNAPSHOT_DIR=str(tmp_path / f"shm-{name}"),
@@ -40,9 +42,9 @@ def run_script(processes, tmp_path, *args: str) -> tuple[Cluster, dict[str, int 
         return all(str(proc.pid) in arrived or proc.popen.poll() is not None for proc in cluster.procs.values())
 
     if not wait_for(reached, 120):
-        return cluster, cluster.wait(list(NAMES), 1)
+        return cluster, cluster.wait(list(names), 1)
     (cluster.out / "go").touch()
-    return cluster, cluster.wait(list(NAMES), 120)
+    return cluster, cluster.wait(list(names), 120)
 
 
 def results(cluster: Cluster) -> dict[str, dict]:
@@ -131,3 +133,16 @@ def test_a_bug_in_a_stage_raises_the_users_error_and_later_calls_say_the_job_end
         assert codes[name] == 0 and found[name]["returned"][1:] == [{"raised": "JobEndedError"}] * 4, found
     spare = next(name for name in NAMES if name not in actives)
     assert codes[spare] == 83, cluster.logs()
+
+
+@pytest.mark.timeout(180)
+def test_a_script_that_crashes_between_stages_does_not_tell_the_others_the_job_finished(processes, tmp_path):
+    """2:2, no spare: rank 0 of the fit raises after fit() returned (uncaught: exit 1). Its exit
+    closes the job as failed, so the other active -- waiting for its peer in the test stage --
+    ends 83 saying so, instead of reading "finished" and returning empty results with exit 0."""
+    cluster, codes = run_script(processes, tmp_path, "--crash-after-stage", "0", names=("A", "B"), nnodes="2:2")
+    crashed = [name for name, code in codes.items() if code == 1]
+    assert len(crashed) == 1, cluster.logs()
+    other = next(name for name in codes if name not in crashed)
+    assert codes[other] == 83, cluster.logs()
+    assert "after its stage" in cluster.procs[other].log(), cluster.procs[other].log()

@@ -81,7 +81,9 @@ def wait_at_exit_barrier(store: dist.Store, records: RunRecords, round_id: int, 
     while not store.check([last_member]):
         newest = records.current_round()
         if newest > round_id:
-            return BarrierOutcome(newer_round=newest)
+            # finished: the others passed (a bounded wait ran out on one of them) and the job went
+            # on to its next stage; else a peer was lost before the stage completed
+            return BarrierOutcome() if records.round_finished(round_id) else BarrierOutcome(newer_round=newest)
         now = time.monotonic()
         if peers is not None and now >= next_heartbeats:
             next_heartbeats = now + HEARTBEAT_POLL_SECONDS

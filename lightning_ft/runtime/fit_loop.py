@@ -116,7 +116,6 @@ class RendezvousFitLoop:
         self.run = RunState()
         self._executor: RecoveryExecutor | None = None
         self._callbacks_added = False
-        self._saw_round = False  # a round formed while this process took part (active or standby)
         self._barrier_seconds = 0.0  # the last exit barrier's wait
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -135,8 +134,10 @@ class RendezvousFitLoop:
             self._callbacks_added = True
             add_default_callbacks(trainer, host.settings)
         checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
-        if checkpoint is not None and fit is not None:
-            checkpoint.keep_under(fit_run_id(host.settings.run_id, fit))
+        if checkpoint is not None:
+            session.note_snapshot_root(checkpoint.root, host.settings.keep_snapshots_when_finished)
+            if fit is not None:
+                checkpoint.keep_under(fit_run_id(host.settings.run_id, fit))
         module = next((a for a in args if isinstance(a, pl.LightningModule)), None)
         datamodule = next((a for a in args if isinstance(a, pl.LightningDataModule)), None)
         # what a relaunched process would start this stage with; a recovery returns to it
@@ -148,6 +149,7 @@ class RendezvousFitLoop:
                 return stand_by_result(trainer)  # a spare that was not needed (or the job ended)
             after_failure = session.rendezvous.stages.follows_a_failure(result.round)
             run.start_round(RoundRuntime(result, result.round, run.failure_at, after_failure=after_failure))
+            session.was_active = True
             tuner_exit = None
             try:
                 try:
@@ -191,15 +193,15 @@ class RendezvousFitLoop:
         try:
             # inside: the store can die (or freeze) right here as anywhere else in the rendezvous
             monitor = self._start_spare_monitor(session)
-            if self.run.trained:
+            if session.was_active:
                 session.follow_newest_store()  # the others may have moved while this process was frozen
-            timeout = rendezvous.settings.timeouts.join_timeout_for(was_active=self.run.trained)
+            timeout = rendezvous.settings.timeouts.join_timeout_for(was_active=session.was_active)
             if not rendezvous.stages.enter(stage, timeout):
                 self._stage_over(session, f"stage {stage} ended before this participant reached it")
                 return None
             while True:
                 result = rendezvous.join_round()
-                self._saw_round = True
+                session.saw_round = True
                 session.events.emit(ev.ROUND_COMPLETE, round=result.round, rank=result.rank,
                                     world=result.world_size, standby=not result.is_active)
                 if result.is_active:
@@ -218,7 +220,7 @@ class RendezvousFitLoop:
                                    f"lost the rendezvous store at {self._host.settings.launch.endpoint}: "
                                    f"{type(exc).__name__}: {first_line(exc)}")
         except RendezvousError as exc:  # extra participant, unhealthy
-            if isinstance(exc, ParticipantExcludedError) and not self.run.trained:
+            if isinstance(exc, ParticipantExcludedError) and not session.was_active:
                 log.error("ddp_ft: %s", exc)
                 # it takes no part any more: no heartbeat beating on after fit() (one beat in
                 # flight when the interpreter finalized aborted the process)
@@ -233,15 +235,16 @@ class RendezvousFitLoop:
                 monitor.stop()
         return None  # the rendezvous ended: leave fit()
 
-    def _role(self) -> Role:
-        if self.run.trained:
+    def _role(self, session: Session) -> Role:
+        """What this process was in the job so far (any stage, any Trainer)."""
+        if session.was_active:
             return Role.TRAINED
-        return Role.STANDBY if self._saw_round else Role.UNASSIGNED
+        return Role.STANDBY if session.saw_round else Role.UNASSIGNED
 
     def _rendezvous_ended(self, session: Session, cause: EndCause, reason: str) -> None:
         """Leave fit() with the exit code the end of the rendezvous implies (see decide_on_rendezvous_end)."""
         rendezvous = session.rendezvous
-        role = self._role()
+        role = self._role(session)
         if cause is EndCause.SIGTERM:
             _best_effort(rendezvous.withdraw, reason, stopping=True)
         closed = None
@@ -276,6 +279,7 @@ class RendezvousFitLoop:
     def _stage_over(self, session: Session, reason: str) -> None:
         """The actives finished this stage without this participant: it stands by for the next one
         (it stays in the rendezvous; the job ends for it at process exit)."""
+        session.last_stage_completed = True
         session.events.emit(ev.SPARE_EXIT, reason=reason)
         log.info("ddp_ft: hot spare not needed in this stage: %s", reason)
         self._leave_as_spare()
@@ -352,7 +356,7 @@ class RendezvousFitLoop:
                 _best_effort(session.rendezvous.values.put, session.keys.fit_checkpoint_paths,
                              checkpoint_paths(run.trainer, stage).encode())
         _best_effort(session.rendezvous.records.finish_round, result.round)
-        session.finished_as_active = True
+        session.finished_as_active = session.last_stage_completed = True
         step = run.trainer.global_step if run.trainer is not None else None
         session.events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=step,
                             seconds=self._barrier_seconds,

@@ -37,7 +37,6 @@ from lightning_ft._lightning.trainer import is_fitting, log_device_info
 from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher, replica_cipher
 from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
-from lightning_ft.checkpoint.memory.roots import remove_run_snapshots
 from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
@@ -136,19 +135,7 @@ class FaultToleranceRuntime:
         """Reach the rendezvous store and join the run as a participant (once per process)."""
         if self.session is None:
             self.session = Session.open(self.settings, self._event_log_for)
-            self.session.on_end.append(self._at_job_end)
         return self.session
-
-    def _at_job_end(self, finished: bool) -> None:
-        """The job ended for this process: once it completed, its snapshots in memory go (unless
-        ``keep_snapshots_when_finished``): a finished job has nothing left to resume, and /dev/shm
-        is the node's RAM."""
-        checkpoint = self._checkpoint or first_callback_of_type(self.run.trainer, EmergencyCheckpoint)
-        if not finished or self.settings.keep_snapshots_when_finished or checkpoint is None:
-            return
-        removed = remove_run_snapshots(checkpoint.root, self.settings.run_id)
-        if removed:
-            log.info("ddp_ft: the job finished: removed its snapshots from memory (%s)", ", ".join(removed))
 
     @property
     def stop_store(self) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_ft.checkpoint.memory.roots import remove_run_snapshots
 from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
@@ -69,10 +71,15 @@ class Session:
     #: this process ended the job with an error of its own in a stage (its text): no later stage
     #: can run (see JobEndedError)
     failed_with: str | None = None
+    #: the stage this process took part in last completed (as an active, or without it)
+    last_stage_completed: bool = False
     #: this process saw the job finish (a spare told the rendezvous closed as finished)
     saw_job_finish: bool = False
-    #: ``callback(finished)`` when the job ends for this process (``finished``: it completed)
-    on_end: list[Callable[[bool], None]] = field(default_factory=list)
+    #: this process was active in some round of the job / took part in one (active or standby)
+    was_active: bool = False
+    saw_round: bool = False
+    #: snapshot roots of the job's EmergencyCheckpoints -> keep them when the job finished
+    snapshot_roots: dict[str, bool] = field(default_factory=dict)
 
     @classmethod
     def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> Session:
@@ -106,7 +113,7 @@ class Session:
         """Number this process's next stage: (its stage number, and for a ``fit()`` its number among
         the fits, else None)."""
         stage, self.stages_started = self.stages_started, self.stages_started + 1
-        self.finished_as_active = False
+        self.finished_as_active = self.last_stage_completed = False
         if not fitting:
             return stage, None
         fit, self.fits_started = self.fits_started, self.fits_started + 1
@@ -120,18 +127,40 @@ class Session:
             return
         self.ended = True
         rendezvous = self.rendezvous
+        crashed = crashed_error()
         if not rendezvous.left:  # else it left already (an exit of its own, a withdrawal)
             try:
-                rendezvous.shutdown(job_finished=self.finished_as_active, reason="the job's last stage completed")
+                if crashed is not None and self.finished_as_active:
+                    # the script failed after its stage: the job did not finish -- the others,
+                    # maybe waiting in the next stage, must not read "finished" and exit 0
+                    self.close(CloseKind.FAILED, f"{self.participant.info.participant_id} ended with {crashed} "
+                                                 "after its stage")
+                rendezvous.shutdown(job_finished=self.finished_as_active and crashed is None,
+                                    reason="the job's last stage completed")
             except (RuntimeError, OSError) as exc:
                 log.warning("ddp_ft: could not leave the rendezvous at the end of the job: %s", exc)
         self.participant.close()
-        finished = self.finished_as_active or self.saw_job_finish
-        for callback in self.on_end:
+        if crashed is None and (self.last_stage_completed or self.saw_job_finish):
+            self._remove_snapshots()
+
+    def note_snapshot_root(self, root: str, keep: bool) -> None:
+        """A stage's EmergencyCheckpoint writes under ``root``: the job's end removes the job's
+        snapshots there once it finished, unless one of the stages said ``keep``."""
+        self.snapshot_roots[root] = self.snapshot_roots.get(root, False) or keep
+
+    def _remove_snapshots(self) -> None:
+        """The job finished: its snapshots in memory go (unless kept): nothing is left to resume, and
+        /dev/shm is the node's RAM."""
+        for root, keep in self.snapshot_roots.items():
+            if keep:
+                continue
             try:
-                callback(finished)
-            except Exception as exc:  # noqa: BLE001 - the end of a job is no place to fail
-                log.warning("ddp_ft: at the end of the job: %s: %s", type(exc).__name__, exc)
+                removed = remove_run_snapshots(root, self.participant.rendezvous.settings.run_id)
+            except OSError as exc:
+                log.warning("ddp_ft: could not remove the finished job's snapshots under %s: %s", root, exc)
+                continue
+            if removed:
+                log.info("ddp_ft: the job finished: removed its snapshots from memory (%s)", ", ".join(removed))
 
     @property
     def store(self) -> Any:
@@ -308,3 +337,12 @@ class RoundRuntime:
         :func:`~lightning_ft.runtime.transport.retire_group`."""
         transport, self.transport = self.transport, None
         retire_group(transport)
+
+
+def crashed_error() -> str | None:
+    """At interpreter exit: the exception that ended the script (Python keeps it as
+    ``sys.last_value`` once it printed the traceback), as ``Type: message``; None on a clean end."""
+    error = getattr(sys, "last_value", None)
+    if error is None:
+        return None
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}".rstrip(": ")

@@ -10,6 +10,8 @@ stage K SIGKILLs itself at step S of that stage (a fit; its batch S in an evalua
 lost in the middle of that stage, once in the job. ``--bug-stage K``: training raises a
 ``ValueError`` at step 2 of stage K on every rank (a bug in the user's code); the script catches
 what each call raises and records its type (``{"raised": "ValueError"}``) instead of a result.
+``--crash-after-stage K``: the process that was global rank 0 in stage K raises (uncaught) right
+after that stage returned -- a bug in the user's code between two stages.
 
 Writes ``result-<pid>.json`` into ``--out`` when the script ends: what every stage returned
 (``None`` for a fit; the metrics or the number of predictions, ``[]`` on a participant that stood
@@ -153,6 +155,7 @@ def main() -> int:
     parser.add_argument("--kill-step", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--bug-stage", type=int, default=None)
+    parser.add_argument("--crash-after-stage", type=int, default=None)
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test's stack dump of a hang
     out = Path(args.out)
@@ -165,6 +168,8 @@ def main() -> int:
     first = trainer(out / f"root-{os.getpid()}", args.steps, checkpoints=out / "checkpoints")
     model.stage = 0
     returned.append(call(first.fit, model, datamodule=data))
+    if args.crash_after_stage == 0 and first.global_rank == 0:
+        raise RuntimeError("a bug in the script after its first stage")
     trained.append(bool(first.strategy.trained))
     model.stage = 1
     returned.append(call(first.test, model, datamodule=data, ckpt_path="best"))
