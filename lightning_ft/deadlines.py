@@ -11,6 +11,9 @@
   connection lightning_ft opens is one of these. At interpreter exit no call on one starts
   any more, and the calls in flight are waited for (:func:`close_store_calls`).
 * :class:`BackgroundThread` -- start, stop and a bounded join for the project's daemon threads.
+* :class:`ServiceThread` -- the thread object under both: its ``stop()`` ends this process's
+  part in its job and then the thread, for code that stops leftover daemon threads (Lightning's
+  own tests do).
 
 Bounds come from :class:`lightning_ft.settings.Timeouts`. No Lightning, no torch import here.
 """
@@ -169,6 +172,43 @@ class Abandon:
             self._waiters.discard(waiter)
 
 
+#: what a :meth:`ServiceThread.stop` does first (the runtime registers: end this process's
+#: sessions, as interpreter exit does)
+_STOP_HOOKS: list[Callable[[], None]] = []
+
+
+def on_service_thread_stop(hook: Callable[[], None]) -> None:
+    """Run ``hook`` first whenever someone stops one of our threads from outside (once each)."""
+    if hook not in _STOP_HOOKS:
+        _STOP_HOOKS.append(hook)
+
+
+class ServiceThread(threading.Thread):
+    """A daemon thread of lightning_ft that outside code can end: :meth:`stop`.
+
+    A process's threads of ours serve its job until interpreter exit (a script's later stage may
+    need them). Code that stops the daemon threads a piece of work left behind -- Lightning's test
+    fixtures call ``stop()`` on each and then require it dead -- gets what interpreter exit does:
+    the job ends for this process (the hooks), this thread's own loop ends (``stop``), and the
+    call returns once the thread is gone (within ``join_timeout``).
+    """
+
+    def __init__(self, target: Callable[..., Any], name: str, args: tuple = (),
+                 stop: Callable[[], None] | None = None, join_timeout: float = 5.0) -> None:
+        super().__init__(target=target, name=name, args=args, daemon=True)
+        self._stop_loop = stop
+        self.join_timeout = join_timeout
+
+    def stop(self) -> None:
+        """End this process's part in the job, then this thread; returns once it ended."""
+        for hook in list(_STOP_HOOKS):
+            hook()
+        if self._stop_loop is not None:
+            self._stop_loop()
+        if self is not threading.current_thread() and self.ident is not None:
+            self.join(self.join_timeout)
+
+
 def _serve(calls_queue: queue.SimpleQueue, gate: _ExitGate | None, calls: int | None) -> None:
     """A :class:`BoundedWorker`'s thread: run the calls in order (``calls``: how many before it ends;
     None, until the worker is gone)."""
@@ -209,7 +249,9 @@ class BoundedWorker:
         # the thread holds the queue and the gate, not this object: once nobody holds the worker
         # (its store connection was dropped), the finalizer ends the thread instead of leaving it
         # idle for the life of the process
-        self._thread = threading.Thread(target=_serve, args=(self._calls, exit_gate, calls), name=name, daemon=True)
+        calls_queue = self._calls
+        self._thread = ServiceThread(_serve, name, args=(calls_queue, exit_gate, calls),
+                                     stop=lambda: calls_queue.put(None))
         self._thread.start()
         weakref.finalize(self, self._calls.put, None)
 
@@ -398,7 +440,7 @@ class BackgroundThread:
         if self.alive:
             return
         self.stopping.clear()
-        self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+        self._thread = ServiceThread(self.run, self.name, stop=self.stopping.set, join_timeout=self.join_timeout)
         self._thread.start()
 
     def stop(self, join: bool = True) -> None:

@@ -36,6 +36,22 @@ def test_import_does_not_pull_in_lightning():
     assert out.stdout.strip() == "False", out.stderr
 
 
+def test_the_installed_package_registers_its_strategies_when_lightning_loads():
+    """The startup hook (``lightning_ft-startup.pth``): an unchanged script's first ``import
+    lightning.pytorch`` registers ``ddp_ft``; Python's start imports neither lightning_ft nor
+    torch for it; ``LIGHTNING_FT_AUTOLOAD=0`` turns it off. (A whole ``LightningCLI`` run with
+    ``--trainer.strategy=ddp_ft`` and no import of ours: tests/scripts/lightning_user_cli.py.)"""
+    import os
+
+    code = ("import sys; started = sorted(m for m in sys.modules if m.startswith(('lightning_ft', 'torch'))); "
+            "from lightning.pytorch.strategies import StrategyRegistry; "
+            "print(started, 'ddp_ft' in StrategyRegistry, 'fsdp_ft' in StrategyRegistry)")
+    for autoload, expected in (("1", "[] True True"), ("0", "[] False False")):
+        env = {**os.environ, "LIGHTNING_FT_AUTOLOAD": autoload}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        assert out.stdout.strip() == expected, (autoload, out.stdout, out.stderr[-2000:])
+
+
 def test_the_checkpoint_layer_below_its_lightning_pieces_does_not_pull_in_lightning():
     # launchers, agents and the strategy's snapshot service use these without a Trainer
     code = ("import sys, lightning_ft.checkpoint, lightning_ft.checkpoint.service, "

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import sys
 import time
@@ -19,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_ft.checkpoint.memory.roots import remove_run_snapshots
-from lightning_ft.deadlines import raw_store
+from lightning_ft.deadlines import on_service_thread_stop, raw_store
 from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
 from lightning_ft.failover.backend import FailoverBackend
@@ -92,9 +93,15 @@ class Session:
         existing = _SESSIONS.get(key)
         if existing is not None and not existing.ended:
             return existing
-        for other in list(_SESSIONS.values()):
-            other.end()  # a process takes part in one run at a time: the run it left is over for it
-        _SESSIONS.clear()  # ended sessions go with the last runtime that holds them (their connections too)
+        if _SESSIONS:
+            for other in list(_SESSIONS.values()):
+                other.end()  # a process takes part in one run at a time: the run it left is over for it
+            _SESSIONS.clear()
+            # the run left behind holds its store connections in reference cycles (callbacks that
+            # name their owner): collected now, a process that runs job after job (a test suite,
+            # a sweep) keeps a flat count of descriptors instead of one socket more per run until
+            # the cyclic collector happens to run
+            gc.collect()
         info = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
         participant = open_participant(launch.endpoint, settings.is_store_host, info, settings.rendezvous_settings())
         session = cls(participant, events_for(info.participant_id))
@@ -221,11 +228,13 @@ _exit_hook_installed = False
 
 def _end_sessions_at_exit() -> None:
     """At interpreter exit, end every open session (registered once; atexit runs it before the
-    exit gate of store calls, which registered when the first store client was made)."""
+    exit gate of store calls, which registered when the first store client was made) -- and
+    when outside code stops one of our threads (see ``ServiceThread``)."""
     global _exit_hook_installed
     if not _exit_hook_installed:
         _exit_hook_installed = True
         atexit.register(_end_every_session)
+        on_service_thread_stop(_end_every_session)
 
 
 def _end_every_session() -> None:

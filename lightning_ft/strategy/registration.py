@@ -73,6 +73,18 @@ class _LoaderThatRegistersAfterwards(importlib.abc.Loader):
         _register_strategy()
 
 
+def spec_that_registers() -> ModuleSpec | None:
+    """The spec of ``lightning.pytorch`` whose loading registers our strategies once it is done
+    (for an import of it under way: the watcher below, and the startup hook of an installed
+    package, ``_lightning_ft_startup``). Takes every watcher of ours off ``sys.meta_path``."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _LightningImportWatcher)]
+    spec = importlib.util.find_spec(_TRIGGER_MODULE)
+    if spec is None or spec.loader is None:
+        return spec
+    spec.loader = _LoaderThatRegistersAfterwards(spec.loader)
+    return spec
+
+
 class _LightningImportWatcher(importlib.abc.MetaPathFinder):
     """Waits for ``lightning.pytorch`` to load, then registers ``ddp_ft``."""
 
@@ -80,12 +92,7 @@ class _LightningImportWatcher(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> ModuleSpec | None:
         if fullname != _TRIGGER_MODULE:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _LoaderThatRegistersAfterwards(spec.loader)
-        return spec
+        return spec_that_registers()
 
 
 def register_when_lightning_loads() -> None:

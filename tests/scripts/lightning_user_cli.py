@@ -7,6 +7,8 @@ Test knobs come from ``LU_*`` variables (``LU_OUT`` results dir, ``LU_STEP_SLEEP
 ``LU_VAL_SLEEP``, ``LU_SAVE_SLEEP``, ``LU_SETUP_SLEEP``, ``LU_SLEEP_FROM_STEP``,
 ``LU_SLEEP_UNTIL_STEP``); results go to ``$LU_OUT/result-<pid>.json`` as in script mode.
 Lightning's default ``SaveConfigCallback`` is kept (it writes ``config.yaml`` into the log dir).
+The script does not import lightning_ft: the installed package's startup hook registers
+``ddp_ft`` when Lightning loads, as for any user's unchanged CLI script.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ import os
 import sys
 
 from lightning.pytorch.cli import LightningCLI
-
-import lightning_ft  # noqa: F401  (registers "ddp_ft" before the CLI validates the strategy name)
 
 from lightning_user import UserDataModule, UserModel, knobs, progress, write_result
 
