@@ -15,6 +15,7 @@ files the lost rank wrote after the snapshot into ``checkpoints/.abandoned/``.
 
 from __future__ import annotations
 
+import csv
 import fcntl
 import json
 import os
@@ -111,6 +112,15 @@ def assert_recovered(run: Run, restored: int) -> None:
     codes = run.codes()
     assert codes[run.killed] == -9 and [c for n, c in codes.items() if n != run.killed] == [0, 0], run.logs()
     assert {e["step"] for e in run.events("restored") if e.get("round", 0) > 0} == {restored}, run.events("restored")
+    # the run's figures in the Trainer's own log: one point per round, the recovery counted and costed
+    with open(run.logs_root / "lightning_logs" / "version_0" / "metrics.csv", newline="") as f:
+        figures = [row for row in csv.DictReader(f) if row.get("ft/recoveries")]
+    # (no point for the first round when the kill came before its first step)
+    assert [(float(r["ft/world_size"]), float(r["ft/recoveries"])) for r in figures] in \
+        ([(2.0, 0.0), (2.0, 1.0)], [(2.0, 1.0)]), figures
+    *first, recovered = figures
+    assert all(float(r["ft/lost_seconds"]) == 0 and float(r["ft/goodput"]) == 1 for r in first)
+    assert float(recovered["ft/lost_seconds"]) > 0 and 0 < float(recovered["ft/goodput"]) < 1, recovered
 
 
 def assert_equal_to(run: Run, reference: Run) -> None:
@@ -121,8 +131,15 @@ def assert_equal_to(run: Run, reference: Run) -> None:
     after = min(restored) if restored else -1
     assert final_checkpoints(run, after) == final_checkpoints(reference, after)
     # one log version, every row once, in order; nothing deleted
-    assert [p.name for p in (run.logs_root / "lightning_logs").iterdir()] == ["version_0"]
+    # (and the record of it for a relaunch of the run)
+    assert sorted(p.name for p in (run.logs_root / "lightning_logs").iterdir()) == [".lightning_ft-run-lu-job",
+                                                                                    "version_0"]
     steps = [int(row["step"]) for row in metric_rows(run)]
+    assert steps == sorted(steps), steps
+    # the reference's relaunch continued the same version too (a requeue's logs are not split)
+    assert sorted(p.name for p in (reference.logs_root / "lightning_logs").iterdir()) == \
+        [".lightning_ft-run-lu-job", "version_0"]
+    steps = [int(row["step"]) for row in metric_rows(reference)]
     assert steps == sorted(steps), steps
     logs = run.logs()
     assert "Previous log files in this directory will be deleted" not in logs

@@ -6,6 +6,10 @@ may even resolve a different version (it lists the log directory at another mome
 
 * the version of every ``CSVLogger``/``TensorBoardLogger`` is decided once per run, by rank 0
   of the first round, and pinned on every participant of every round (:func:`pin_versions`);
+  rank 0 records it next to the versions (``<root_dir>/.lightning_ft-run-<run id>``), so that a
+  relaunch of the run (a requeue, a torchrun restart) that resumes from a snapshot continues the
+  same version (:func:`versions_of_earlier_launch`) -- as a recovery does, below -- instead of
+  starting ``version_N+1`` with the history split in two;
 * after a recovery that resumes at step ``S``, the new rank 0 drops the rows the resumed run
   will log again (``step >= S``) from ``metrics.csv`` and appends to it
   (:func:`continue_history`); TensorBoard's writer gets ``purge_step=S``, so the reader hides
@@ -24,6 +28,7 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +60,57 @@ def pin_versions(loggers: Sequence[VersionedLogger], versions: Sequence[Version]
         return
     for logger, version in zip(loggers, versions, strict=True):
         logger._version = version  # what the version property returns from now on, on every rank
+
+
+_RECORD_PREFIX = ".lightning_ft-run-"
+
+
+def _record_path(logger: VersionedLogger, run_id: str) -> str | None:
+    root = logger.root_dir
+    if "://" in root:  # a remote log directory (fsspec): not recorded, a relaunch starts a version
+        return None
+    return os.path.join(root, _RECORD_PREFIX + re.sub(r"[^A-Za-z0-9._-]", "_", run_id))
+
+
+def _version_dir(version: Version) -> str:
+    return version if isinstance(version, str) else f"version_{version}"
+
+
+def record_versions(loggers: Sequence[VersionedLogger], versions: Sequence[Version], run_id: str) -> None:
+    """Rank 0: note which version each logger of run ``run_id`` uses, for a relaunch of the run."""
+    for logger, version in zip(loggers, versions, strict=True):
+        path = _record_path(logger, run_id)
+        if path is None or version is None:
+            continue
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "w") as out:
+                out.write(f"{version}\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("ddp_ft: could not record the log version of run %s in %s (a relaunch will start a new "
+                        "version): %s", run_id, path, exc)
+
+
+def versions_of_earlier_launch(loggers: Sequence[VersionedLogger], run_id: str) -> list[Version] | None:
+    """The versions an earlier launch of run ``run_id`` recorded for these loggers, when every one
+    was recorded and its directory is still there; else None (the loggers resolve as Lightning does)."""
+    found: list[Version] = []
+    for logger in loggers:
+        path = _record_path(logger, run_id)
+        if path is None:
+            return None
+        try:
+            with open(path) as record:
+                text = record.read().strip()
+        except OSError:
+            return None
+        version: Version = int(text) if re.fullmatch(r"[0-9]{1,9}", text) else text
+        if not text or not os.path.isdir(os.path.join(logger.root_dir, _version_dir(version))):
+            return None
+        found.append(version)
+    return found
 
 
 class _ContinuingExperimentWriter(ExperimentWriter):

@@ -25,14 +25,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from lightning_ft._lightning.callbacks import first_callback_of_type
-from lightning_ft._lightning.history import (
-    continue_history,
-    mark_saved_configs,
-    pin_versions,
-    resolve_versions,
-    set_aside_abandoned_checkpoints,
-    versioned_loggers,
-)
+from lightning_ft._lightning.history import set_aside_abandoned_checkpoints, versioned_loggers
 from lightning_ft._lightning.trainer import is_fitting, log_device_info
 from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher, replica_cipher
 from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
@@ -43,13 +36,14 @@ from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import StragglerEvicted
 from lightning_ft.runtime.fit_loop import RendezvousFitLoop, TorchrunFitLoop
 from lightning_ft.runtime.layout import StateLayout
+from lightning_ft.runtime.log_history import decide_log_versions, keep_log_history
 from lightning_ft.runtime.run import RunState
+from lightning_ft.runtime.run_metrics import first_step_figures, log_figures
 from lightning_ft.runtime.session import RoundRuntime, Session
 from lightning_ft.runtime.settings import LaunchMode, StrategySettings
 from lightning_ft.runtime.stage_state import align_module_state
 from lightning_ft.runtime.transport import GroupTransport, init_round_group, init_torchrun_group, open_sockets
 from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
-from lightning_ft.schema.run import decode_log_versions, encode_log_versions
 from lightning_ft.schema.signing import SealedStore
 from lightning_ft.settings.environment import local_rank, master_port
 from lightning_ft.stragglers.watch import StragglerWatch
@@ -100,6 +94,8 @@ class FaultToleranceRuntime:
         self._replicas: ReplicaPublisher | None = None
         self._checkpoint: EmergencyCheckpoint | None = None
         self._printed_device_info = False
+        #: this launch resumed from an earlier launch's snapshot and continues its logs
+        self._continues_launch = False
 
     # ------------------------------------------------------------------ what the process knows
 
@@ -168,7 +164,13 @@ class FaultToleranceRuntime:
                                 self.settings.pg_timeout)
             assert self.round is not None  # started by the torchrun fit loop
             self.round.transport = GroupTransport(before, open_sockets(), master_port())
-            self._share_snapshots()
+            resume_step = self._share_snapshots()
+            trainer, rank = self.run.trainer, self.surface.global_rank
+            agreed = None
+            if versioned_loggers(trainer):  # torchrun's restarts are launches: one version across them
+                agreed = trainer.strategy.broadcast(
+                    decide_log_versions(trainer, self.settings.launch.run_id, resume_step) if rank == 0 else None)
+            self._continues_launch = keep_log_history(trainer, agreed, rank, resume_step, follows_a_failure=False)
             return
         runtime, session = self.round, self.session
         if runtime is None or runtime.result is None or session is None:
@@ -243,20 +245,17 @@ class FaultToleranceRuntime:
         return step
 
     def _keep_log_history(self, session: Session, runtime: RoundRuntime, resume_step: int | None) -> None:
-        """One log version per run on every participant; after a recovery, continue its history."""
+        """One log version per run on every participant (decided once, in the run's store); after a
+        recovery or an earlier launch, continue its history."""
         trainer = self.run.trainer
-        loggers = versioned_loggers(trainer)
         rank = self.surface.global_rank
-        if loggers:
+        agreed = None
+        if versioned_loggers(trainer):
             key, values = session.keys.log_versions, session.rendezvous.values
             if rank == 0 and not values.has(key):
-                values.put_if_absent(key, encode_log_versions(resolve_versions(loggers)))
-            pin_versions(loggers, decode_log_versions(self._wait_for_value(values, key)))
-        if not runtime.follows_a_failure:
-            return
-        if resume_step is not None:
-            continue_history(trainer, resume_step, is_global_zero=rank == 0)
-        mark_saved_configs(trainer, trainer.strategy)
+                values.put_if_absent(key, decide_log_versions(trainer, self.settings.launch.run_id, resume_step))
+            agreed = self._wait_for_value(values, key)
+        self._continues_launch = keep_log_history(trainer, agreed, rank, resume_step, runtime.follows_a_failure)
 
     def _wait_for_value(self, values: SealedStore, key: str) -> bytes:
         """An authentic value another rank writes, polled in short slices (bounded by init_timeout)."""
@@ -283,11 +282,12 @@ class FaultToleranceRuntime:
         if runtime is not None and runtime.work is not None:
             runtime.work.begin()
         rank = self.surface.global_rank
+        resumed = checkpoint.resumed_from if checkpoint is not None else None
+        continues = self._continues_launch or (runtime is not None and runtime.follows_a_failure)
+        if continues and rank == 0 and resumed is not None:
+            set_aside_abandoned_checkpoints(trainer, snapshot_created=resumed[1])
         if checkpoint is not None and not self.under_torchrun:
-            resumed = checkpoint.resumed_from
             assert runtime is not None  # the fit loop started the round
-            if runtime.follows_a_failure and rank == 0 and resumed is not None:
-                set_aside_abandoned_checkpoints(trainer, snapshot_created=resumed[1])
             self._snapshot_round_start(checkpoint, runtime, step)
         self._replicas = self._replica_publisher(checkpoint, rank)
         if runtime is not None and runtime.result is not None:
@@ -365,7 +365,15 @@ class FaultToleranceRuntime:
         step = self.run.trainer.global_step + 1
         if runtime.work is not None:
             runtime.work.step_finished(step)
+        first_of_round = not runtime.progressed
         since_failure = runtime.step_finished()
+        session = self.session
+        if first_of_round and runtime.result is not None and session is not None:
+            figures = first_step_figures(self.run.trainer, session.store, session.keys.run_metrics,
+                                         self.surface.world_size, self.surface.global_rank,
+                                         runtime.follows_a_failure, since_failure)
+            if figures is not None:
+                log_figures(self.run.trainer, figures, step)
         if since_failure is not None:
             self.event_log.emit(ev.FIRST_STEP_AFTER_RECOVERY, round=runtime.round_id, step=step,
                                 seconds_since_failure=round(since_failure, 4))

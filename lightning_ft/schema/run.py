@@ -74,6 +74,8 @@ class RunKeys:
         self.last_actives = f"{p}/last_actives"
         #: the log versions of the run's loggers, decided once by rank 0 of the first round
         self.log_versions = f"{p}/log_versions"
+        #: counters behind the ft/* metrics in the Trainer's loggers (runtime/run_metrics.py)
+        self.run_metrics = f"{p}/run_metrics"
         #: what ckpt_path="best"/"last" named at the end of the newest fit() (its rank 0 writes it)
         self.fit_checkpoint_paths = f"{p}/fit_checkpoint_paths"
 
@@ -327,16 +329,21 @@ def decode_ready(raw: bytes) -> Ready | None:
         return None
 
 
-def encode_log_versions(versions: list[int | str | None]) -> str:
-    return json.dumps(list(versions))
+def encode_log_versions(versions: list[int | str | None], continues_launch: bool = False) -> str:
+    """The run's log versions; ``continues_launch``: they are an earlier launch's, continued."""
+    return json.dumps({"versions": list(versions), "continues_launch": continues_launch})
 
 
-def decode_log_versions(raw: bytes) -> list[int | str | None]:
+def decode_log_versions(raw: bytes) -> tuple[list[int | str | None], bool]:
+    """(versions, continues_launch); ([], False) for anything else."""
     try:
-        versions = json.loads(raw.decode())
+        value = json.loads(raw.decode())
     except (ValueError, UnicodeDecodeError):
-        return []
-    return [v for v in versions if v is None or isinstance(v, (int, str))] if isinstance(versions, list) else []
+        return [], False
+    if not isinstance(value, dict) or not isinstance(value.get("versions"), list):
+        return [], False
+    versions = [v for v in value["versions"] if v is None or isinstance(v, (int, str))]
+    return versions, value.get("continues_launch") is True
 
 
 # ---------------------------------------------------------------------------- closing
