@@ -1,4 +1,4 @@
-"""``lightning-ft`` command line: ``store``, ``health``, ``report``, ``exit-code``."""
+"""``lightning-ft`` command line: ``store``, ``health``, ``report``, ``exit-code``, ``snapshots``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ _SUBCOMMANDS = {
     "report": ("lightning_ft.report.text", "print the recovery timeline of a run directory"),
     "exit-code": ("lightning_ft.termination.exit_records",
                   "run a launcher (torchrun) and exit with the code its ranks recorded"),
+    "snapshots": ("lightning_ft.checkpoint.memory.cleanup", "list or remove the snapshots runs left in memory"),
 }
 
 

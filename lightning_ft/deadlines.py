@@ -24,11 +24,12 @@ import atexit
 import logging
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
+
+from lightning_ft._clock import monotonic
 
 log = logging.getLogger(__name__)
 
@@ -99,29 +100,29 @@ class _ExitGate:
     def close(self) -> int:
         """Admit no call from now on, and wait until every call in flight returned or its caller's
         bound ended (a call stuck past its bound is not waited for). Returns how many are left."""
-        start = time.monotonic()
+        start = monotonic()
         with self._cond:
             self._closed = True
             callers = sorted({caller for _, caller in self._in_flight.values()})
             told = False
             while self._in_flight:
-                remaining = max(deadline for deadline, _ in self._in_flight.values()) - time.monotonic()
+                remaining = max(deadline for deadline, _ in self._in_flight.values()) - monotonic()
                 if remaining <= 0:
                     break
-                if not told and time.monotonic() - start >= 1.0:  # say why the exit takes this long
+                if not told and monotonic() - start >= 1.0:  # say why the exit takes this long
                     told = True
                     log.warning("interpreter exit: waiting up to %.0f s more for %d store call(s) under way (%s): "
                                 "one that returned after the interpreter is gone would abort the process",
                                 remaining, len(self._in_flight),
                                 ", ".join(sorted({caller for _, caller in self._in_flight.values()})))
-                self._cond.wait(remaining if told else min(remaining, max(0.0, start + 1.0 - time.monotonic())))
+                self._cond.wait(remaining if told else min(remaining, max(0.0, start + 1.0 - monotonic())))
             left = sorted(caller for _, caller in self._in_flight.values())
         if left:
             # an answer that comes during finalization aborts the process (see above)
             log.warning("interpreter exit: %d store call(s) of %s still without an answer after their bound "
                         "(the store is frozen or gone)", len(left), ", ".join(left))
         elif callers:
-            log.debug("interpreter exit: waited %.3fs for store calls in flight of %s", time.monotonic() - start,
+            log.debug("interpreter exit: waited %.3fs for store calls in flight of %s", monotonic() - start,
                       ", ".join(callers))
         return len(left)
 
@@ -269,7 +270,7 @@ class BoundedWorker:
         if abandon is not None and abandon.is_set():  # replaced before it started: do not start it
             raise error(f"{what}: abandoned, the store was replaced before it started")
         future: Future = Future()
-        now = time.monotonic()
+        now = monotonic()
         deadline = now + bound
         # one wait for whichever comes first -- the answer, the abandon, the deadline -- instead of
         # waking every few tenths to ask: thousands of waiting callers in a process each woken ten
@@ -281,7 +282,7 @@ class BoundedWorker:
         if abandon is not None:
             abandon.watch(woken)
         try:
-            woken.wait(max(0.0, deadline - time.monotonic()))  # signal handlers run while it waits
+            woken.wait(max(0.0, deadline - monotonic()))  # signal handlers run while it waits
         finally:
             if abandon is not None:
                 abandon.unwatch(woken)
@@ -381,7 +382,7 @@ class BoundedStore:
         method = getattr(self.raw, name)
         exit_bound = self.bound if exit_bound is None else exit_bound
         if self._worker is None:
-            admitted = _STORE_CALLS.enter(time.monotonic() + exit_bound, threading.current_thread().name)
+            admitted = _STORE_CALLS.enter(monotonic() + exit_bound, threading.current_thread().name)
             if admitted is None:
                 raise InterpreterExitingError("the interpreter is exiting: no store call starts")
             try:

@@ -22,11 +22,11 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
+from lightning_ft._clock import monotonic
 from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.settings.timeouts import DEFAULT_TIMEOUTS
 
@@ -54,13 +54,52 @@ def flush_output(timeout_s: float = DEFAULT_TIMEOUTS.flush_timeout) -> None:
     call_with_timeout(_flush, timeout_s, "flushing output")
 
 
+#: what must finish before this process leaves, however it leaves (the node's other ``devices=N``
+#: processes: a scheduler ends a task's leftovers once the task's first process is gone)
+_BEFORE_LEAVING: list[Callable[[], None]] = []
+
+
+def before_leaving(wait: Callable[[], None]) -> None:
+    """Run ``wait`` (bounded by itself) before the process leaves: at interpreter exit and in
+    :func:`exit_now` alike."""
+    _BEFORE_LEAVING.append(wait)
+    install_exit_hook()
+
+
+def _run_before_leaving() -> None:
+    while _BEFORE_LEAVING:
+        wait = _BEFORE_LEAVING.pop()
+        try:
+            wait()
+        except Exception:
+            log.exception("lightning_ft: a wait before exit failed")
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: have this process SIGKILLed when ``parent_pid`` (its parent) ends -- a node's
+    ``devices=N`` processes share its fate, as they would if the node died. The parent waits for
+    its children before it leaves (:func:`before_leaving`), so an ordinary exit never cuts one
+    short. Elsewhere (no ``prctl``) nothing happens."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # it ended before the request above: leave as it would have made us
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def exit_now(code: int) -> NoReturn:
     """Flush what can be flushed and leave immediately (no atexit, no finalizers).
 
     ``os._exit`` also skips C++ static destructors, so gloo's abort-at-exit (which needs
     interpreter finalization) cannot happen on this path and the process group need not
-    be destroyed first.
+    be destroyed first. What :func:`before_leaving` registered runs first.
     """
+    _run_before_leaving()
     flush_output()
     os._exit(int(code))
 
@@ -85,7 +124,7 @@ class ExitWatchdog:
     def within(cls, seconds: float, code: int, what: str) -> ExitWatchdog:
         """A watchdog armed to exit with ``code`` unless disarmed within ``seconds``."""
         watchdog = cls(lambda: code, what)
-        watchdog.arm(time.monotonic() + seconds)
+        watchdog.arm(monotonic() + seconds)
         return watchdog
 
     def arm(self, deadline: float) -> None:
@@ -108,7 +147,7 @@ class ExitWatchdog:
         with self._cond:
             while not self._disarmed:
                 assert self._deadline is not None  # arm() set it before it started this thread; never unset
-                remaining = self._deadline - time.monotonic()
+                remaining = self._deadline - monotonic()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
@@ -190,6 +229,7 @@ def planned_exit_code() -> int | None:
 
 
 def _at_exit() -> None:
+    _run_before_leaving()
     if _exit_plan.destroy_process_group:
         destroy_process_group()
     if _exit_plan.force_code is not None:

@@ -542,3 +542,20 @@ def test_plain_data_converts_what_configs_hold_and_keeps_the_rest():
     converted = with_plain_hyperparameters(checkpoint)
     assert converted["state_dict"] is checkpoint["state_dict"] and converted["hyper_parameters"]["cfg"]["lr"] == 0.01
     assert with_plain_hyperparameters({"state_dict": {}}) == {"state_dict": {}}
+
+
+@pytest.mark.parametrize("hidden", [16, 512])
+def test_the_size_estimate_runs_no_hook_and_is_close_to_the_snapshot(root, hidden):
+    """The room check and the spare file are sized before the first snapshot without making one
+    (a snapshot runs the user's checkpoint hooks): the estimate is near the real file."""
+    from lightning_ft.checkpoint.lightning.state import estimate_state_bytes
+
+    callback = EmergencyCheckpoint(every_n_steps=4, root=root, run_id="size")
+    trainer = fit(4, [callback], hidden=hidden)
+    [info] = SnapshotStore(root=root, run_id="size", rank=0).list()
+    saves = []
+    module = trainer.lightning_module
+    module.on_save_checkpoint = lambda checkpoint: saves.append(checkpoint)
+    estimate = estimate_state_bytes(trainer)
+    assert saves == []
+    assert info.nbytes * 0.9 <= estimate <= info.nbytes * 1.2 + 2**20, (estimate, info.nbytes)

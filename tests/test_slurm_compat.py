@@ -79,7 +79,7 @@ def test_other_strategies_still_get_lightnings_slurm_detection(srun_task):
 
 def test_a_layout_ddp_ft_cannot_use_fails_with_our_message(srun_task):
     srun_task(LAYOUTS["--nodes=1 --ntasks-per-node=3"])
-    with pytest.raises(StrategyConfigError, match="each process is one participant"):
+    with pytest.raises(StrategyConfigError, match="each process is one participant, and srun already starts 3"):
         trainer(devices=2)
 
 

@@ -93,7 +93,9 @@ def test_a_4x_straggler_is_evicted_and_the_spare_takes_its_place(processes, tmp_
     codes = cluster.wait(["A", "B", "C"], 150)
     assert codes == {"A": 84, "B": 0, "C": 0}, cluster.logs()
     [straggler] = [e for e in cluster.events_of("straggler") if e["action"] == "evict"]
-    assert straggler["score"] >= 2.0 and straggler["step"] >= 40, straggler
+    # judged on the median of the window's steps: it turns once about half of the 10 are slow
+    # (step 36 or later, when the watchdog next looks), never before A slowed down at step 30
+    assert straggler["score"] >= 2.0 and straggler["step"] > 30, straggler
     [evicted] = cluster.events_of("evicted")
     assert "evicted as a straggler" in evicted["reason"]
     assert "EVICTED (84)" in cluster.procs["A"].log()

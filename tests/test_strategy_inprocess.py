@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -373,11 +374,18 @@ def test_num_nodes_is_refused_with_a_message(port):
         pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, logger=False)
 
 
-def test_more_than_one_device_per_process_is_refused(port):
+def test_devices_n_counts_n_participants_per_node_and_keeps_nodes_whole(port):
+    """Trainer(devices=2) with 2:3 nodes: 4 to 6 participants, actives in whole nodes (segment 2);
+    under srun with several tasks per node it is refused (each task would start more)."""
     from lightning_ft.strategy import StrategyConfigError
 
     strategy = FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{port}", run_id="r", min_nodes=2, max_nodes=3)
-    with pytest.raises(StrategyConfigError, match="devices=1"):
+    pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    launch = strategy.settings.launch
+    assert (launch.min_nodes, launch.max_nodes, strategy.settings.segment) == (4, 6, 2)
+    strategy = FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{port}", run_id="r", min_nodes=2, max_nodes=3)
+    with mock.patch.dict(os.environ, {"SLURM_NTASKS_PER_NODE": "2"}), \
+            pytest.raises(StrategyConfigError, match="srun already starts 2 tasks per node"):
         pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
 
 

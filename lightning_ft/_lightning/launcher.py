@@ -9,7 +9,14 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+
+
+def script_command() -> list[str]:
+    """The command line that runs this process's script again (``python script.py ARGS`` or
+    ``python -m module ARGS``), as Lightning's own ``ddp`` launcher builds it."""
+    return list(_basic_subprocess_cmd())
 
 
 def disarm_child_observer() -> bool:
@@ -30,16 +37,22 @@ class FitLoop(Protocol):
 
 
 class RuntimeLauncher(_Launcher):
-    """Runs the Trainer's function in this process through ``loop`` (no child processes)."""
+    """Runs the Trainer's function in this process through ``loop`` (the processes it may start for
+    ``devices=N`` are participants of their own: nothing to kill here)."""
 
-    def __init__(self, loop: FitLoop) -> None:
+    def __init__(self, loop: FitLoop, before_first_launch: Callable[[], Any] | None = None) -> None:
         self.loop = loop
+        #: run once, before the first launch (the node's other devices=N processes start then)
+        self.before_first_launch = before_first_launch
 
     @property
     def is_interactive_compatible(self) -> bool:
         return True
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        start, self.before_first_launch = self.before_first_launch, None
+        if start is not None:
+            start()
         return self.loop.launch(function, *args, trainer=trainer, **kwargs)
 
     def kill(self, signum: int) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_ft._clock import monotonic
 from lightning_ft.settings import load, setting
 from lightning_ft.settings.fields import optional_path, parse_text
 
@@ -54,7 +55,7 @@ class EventLog:
         return True
 
     def emit(self, event: str, **fields: Any) -> None:
-        record = {"t": time.time(), "mono": time.monotonic(), "pid": os.getpid(), "who": self.who,
+        record = {"t": time.time(), "mono": monotonic(), "pid": os.getpid(), "who": self.who,
                   "event": event, **fields}
         line = json.dumps(record, default=str) + "\n"
         try:

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from lightning_ft._clock import monotonic
 from lightning_ft.deadlines import (
     Abandon,
     BoundedStore,
@@ -221,11 +222,11 @@ class StoreSwitchboard:
         # host is gone: say so now, not after ``timeout``. A store that dies while a client
         # connects would leave torch retrying for the whole timeout (and a call under way holds
         # the process's exit as long): so it connects in short attempts, each after that check.
-        deadline = time.monotonic() + timeout
+        deadline = monotonic() + timeout
         while True:
             if _refuses(endpoint, self.timeouts.probe_timeout):
                 raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: connection refused")
-            attempt = max(0.5, min(_CONNECT_ATTEMPT, deadline - time.monotonic()))
+            attempt = max(0.5, min(_CONNECT_ATTEMPT, deadline - monotonic()))
             connecting = call_with_timeout(
                 functools.partial(dist.TCPStore, endpoint.host, endpoint.port, is_master=False,
                                   timeout=datetime.timedelta(seconds=attempt)),
@@ -233,7 +234,7 @@ class StoreSwitchboard:
                 abandon=abandon, exit_bound=connect_exit_bound(attempt))
             if connecting.ok:
                 break
-            if time.monotonic() >= deadline or (abandon is not None and abandon.is_set()):
+            if monotonic() >= deadline or (abandon is not None and abandon.is_set()):
                 raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint} within {timeout:g}s: "
                                             f"{connecting.problem}")
         store = connecting.value
@@ -262,7 +263,7 @@ class StoreSwitchboard:
             if not self.participating():
                 raise StoreLostError(f"the rendezvous store at {self.endpoint} is gone ({why}) after this "
                                      "participant left the rendezvous: nothing to take over")
-            started, lost = time.monotonic(), self.endpoint
+            started, lost = monotonic(), self.endpoint
             deadline = started + self.timeouts.failover_timeout
             try:
                 successor = self._fail_over(from_epoch, why, deadline)
@@ -272,12 +273,12 @@ class StoreSwitchboard:
                     # overloaded machine makes the store and every presence silent alike), not
                     # gone. Going on beats ending this participant (seen at 2,048 on 2 cores).
                     log.warning("rendezvous store at %s answers again after %.1fs: no fail-over (%s)",
-                                self.endpoint, time.monotonic() - started, first_line(exc))
+                                self.endpoint, monotonic() - started, first_line(exc))
                     return
                 self._lost = str(exc)
                 log.error("store fail-over from epoch %d failed: %s", from_epoch, exc)
                 raise
-            seconds = time.monotonic() - started
+            seconds = monotonic() - started
             self.failovers.append((self.epoch, seconds, successor))
             _break_connections(lost)
             log.warning("rendezvous store: failed over to %s (epoch %d, %s) in %.2fs after: %s", self.endpoint,
@@ -325,7 +326,7 @@ class StoreSwitchboard:
         while True:
             if self._answers(self.endpoint):
                 return True
-            if time.monotonic() >= deadline or _refuses(self.endpoint, self.timeouts.probe_timeout):
+            if monotonic() >= deadline or _refuses(self.endpoint, self.timeouts.probe_timeout):
                 return False
             time.sleep(0.2)
 
@@ -364,7 +365,7 @@ class StoreSwitchboard:
     def _await_successor(self, target: Candidate, from_epoch: int, deadline: float) -> tuple[int, str] | None:
         """Wait until ``target`` serves a store newer than ``from_epoch``: ``(epoch, host:port)``, or
         None when it is gone or does not within the fail-over's bound."""
-        while time.monotonic() < deadline:
+        while monotonic() < deadline:
             status = probe(target.presence, f"FAILOVER {from_epoch}", self.timeouts.probe_timeout)
             if status.state == "dead":
                 return None
@@ -374,7 +375,7 @@ class StoreSwitchboard:
         return None
 
     def _register(self, epoch: int, endpoint: Endpoint, deadline: float) -> None:
-        remaining = max(1.0, deadline - time.monotonic())
+        remaining = max(1.0, deadline - monotonic())
         store = self._client(endpoint, remaining, within=remaining)
         values = SealedStore(store, self.signer)
         keys = EpochKeys(epoch)
@@ -383,7 +384,7 @@ class StoreSwitchboard:
             raise StoreLostError(f"the store at {endpoint} serves epoch {served}, not {epoch} as its host said")
         values.put(keys.view(self.participant_id), encode_view(self.mirror.view()))
         values.append(keys.registered, encode_registration(self.participant_id, self.active))
-        while time.monotonic() < deadline:
+        while monotonic() < deadline:
             if values.get(keys.open) is not None:
                 self.endpoint, self.epoch, self.hosting = endpoint, epoch, False
                 self._probe_later(store)
@@ -413,7 +414,7 @@ class StoreSwitchboard:
         while True:
             registered = {r.participant_id: r.active for r in
                           (decode_registration(raw) for raw in values.records(keys.registered)) if r is not None}
-            now = time.monotonic()
+            now = monotonic()
             verdict = may_serve(participants, registered, dead)
             if not verdict.serve and now - probed_at >= _PROBE_EVERY:
                 # who is gone counts for the quorum; the probe also tells the living to move

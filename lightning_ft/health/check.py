@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_ft._clock import monotonic
 from lightning_ft.health.probes import Probe, ProbeResult, default_probes
 from lightning_ft.settings import Timeouts, load
 
@@ -88,7 +88,7 @@ class NodeHealthCheck:
 
     def run(self, deadline: float | None = None) -> HealthReport:
         """Run all probes; returns by ``deadline`` (monotonic) or after ``timeout_s``."""
-        start = time.monotonic()
+        start = monotonic()
         deadline = start + self.timeout_s if deadline is None else min(deadline, start + self.timeout_s)
         answers: queue.SimpleQueue[tuple[int, ProbeResult]] = queue.SimpleQueue()
         for index, probe in enumerate(self.probes):
@@ -98,7 +98,7 @@ class NodeHealthCheck:
         results: dict[int, ProbeResult] = {}
         verdict_unhealthy = False
         while len(results) < len(self.probes):
-            remaining = deadline - time.monotonic()
+            remaining = deadline - monotonic()
             if remaining <= 0 or (verdict_unhealthy and self.stop_at_first_unhealthy):
                 break
             try:
@@ -109,7 +109,7 @@ class NodeHealthCheck:
             results[index] = result
             verdict_unhealthy = verdict_unhealthy or result.healthy is False
 
-        now = time.monotonic()
+        now = monotonic()
         for index, probe in enumerate(self.probes):
             if index in results:
                 continue
@@ -127,7 +127,7 @@ class NodeHealthCheck:
                     probe.name, False, f"no answer within {self.timeout_s:g} s", now - start, overran=True))
         ordered = tuple(results[i] for i in range(len(self.probes)))
         healthy = not any(r.healthy is False for r in ordered)
-        return HealthReport(healthy, ordered, time.monotonic() - start)
+        return HealthReport(healthy, ordered, monotonic() - start)
 
     def _apply_overrun_policy(self, result: ProbeResult) -> ProbeResult:
         if not result.overran:
@@ -140,13 +140,13 @@ class NodeHealthCheck:
 
 def _run_probe(probe: Probe, index: int, deadline: float,
                answers: queue.SimpleQueue[tuple[int, ProbeResult]]) -> None:
-    start = time.monotonic()
+    start = monotonic()
     try:
         result = probe.check(deadline)
         if not isinstance(result, ProbeResult):
             result = ProbeResult(probe.name, False, f"probe returned {type(result).__name__}, not ProbeResult",
-                                 time.monotonic() - start)
+                                 monotonic() - start)
     except Exception as exc:  # noqa: BLE001 - a probe that crashes cannot vouch for the node
         result = ProbeResult(probe.name, False, f"probe raised {type(exc).__name__}: {exc}",
-                             time.monotonic() - start)
+                             monotonic() - start)
     answers.put((index, result))

@@ -18,12 +18,12 @@ import signal
 import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from lightning_ft._clock import monotonic
 from lightning_ft.health.settings import HealthSettings
 from lightning_ft.settings import load
 
@@ -49,7 +49,7 @@ class ProbeResult:
 
 @runtime_checkable
 class Probe(Protocol):
-    """A node-health check. ``check`` must return by ``deadline`` (``time.monotonic()``)."""
+    """A node-health check. ``check`` must return by ``deadline`` (``monotonic()``)."""
 
     name: str
 
@@ -80,7 +80,7 @@ class MarkerFileProbe:
         return f"{path} exists: {content}" if content else f"{path} exists"
 
     def check(self, deadline: float) -> ProbeResult:
-        start = time.monotonic()
+        start = monotonic()
         for path in self.paths:
             if not path.exists():
                 continue
@@ -88,8 +88,8 @@ class MarkerFileProbe:
                 content = _short(path.read_text(errors="replace")[:4096])
             except OSError as exc:  # exists but unreadable (e.g. a directory): still a marker
                 content = f"(unreadable: {exc.strerror or exc})"
-            return ProbeResult(self.name, False, self._describe(path, content), time.monotonic() - start)
-        return ProbeResult(self.name, True, "no marker file", time.monotonic() - start)
+            return ProbeResult(self.name, False, self._describe(path, content), monotonic() - start)
+        return ProbeResult(self.name, True, "no marker file", monotonic() - start)
 
 
 class ShutdownMarkerProbe(MarkerFileProbe):
@@ -128,14 +128,14 @@ class DiskSpaceProbe:
         self.name = f"disk:{self.path}"
 
     def check(self, deadline: float) -> ProbeResult:
-        start = time.monotonic()
+        start = monotonic()
         try:
             free = shutil.disk_usage(self.path).free
         except OSError as exc:
-            return ProbeResult(self.name, False, f"cannot stat {self.path}: {exc}", time.monotonic() - start)
+            return ProbeResult(self.name, False, f"cannot stat {self.path}: {exc}", monotonic() - start)
         healthy = free >= self.min_free_bytes
         reason = f"{free / _MIB:.0f} MiB free ({'>=' if healthy else '<'} {self.min_free_bytes / _MIB:.0f} MiB)"
-        return ProbeResult(self.name, healthy, reason, time.monotonic() - start)
+        return ProbeResult(self.name, healthy, reason, monotonic() - start)
 
 
 def available_memory_bytes(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
@@ -171,15 +171,15 @@ class MemoryProbe:
         self.min_available_bytes = int(min_available_bytes)
 
     def check(self, deadline: float) -> ProbeResult:
-        start = time.monotonic()
+        start = monotonic()
         available = available_memory_bytes()
         if available is None:
             return ProbeResult(self.name, True, "available memory unknown (no /proc/meminfo)",
-                               time.monotonic() - start)
+                               monotonic() - start)
         healthy = available >= self.min_available_bytes
         reason = (f"{available / _MIB:.0f} MiB available "
                   f"({'>=' if healthy else '<'} {self.min_available_bytes / _MIB:.0f} MiB)")
-        return ProbeResult(self.name, healthy, reason, time.monotonic() - start)
+        return ProbeResult(self.name, healthy, reason, monotonic() - start)
 
 
 class AcceleratorProbe:
@@ -197,22 +197,22 @@ class AcceleratorProbe:
         self.require_cuda = bool(require_cuda)
 
     def check(self, deadline: float) -> ProbeResult:
-        start = time.monotonic()
+        start = monotonic()
         try:
             import torch  # here, not at the top: the other probes and `lightning-ft health` need no torch
 
             if not torch.cuda.is_available():
                 if self.require_cuda:
                     return ProbeResult(self.name, False, "CUDA required but no usable CUDA device",
-                                       time.monotonic() - start)
-                return ProbeResult(self.name, True, "no CUDA devices (CPU node)", time.monotonic() - start)
+                                       monotonic() - start)
+                return ProbeResult(self.name, True, "no CUDA devices (CPU node)", monotonic() - start)
             count = torch.cuda.device_count()
             for index in range(count):
                 free, total = torch.cuda.mem_get_info(index)
-            return ProbeResult(self.name, True, f"{count} CUDA device(s) answered", time.monotonic() - start)
+            return ProbeResult(self.name, True, f"{count} CUDA device(s) answered", monotonic() - start)
         except Exception as exc:  # noqa: BLE001 - a driver error is exactly what this probe looks for
             return ProbeResult(self.name, False, f"CUDA query failed: {type(exc).__name__}: {_short(str(exc))}",
-                               time.monotonic() - start)
+                               monotonic() - start)
 
 
 class CommandProbe:
@@ -238,18 +238,18 @@ class CommandProbe:
         Also covers a check that has started but not yet spawned its command.
         """
         with self._lock:
-            self._cancelled_at = time.monotonic()
+            self._cancelled_at = monotonic()
             running = list(self._running)
         for proc in running:
             _kill_session(proc)
 
     def check(self, deadline: float) -> ProbeResult:
-        start = time.monotonic()
+        start = monotonic()
         try:
             proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
-            return ProbeResult(self.name, False, f"cannot run {self.argv[0]!r}: {exc}", time.monotonic() - start)
+            return ProbeResult(self.name, False, f"cannot run {self.argv[0]!r}: {exc}", monotonic() - start)
         with self._lock:
             self._running.add(proc)
             cancelled = self._cancelled_at >= start
@@ -257,22 +257,22 @@ class CommandProbe:
             _kill_session(proc)
         try:
             try:
-                output, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+                output, _ = proc.communicate(timeout=max(0.0, deadline - monotonic()))
             except subprocess.TimeoutExpired:
                 _kill_session(proc)
                 proc.communicate()
                 return ProbeResult(self.name, False, "killed at the deadline (no answer in time)",
-                                   time.monotonic() - start, overran=True)
+                                   monotonic() - start, overran=True)
         finally:
             with self._lock:
                 self._running.discard(proc)
         lines = output.decode(errors="replace").strip().splitlines()
         last = _short(lines[-1]) if lines else ""
         if proc.returncode == 0:
-            return ProbeResult(self.name, True, last or "exit status 0", time.monotonic() - start)
+            return ProbeResult(self.name, True, last or "exit status 0", monotonic() - start)
         status = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
                   else f"exit status {proc.returncode}")
-        return ProbeResult(self.name, False, f"{status}: {last}" if last else status, time.monotonic() - start)
+        return ProbeResult(self.name, False, f"{status}: {last}" if last else status, monotonic() - start)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

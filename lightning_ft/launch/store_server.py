@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from lightning_ft._clock import monotonic
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.rendezvous.lifecycle import wait_for_acknowledgements
 from lightning_ft.rendezvous.records import RunRecords, current_incarnation
@@ -73,9 +74,9 @@ def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
                 wait_for_acknowledgements(RunRecords(store, signer, keys), grace_timeout)
                 if linger > 0:
                     log.info("serving %.0fs more for participants that start late", linger)
-                    deadline = time.monotonic() + linger
-                    while time.monotonic() < deadline and not stop_requested():
-                        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+                    deadline = monotonic() + linger
+                    while monotonic() < deadline and not stop_requested():
+                        time.sleep(min(0.5, max(0.0, deadline - monotonic())))
                 return 0
         # short slices (SIGTERM/SIGINT are handled between them), not shorter: each check is a
         # request to the store, and the store host may share its cores with training

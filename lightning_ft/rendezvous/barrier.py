@@ -47,6 +47,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
+from lightning_ft._clock import monotonic
 from lightning_ft.deadlines import StoreClient
 from lightning_ft.rendezvous.beats import Heartbeat, TickWaiter
 from lightning_ft.rendezvous.coordinator import Coordinator, CoordinatorWatch
@@ -117,7 +118,7 @@ class BarrierRendezvous:
     """
 
     def __init__(self, store: StoreClient, settings: RendezvousSettings, participant: ParticipantInfo, *,
-                 is_store_host: bool = False, clock: Callable[[], float] = time.monotonic,
+                 is_store_host: bool = False, clock: Callable[[], float] = monotonic,
                  sleep: Callable[[float], None] = time.sleep,
                  heartbeat_store_factory: Callable[[], Any] | None = None,
                  signer: Signer | None = None, incarnation: int | None = None,

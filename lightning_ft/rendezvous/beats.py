@@ -6,10 +6,10 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
-import time
 
 from torch.distributed import DistStoreError
 
+from lightning_ft._clock import monotonic
 from lightning_ft.deadlines import BackgroundThread, StoreClient
 from lightning_ft.rendezvous.coordinator import newest_tick
 from lightning_ft.schema.run import RunKeys, encode_number
@@ -42,14 +42,14 @@ class TickWaiter:
         """True when a tick newer than the one :meth:`arm` noted came within ``timeout`` seconds."""
         self.arm()
         assert self._next is not None
-        started = time.monotonic()
+        started = monotonic()
         try:
             self.store.wait([self.keys.tick(self.round_id, self._next)], datetime.timedelta(seconds=timeout))
         except DistStoreError:  # the wait timed out (a lost store raises a network error instead)
             self._next = None
             return False
         self._next += 1
-        if time.monotonic() - started < 0.001:  # that tick was there already: skip to the newest
+        if monotonic() - started < 0.001:  # that tick was there already: skip to the newest
             self._next = max(self._next, newest_tick(self.store, self.keys, self.round_id) + 1)
         return True
 

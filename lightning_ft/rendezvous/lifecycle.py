@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from lightning_ft._clock import monotonic
 from lightning_ft.rendezvous.decisions import split_extras
 from lightning_ft.rendezvous.records import RunRecords
 
@@ -21,7 +22,7 @@ def expected_acknowledgements(records: RunRecords, max_nodes: int | None = None)
 
 
 def wait_for_acknowledgements(records: RunRecords, timeout: float, max_nodes: int | None = None,
-                              clock: Callable[[], float] = time.monotonic,
+                              clock: Callable[[], float] = monotonic,
                               sleep: Callable[[float], None] = time.sleep) -> bool:
     """Wait until every participant acknowledged shutdown, at most ``timeout`` seconds.
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
+from lightning_ft._clock import monotonic
 from lightning_ft.rendezvous.records import RunRecords
 
 
@@ -23,7 +24,7 @@ class Stages:
     """One participant's view of the job's stages (the labels it read are kept: they never change)."""
 
     def __init__(self, records: RunRecords, open_next_round: Callable[[int, str], int],
-                 raise_if_closed: Callable[[], None], poll: float, clock: Callable[[], float] = time.monotonic,
+                 raise_if_closed: Callable[[], None], poll: float, clock: Callable[[], float] = monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.records = records
         self._open_next_round = open_next_round

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from lightning_ft._clock import monotonic
 from lightning_ft._torch import exit_barrier_counter, exit_barrier_names
 from lightning_ft.rendezvous.liveness import HeartbeatTracker
 from lightning_ft.rendezvous.records import RunRecords
@@ -76,7 +77,7 @@ def wait_at_exit_barrier(store: dist.Store, records: RunRecords, round_id: int, 
     _, last_member = exit_barrier_names()
     if store.add(exit_barrier_counter(), 1) == world_size:
         store.set(last_member, "<val_ignored>")
-    start = time.monotonic()
+    start = monotonic()
     next_heartbeats = start
     while not store.check([last_member]):
         newest = records.current_round()
@@ -84,7 +85,7 @@ def wait_at_exit_barrier(store: dist.Store, records: RunRecords, round_id: int, 
             # finished: the others passed (a bounded wait ran out on one of them) and the job went
             # on to its next stage; else a peer was lost before the stage completed
             return BarrierOutcome() if records.round_finished(round_id) else BarrierOutcome(newer_round=newest)
-        now = time.monotonic()
+        now = monotonic()
         if peers is not None and now >= next_heartbeats:
             next_heartbeats = now + HEARTBEAT_POLL_SECONDS
             silent = peers.silent(now)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any, NoReturn
@@ -34,6 +33,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
+from lightning_ft._clock import monotonic
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer import is_fitting, is_tuner_exit, replace_checkpoint_path
@@ -330,13 +330,13 @@ class RendezvousFitLoop:
         if not is_fitting(self.run.trainer):
             peers = PeerSilence(session.round_values(result), session.rendezvous.records, result.rank,
                                 result.world_size, session.rendezvous.settings.liveness.frozen_peer_after)
-        start = time.monotonic()
+        start = monotonic()
         outcome = call_with_timeout(
             lambda: wait_at_exit_barrier(session.round_store(result), session.rendezvous.records, result.round,
                                          result.world_size, timeout, peers),
             timeout + 1.0, f"ddp_ft: exit barrier of round {result.round} (bound {timeout:.0f}s)",
             unanswered="going on without it", log_problem=True, store_call=True)
-        self._barrier_seconds = round(time.monotonic() - start, 4)
+        self._barrier_seconds = round(monotonic() - start, 4)
         if not outcome.ok or outcome.value.passed:
             return
         barrier: BarrierOutcome = outcome.value

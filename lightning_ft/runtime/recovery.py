@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from typing import Any, NoReturn
 
+from lightning_ft._clock import monotonic
 from lightning_ft._lightning.callbacks import callbacks_of_type, first_callback_of_type
 from lightning_ft._lightning.history import finalize_failed
 from lightning_ft._lightning.pristine import PristineState
@@ -137,8 +137,8 @@ class RecoveryExecutor:
     # ------------------------------------------------------------------ a failed round
 
     def handle(self, exc: BaseException, trainer: Any) -> float:
-        """Prepare the next round and return the failure's ``time.monotonic()``, or raise what ends fit()."""
-        now = time.monotonic()
+        """Prepare the next round and return the failure's ``monotonic()``, or raise what ends fit()."""
+        now = monotonic()
         run, session, settings = self._run, self._session, self._host.settings
         runtime = run.round
         assert runtime is not None and runtime.result is not None

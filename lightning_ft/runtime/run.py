@@ -55,7 +55,7 @@ class RunState:
     failures_without_progress: int = 0
     #: the furthest step any failure struck at
     failed_at_step: int | None = None
-    #: ``time.monotonic()`` of the failure that led to the current round (None for the first)
+    #: ``monotonic()`` of the failure that led to the current round (None for the first)
     failure_at: float | None = None
 
     def start_round(self, round_runtime: RoundRuntime) -> None:

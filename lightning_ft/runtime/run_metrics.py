@@ -9,7 +9,8 @@ At the first completed step of every round, rank 0 logs (at that step)
   taken only in a round that follows a failure, where every rank takes it at the same step);
 * ``ft/goodput`` -- ``1 - lost / elapsed`` since the run's first step.
 
-The totals live in the run's store (counters any later rank 0 continues), so a spare that
+Not in a job of one participant (``max_nodes=1``: no peer, no recovery; its logs stay as
+under ``ddp``). The totals live in the run's store (counters any later rank 0 continues), so a spare that
 becomes rank 0 logs the run's figures, not its own. Lightning's loggers are rank-0-only.
 """
 

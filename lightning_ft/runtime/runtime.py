@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from lightning_ft._clock import monotonic
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.history import set_aside_abandoned_checkpoints, versioned_loggers
 from lightning_ft._lightning.trainer import is_fitting, log_device_info
@@ -96,6 +97,13 @@ class FaultToleranceRuntime:
         self._printed_device_info = False
         #: this launch resumed from an earlier launch's snapshot and continues its logs
         self._continues_launch = False
+        self._per_device = False
+
+    def train_on_devices(self, devices: int) -> None:
+        """``Trainer(devices=N)``: the job counts N participants per node (see ``LaunchConfig.per_device``)."""
+        if not self._per_device:
+            self._per_device = True
+            self.settings = self.settings.per_device(devices)
 
     # ------------------------------------------------------------------ what the process knows
 
@@ -259,9 +267,9 @@ class FaultToleranceRuntime:
 
     def _wait_for_value(self, values: SealedStore, key: str) -> bytes:
         """An authentic value another rank writes, polled in short slices (bounded by init_timeout)."""
-        deadline = time.monotonic() + self.settings.timeouts.init_timeout
+        deadline = monotonic() + self.settings.timeouts.init_timeout
         while (raw := values.get(key)) is None:
-            if time.monotonic() > deadline:
+            if monotonic() > deadline:
                 raise RuntimeError(f"ddp_ft: no authentic value of {values.key(key)} within "
                                    f"init_timeout={self.settings.timeouts.init_timeout:g}s")
             time.sleep(0.01)
@@ -314,6 +322,10 @@ class FaultToleranceRuntime:
         # A round must always have a snapshot to fall back to: without one, a failure before the
         # first periodic snapshot would restart optimizer and step from scratch on top of weights
         # DDP broadcast from a survivor's trained model. With it, "from the start" is a restore too.
+        # A job of one participant never recovers in-process (no peer, no spare): it has no use
+        # for it, and saving it would run the user's checkpoint hooks once more than under ddp.
+        if self.settings.launch.max_nodes == 1:
+            return
         store = checkpoint.store
         if store is None or not any(info.step == step for info in store.list()):
             checkpoint.save_now(self.run.trainer, reason=f"start of round {runtime.round_id}")
@@ -368,7 +380,9 @@ class FaultToleranceRuntime:
         first_of_round = not runtime.progressed
         since_failure = runtime.step_finished()
         session = self.session
-        if first_of_round and runtime.result is not None and session is not None:
+        # a job of one participant has no figures to report (no peer, no recovery): its logs stay as under ddp
+        if first_of_round and runtime.result is not None and session is not None and \
+                self.settings.launch.max_nodes != 1:
             figures = first_step_figures(self.run.trainer, session.store, session.keys.run_metrics,
                                          self.surface.world_size, self.surface.global_rank,
                                          runtime.follows_a_failure, since_failure)

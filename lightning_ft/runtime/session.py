@@ -12,13 +12,13 @@ import atexit
 import gc
 import logging
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from lightning_ft._clock import monotonic
 from lightning_ft.checkpoint.memory.roots import remove_run_snapshots
 from lightning_ft.deadlines import on_service_thread_stop, raw_store
 from lightning_ft.events import EventLog, NullEventLog
@@ -246,7 +246,7 @@ def _end_every_session() -> None:
 class RoundRuntime:
     """One round this process trains in.
 
-    ``failure_at`` is the ``time.monotonic()`` of the failure that led to this round (None
+    ``failure_at`` is the ``monotonic()`` of the failure that led to this round (None
     for the first); the first completed step after it is reported as the recovery's end.
     """
 
@@ -276,12 +276,12 @@ class RoundRuntime:
         return self.after_failure
 
     def step_started(self) -> None:
-        self.clock.started(time.monotonic())
+        self.clock.started(monotonic())
 
     def step_finished(self) -> float | None:
         """Record a completed optimizer step; returns seconds since the failure when it is the
         first step after a recovery, else None."""
-        now = time.monotonic()
+        now = monotonic()
         self.clock.finished(now)
         self.progressed = True
         if not self.awaiting_first_step:
@@ -306,7 +306,7 @@ class RoundRuntime:
                 began = self.clock.in_flight_since
                 events.emit(ev.FAILURE_DETECTED, round=result.round, step=global_step(), error=reason,
                             detector=detector.value, stalled=list(stalled), step_seconds=self.clock.median_seconds(),
-                            stuck_seconds=None if began is None else round(time.monotonic() - began, 3))
+                            stuck_seconds=None if began is None else round(monotonic() - began, 3))
             if detector.judges_a_stall:
                 round_values.put_if_absent(VERDICT_KEY, encode_verdict(detector.value, reason))
             opened = records.open_round(result.round + 1)

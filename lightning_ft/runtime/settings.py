@@ -78,6 +78,13 @@ class LaunchConfig:
     def host(self) -> str | None:
         return None if self.endpoint is None else self.endpoint.host
 
+    def per_device(self, devices: int) -> LaunchConfig:
+        """``Trainer(devices=N)``: each of a node's N processes is a participant, so the job's
+        participants number N times its nodes (``min_nodes``/``max_nodes`` count nodes)."""
+        if self.min_nodes is None or self.max_nodes is None:
+            return self
+        return dataclasses.replace(self, min_nodes=self.min_nodes * devices, max_nodes=self.max_nodes * devices)
+
     @property
     def port(self) -> int | None:
         return None if self.endpoint is None else self.endpoint.port
@@ -208,6 +215,15 @@ class StrategySettings:
     @property
     def segment(self) -> int:
         return self.rendezvous.segment
+
+    def per_device(self, devices: int) -> StrategySettings:
+        """``Trainer(devices=N)``: N participants per node (``LaunchConfig.per_device``), and -- unless
+        ranks stay in place for sharded state -- a node's processes are active or stand by together,
+        so that a spare node replaces a lost node whole (``segment`` counts participants)."""
+        options = self.rendezvous
+        if not options.keep_ranks:
+            options = dataclasses.replace(options, segment=options.segment * devices)
+        return dataclasses.replace(self, launch=self.launch.per_device(devices), rendezvous=options)
 
     def validate(self) -> None:
         if self.launch.mode is LaunchMode.RENDEZVOUS:

@@ -18,9 +18,9 @@ Every active gone at once is not a case where a second or two matters.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
+from lightning_ft._clock import monotonic
 from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
 from lightning_ft.deadlines import BackgroundThread, StoreClient
 from lightning_ft.rendezvous.liveness import HeartbeatTracker
@@ -76,7 +76,7 @@ class SpareMonitor(BackgroundThread):
             self._watched_round = round_id
             self._members.clear()
             self._beats.clear()
-        now = time.monotonic()
+        now = monotonic()
         rank = len(self._members)
         while (raw := values.get(member_key(rank))) is not None:
             self._members[rank] = decode_member(raw).participant_id

@@ -18,11 +18,11 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from types import FrameType
 
+from lightning_ft._clock import monotonic
 from lightning_ft.deadlines import BackgroundThread
 from lightning_ft.rendezvous.liveness import HeartbeatTracker, LivenessThresholds
 from lightning_ft.rendezvous.records import RunRecords
@@ -43,14 +43,14 @@ class StepClock:
     def __init__(self, window: int = 20) -> None:
         self.completed = 0
         self.activity = 0
-        self.last_activity = time.monotonic()
+        self.last_activity = monotonic()
         self.in_flight_since: float | None = None
         self._durations: deque[float] = deque(maxlen=window)
         self._lock = threading.Lock()
 
     def touch(self, now: float | None = None) -> None:
         self.activity += 1
-        self.last_activity = time.monotonic() if now is None else now
+        self.last_activity = monotonic() if now is None else now
 
     def started(self, now: float) -> None:
         self.in_flight_since = now
@@ -194,7 +194,7 @@ class RoundWatchdog(BackgroundThread):
     def _overdue_without_store(self, why: str) -> bool:
         if self.triggered is not None or self.stopping.is_set() or not self.hang_detection:
             return self.triggered is not None
-        idle = time.monotonic() - self.clock.last_activity
+        idle = monotonic() - self.clock.last_activity
         timeout = hang_timeout(self.clock.durations(), self.hang_floor, self.hang_factor)
         if idle < timeout:
             return False
@@ -207,7 +207,7 @@ class RoundWatchdog(BackgroundThread):
 
     def _poll(self) -> bool:
         clock = self.clock
-        now = time.monotonic()
+        now = monotonic()
         timeout = hang_timeout(clock.durations(), self.hang_floor, self.hang_factor)
         idle = now - clock.last_activity
         overdue = self.hang_detection and idle >= timeout

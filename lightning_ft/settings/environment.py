@@ -49,6 +49,7 @@ KNOWN_VARIABLES = frozenset({
     "LIGHTNING_FT_HEALTH_DISK_PATHS", "LIGHTNING_FT_HEALTH_MARKERS", "LIGHTNING_FT_HEALTH_MIN_AVAILABLE_MEMORY_MB",
     "LIGHTNING_FT_HEALTH_MIN_FREE_DISK_MB", "LIGHTNING_FT_HEALTH_REQUIRE_CUDA", "LIGHTNING_FT_HEALTH_TIMEOUT",
     "LIGHTNING_FT_HOST_ROOT", "LIGHTNING_FT_INFRA_RANK", "LIGHTNING_FT_IS_STORE_HOST", "LIGHTNING_FT_LOG_LEVEL",
+    "LIGHTNING_FT_LOCAL_PROCESS", "LIGHTNING_FT_LOCAL_PARENT",
     "LIGHTNING_FT_MTBF_SECONDS", "LIGHTNING_FT_NNODES", "LIGHTNING_FT_PERSIST_EVERY_SECONDS",
     "LIGHTNING_FT_PERSIST_KEEP_LAST", "LIGHTNING_FT_PERSIST_MAX_MIB_PER_SECOND", "LIGHTNING_FT_PERSIST_MAX_OVERHEAD",
     "LIGHTNING_FT_PERSIST_STORAGE_OPTIONS", "LIGHTNING_FT_PERSIST_TO", "LIGHTNING_FT_RUN_ID", "LIGHTNING_FT_SECRET",
@@ -191,6 +192,24 @@ def master_port(env: Mapping[str, str] | None = None) -> int | None:
 
 def local_rank(env: Mapping[str, str] | None = None) -> str:
     return _env(env).get("LOCAL_RANK", "0")
+
+
+#: set by the first process of a node in the ones it starts for ``Trainer(devices=N)``: which device
+#: of the node the process trains on (1..N-1; the first process is 0), and the first process's pid
+ENV_LOCAL_PROCESS = "LIGHTNING_FT_LOCAL_PROCESS"
+ENV_LOCAL_PARENT = "LIGHTNING_FT_LOCAL_PARENT"
+
+
+def local_process_index(env: Mapping[str, str] | None = None) -> int:
+    """Which of its node's ``devices=N`` processes this is (0: the one the user started)."""
+    value = _env(env).get(ENV_LOCAL_PROCESS, "")
+    return int(value) if value.isdecimal() and value.isascii() else 0
+
+
+def tasks_per_node(env: Mapping[str, str] | None = None) -> int:
+    """How many tasks per node a scheduler started (``SLURM_NTASKS_PER_NODE``; 1 when unknown)."""
+    value = _env(env).get("SLURM_NTASKS_PER_NODE", "")
+    return int(value) if value.isdecimal() and value.isascii() else 1
 
 
 def launcher_rank(env: Mapping[str, str] | None = None) -> int:

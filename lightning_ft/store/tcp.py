@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from lightning_ft._clock import monotonic
 from lightning_ft.deadlines import BoundedStore, call_with_timeout, connect_exit_bound, first_line
 from lightning_ft.settings import Timeouts
 from lightning_ft.settings.fields import RendezvousConfigError
@@ -58,16 +59,16 @@ def resolve_host(host: str, timeout: float, retry_every: float = 1.0) -> str:
     RendezvousConnectionError says what could not be resolved (c10d alone retried
     unresolvable names with IPv6 warnings past its own timeout).
     """
-    deadline = time.monotonic() + timeout
+    deadline = monotonic() + timeout
     problem = "the lookup did not return"
     while True:
         answer = call_with_timeout(lambda: socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0],
-                                   max(0.0, deadline - time.monotonic()), f"looking up {host!r}",
+                                   max(0.0, deadline - monotonic()), f"looking up {host!r}",
                                    unanswered="the resolver does not answer")
         if answer.ok:
             return str(answer.value)
         problem = answer.problem or problem
-        remaining = deadline - time.monotonic()
+        remaining = deadline - monotonic()
         if remaining <= 0:
             raise RendezvousConnectionError(
                 f"cannot resolve the rendezvous host {host!r} within {timeout:g}s ({problem}); check --rdzv-endpoint "
@@ -117,7 +118,7 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) 
     ``timeouts.connect_timeout``.
     """
     connect_timeout = timeouts.connect_timeout
-    deadline = time.monotonic() + connect_timeout
+    deadline = monotonic() + connect_timeout
     host, port = resolve_host(endpoint.host, connect_timeout), endpoint.port
     timeout = datetime.timedelta(seconds=timeouts.store_timeout)
     if is_host is not False:
@@ -130,7 +131,7 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) 
                 raise RendezvousConnectionError(
                     f"is_host=true but the rendezvous store cannot listen on {endpoint}: {first_line(exc)}") from None
             log.debug("not hosting the store at %s (%s); connecting as a client", endpoint, first_line(exc))
-    remaining = max(1.0, deadline - time.monotonic())
+    remaining = max(1.0, deadline - monotonic())
     # bounded: a frozen store host's kernel still accepts the connection, and the client then
     # waits for the handshake's answer without limit. torch's own connect retries end after
     # ``remaining``; the margin is for a loaded machine.

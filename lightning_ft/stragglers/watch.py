@@ -13,9 +13,9 @@ peers see a lost peer and a hot spare takes the place, resuming from their live 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
+from lightning_ft._clock import monotonic
 from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.round import EVICT_KEY, decode_eviction, decode_work, encode_eviction, encode_work, work_key
@@ -32,7 +32,7 @@ class StragglerWatch:
     def __init__(self, meter: WorkMeter, *, rank: int, world_size: int, round_id: int, factor: float, window: int,
                  round_values: SealedStore, records: RunRecords, emit: Callable[..., None],
                  publish_interval: float | None = None, judge_interval: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = monotonic) -> None:
         self.meter = meter
         self.rank = rank
         self.world_size = world_size

@@ -29,7 +29,6 @@ from lightning_ft._lightning.names import STRATEGY_DESCRIPTION, STRATEGY_NAME
 from lightning_ft.runtime.layout import ReplicatedState
 from lightning_ft.runtime.settings import (
     LAUNCH_ARGUMENTS,
-    LaunchMode,
     StrategyConfigError,
     StrategySettings,
     resolve_settings,
@@ -91,7 +90,7 @@ class FaultTolerantDDPStrategy(FaultTolerantSurface, DDPStrategy):
     @property
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
-        if self.launch_mode is LaunchMode.RENDEZVOUS or self.parallel_devices[0].type == "cpu":
+        if self.parallel_devices[0].type == "cpu":
             return self.parallel_devices[0]
         return self.parallel_devices[self.local_rank % len(self.parallel_devices)]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from lightning.fabric.plugins.environments import ClusterEnvironment, TorchElasticEnvironment
 
+from lightning_ft.settings.environment import local_process_index
+
 
 class RoundEnvironment(ClusterEnvironment):
     """Rank and world size come from the current rendezvous round; Lightning's setters are no-ops."""
@@ -43,7 +45,7 @@ class RoundEnvironment(ClusterEnvironment):
         pass
 
     def local_rank(self) -> int:
-        return 0
+        return local_process_index()  # which of this node's devices (Trainer(devices=N)) it trains on
 
     def node_rank(self) -> int:
         return max(self._rank, 0)

@@ -14,6 +14,7 @@ import difflib
 import inspect
 import socket
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -29,15 +30,22 @@ from lightning_ft._lightning.slurm import install as install_slurm_compat
 from lightning_ft._lightning.trainer import default_backend_for
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.events import EventLog, NullEventLog
-from lightning_ft.process import plan_exit
+from lightning_ft.process import die_with_parent, plan_exit
 from lightning_ft.runtime.layout import StateLayout
 from lightning_ft.runtime.run import RunState
 from lightning_ft.runtime.runtime import FaultToleranceRuntime
 from lightning_ft.runtime.session import RoundRuntime, Session
 from lightning_ft.runtime.settings import LaunchMode, StrategyConfigError, StrategySettings
 from lightning_ft.settings import describe
-from lightning_ft.settings.environment import scheduler_node_index
+from lightning_ft.settings.environment import (
+    ENV_LOCAL_PARENT,
+    environ,
+    local_process_index,
+    scheduler_node_index,
+    tasks_per_node,
+)
 from lightning_ft.strategy.environment import ElasticEnvironment, RoundEnvironment
+from lightning_ft.strategy.local_processes import start_local_processes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -60,6 +68,9 @@ class FaultTolerantSurface(ParallelStrategy):
     def _hold_runtime(self, settings: StrategySettings, layout: StateLayout) -> None:
         """Build the runtime; call at the end of the subclass's ``__init__``."""
         self.ft = FaultToleranceRuntime(settings, layout, self)
+        parent = environ().get(ENV_LOCAL_PARENT, "")
+        if local_process_index() > 0 and parent.isdecimal():
+            die_with_parent(int(parent))  # one of a node's devices=N processes: it shares the node's fate
         if settings.mode is LaunchMode.RENDEZVOUS:
             self.ft.note_early_rank(_scheduler_node_index(settings))
         # Lightning never destroys a gloo group; and a process of ours has told its peers and the
@@ -138,19 +149,25 @@ class FaultTolerantSurface(ParallelStrategy):
     # ------------------------------------------------------------------ Lightning hooks
 
     def _configure_launcher(self) -> None:
-        if self.launch_mode is LaunchMode.RENDEZVOUS and self.parallel_devices is not None \
-                and len(self.parallel_devices) != 1:
+        devices = len(self.parallel_devices) if self.parallel_devices is not None else 1
+        start_local = None
+        if self.launch_mode is LaunchMode.RENDEZVOUS and devices > 1 and tasks_per_node() > 1:
             raise StrategyConfigError(
-                f"{self.strategy_name}: each process is one participant and trains on one device, but devices="
-                f"{len(self.parallel_devices)} was given; pass devices=1 and start one process per device "
-                "(srun --ntasks-per-node, one container per device, ...)")
+                f"{self.strategy_name}: each process is one participant, and srun already starts "
+                f"{tasks_per_node()} tasks per node; with devices={devices} each would start {devices - 1} more. "
+                f"Pass devices=1 (one task per device), or srun one task per node with devices={devices}")
+        if self.launch_mode is LaunchMode.RENDEZVOUS and devices > 1:
+            # Trainer(devices=N): the node's first process starts the other N-1, each a participant
+            self.ft.train_on_devices(devices)
+            if local_process_index() == 0:
+                start_local = partial(start_local_processes, devices)
         nodes = getattr(self, "num_nodes", 1)
         if self.launch_mode is LaunchMode.RENDEZVOUS and nodes != 1:
             raise StrategyConfigError(
                 f"{self.strategy_name}: Trainer(num_nodes={nodes}) is not how this job's size is set: the rendezvous "
                 "forms it from the participants that join (min_nodes/max_nodes, LIGHTNING_FT_NNODES=MIN:MAX); "
                 "leave num_nodes at 1")
-        self._launcher = RuntimeLauncher(self.ft.loop)
+        self._launcher = RuntimeLauncher(self.ft.loop, before_first_launch=start_local)
 
     def set_world_ranks(self) -> None:
         # ranks come from the round (or torchrun), never from num_nodes/devices
@@ -253,6 +270,8 @@ def show_settings_in_signature(strategy: type) -> None:
 
 
 def _scheduler_node_index(settings: StrategySettings) -> int:
+    if local_process_index() > 0:
+        return -1  # a node's later devices=N process: never rank 0 before the rendezvous says so
     if settings.infra_rank is not None:
         return settings.infra_rank
     if settings.launch.max_nodes == 1:

@@ -35,13 +35,13 @@ import logging
 import secrets
 import signal
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch.distributed as dist
 
+from lightning_ft._clock import monotonic
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._lightning.launcher import disarm_child_observer
 from lightning_ft._logging import ensure_log_output
@@ -263,7 +263,7 @@ class GracefulTermination(pl.Callback):
     def _on_peer_stop(self, stop: StopRequest) -> None:  # stop-watcher thread
         # start the health check now, not at the next step boundary; after fit, nothing to stop
         if self._fit_active:
-            self._begin(stop.signum, time.monotonic(), f"stop requested by rank {stop.rank}")
+            self._begin(stop.signum, monotonic(), f"stop requested by rank {stop.rank}")
 
     def _current_step(self) -> int:
         return self._trainer.global_step if self._trainer is not None else -1
@@ -300,7 +300,7 @@ class GracefulTermination(pl.Callback):
                 stop = watcher.request if watcher is not None else None
                 if stop is None:
                     return  # the steady state: a few attribute reads, no store call
-                termination = self._begin(stop.signum, time.monotonic(), f"stop requested by rank {stop.rank}")
+                termination = self._begin(stop.signum, monotonic(), f"stop requested by rank {stop.rank}")
         self._at_boundary(trainer, termination, step)
 
     def _at_boundary(self, trainer: pl.Trainer, termination: Termination, step: int) -> None:
@@ -368,7 +368,7 @@ class GracefulTermination(pl.Callback):
             confirmed = coordinator.wait_until_all_confirmed(timeout)
             return confirmed, coordinator.unhealthy_peers()
 
-        started = time.monotonic()
+        started = monotonic()
         # the outer bound is a little longer: the inner wait returns False by itself when the
         # store answers but a rank did not confirm
         outcome = call_with_timeout(_wait, timeout + 0.5, "waiting for every rank to confirm the stop step")
@@ -379,7 +379,7 @@ class GracefulTermination(pl.Callback):
             if confirmed:
                 termination.all_confirmed = True
                 log.info("rank %d: every rank confirmed the stop after step %d (waited %.0f ms)", self._rank,
-                         stop.step, (time.monotonic() - started) * 1000)
+                         stop.step, (monotonic() - started) * 1000)
                 return {}
             problem = f"not every rank confirmed the stop step within {timeout:g} s"
         else:
@@ -410,7 +410,7 @@ class GracefulTermination(pl.Callback):
         # interpreter finalizes (the stop watcher when the store server goes away with the job)
         # takes the process down with SIGABRT, which would replace the decided code.
         plan_exit(destroy_process_group=True, force_code=code)
-        termination.watchdog.arm(time.monotonic() + self.timeouts.exit_timeout)
+        termination.watchdog.arm(monotonic() + self.timeouts.exit_timeout)
         raise FaultTolerantExit(code, decision.describe())
 
     # ---- the exception path and the end of fit -----------------------------------------
@@ -435,7 +435,7 @@ class GracefulTermination(pl.Callback):
                 log.warning("rank %d: %s; using what the stop watcher knew", self._rank, outcome.problem)
                 stop, peers = (watcher.request, dict(watcher.unhealthy)) if watcher is not None else (None, {})
             if termination is None and stop is not None:
-                termination = self._begin(stop.signum, time.monotonic(), f"stop requested by rank {stop.rank}")
+                termination = self._begin(stop.signum, monotonic(), f"stop requested by rank {stop.rank}")
             if termination is not None and termination.stop is None:
                 termination.stop = stop
         if termination is None:  # an ordinary failure: not ours to handle
@@ -449,7 +449,7 @@ class GracefulTermination(pl.Callback):
         self._finish(trainer, exiting=True)
         # Lightning re-raises the original exception (exit status 1); make the status ours.
         plan_exit(destroy_process_group=True, force_code=code)
-        termination.watchdog.arm(time.monotonic() + self.timeouts.exit_timeout)
+        termination.watchdog.arm(monotonic() + self.timeouts.exit_timeout)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         termination = self._termination

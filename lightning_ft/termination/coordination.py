@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any
 
+from lightning_ft._clock import monotonic
 from lightning_ft.schema.signing import SealedStore, Signer, job_signer
 from lightning_ft.schema.termination import (
     STOP_KEY,
@@ -91,10 +92,10 @@ class StoreStopCoordinator:
 
     def wait_until_all_confirmed(self, timeout_s: float) -> bool:
         """Poll until every rank confirmed the stop (True) or ``timeout_s`` passed (False)."""
-        deadline = time.monotonic() + timeout_s
+        deadline = monotonic() + timeout_s
         interval = _CONFIRM_POLL_FIRST_S
         while not self.all_confirmed():
-            left = deadline - time.monotonic()
+            left = deadline - monotonic()
             if left <= 0:
                 return False
             time.sleep(min(interval, left))

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from lightning_ft._clock import monotonic
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.deadlines import call_with_timeout
@@ -43,7 +43,7 @@ class Termination:
 
     def __init__(self, signum: int, started_at: float, cause: str) -> None:
         self.signum = signum
-        self.started_at = started_at  # time.monotonic() when this rank first knew
+        self.started_at = started_at  # monotonic() when this rank first knew
         self.cause = cause
         self.stop: StopRequest | None = None
         #: every rank confirmed it knows ``stop`` (so this rank may train the stop step)
@@ -92,7 +92,7 @@ class TerminationExecutor:
         termination.report_ready.set()
         self.events.emit(ev.HEALTH_REPORT, healthy=report.healthy, reasons=report.reasons,
                          duration_s=round(report.duration_s, 6))
-        after_ms = (time.monotonic() - termination.started_at) * 1000
+        after_ms = (monotonic() - termination.started_at) * 1000
         if report.healthy:
             log.warning("rank %d: health check: %s; ready %.0f ms after the signal", self.rank,
                         report.summary(), after_ms)
@@ -111,13 +111,13 @@ class TerminationExecutor:
             step = self._current_step()
             log.error("rank %d: %s; health check took %.0f ms, exiting %.0f ms after the signal at step %d",
                       self.rank, decision.describe(), report.duration_s * 1000,
-                      (time.monotonic() - termination.started_at) * 1000, step)
+                      (monotonic() - termination.started_at) * 1000, step)
             if self.world_size > 1:
                 announcer = self._announcer
                 call_with_timeout(lambda: announcer.announce_unhealthy(step, termination.signum, report.reasons),
                                   self._announce_timeout, f"rank {self.rank}: announcing the unhealthy exit",
                                   unanswered="going on without it", log_problem=True)
-            seconds = time.monotonic() - termination.started_at
+            seconds = monotonic() - termination.started_at
 
             def _record() -> None:
                 self.events.emit(ev.UNHEALTHY_EXIT, exit_code=decision.exit_code, reasons=list(decision.reasons),
@@ -147,11 +147,11 @@ class TerminationExecutor:
             except Exception:
                 log.exception("rank %d: EmergencyCheckpoint's pending snapshot or save estimate failed", self.rank)
         left = budget_left(grace_s=self.grace_seconds, signal_time=termination.started_at,
-                           now=time.monotonic(), exit_reserve_s=self.exit_reserve_seconds)
+                           now=monotonic(), exit_reserve_s=self.exit_reserve_seconds)
         decision = decide_on_termination(
             healthy=True, has_emergency_checkpoint=checkpoint is not None, budget_left_s=left,
             estimated_save_s=estimate, signum=termination.signum, save_safety_factor=self.save_safety_factor)
-        elapsed_ms = (time.monotonic() - termination.started_at) * 1000
+        elapsed_ms = (monotonic() - termination.started_at) * 1000
         log.warning("rank %d: %s, %.0f ms after %s; health: %s; decision: %s", self.rank, where, elapsed_ms,
                     termination.cause, report.summary(), decision.describe())
         # where and why this rank stopped (the agreed step, an unhealthy peer, a store that did
@@ -169,14 +169,14 @@ class TerminationExecutor:
         termination.exit_code_if_killed = code
         self.events.emit(ev.TERMINATION_DECISION, step=step, action=decision.action.value, exit_code=code,
                          tier=tier, reasons=list(decision.reasons),
-                         seconds_since_signal=round(time.monotonic() - termination.started_at, 6))
+                         seconds_since_signal=round(monotonic() - termination.started_at, 6))
         self._write_exit_record(code, decision, step)
         return code, decision
 
     def _save(self, trainer: Any, checkpoint: EmergencyCheckpoint, termination: Termination, step: int,
               decision: Decision, mid_step: bool = False) -> Decision:
         """Take the emergency snapshot; a failure turns the decision into "not saved"."""
-        started = time.monotonic()
+        started = monotonic()
         reason = f"{termination.cause}; stop after step {step}"
         try:
             info = checkpoint.save_live_state(trainer, reason) if mid_step else None
@@ -187,7 +187,7 @@ class TerminationExecutor:
             return Decision(Action.EXIT_WITHOUT_SAVE, code,
                             (*decision.reasons, f"snapshot failed: {type(exc).__name__}: {exc}"))
         log.warning("rank %d: emergency snapshot of step %d committed in %.3f s (%s); exiting with %d",
-                    self.rank, step, time.monotonic() - started, info, decision.exit_code)
+                    self.rank, step, monotonic() - started, info, decision.exit_code)
         return decision
 
     def _flush_durable(self, checkpoint: EmergencyCheckpoint, termination: Termination,
@@ -203,20 +203,20 @@ class TerminationExecutor:
         if info is None or checkpoint.persister is None:
             return decision, "memory"
         left = budget_left(grace_s=self.grace_seconds, signal_time=termination.started_at,
-                           now=time.monotonic(), exit_reserve_s=self.exit_reserve_seconds)
-        started = time.monotonic()
+                           now=monotonic(), exit_reserve_s=self.exit_reserve_seconds)
+        started = monotonic()
         try:
             tier, why = checkpoint.flush_durable(info, self.world_size, left)
         except Exception as exc:  # noqa: BLE001 - the memory save stands; the flush is a bonus
             tier, why = "memory", f"durable flush failed: {type(exc).__name__}: {exc}"
         log.warning("rank %d: state of step %d held by tier %s after %.3f s: %s", self.rank, info.step, tier,
-                    time.monotonic() - started, why)
+                    monotonic() - started, why)
         return Decision(decision.action, decision.exit_code, (*decision.reasons, f"tier {tier}: {why}")), tier
 
     def _await_report(self, termination: Termination) -> HealthReport:
         # NodeHealthCheck returns by its deadline; the slack only covers thread start-up.
         check = self.health_check
-        remaining = termination.started_at + check.timeout_s + 0.5 - time.monotonic()
+        remaining = termination.started_at + check.timeout_s + 0.5 - monotonic()
         if termination.report_ready.wait(max(0.0, remaining)) and termination.report is not None:
             return termination.report
         healthy = not check.overrun_is_unhealthy

@@ -15,11 +15,11 @@ import select
 import signal
 import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
+from lightning_ft._clock import monotonic
 from lightning_ft.deadlines import BackgroundThread
 from lightning_ft.settings.timeouts import DEFAULT_TIMEOUTS
 
@@ -55,7 +55,7 @@ class SignalListener:
     # -- the handler: records and returns, nothing else (no locks, no I/O, no collectives)
     def _handler(self, signum: int, frame: object) -> None:
         if self._recorded is None:
-            self._recorded = (signum, time.monotonic())
+            self._recorded = (signum, monotonic())
 
     @property
     def received(self) -> tuple[int, float] | None:
@@ -130,7 +130,7 @@ class SignalListener:
                 ready, _, _ = select.select([reader], [], [], timeout)
             except (OSError, ValueError):  # socket closed under us during uninstall
                 return
-            now = time.monotonic()
+            now = monotonic()
             if ready:
                 try:
                     data = reader.recv(256)

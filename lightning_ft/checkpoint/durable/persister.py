@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 
+from lightning_ft._clock import monotonic
 from lightning_ft.checkpoint.durable.tier import DurableTier, UploadResult
 from lightning_ft.checkpoint.memory import format as fmt
 from lightning_ft.checkpoint.memory.files import open_snapshot_file
@@ -81,7 +81,7 @@ class DurablePersister:
                 return "skip"
             holder = self._snapshot_store()
             holder.hold(info.step)
-            now = time.monotonic()  # an accepted offer: the interval between copies the pacer keeps up with
+            now = monotonic()  # an accepted offer: the interval between copies the pacer keeps up with
             if self._last_offer_time is not None:
                 self._offer_interval = now - self._last_offer_time
             self._last_offer_time, self._last_offer_bytes = now, info.nbytes
@@ -191,10 +191,10 @@ class DurablePersister:
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is queued or running (True) or ``timeout`` passed (False)."""
-        deadline = time.monotonic() + timeout
+        deadline = monotonic() + timeout
         with self._cv:
             while self._thread is not None or self._pending is not None:
-                left = deadline - time.monotonic()
+                left = deadline - monotonic()
                 if left <= 0:
                     return False
                 self._cv.wait(left)
@@ -213,8 +213,8 @@ class DurablePersister:
             try:
                 if self._pending is not None:
                     self._drop_pending()
-                while self._busy is not None and time.monotonic() < deadline:
-                    self._cv.wait(max(0.0, deadline - time.monotonic()))
+                while self._busy is not None and monotonic() < deadline:
+                    self._cv.wait(max(0.0, deadline - monotonic()))
                 if self._busy is not None:
                     return None
                 if self.last_uploaded_step == info.step:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_ft._clock import monotonic
 from lightning_ft.checkpoint.durable import records
 from lightning_ft.checkpoint.durable.settings import DEFAULT_PERSIST_KEEP_LAST, DurableSettings
 from lightning_ft.checkpoint.durable.targets import DurableTarget, FileRanges, open_target, path_parts
@@ -125,18 +126,18 @@ class _ShardSource(FileRanges):
     def ranges(self) -> Iterator[tuple[int, int]]:
         offset = 0
         chunk_bytes = range_bytes(self.rate())
-        tokens, last = float(chunk_bytes), time.monotonic()
+        tokens, last = float(chunk_bytes), monotonic()
         while offset < self.nbytes:
             n = min(chunk_bytes, self.nbytes - offset)
             rate = self.rate()
             if rate:
-                now = time.monotonic()
+                now = monotonic()
                 wait, tokens = bucket_delay(tokens, now - last, rate, float(chunk_bytes), n)
                 last = now + wait
                 if wait:
                     time.sleep(wait)
                     self.paced_seconds += wait
-            if self.deadline is not None and time.monotonic() > self.deadline:
+            if self.deadline is not None and monotonic() > self.deadline:
                 raise UploadCancelled(f"deadline passed after {offset} of {self.nbytes} bytes")
             yield offset, n
             offset += n
@@ -182,7 +183,7 @@ class DurableTier:
         self.signer = signer if signer is not None else Signer(None)
         self.keep_last = keep_last
         self.max_bytes_per_second = max_bytes_per_second
-        #: (step, time.monotonic()) of the last manifest this process wrote: when a step became durable
+        #: (step, monotonic()) of the last manifest this process wrote: when a step became durable
         self.last_published: tuple[int, float] | None = None
         self._reported: set[tuple[str, str]] = set()  # (path, why) of the records skipped so far
 
@@ -216,10 +217,10 @@ class DurableTier:
         the file opened beforehand (then it may be pruned meanwhile; closed here); ``rate``: the
         bandwidth bound in bytes/s, asked before every range (None from it: unbounded; default:
         this tier's ``max_bytes_per_second``). Raises UploadCancelled past ``deadline``
-        (time.monotonic()), OSError/SnapshotError otherwise; then no marker is written and the
+        (monotonic()), OSError/SnapshotError otherwise; then no marker is written and the
         step is not durable.
         """
-        start = time.monotonic()
+        start = monotonic()
         if fd is None:
             fd, st = open_snapshot_file(info.path, for_write=False)
         else:
@@ -246,7 +247,7 @@ class DurableTier:
         marker = ShardMarker(info.step, timeline, info.rank, world_size, nbytes, checksum, model)
         path = self.marker_path(info.step, timeline, info.rank)
         self.target.write(path, [records.encode(self.signer, path, records.marker_record(marker, self.run_id))])
-        seconds = time.monotonic() - start
+        seconds = monotonic() - start
         complete = self.publish_if_complete(info.step, timeline)
         return UploadResult(info.step, nbytes, seconds, complete, paced)
 
@@ -306,7 +307,7 @@ class DurableTier:
         path = self.manifest_path(step)
         # every rank that sees completion writes the same bytes: a race between them is harmless
         self.target.write(path, [records.encode(self.signer, path, records.manifest_record(completion, self.run_id))])
-        self.last_published = (step, time.monotonic())
+        self.last_published = (step, monotonic())
         log.debug("durable: step %d complete (%d shards of segment %s) -> %s", step, completion.world_size, timeline,
                   self.target.describe(path))
         self.apply_retention()
@@ -365,7 +366,7 @@ class DurableTier:
         source = shard_rank_to_fetch(rank, completion.world_size)
         _, nbytes, checksum = completion.shards[source]
         path = self.shard_path(step, completion.timeline, source)
-        start = time.monotonic()
+        start = monotonic()
         blob = self.target.read(path)
         try:
             if len(blob) != nbytes or shard_checksum(fmt.Header.unpack(blob)) != checksum:
@@ -374,7 +375,7 @@ class DurableTier:
         except fmt.SnapshotError as exc:
             raise fmt.SnapshotError(f"{self.target.describe(path)} does not match its manifest: {exc}") from None
         log.info("rank %d: downloaded durable step %d (rank %d's shard, %.1f MiB) in %.2f s from %s", rank, step,
-                 source, nbytes / 2**20, time.monotonic() - start, self.target.describe(path))
+                 source, nbytes / 2**20, monotonic() - start, self.target.describe(path))
         return info
 
     # ------------------------------------------------------------------ pruning

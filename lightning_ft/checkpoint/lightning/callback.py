@@ -28,8 +28,7 @@ from lightning_ft.checkpoint.lightning.background import BackgroundSnapshots
 from lightning_ft.checkpoint.lightning.calibration import ScheduleCalibration
 from lightning_ft.checkpoint.lightning.durable_copies import DurableCopies
 from lightning_ft.checkpoint.lightning.live import LiveState
-from lightning_ft.checkpoint.lightning.state import dump_state
-from lightning_ft.checkpoint.memory import format as fmt
+from lightning_ft.checkpoint.lightning.state import dump_state, estimate_state_bytes
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.roots import (
     ENV_SNAPSHOT_DIR,
@@ -442,12 +441,12 @@ class EmergencyCheckpoint(pl.Callback):
             self._store = None
 
     def _snapshot_bytes(self, trainer: pl.Trainer) -> int:
-        """Size of this rank's snapshot file: the last one's, else estimated once (dump_checkpoint
-        runs the on_save_checkpoint hooks, so the room check and the spare share one estimate)."""
+        """Size of this rank's snapshot file: the last one's, else estimated once from the tensors
+        (no hook runs: see ``estimate_state_bytes``; the room check and the spare share it)."""
         if self._last_snapshot is not None:
             return self._last_snapshot.nbytes
         if self._estimated_bytes is None:
-            self._estimated_bytes = fmt.encode(dump_state(trainer), check_loadable=False).file_size
+            self._estimated_bytes = estimate_state_bytes(trainer)
         return self._estimated_bytes
 
     def space_problem(self, trainer: pl.Trainer) -> str | None:

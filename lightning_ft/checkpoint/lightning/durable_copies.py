@@ -8,6 +8,7 @@ import secrets
 import time
 from collections.abc import Callable
 
+from lightning_ft._clock import monotonic
 from lightning_ft.checkpoint.durable.persister import DurablePersister
 from lightning_ft.checkpoint.durable.settings import DurableSettings
 from lightning_ft.checkpoint.durable.tier import DurableTier, UploadResult
@@ -106,15 +107,15 @@ class DurableCopies:
         fits, why = flush_fits(info.nbytes, persister.measured_unbounded_bytes_per_second, budget_left_s)
         if not fits:
             return "memory", why
-        deadline = time.monotonic() + budget_left_s
+        deadline = monotonic() + budget_left_s
         result: UploadResult | None = persister.flush(info, self._timeline, world_size, deadline)
         if result is None:
             return "memory", f"durable copy of step {info.step} did not finish ({why})"
         # the peers flush the same stop step at the same time: their markers usually follow
         # within moments, and then this rank's record can say "durable" truthfully
-        wait_until = min(deadline, time.monotonic() + _PEER_MARKERS_WAIT_S)
+        wait_until = min(deadline, monotonic() + _PEER_MARKERS_WAIT_S)
         complete = result.complete
-        while not complete and time.monotonic() < wait_until:
+        while not complete and monotonic() < wait_until:
             time.sleep(0.05)
             complete = persister.tier.publish_if_complete(info.step, self._timeline)
         if complete:

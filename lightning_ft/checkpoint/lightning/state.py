@@ -3,6 +3,7 @@
 * :func:`dump_state` -- the full checkpoint of a Trainer as ``ModelCheckpoint`` would save it,
   with ``DTensor`` values (FSDP2) as this rank's own shards
   (:func:`~lightning_ft.checkpoint.sharded.dtensors_to_shards`);
+* :func:`estimate_state_bytes` -- about how large that snapshot will be, without running a hook;
 * :func:`restore_shards` -- this rank's saved shards into the live parameters and optimizers.
 """
 
@@ -31,6 +32,31 @@ def dump_state(trainer: pl.Trainer) -> dict[str, Any]:
     checkpoint for replicated state), hyperparameters as plain data (:mod:`lightning_ft.checkpoint.hparams`)."""
     checkpoint = with_plain_hyperparameters(dump_checkpoint(trainer))
     return dtensors_to_shards(checkpoint) if holds_shards(trainer) else checkpoint
+
+
+#: what a snapshot holds beyond the tensors counted by :func:`estimate_state_bytes` (loops,
+#: callbacks, hyperparameters, the file's own records): a share of them, and at least this much
+_BEYOND_TENSORS = (0.05, 1 << 20)
+
+
+def estimate_state_bytes(trainer: pl.Trainer) -> int:
+    """About how large :func:`dump_state`'s snapshot of ``trainer`` will be, without making it: the
+    module's parameters and buffers and the optimizers' state tensors (this rank's shards of
+    sharded ones), plus a margin. Runs no hook -- a snapshot runs the user's checkpoint hooks,
+    and a size check must not add calls of them that Lightning would not make."""
+    tensors: list[torch.Tensor] = []
+    module = trainer.lightning_module
+    if module is not None:
+        tensors += [*module.parameters(), *module.buffers()]
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its local shard
+        total += local.numel() * local.element_size()
+    share, floor = _BEYOND_TENSORS
+    return total + max(int(total * share), floor)
 
 
 def restore_shards(trainer: pl.Trainer, checkpoint: dict[str, Any], where: str) -> None:

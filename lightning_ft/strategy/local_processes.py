@@ -1,0 +1,54 @@
+"""``Trainer(devices=N)`` under ``ddp_ft``: the first process of a node starts the other N-1.
+
+As Lightning's own ``ddp`` launcher does, each is the user's script run again (the same command
+line, found by Lightning's helper); unlike it, each is a participant of its own in the job's
+rendezvous -- its failure is recovered like any participant's -- and nothing here kills the
+others when one of them ends: the rendezvous decides. They share the node's failure domain (the
+host name, or LIGHTNING_FT_DOMAIN_ID), so snapshot copies go to other nodes. The first process
+waits for them before it leaves (a scheduler ends a task's leftovers when its first process
+exits), bounded; a process that outlives the bound is left running, never killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+
+from lightning_ft._clock import monotonic
+from lightning_ft._lightning.launcher import script_command
+from lightning_ft.process import before_leaving
+from lightning_ft.settings.environment import ENV_LOCAL_PARENT, ENV_LOCAL_PROCESS, child_environment
+
+log = logging.getLogger(__name__)
+
+#: how long the first process waits for the others at its exit
+WAIT_AT_EXIT_SECONDS = 120.0
+
+_started: list[subprocess.Popen] = []
+
+
+def start_local_processes(count: int) -> list[subprocess.Popen]:
+    """Start this node's processes 1..count-1 (once per process; later calls return them)."""
+    if _started or count <= 1:
+        return _started
+    command = script_command()
+    for index in range(1, count):
+        # the first process alone hosts the store when it was told to (one host per endpoint)
+        env = child_environment(**{ENV_LOCAL_PROCESS: str(index), ENV_LOCAL_PARENT: str(os.getpid()),
+                                   "LIGHTNING_FT_IS_STORE_HOST": "0"})
+        _started.append(subprocess.Popen(command, env=env))
+    log.info("ddp_ft: devices=%d: started this node's processes %s (pids %s), each a participant", count,
+             ", ".join(str(i) for i in range(1, count)), ", ".join(str(p.pid) for p in _started))
+    before_leaving(_wait_for_local_processes)
+    return _started
+
+
+def _wait_for_local_processes() -> None:
+    deadline = monotonic() + WAIT_AT_EXIT_SECONDS
+    for process in _started:
+        try:
+            process.wait(max(0.0, deadline - monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("ddp_ft: this node's process %d is still running %.0fs after this one finished; leaving it",
+                        process.pid, WAIT_AT_EXIT_SECONDS)
