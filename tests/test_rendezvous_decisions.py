@@ -230,3 +230,19 @@ def test_a_participant_judged_dead_is_back_once_its_heartbeat_rose_past_where_it
     assert withdrew == LostRecord("c", "withdrew: SIGTERM", None) and not came_back(withdrew, 10 ** 6)
     # a separator in the reason cannot forge the number
     assert decode_lost(encode_lost("d", "x\x1f99").encode()).silent_at is None
+
+
+def test_a_process_start_time_is_exact_to_the_clock_tick():
+    """The start time decides whether a process belongs to a run that closed (a late starter) or
+    to a new launch of its run id: /proc/stat's whole-second btime made it up to 1 s early, and
+    a participant started just after the previous launch closed trained nothing (issue 37, 8)."""
+    import subprocess
+    import sys
+
+    code = ("import time; first = time.time()\n"
+            "from lightning_ft.rendezvous.participant import process_start_time\n"
+            "print(first - process_start_time())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    before_first_line = float(out.stdout.strip())
+    # the interpreter's own start (tens of ms) lies between; never after the first line, never a second
+    assert -0.02 <= before_first_line < 0.3, (before_first_line, out.stderr[-500:])

@@ -8,13 +8,14 @@ and snapshot root, so a hot spare really lacks the snapshot and must receive it.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-from proc_utils import REPO_ROOT, child_pids, kill_pids, wait_for, write_secret
+from proc_utils import REPO_ROOT, ProcessSet, child_pids, kill_pids, wait_for, write_secret
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
 from ft_cluster import SCRIPT, Cluster, base_env, in_order, ordered_start, release
@@ -172,21 +173,42 @@ def test_two_failures_with_two_spares(processes, tmp_path):
     assert {e["round"] for e in cluster.events_of("finished")} == {2}
 
 
-@pytest.mark.timeout(150)
-def test_failure_with_no_spare_left_ends_with_no_restart(processes, tmp_path):
-    cluster = Cluster(processes, tmp_path, "2:2")
+@pytest.mark.timeout(180)
+def test_failure_with_no_spare_left_saves_exits_81_and_a_relaunch_resumes(processes, tmp_path):
+    """2:2, one node killed: the survivor saves its live step and, with no spare to form the next
+    round, exits 81 (requeue: a relaunch resumes) -- not 83. Both nodes relaunched by hand resume at
+    that step and finish."""
+    cluster = Cluster(processes, tmp_path, "2:2", run_id="no-spare")
     cluster.start(["A", "B"], ["--max-steps", "400", *SLOW])
     cluster.wait_for_step(15, 45)
     cluster.kill("B")
     codes = cluster.wait(["A"], 30)
-    assert codes == {"A": 83}, cluster.logs()
-    assert "no hot spare left" in cluster.procs["A"].log()
-    [event] = cluster.events_of("no_restart")
-    assert "min_nodes" in event["reason"]
+    assert codes == {"A": 81}, cluster.logs()
+    log = cluster.procs["A"].log()
+    assert "no hot spare left" in log and "is saved: a relaunch resumes from it" in log and "PREEMPTED (81)" in log
+    [event] = [e for e in cluster.events_of("stopped") if e.get("code") == 81]
+    saved = int(re.search(r"snapshot of step (\d+)", event["reason"]).group(1))
+    assert saved >= 15 and not cluster.events_of("no_restart")
+
+    (tmp_path / "relaunch").mkdir()
+    relaunched = ProcessSet(log_dir=tmp_path / "relaunch")  # a store and participants of its own
+    try:
+        again = Cluster(relaunched, tmp_path / "relaunch", "2:2", run_id="no-spare")
+        again.out.mkdir(parents=True)
+        again.start_store()
+        for name in ("A", "B"):  # the same nodes again: their snapshot roots and domains
+            again.start_participant(name, ["--max-steps", str(saved + 5), *SLOW],
+                                    LIGHTNING_FT_SNAPSHOT_DIR=str(tmp_path / f"shm-{name}"),
+                                    LIGHTNING_FT_DOMAIN_ID=f"host-{name}")
+        assert again.wait(["A", "B"], 90) == {"A": 0, "B": 0}, again.logs()
+        assert [again.starts(name)[0]["step"] for name in ("A", "B")] == [saved, saved], again.logs()
+        assert {again.result(name)["step"] for name in ("A", "B")} == {saved + 5}
+    finally:
+        relaunched.kill_all()
 
 
 @pytest.mark.timeout(180)
-def test_second_failure_after_the_only_spare_was_used_ends_with_no_restart(processes, tmp_path):
+def test_second_failure_after_the_only_spare_was_used_ends_with_a_requeue(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:3")
     cluster.start(["A", "B", "C"], ["--max-steps", "400", *SLOW])
     cluster.wait_for_step(15, 45)
@@ -199,9 +221,9 @@ def test_second_failure_after_the_only_spare_was_used_ends_with_no_restart(proce
     second, last = survivors
     cluster.kill(second)
     codes = cluster.wait([last], 40)
-    assert codes == {last: 83}, cluster.logs()
+    assert codes == {last: 81}, cluster.logs()  # its state is saved: a requeue resumes (see above)
     assert "no hot spare left" in cluster.procs[last].log()
-    [event] = cluster.events_of("no_restart")
+    [event] = [e for e in cluster.events_of("stopped") if e.get("code") == 81]
     assert "min_nodes" in event["reason"]
 
 

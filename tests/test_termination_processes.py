@@ -18,7 +18,7 @@ from lightning_ft.checkpoint import SnapshotStore
 from lightning_ft.exit_codes import ExitCode
 from lightning_ft.termination.exit_records import read_exit_records
 
-from proc_utils import REPO_ROOT, kill_pids, wait_for
+from proc_utils import REPO_ROOT, child_env, kill_pids, wait_for
 
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "graceful_train.py")
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -187,6 +187,29 @@ def test_single_process_sigterm_to_itself_saves_and_resumes(processes, tmp_path)
     assert processes.wait_all(timeout=60)["resume"] == 0, processes.dump_logs()
     assert run.marker("start", 0) == {"step": 5, "digest": stop["digest"]}
     assert run.marker("done", 0)["step"] == 7
+
+
+@pytest.mark.timeout(180)
+def test_ddp_ft_sigterm_then_relaunch_continues_one_log_version(processes, tmp_path):
+    """SIGTERM -> 81 with the snapshot of the stop step; the relaunch resumes there and its logs
+    continue the same version: one ``version_0``, every step's row once, in order."""
+    import csv
+
+    from examples.procs import free_port
+
+    run, logs = Run(tmp_path), tmp_path / "logs"
+    env = child_env(LIGHTNING_FT_ENDPOINT=f"127.0.0.1:{free_port()}", LIGHTNING_FT_NNODES="1:1",
+                    LIGHTNING_FT_RUN_ID=RUN_ID)
+    args = run.args("--strategy", "ddp_ft", "--csv-logs", str(logs))
+    processes.python("train", [SCRIPT, *args, "--self-signal-step", "5"], env=env)
+    assert processes.wait_all(timeout=60)["train"] == ExitCode.PREEMPTED, processes.dump_logs()
+    processes.python("resume", [SCRIPT, *args, "--max-steps", "9"], env=env)
+    assert processes.wait_all(timeout=60)["resume"] == 0, processes.dump_logs()
+    assert run.marker("start", 0)["step"] == 5
+    assert sorted(p.name for p in (logs / "lightning_logs").iterdir()) == [f".lightning_ft-run-{RUN_ID}", "version_0"]
+    with open(logs / "lightning_logs" / "version_0" / "metrics.csv", newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("loss")]
+    assert steps == list(range(9)), steps
 
 
 @pytest.mark.timeout(180)

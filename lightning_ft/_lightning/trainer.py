@@ -59,3 +59,12 @@ def is_tuner_exit(exc: BaseException) -> bool:
     """Whether ``exc`` is how Lightning's tuner (``lr_find``, ``scale_batch_size``) ends the trial
     ``fit()`` it runs: the stage completed; Lightning's own caller handles the exception."""
     return isinstance(exc, _TunerExitException)
+
+
+def log_step_metrics(trainer: Any) -> None:
+    """Hand the metrics of the step that just ended to the loggers, as Lightning does right after
+    the ``on_train_batch_end`` hooks: for a callback that ends ``fit()`` from that hook (a stop
+    at an agreed step), whose raise would skip it and lose the step's row."""
+    connector = trainer._logger_connector
+    connector.on_batch_end()
+    connector.update_train_step_metrics()

@@ -61,8 +61,12 @@ def process_start_time() -> float:
     try:
         with open("/proc/self/stat") as f:
             ticks_after_boot = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks_after_boot / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        tick = 1.0 / os.sysconf("SC_CLK_TCK")
+        # the start is counted in ticks of the boot-time clock; measured against that clock now,
+        # not against /proc/stat's btime, which is whole seconds (up to 1 s early: a process
+        # started just after the previous launch closed was taken for one of its late starters).
+        # The tick count is rounded down: the end of its tick, never before the true start.
+        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - (ticks_after_boot + 1) * tick
+        return time.time() - since_start
+    except (OSError, ValueError, IndexError, AttributeError):
         return _IMPORTED_AT

@@ -257,9 +257,17 @@ class RendezvousFitLoop:
         session.saw_job_finish = closed is not None and closed.kind is CloseKind.FINISHED
         text = str(closed) if closed is not None else reason
         if action is EndAction.NO_RESTART:
-            if closed is not None and closed.kind is CloseKind.TOO_FEW_NODES:
-                self._give_up(f"no hot spare left to replace the lost participant(s): {closed}")
-            self._give_up(f"the job cannot go on: {text}")
+            too_few = closed is not None and closed.kind is CloseKind.TOO_FEW_NODES
+            message = (f"no hot spare left to replace the lost participant(s): {closed}" if too_few
+                       else f"the job cannot go on: {text}")
+            # what is missing is the job's resources (nodes, the store), not its soundness (a bug,
+            # a crash loop: closed FAILED): with its state saved, a relaunch resumes -- requeue
+            lost_resources = too_few or cause in (EndCause.STORE_LOST, EndCause.TIMED_OUT)
+            saved = self._host.saved_state() if lost_resources and role is Role.TRAINED else None
+            if saved is not None:
+                assert self._executor is not None
+                self._executor.requeue(message, saved)
+            self._give_up(message)
         _best_effort(rendezvous.shutdown, job_finished=False)
         if action is EndAction.STOPPED:
             session.events.emit(ev.STOPPED, reason=text)

@@ -323,6 +323,19 @@ class RecoveryExecutor:
                 runtime.retire_group()
             destroy_process_group()
 
+    def requeue(self, message: str, saved: str) -> NoReturn:
+        """The job cannot go on in-process, but what a relaunch resumes from is saved (``saved``):
+        end with PREEMPTED (81), the code a requeue policy acts on, instead of NO_RESTART (83)."""
+        text = f"{message}; {saved} is saved: a relaunch resumes from it"
+        runtime = self._run.round
+        self._host.event_log.emit(ev.STOPPED, round=runtime.round_id if runtime is not None else None,
+                                  reason=text, code=int(ExitCode.PREEMPTED))
+        log.error("ddp_ft: cannot go on in-process; exit code %d (PREEMPTED, requeue): %s", int(ExitCode.PREEMPTED),
+                  text)
+        print(f"lightning_ft: PREEMPTED ({int(ExitCode.PREEMPTED)}): {text}", file=sys.stderr, flush=True)
+        self.leave(None)
+        raise FaultTolerantExit(ExitCode.PREEMPTED, text)
+
     def give_up(self, message: str, cause: BaseException | None = None, close: bool = False) -> NoReturn:
         """End this process with NO_RESTART (83); with ``close``, close the rendezvous for good first."""
         runtime = self._run.round

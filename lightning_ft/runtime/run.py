@@ -35,6 +35,9 @@ class RuntimeHost(Protocol):
     def cannot_reform(self) -> str | None:
         """Why a failed round cannot re-form in-process (None: it can)."""
 
+    def saved_state(self) -> str | None:
+        """What a relaunch resumes from when the job cannot go on in-process (None: nothing)."""
+
     def rebuild_module(self) -> None:
         """Return the model to what a fresh process builds before ``configure_model`` (sharded state)."""
 

@@ -149,6 +149,19 @@ class FaultToleranceRuntime:
         # a tight bound here also bounds how long the exit waits for the stop watcher's call in flight
         return session.store.clone(self.settings.timeouts.stop_store_timeout) if session is not None else None
 
+    def saved_state(self) -> str | None:
+        """What a relaunch of the job resumes from, when this process cannot go on in-process:
+        its newest snapshot of this fit (replicated state: any rank's will do), None without one
+        -- and for sharded state, whose resume needs the lost rank's shards too."""
+        trainer = self.run.trainer
+        checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint) if trainer is not None else None
+        if checkpoint is None or not self.layout.resumes_from_live_state:
+            return None
+        if checkpoint.last_snapshot is not None:
+            return f"the snapshot of step {checkpoint.last_snapshot.step}"
+        resumed = checkpoint.resumed_from
+        return f"the snapshot of step {resumed[0]}" if resumed is not None else None
+
     def cannot_reform(self) -> str | None:
         """Why a failed round cannot re-form in-process (None: it can); see the layout."""
         return self.layout.cannot_reform(self.surface.lightning_module)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from lightning_ft._clock import monotonic
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._lightning.launcher import disarm_child_observer
+from lightning_ft._lightning.trainer import log_step_metrics
 from lightning_ft._logging import ensure_log_output
 from lightning_ft._torch import default_group_store
 from lightning_ft._validation import require
@@ -301,7 +302,13 @@ class GracefulTermination(pl.Callback):
                 if stop is None:
                     return  # the steady state: a few attribute reads, no store call
                 termination = self._begin(stop.signum, monotonic(), f"stop requested by rank {stop.rank}")
-        self._at_boundary(trainer, termination, step)
+        try:
+            self._at_boundary(trainer, termination, step)
+        except FaultTolerantExit:
+            # the stop ends fit() before Lightning logs this step's metrics: a relaunch resumes
+            # after this step, so its row would be missing from the logs for good
+            log_step_metrics(trainer)
+            raise
 
     def _at_boundary(self, trainer: pl.Trainer, termination: Termination, step: int) -> None:
         """A termination is known: agree on the stop step, hold before it until all know it, stop at it."""

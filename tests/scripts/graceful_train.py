@@ -81,6 +81,7 @@ def main() -> int:
     parser.add_argument("--pg-timeout", type=float, default=30.0)
     parser.add_argument("--self-signal-step", type=int, default=None, help="SIGTERM to itself at this step")
     parser.add_argument("--exit-dir", default=None, help="GracefulTermination(exit_record_dir=...)")
+    parser.add_argument("--csv-logs", default=None, help="a CSVLogger here; the loss logged every step")
     args = parser.parse_args()
 
     rank = rank_from_env()
@@ -109,7 +110,10 @@ def main() -> int:
         def training_step(self, batch, batch_idx):
             time.sleep(args.step_sleep)  # a fixed step time, so signals land mid-run
             x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
+            loss = nn.functional.mse_loss(self.net(x), y)
+            if args.csv_logs:
+                self.log("loss", loss)
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -168,7 +172,8 @@ def main() -> int:
     if strategy == "ddp":
         strategy = collective_bound_ddp(args.pg_timeout)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
-                         max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         max_epochs=-1, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                         logger=pl.loggers.CSVLogger(args.csv_logs) if args.csv_logs else False,
                          enable_checkpointing=False, num_sanity_val_steps=0, callbacks=callbacks)
     try:
         trainer.fit(TinyModule())
