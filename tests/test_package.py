@@ -46,9 +46,14 @@ def test_the_installed_package_registers_its_strategies_when_lightning_loads():
     code = ("import sys; started = sorted(m for m in sys.modules if m.startswith(('lightning_ft', 'torch'))); "
             "from lightning.pytorch.strategies import StrategyRegistry; "
             "print(started, 'ddp_ft' in StrategyRegistry, 'fsdp_ft' in StrategyRegistry)")
-    for autoload, expected in (("1", "[] True True"), ("0", "[] False False")):
-        env = {**os.environ, "LIGHTNING_FT_AUTOLOAD": autoload}
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "LIGHTNING_FT_AUTOLOAD": "1"})
+    assert out.stdout.strip() == "[] True True", (out.stdout, out.stderr[-2000:])
+    # turned off: no watcher at all (so Lightning's import, not run here, registers nothing)
+    code = "import sys; print([type(f).__name__ for f in sys.meta_path if 'Startup' in type(f).__name__])"
+    for autoload, expected in (("1", "['_StartupWatcher']"), ("0", "[]")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "LIGHTNING_FT_AUTOLOAD": autoload})
         assert out.stdout.strip() == expected, (autoload, out.stdout, out.stderr[-2000:])
 
 

@@ -7,6 +7,7 @@ and snapshot root, so a hot spare really lacks the snapshot and must receive it.
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import signal
@@ -366,7 +367,7 @@ def test_under_torchrun_the_new_worker_receives_the_snapshot(processes, tmp_path
             argv = [TORCHRUN, "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=lightning_ft",
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", f"--rdzv-conf={conf}",
                     "--max-restarts=3", "--monitor-interval=0.1", SCRIPT, "--out", str(out), "--max-steps", "60",
-                    *SLOW]
+                    "--csv-logs", str(tmp_path / "logs"), *SLOW]
             env = base_env(LIGHTNING_FT_SNAPSHOT_DIR=str(tmp_path / f"shm-{name}"),
                            LIGHTNING_FT_EVENTS_DIR=str(tmp_path / "events"), LIGHTNING_FT_INFRA_RANK=str(index))
             agents[name] = processes.start(name, argv, env=env)
@@ -398,6 +399,13 @@ def test_under_torchrun_the_new_worker_receives_the_snapshot(processes, tmp_path
             (received, saved, killed_at)
         finals = [json.loads(p.read_text()) for p in out.glob("result-*.json")]
         assert sorted(r["step"] for r in finals if r["trained"]) == [60, 60]
+        # torchrun's restart is a launch: the logs continue its version, every step's row once
+        logs = tmp_path / "logs" / "lightning_logs"
+        assert sorted(p.name for p in logs.iterdir()) == [".lightning_ft-run-elastic", "version_0"], \
+            processes.dump_logs()
+        with open(logs / "version_0" / "metrics.csv", newline="") as f:
+            steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("loss")]
+        assert steps == list(range(60)), steps
         # the outcome is in the event log as in rendezvous mode (lightning-ft report --exit-code reads it)
         assert sorted(e["step"] for e in events if e["event"] == "finished") == [60, 60]
     finally:

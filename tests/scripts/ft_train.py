@@ -122,6 +122,7 @@ def main() -> int:
     parser.add_argument("--explicit-callbacks", action="store_true",
                         help="EmergencyCheckpoint() and GracefulTermination() with no arguments, as a user adds them")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--csv-logs", default=None, help="a CSVLogger here; the loss logged every step")
     args = parser.parse_args()
     if args.background_copy_min_bytes is not None:
         from lightning_ft.checkpoint.memory import copying
@@ -182,6 +183,8 @@ def main() -> int:
                 y = x.sum(dim=1, keepdim=True)
             loss = nn.functional.mse_loss(self.net(x), y)
             self.last_loss = float(loss.detach())
+            if args.csv_logs:
+                self.log("loss", loss)
             return loss
 
         def configure_optimizers(self):
@@ -266,7 +269,8 @@ def main() -> int:
     model = Regression()
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
                          max_steps=args.max_steps, accumulate_grad_batches=args.accumulate,
-                         max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         max_epochs=-1, enable_progress_bar=False, enable_model_summary=False,
+                         logger=pl.loggers.CSVLogger(args.csv_logs) if args.csv_logs else False, log_every_n_steps=1,
                          enable_checkpointing=bool(args.checkpoint_dir), num_sanity_val_steps=0,
                          callbacks=callbacks)
     if os.environ.get("FT_TRAIN_SWITCH_INTERVAL"):  # diagnosis: GIL hand-off cost of background threads
