@@ -65,6 +65,42 @@ def test_eviction_needs_a_spare_and_comes_at_most_once_per_window():
     assert decide(calm, 1, 100, None, WINDOW)[0] is StragglerAction.NONE
 
 
+def _meter_steps(micro_batches: list[list[tuple[float, float]]], step_end_wait: float) -> tuple[float, float]:
+    """A WorkMeter on a scripted clock: each step is micro-batches of (work, wait before it); the
+    last one synchronises (its wait lies between its last gradient and the closure's return)."""
+    from lightning_ft.stragglers.meter import WorkMeter
+
+    now = [0.0]
+    meter = WorkMeter(window=len(micro_batches))
+    meter.clock = lambda: now[0]
+    meter.begin()
+    for step, batches in enumerate(micro_batches):
+        for index, (work, wait_before) in enumerate(batches):
+            now[0] += wait_before  # Lightning's per-batch broadcast, before the batch's hooks
+            meter.micro_batch_started()
+            now[0] += work
+            if index < len(batches) - 1:
+                meter.backward_done()
+                continue
+            meter._gradient_ready(None)  # the last gradient of the synchronised backward
+            now[0] += step_end_wait
+            meter.timed_closure(lambda: None)()
+            meter.backward_done()
+        meter.step_finished(step)
+    summary = meter.summary()
+    return summary.median, summary.wait
+
+
+def test_under_accumulation_the_wait_between_micro_batches_is_not_own_work():
+    """Two micro-batches of 0.05 s, waiting 0.1 s before the second (a 3x slower peer) and 0.1 s
+    in the synchronised backward: own work 0.1, wait 0.2 -- not 0.2 / 0.1 (it scored 1.5, not 3)."""
+    own, wait = _meter_steps([[(0.05, 0.0), (0.05, 0.1)]] * 4, step_end_wait=0.1)
+    assert own == pytest.approx(0.1) and wait == pytest.approx(0.2)
+    # without accumulation the synchronised backward's wait alone is the wait
+    own, wait = _meter_steps([[(0.05, 0.0)]] * 4, step_end_wait=0.1)
+    assert own == pytest.approx(0.05) and wait == pytest.approx(0.1)
+
+
 ARGS = ["--step-sleep", "0.05", "--snapshot-every", "10", "--ft-option", "straggler_window=10",
         "--ft-option", "straggler_factor=2.0"]  # on here; the test harness turns it off elsewhere
 
@@ -112,11 +148,15 @@ def test_a_4x_straggler_is_evicted_and_the_spare_takes_its_place(processes, tmp_
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_straggler_without_a_spare_is_warned_about_and_kept(processes, tmp_path):
+    """Under gradient accumulation (2 micro-batches a step): a 4x slower rank scores about 4,
+    not the 1.5 it scored when the wait between micro-batches counted as own work."""
     cluster = Cluster(processes, tmp_path, "2:2", run_id="straggler-warn")
-    _start_actives_then_spare(cluster, [*ARGS, "--max-steps", "80"], slow="20:4", spare=False)
+    _start_actives_then_spare(cluster, [*ARGS, "--max-steps", "80", "--accumulate", "2"], slow="20:4",
+                              spare=False)
     assert cluster.wait(["A", "B"], 150) == {"A": 0, "B": 0}, cluster.logs()
     actions = {e["action"] for e in cluster.events_of("straggler")}
     assert actions == {"warn"}, cluster.events_of("straggler")
+    assert min(e["score"] for e in cluster.events_of("straggler")) >= 2.0, cluster.events_of("straggler")
     assert "no hot spare to replace it" in cluster.logs()
     assert cluster.events_of("evicted") == []
 

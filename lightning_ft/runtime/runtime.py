@@ -355,6 +355,8 @@ class FaultToleranceRuntime:
         if runtime is None:
             return
         runtime.step_started()
+        if runtime.work is not None:
+            runtime.work.micro_batch_started()
         watch = runtime.stragglers
         if watch is None:
             return
@@ -380,6 +382,12 @@ class FaultToleranceRuntime:
         runtime = self.round
         work = runtime.work if runtime is not None else None
         return work.timed_closure(closure) if work is not None else closure
+
+    def after_backward(self) -> None:
+        """A micro-batch's backward returned (the straggler meter's accumulation measure)."""
+        runtime = self.round
+        if runtime is not None and runtime.work is not None:
+            runtime.work.backward_done()
 
     def after_optimizer_step(self) -> None:
         """Forward, backward (with its all-reduce) and the update are done: the step completed."""

@@ -10,6 +10,17 @@ step -- loading the batch, forward, backward, the optimizer update -- is this ra
     own  = (last gradient ready - previous step's end) + (step's end - closure returned)
     wait = closure returned - last gradient ready
 
+Under gradient accumulation a rank also waits between micro-batches: Lightning 2.6 broadcasts a
+"SIGTERM received" flag from rank 0 before every training batch, so a fast rank waits there for
+the slow one's previous micro-batch (measured: a 3x slower peer with two micro-batches scored
+1.5, half of its fast peer's wait counted as its own work). The micro-batches before the step's
+last one run without any collective of their own (DDP's ``no_sync``) from the batch's start hook
+to the end of its backward, so that span is own work throughout; a step of K micro-batches counts
+K times their mean as own work and the rest of the step as wait:
+
+    own  = K * mean(batch start .. backward end, micro-batches 1 .. K-1)   (accumulation, K >= 2)
+    wait = step's time - own
+
 Costs a clock read per parameter and a few per step. Written on the training thread, read (a
 copy of the window) by the round watchdog's thread.
 """
@@ -39,6 +50,11 @@ class WorkMeter:
         self._step_began: float | None = None
         self._ready: float | None = None
         self._synced: float | None = None
+        #: when the current micro-batch began and its backward ended, and how long each earlier
+        #: one of this step computed
+        self._micro_began: float | None = None
+        self._backward_done: float | None = None
+        self._unsynced: list[float] = []
         self.last_step = -1
         self._hooks: list[Any] = []
 
@@ -71,12 +87,34 @@ class WorkMeter:
         self._step_began = self.clock()
         self._ready = self._synced = None
 
+    def micro_batch_started(self) -> None:
+        """A training batch begins: the one before it, if it ended no optimizer step, was a
+        micro-batch of gradient accumulation (no collective from its start to its backward's end)."""
+        now = self.clock()
+        began, done = self._micro_began, self._backward_done
+        if began is not None and done is not None and began <= done:
+            self._unsynced.append(done - began)
+        self._micro_began, self._backward_done = now, None
+
+    def backward_done(self) -> None:
+        """A micro-batch's backward returned."""
+        self._backward_done = self.clock()
+
     def step_finished(self, step: int) -> None:
         """The optimizer step that completed ``step`` ended: record its own work and wait."""
         now = self.clock()
         began, ready, synced = self._step_began, self._ready, self._synced
+        unsynced, self._unsynced, self._micro_began, self._backward_done = self._unsynced, [], None, None
         self._step_began, self._ready, self._synced = now, None, None
-        if began is None or ready is None or synced is None or not began <= ready <= synced <= now:
+        if began is None:
+            return
+        if unsynced:  # gradient accumulation: see the module docstring
+            own = min(now - began, (len(unsynced) + 1) * sum(unsynced) / len(unsynced))
+            self._work.append(own)
+            self._wait.append(now - began - own)
+            self.last_step = step
+            return
+        if ready is None or synced is None or not began <= ready <= synced <= now:
             return  # no synchronised backward seen in this step: nothing to tell own work from waiting
         self._work.append((ready - began) + (now - synced))
         self._wait.append(synced - ready)

@@ -196,6 +196,10 @@ class FaultTolerantSurface(ParallelStrategy):
         super().on_train_batch_start(batch, batch_idx)
         self.ft.on_train_batch_start()
 
+    def post_backward(self, closure_loss: Any) -> None:
+        super().post_backward(closure_loss)
+        self.ft.after_backward()
+
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: pl.LightningModule | Module | None = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, self.ft.timed_closure(closure), model, **kwargs)
