@@ -88,14 +88,31 @@ def pytest_runtest_call(item):
     return result
 
 
+#: what a C++ stack or abort in a process's output looks like (torch's c10 backtraces, std::terminate)
+CPP_BACKTRACE_MARKERS = ("frame #", "terminate called")
+
+
 @pytest.fixture
 def processes(tmp_path):
-    """Real processes for a test; all are killed (whole sessions, by pid) at teardown."""
+    """Real processes for a test; all are killed (whole sessions, by pid) at teardown. Then their
+    output is scanned: a C++ backtrace in a user's log looks like a crash, whatever the outcome
+    (issue 36: quiet logs on every fault path), so any makes the test fail."""
     procs = ProcessSet(log_dir=tmp_path)
     try:
         yield procs
     finally:
         procs.kill_all()
+    noisy = []
+    for proc in procs.procs.values():
+        try:
+            text = proc.log_path.read_text(errors="replace")
+        except OSError:
+            continue
+        lines = [line for line in text.splitlines() if any(marker in line for marker in CPP_BACKTRACE_MARKERS)]
+        if lines:
+            noisy.append(f"{proc.name}: {len(lines)} line(s), first: {lines[0][:200]}")
+    if noisy:
+        pytest.fail("C++ backtrace lines in the processes' output:\n" + "\n".join(noisy))
 
 
 @pytest.fixture

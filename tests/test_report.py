@@ -78,6 +78,33 @@ def test_report_text_has_timeline_and_summary():
     assert "node0          active x2; last: finished at +9.00s\n" in text
 
 
+def test_a_stop_and_a_relaunch_sharing_the_events_directory_cost_their_gap():
+    """SIGTERM stops both nodes at step 50 (81); 20 s later the relaunch (new pids) restores step 50
+    and finishes: one relaunch, lost 20.5 s (gap to the restore, nothing redone), goodput below 100 %."""
+    first = [ev(0.0, "node0", "join"), ev(0.1, "node1", "join"),
+             ev(1.0, "node0", "round_complete", round=0, rank=0, world=2, standby=False),
+             ev(1.0, "node1", "round_complete", round=0, rank=1, world=2, standby=False),
+             ev(1.2, "node0", "group_formed", round=0), ev(30.0, "node0", "stop_agreed", step=50),
+             ev(30.5, "node0", "termination_decision", step=50, exit_code=81),
+             ev(30.5, "node1", "termination_decision", step=50, exit_code=81)]
+    second = [{**e, "pid": e["pid"] + 1000} for e in [
+        ev(50.0, "node0", "join"), ev(50.1, "node1", "join"),
+        ev(50.8, "node0", "round_complete", round=0, rank=0, world=2, standby=False),
+        ev(50.8, "node1", "round_complete", round=0, rank=1, world=2, standby=False),
+        ev(51.0, "node0", "restored", step=50), ev(51.0, "node1", "restored", step=50),
+        ev(80.0, "node0", "finished", step=100), ev(80.0, "node1", "finished", step=100)]]
+    summary = summarize(first + second)
+    [relaunch] = summary.relaunches
+    assert (relaunch.stopped_step, relaunch.restored_step, relaunch.steps_redone) == (50, 50, 0)
+    assert relaunch.lost_seconds == pytest.approx(20.5) and "exit 81" in relaunch.why
+    assert summary.status == "finished" and "after 1 relaunch" in summary.status_detail
+    assert summary.lost_seconds == pytest.approx(20.5) and summary.goodput < 0.8
+    text = format_report(summary)
+    assert "relaunches    1" in text and "resumed at +51.00s from step 50" in text
+    # the first launch alone: no relaunch
+    assert summarize(first).relaunches == ()
+
+
 def test_malformed_entries_are_ignored_and_unknown_events_shown_as_is():
     events = recovered_run() + [
         "not a dict", {"t": T0 + 3, "who": "node0"}, {"event": "no_time"},

@@ -196,10 +196,12 @@ def test_ddp_ft_sigterm_then_relaunch_continues_one_log_version(processes, tmp_p
     import csv
 
     from examples.procs import free_port
+    from lightning_ft.events.log import read_events
+    from lightning_ft.report.timeline import summarize
 
     run, logs = Run(tmp_path), tmp_path / "logs"
     env = child_env(LIGHTNING_FT_ENDPOINT=f"127.0.0.1:{free_port()}", LIGHTNING_FT_NNODES="1:1",
-                    LIGHTNING_FT_RUN_ID=RUN_ID)
+                    LIGHTNING_FT_RUN_ID=RUN_ID, LIGHTNING_FT_EVENTS_DIR=str(tmp_path / "events"))
     args = run.args("--strategy", "ddp_ft", "--csv-logs", str(logs))
     processes.python("train", [SCRIPT, *args, "--self-signal-step", "5"], env=env)
     assert processes.wait_all(timeout=60)["train"] == ExitCode.PREEMPTED, processes.dump_logs()
@@ -210,6 +212,12 @@ def test_ddp_ft_sigterm_then_relaunch_continues_one_log_version(processes, tmp_p
     with open(logs / "lightning_logs" / "version_0" / "metrics.csv", newline="") as f:
         steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("loss")]
     assert steps == list(range(9)), steps
+    # lightning-ft report on the shared events directory: the stop, the gap, the resume
+    summary = summarize(read_events(tmp_path / "events"))
+    [relaunch] = summary.relaunches
+    assert (relaunch.stopped_step, relaunch.restored_step, relaunch.steps_redone) == (5, 5, 0), relaunch
+    assert relaunch.lost_seconds > 0 and "exit 81" in relaunch.why, relaunch
+    assert summary.status == "finished" and summary.goodput < 1, summary.status_detail
 
 
 @pytest.mark.timeout(180)

@@ -72,6 +72,15 @@ def format_summary(summary: RunSummary) -> list[str]:
                          f"steps redone {_fmt_opt(f.steps_redone)}")
         else:
             lines.append("       not recovered (no first step after recovery)")
+    if summary.relaunches:
+        lines.append(f"  relaunches    {len(summary.relaunches)}")
+    for n, r in enumerate(summary.relaunches, 1):
+        resumed = "never resumed" if r.resumed_at is None else (
+            f"resumed at +{r.resumed_at:.2f}s from step {r.restored_step}" if r.restored_step is not None
+            else f"started over at +{r.resumed_at:.2f}s")
+        lines.append(f"    #{n} {_short(r.why)} at +{r.stopped_at:.2f}s, step {_fmt_opt(r.stopped_step)}; {resumed}")
+        lines.append(f"       lost time {_fmt_seconds(r.lost_seconds)} (the gap, and {_fmt_opt(r.steps_redone)} "
+                     f"step(s) done again)")
     if summary.goodput is not None:
         lines.append(f"  goodput       {100 * summary.goodput:.1f} % (lost {summary.lost_seconds:.2f} s of "
                      f"{summary.training_seconds:.2f} s of training)")

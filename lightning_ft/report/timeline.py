@@ -41,6 +41,7 @@ from typing import Any
 
 from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import ExitCode
+from lightning_ft.report.launches import Relaunch, relaunches
 from lightning_ft.report.work import RoundWork, straggler_lines, work_per_round
 
 # fields every event has; the rest are the event's own "key fields"
@@ -113,6 +114,8 @@ class RunSummary:
     work: tuple[RoundWork, ...] = ()
     #: what the straggler policy found (``straggler`` events), one line each
     stragglers: tuple[str, ...] = ()
+    #: launches after the first that took the run up again (their events in the same directory)
+    relaunches: tuple[Relaunch, ...] = ()
 
 
 # ---------------------------------------------------------------------- pure decisions
@@ -316,8 +319,12 @@ def summarize(events: Iterable[Any]) -> RunSummary:
     rounds = {r for r in (_int(e.fields.get("round")) for e in timeline if e.event == ev.ROUND_COMPLETE)
               if r is not None}
     status, detail, final_step = _final_status(timeline)
+    launched_again = tuple(relaunches(timeline, _step_of, _run_step_seconds(timeline)))
+    if launched_again:
+        detail += f" after {len(launched_again)} relaunch(es)"
     training = _training_seconds(timeline)
-    lost = sum(f.lost_seconds for f in failures if f.lost_seconds is not None)
+    lost = sum(f.lost_seconds for f in failures if f.lost_seconds is not None) + \
+        sum(r.lost_seconds for r in launched_again if r.lost_seconds is not None)
     return RunSummary(
         duration=timeline[-1].seconds if timeline else 0.0,
         participants=participants,
@@ -334,6 +341,7 @@ def summarize(events: Iterable[Any]) -> RunSummary:
         goodput=None if not training else max(0.0, 1.0 - lost / training),
         work=work_per_round(timeline),
         stragglers=straggler_lines(timeline),
+        relaunches=launched_again,
     )
 
 
