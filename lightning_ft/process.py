@@ -55,22 +55,27 @@ def flush_output(timeout_s: float = DEFAULT_TIMEOUTS.flush_timeout) -> None:
 
 
 #: what must finish before this process leaves, however it leaves (the node's other ``devices=N``
-#: processes: a scheduler ends a task's leftovers once the task's first process is gone)
-_BEFORE_LEAVING: list[Callable[[], None]] = []
+#: processes: a scheduler ends a task's leftovers once the task's first process is gone); each
+#: is called with the seconds it may take
+_BEFORE_LEAVING: list[Callable[[float], None]] = []
+#: how long those waits may take at interpreter exit, and in :func:`exit_now` -- which must leave
+#: at once (a deadline's watchdog, an unhealthy node's exit): only what is nearly done is waited for
+BEFORE_LEAVING_AT_EXIT_SECONDS = 120.0
+BEFORE_LEAVING_EXIT_NOW_SECONDS = 5.0
 
 
-def before_leaving(wait: Callable[[], None]) -> None:
-    """Run ``wait`` (bounded by itself) before the process leaves: at interpreter exit and in
-    :func:`exit_now` alike."""
+def before_leaving(wait: Callable[[float], None]) -> None:
+    """Run ``wait(seconds)`` before the process leaves: at interpreter exit and in :func:`exit_now`
+    alike (with a shorter bound there)."""
     _BEFORE_LEAVING.append(wait)
     install_exit_hook()
 
 
-def _run_before_leaving() -> None:
+def _run_before_leaving(seconds: float) -> None:
     while _BEFORE_LEAVING:
         wait = _BEFORE_LEAVING.pop()
         try:
-            wait()
+            wait(seconds)
         except Exception:
             log.exception("lightning_ft: a wait before exit failed")
 
@@ -99,7 +104,7 @@ def exit_now(code: int) -> NoReturn:
     interpreter finalization) cannot happen on this path and the process group need not
     be destroyed first. What :func:`before_leaving` registered runs first.
     """
-    _run_before_leaving()
+    _run_before_leaving(BEFORE_LEAVING_EXIT_NOW_SECONDS)
     flush_output()
     os._exit(int(code))
 
@@ -229,7 +234,7 @@ def planned_exit_code() -> int | None:
 
 
 def _at_exit() -> None:
-    _run_before_leaving()
+    _run_before_leaving(BEFORE_LEAVING_AT_EXIT_SECONDS)
     if _exit_plan.destroy_process_group:
         destroy_process_group()
     if _exit_plan.force_code is not None:

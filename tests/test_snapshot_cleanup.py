@@ -26,6 +26,9 @@ def test_lists_removes_a_run_with_its_later_fits_and_the_stale_ones(tmp_path, ca
     _run_dir(root, "job-2", 4096, age_seconds=60)
     _run_dir(root, "job-3", 5, age_seconds=7200)
     (root / "a-link").symlink_to(tmp_path)  # never followed, never removed
+    (root / "not-a-run" / "data").mkdir(parents=True)  # no rank<N> inside: never listed or removed
+    old = time.time() - 9 * 86400
+    os.utime(root / "not-a-run", (old, old))
     runs = {run.name: run for run in runs_under(str(root))}
     assert sorted(runs) == ["job-1", "job-1-fit1", "job-2", "job-3"]
     assert (runs["job-2"].bytes, runs["job-2"].files) == (4096, 1) and 50 < runs["job-2"].idle_seconds < 600
@@ -35,9 +38,9 @@ def test_lists_removes_a_run_with_its_later_fits_and_the_stale_ones(tmp_path, ca
     assert "job-2" in listing and "4.0 KiB" in listing and "a-link" not in listing
 
     assert main(["--root", str(root), "remove", "job-1"]) == 0
-    assert sorted(os.listdir(root)) == ["a-link", "job-2", "job-3"]
+    assert sorted(os.listdir(root)) == ["a-link", "job-2", "job-3", "not-a-run"]
     assert main(["--root", str(root), "remove", "--older-than", "1h"]) == 0
-    assert sorted(os.listdir(root)) == ["a-link", "job-2"]
+    assert sorted(os.listdir(root)) == ["a-link", "job-2", "not-a-run"]
     assert "removed" in capsys.readouterr().out
     assert main(["--root", str(root), "remove", "--older-than", "1d"]) == 0
     assert "nothing to remove" in capsys.readouterr().out

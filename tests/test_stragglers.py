@@ -151,7 +151,7 @@ def test_a_straggler_without_a_spare_is_warned_about_and_kept(processes, tmp_pat
     """Under gradient accumulation (2 micro-batches a step): a 4x slower rank scores about 4,
     not the 1.5 it scored when the wait between micro-batches counted as own work."""
     cluster = Cluster(processes, tmp_path, "2:2", run_id="straggler-warn")
-    _start_actives_then_spare(cluster, [*ARGS, "--max-steps", "80", "--accumulate", "2"], slow="20:4",
+    _start_actives_then_spare(cluster, [*ARGS, "--max-steps", "50", "--accumulate", "2"], slow="20:4",
                               spare=False)
     assert cluster.wait(["A", "B"], 150) == {"A": 0, "B": 0}, cluster.logs()
     actions = {e["action"] for e in cluster.events_of("straggler")}

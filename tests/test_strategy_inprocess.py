@@ -377,15 +377,22 @@ def test_num_nodes_is_refused_with_a_message(port):
 def test_devices_n_counts_n_participants_per_node_and_keeps_nodes_whole(port):
     """Trainer(devices=2) with 2:3 nodes: 4 to 6 participants, actives in whole nodes (segment 2);
     under srun with several tasks per node it is refused (each task would start more)."""
-    from lightning_ft.strategy import StrategyConfigError
+    from lightning_ft.strategy import StrategyConfigError, surface
 
+    rerunnable = mock.patch.object(surface, "script_can_run_again", return_value=True)  # pytest's -c workers
     strategy = FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{port}", run_id="r", min_nodes=2, max_nodes=3)
-    pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    with rerunnable:
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
     launch = strategy.settings.launch
     assert (launch.min_nodes, launch.max_nodes, strategy.settings.segment) == (4, 6, 2)
+    for tasks in ({"SLURM_NTASKS_PER_NODE": "2"}, {"SLURM_STEP_TASKS_PER_NODE": "2(x2)"}):
+        strategy = FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{port}", run_id="r", min_nodes=2, max_nodes=3)
+        with rerunnable, mock.patch.dict(os.environ, tasks), \
+                pytest.raises(StrategyConfigError, match="srun already starts 2 tasks per node"):
+            pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
     strategy = FaultTolerantDDPStrategy(endpoint=f"127.0.0.1:{port}", run_id="r", min_nodes=2, max_nodes=3)
-    with mock.patch.dict(os.environ, {"SLURM_NTASKS_PER_NODE": "2"}), \
-            pytest.raises(StrategyConfigError, match="srun already starts 2 tasks per node"):
+    with mock.patch.object(surface, "script_can_run_again", return_value=False), \
+            pytest.raises(StrategyConfigError, match="python -c, a notebook"):
         pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
 
 

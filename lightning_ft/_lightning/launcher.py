@@ -13,6 +13,21 @@ from lightning.fabric.strategies.launchers.subprocess_script import _basic_subpr
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
 
+def script_can_run_again() -> bool:
+    """Whether this process's script can be started again as is (a file or ``-m module``; not
+    ``python -c``, a notebook or an interactive session)."""
+    import os
+    import sys
+
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    if spec is not None:
+        return spec.name not in ("ipykernel_launcher", "IPython")
+    return bool(sys.argv) and sys.argv[0] not in ("", "-c") and os.path.isfile(sys.argv[0]) and \
+        hasattr(__main__, "__file__")
+
+
 def script_command() -> list[str]:
     """The command line that runs this process's script again (``python script.py ARGS`` or
     ``python -m module ARGS``), as Lightning's own ``ddp`` launcher builds it."""

@@ -3,8 +3,9 @@ writes its events next to the first launch's, and what it cost -- the stop, the 
 done again -- is lost time like a failure's.
 
 Pure: it reads timeline entries (``seconds``, ``pid``, ``event``, ``fields``). A launch is a set
-of processes whose lifetimes overlap (by pid, first to last event); the next launch starts with a
-process that began after every process of the one before had logged its last event.
+of processes whose lifetimes overlap (by participant id and pid -- pids repeat across hosts and
+containers -- first to last event); the next launch starts with a process that began after every
+process of the one before had logged its last event.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class Entry(Protocol):
 
     @property
     def pid(self) -> int | None: ...
+
+    @property
+    def participant_id(self) -> str: ...
 
     @property
     def event(self) -> str: ...
@@ -49,11 +53,12 @@ class Relaunch:
 def launches(timeline: Sequence[Entry]) -> list[list[Entry]]:
     """The timeline cut into launches (in order); entries without a pid stay with the launch they
     fall into by time."""
-    spans: dict[int, tuple[float, float]] = {}
+    spans: dict[tuple[str, int], tuple[float, float]] = {}
     for entry in timeline:
         if entry.pid is not None:
-            first, last = spans.get(entry.pid, (entry.seconds, entry.seconds))
-            spans[entry.pid] = (min(first, entry.seconds), max(last, entry.seconds))
+            key = (entry.participant_id, entry.pid)
+            first, last = spans.get(key, (entry.seconds, entry.seconds))
+            spans[key] = (min(first, entry.seconds), max(last, entry.seconds))
     starts: list[float] = []
     end = None
     for first, last in sorted(spans.values()):
@@ -65,7 +70,7 @@ def launches(timeline: Sequence[Entry]) -> list[list[Entry]]:
     groups: list[list[Entry]] = [[] for _ in starts] or [[]]
     index = 0
     for entry in timeline:
-        when = spans[entry.pid][0] if entry.pid is not None else entry.seconds
+        when = spans[(entry.participant_id, entry.pid)][0] if entry.pid is not None else entry.seconds
         while index + 1 < len(starts) and when >= starts[index + 1]:
             index += 1
         position = index

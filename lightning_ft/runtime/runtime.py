@@ -185,7 +185,7 @@ class FaultToleranceRuntime:
                                 self.settings.pg_timeout)
             assert self.round is not None  # started by the torchrun fit loop
             self.round.transport = GroupTransport(before, open_sockets(), master_port())
-            resume_step = self._share_snapshots()
+            resume_step = self._resumed_step(self._share_snapshots())
             trainer, rank = self.run.trainer, self.surface.global_rank
             agreed = None
             if versioned_loggers(trainer):  # torchrun's restarts are launches: one version across them
@@ -217,7 +217,8 @@ class FaultToleranceRuntime:
             log_device_info(self.run.trainer)  # held back until rank 0 was known (see note_early_rank)
         self._printed_device_info = True
         resume_step = self._share_snapshots()
-        self._keep_log_history(session, runtime, resume_step)
+        self._keep_log_history(session, runtime, resume_step if runtime.follows_a_failure else
+                               self._resumed_step(resume_step))
         runtime.start_watchdog(session, self.settings.hang, self.settings.timeouts, self._global_step,
                                stragglers=self.settings.stragglers if self.layout.watches_stragglers else None)
 
@@ -264,6 +265,12 @@ class FaultToleranceRuntime:
             log.info("ddp_ft: turning on EmergencyCheckpoint auto-resume to continue after the failure")
             checkpoint.auto_resume = True
         return step
+
+    def _resumed_step(self, newest: int | None) -> int | None:
+        """The step a launch resumes from: the newest snapshot's when EmergencyCheckpoint restores it
+        (auto-resume), else None -- a snapshot left over is not a resume (its logs start anew)."""
+        checkpoint = first_callback_of_type(self.run.trainer, EmergencyCheckpoint)
+        return newest if checkpoint is not None and checkpoint.auto_resume else None
 
     def _keep_log_history(self, session: Session, runtime: RoundRuntime, resume_step: int | None) -> None:
         """One log version per run on every participant (decided once, in the run's store); after a

@@ -207,9 +207,18 @@ def local_process_index(env: Mapping[str, str] | None = None) -> int:
 
 
 def tasks_per_node(env: Mapping[str, str] | None = None) -> int:
-    """How many tasks per node a scheduler started (``SLURM_NTASKS_PER_NODE``; 1 when unknown)."""
-    value = _env(env).get("SLURM_NTASKS_PER_NODE", "")
-    return int(value) if value.isdecimal() and value.isascii() else 1
+    """How many tasks per node a scheduler started, the most on any node: ``SLURM_NTASKS_PER_NODE``,
+    else srun's ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE`` (``4(x2),3``); 1 when unknown."""
+    env = _env(env)
+    value = env.get("SLURM_NTASKS_PER_NODE", "")
+    if value.isdecimal() and value.isascii():
+        return int(value)
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        counts = [int(part.split("(")[0]) for part in env.get(name, "").split(",")
+                  if part.split("(")[0].isdecimal() and part.isascii()]
+        if counts:
+            return max(counts)
+    return 1
 
 
 def launcher_rank(env: Mapping[str, str] | None = None) -> int:

@@ -6,7 +6,9 @@ rendezvous -- its failure is recovered like any participant's -- and nothing her
 others when one of them ends: the rendezvous decides. They share the node's failure domain (the
 host name, or LIGHTNING_FT_DOMAIN_ID), so snapshot copies go to other nodes. The first process
 waits for them before it leaves (a scheduler ends a task's leftovers when its first process
-exits), bounded; a process that outlives the bound is left running, never killed.
+exits): up to 2 min at interpreter exit, a few seconds on an exit that must be prompt. They end
+with it (``die_with_parent``: the kernel kills them when the thread that started them ends, so
+start ``fit()`` from the thread that lives as long as the process, as scripts do).
 """
 
 from __future__ import annotations
@@ -21,9 +23,6 @@ from lightning_ft.process import before_leaving
 from lightning_ft.settings.environment import ENV_LOCAL_PARENT, ENV_LOCAL_PROCESS, child_environment
 
 log = logging.getLogger(__name__)
-
-#: how long the first process waits for the others at its exit
-WAIT_AT_EXIT_SECONDS = 120.0
 
 _started: list[subprocess.Popen] = []
 
@@ -44,11 +43,11 @@ def start_local_processes(count: int) -> list[subprocess.Popen]:
     return _started
 
 
-def _wait_for_local_processes() -> None:
-    deadline = monotonic() + WAIT_AT_EXIT_SECONDS
+def _wait_for_local_processes(seconds: float) -> None:
+    deadline = monotonic() + seconds
     for process in _started:
         try:
             process.wait(max(0.0, deadline - monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("ddp_ft: this node's process %d is still running %.0fs after this one finished; leaving it",
-                        process.pid, WAIT_AT_EXIT_SECONDS)
+            log.warning("ddp_ft: this node's process %d is still running %.0fs after this one finished; it ends "
+                        "with this one", process.pid, seconds)

@@ -25,7 +25,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_ft._lightning.launcher import RuntimeLauncher
+from lightning_ft._lightning.launcher import RuntimeLauncher, script_can_run_again
 from lightning_ft._lightning.slurm import install as install_slurm_compat
 from lightning_ft._lightning.trainer import default_backend_for
 from lightning_ft._logging import ensure_log_output
@@ -156,6 +156,12 @@ class FaultTolerantSurface(ParallelStrategy):
                 f"{self.strategy_name}: each process is one participant, and srun already starts "
                 f"{tasks_per_node()} tasks per node; with devices={devices} each would start {devices - 1} more. "
                 f"Pass devices=1 (one task per device), or srun one task per node with devices={devices}")
+        if self.launch_mode is LaunchMode.RENDEZVOUS and devices > 1 and local_process_index() == 0 \
+                and not script_can_run_again():
+            raise StrategyConfigError(
+                f"{self.strategy_name}: devices={devices} starts this script again for each further device, but "
+                "it runs from python -c, a notebook or an interactive session; run it as a file, or pass devices=1 "
+                "and start one process per device")
         if self.launch_mode is LaunchMode.RENDEZVOUS and devices > 1:
             # Trainer(devices=N): the node's first process starts the other N-1, each a participant
             self.ft.train_on_devices(devices)

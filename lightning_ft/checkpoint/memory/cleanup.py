@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import stat
 import time
@@ -37,8 +38,19 @@ class RunSnapshots:
     idle_seconds: float
 
 
+def _holds_rank_dirs(path: str) -> bool:
+    """A run's snapshot directory holds ``rank<N>`` directories; nothing else under a root is
+    listed or removed (``--root`` pointed at a home or a project directory must not cost its files)."""
+    try:
+        return any(re.fullmatch(r"rank\d+", entry.name) and entry.is_dir(follow_symlinks=False)
+                   for entry in os.scandir(path))
+    except OSError:
+        return False
+
+
 def runs_under(root: str, now: float | None = None) -> list[RunSnapshots]:
-    """The run directories of this user under ``root`` (links and other users' entries skipped)."""
+    """The run directories of this user under ``root`` (links, other users' entries and directories
+    that hold no ``rank<N>`` directory skipped)."""
     now = time.time() if now is None else now
     found = []
     try:
@@ -48,7 +60,7 @@ def runs_under(root: str, now: float | None = None) -> list[RunSnapshots]:
     for name in names:
         path = os.path.join(root, name)
         info = os.lstat(path)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or not _holds_rank_dirs(path):
             continue
         size = files = 0
         newest = info.st_mtime
