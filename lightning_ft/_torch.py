@@ -7,6 +7,7 @@ each with the reason it is needed.
 from __future__ import annotations
 
 import datetime
+import struct
 from typing import Any
 
 import torch.distributed as dist
@@ -71,3 +72,19 @@ def weights_only_allowed_globals() -> dict[str, Any]:
 def user_allowed_globals() -> dict[str, Any]:
     """What users allowed with ``torch.serialization.add_safe_globals`` (read at each call)."""
     return dict(_weights_only._get_user_allowed_globals())
+
+
+#: TCPStore's wire protocol (torch/csrc/distributed/c10d/TCPStoreBackend.hpp, both backends): a
+#: client's first message is VALIDATE (query 0) with this magic number; PING (query 13) is
+#: answered with the 4-byte nonce it carried. Measured against torch 2.13's store; not public API.
+_TCPSTORE_VALIDATE, _TCPSTORE_PING, _TCPSTORE_MAGIC = 0, 13, 0x3C85F7CE
+
+
+def tcpstore_ping(nonce: int) -> bytes:
+    """What a TCPStore client sends to validate itself and ping with ``nonce`` (a uint32)."""
+    return struct.pack("<BIBI", _TCPSTORE_VALIDATE, _TCPSTORE_MAGIC, _TCPSTORE_PING, nonce)
+
+
+def tcpstore_pong(nonce: int) -> bytes:
+    """A TCPStore's answer to :func:`tcpstore_ping` with ``nonce``."""
+    return struct.pack("<I", nonce)

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -76,6 +78,23 @@ def pytest_collection_modifyitems(config, items):
         return 10 if item.get_closest_marker("multiprocess") else 20
 
     items.sort(key=rank)
+
+
+#: a file to append one JSON line per test to (worker, node id, start, end): where the suite's wall time goes
+TIMELINE_ENV = "LIGHTNING_FT_TEST_TIMELINE"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get(TIMELINE_ENV)
+    started = time.time()
+    result = yield
+    if path:
+        record = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "-"), "test": item.nodeid,
+                  "start": round(started, 3), "end": round(time.time(), 3)}
+        with open(path, "a") as timeline:
+            timeline.write(json.dumps(record) + "\n")
+    return result
 
 
 @pytest.hookimpl(wrapper=True)

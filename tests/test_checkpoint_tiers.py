@@ -190,6 +190,23 @@ def test_ranks_agree_on_one_schedule_whatever_each_measured():
     assert agree_schedule([ScheduleProposal()], None) == Schedule(None, None)
 
 
+def test_the_work_at_risk_bounds_the_budget_interval_for_sharded_state():
+    # save 0.003 s at 4 ms a step: the budget alone says 256 steps (1.02 s of work at risk)
+    kwargs = dict(seconds_per_step=0.004, save_seconds=0.003, every_n_steps=None, every_n_seconds=None,
+                  max_overhead=0.005, persist_seconds=None)
+    bounded = propose_schedule(**kwargs, max_seconds_at_risk=0.5)
+    assert (bounded.budget_steps, bounded.risk_steps) == (256, 64)  # 125 steps in 0.5 s, rounded down
+    assert agree_schedule([bounded], None) == Schedule(64, None, bounded_by_risk=True)
+    # the smallest bound of any rank wins over the largest budget
+    other = propose_schedule(**{**kwargs, "seconds_per_step": 0.002}, max_seconds_at_risk=0.5)
+    assert agree_schedule([bounded, other], None).snapshot_interval == 64
+    # a bound above the budget's interval changes nothing; no bound: the budget alone
+    assert agree_schedule([propose_schedule(**kwargs, max_seconds_at_risk=60)], None) == Schedule(256, None)
+    assert propose_schedule(**kwargs).risk_steps == 0
+    # an explicit schedule is the user's: the bound does not apply to it
+    assert propose_schedule(**{**kwargs, "every_n_seconds": 2.0}, max_seconds_at_risk=0.5).risk_steps == 0
+
+
 def test_durable_copies_fall_on_steps_every_rank_snapshots():
     # budget interval 256, durable wanted every 0.5 s = 128 steps: raised to 256
     proposal = propose_schedule(seconds_per_step=0.004, save_seconds=0.003, every_n_steps=None, every_n_seconds=None,

@@ -129,32 +129,71 @@ def test_a_killed_active_is_replaced_in_process_by_the_spare_on_its_node(process
 
 
 
+#: fsdp_ft's own schedule (the overhead budget, no --snapshot-every), its work-at-risk bound
+#: lowered so that this short run takes a few periodic snapshots after the measured one at step 8
+DEFAULT_SCHEDULE = ["--strategy", "fsdp_ft", "--resumable-data", "--step-sleep", "0.03", "--snapshot-every", "0",
+                    "--ft-option", "snapshot_max_seconds_at_risk=0.5"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_killed_host_is_replaced_by_the_spare_with_its_shards_from_the_replica(processes, tmp_path):
-    """Part 3 of issue 27: three hosts, 2 actives + 1 spare; each snapshot's shards are copied to
-    the other active's host. SIGKILL an active (its memory counts as lost: the spare runs on
-    another host): the survivor sends the spare the lost rank's shards from its copy, both resume
-    from the newest snapshot step and finish (exit 0) with the full weights of an uninterrupted
-    run, bit for bit (the recovery is a relaunch from that step)."""
+    """Issue 27 part 3 and issue 36 item 1: three hosts, 2 actives + 1 spare, fsdp_ft's default
+    schedule (the save budget, bounded by the work at risk, which its log line says). The
+    round-start snapshot and every snapshot after it (the one step 8 measures included) are
+    copied to the other active's host before the next one is taken. SIGKILL an active (its
+    memory counts as lost: the spare runs on another host): the survivor sends the spare the
+    lost rank's shards from its copy, both resume from the newest snapshot copied and finish
+    (exit 0) with the full weights of an uninterrupted run, bit for bit (the recovery is a
+    relaunch from that step)."""
     reference = _cluster(processes, tmp_path / "reference", "fsdp-reference")
-    _start(reference, {"R0": 0, "R1": 1}, [*FSDP, "--max-steps", "60"], store="reference-store")
+    _start(reference, {"R0": 0, "R1": 1}, [*DEFAULT_SCHEDULE, "--max-steps", "60"], store="reference-store")
     cluster = _cluster(processes, tmp_path / "job", "fsdp-replica", nnodes="2:3")
-    _start(cluster, {"A": 0, "B": 1, "C": 2}, [*FSDP, "--max-steps", "60"])
+    _start(cluster, {"A": 0, "B": 1, "C": 2}, [*DEFAULT_SCHEDULE, "--max-steps", "60"])
     victim = cluster.wait_for_step(25, 90, among=["A", "B", "C"])
     cluster.kill(victim)
     shutil.rmtree(cluster.root / f"shm-{victim}")  # the host is gone, its memory with it
     others = sorted(set(cluster.procs) - {victim})
     assert cluster.wait(others, 90) == dict.fromkeys(others, 0), cluster.logs()
-    _assert_resumed_together(cluster, others, newest_complete=20)
+    replicas = cluster.events_of("shard_replica")
+    assert replicas and all(e["bytes"] > 0 for e in replicas), replicas
+    survivor = next(name for name in others if cluster.steps()[name] and cluster.starts(name)[0]["step"] == 0)
+    copied = [e["step"] for e in replicas if e["round"] == 0 and e["pid"] == cluster.procs[survivor].pid]
+    assert copied[:2] == [0, 8], copied  # the round's start, then the save step 8 measures
+    step = _assert_resumed_together(cluster, others, newest_complete=8, interval=None)
+    assert step == max(copied), (step, copied, cluster.logs())
+    schedule = [e for e in cluster.events_of("snapshot_schedule") if e["bounded_by_risk"]]
+    assert schedule and "s of work at risk (max_seconds_at_risk=0.5)" in cluster.logs(), cluster.logs()
     assert reference.wait(["R0", "R1"], 120) == {"R0": 0, "R1": 0}, reference.logs()
     expected = reference.result("R0")["weights"]
     assert all(cluster.result(name)["weights"] == expected for name in others)
-    replicas = cluster.events_of("shard_replica")
-    assert replicas and all(e["bytes"] > 0 for e in replicas), replicas
     # sharded state is never copied through the store: no warning that store copies need a secret
     assert "snapshot replicas for hot spares are off" not in cluster.logs()
     assert any(e.get("from_rank") is not None for e in cluster.events_of("snapshot_received")), cluster.logs()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_host_lost_before_the_first_copy_starts_the_job_over_instead_of_ending_it(processes, tmp_path):
+    """Issue 36 item 1: rank 1's host dies inside the round's first shard copy (no rank's shards
+    exist anywhere else yet): the survivor and the spare start over from the state the fit started
+    with (step 0) and finish -- the job is not ended for want of a copy."""
+    cluster = _cluster(processes, tmp_path, "fsdp-first-copy", nnodes="2:3")
+    fault = ["--fault", "kill:lightning_ft.checkpoint.exchange.shard_replicas:ShardReplicator.copy:1"]
+    cluster.out.mkdir(parents=True, exist_ok=True)
+    cluster.start_store("store")
+    for name, index in {"A": 0, "B": 1, "C": 2}.items():
+        cluster.start_participant(name, [*DEFAULT_SCHEDULE, "--max-steps", "30", "--ft-option", f"infra_rank={index}",
+                                         *(fault if name == "B" else [])],
+                                  LIGHTNING_FT_DOMAIN_ID=f"host-{name}",
+                                  LIGHTNING_FT_SNAPSHOT_DIR=str(cluster.root / f"shm-{name}"))
+    assert cluster.wait(["B"], 120) == {"B": -signal.SIGKILL}, cluster.logs()
+    shutil.rmtree(cluster.root / "shm-B")
+    assert cluster.wait(["A", "C"], 90) == {"A": 0, "C": 0}, cluster.logs()
+    assert "starting over from the state the fit started with" in cluster.procs["A"].log(), cluster.logs()
+    for name in ("A", "C"):
+        assert [s["step"] for s in cluster.starts(name)][-1] == 0, (name, cluster.starts(name))
+        assert max(r["step"] for r in cluster.steps()[name]) == 30
 
 
 @pytest.mark.multiprocess
@@ -197,12 +236,13 @@ def test_a_frozen_active_is_replaced_by_the_spare_far_below_the_group_timeout(pr
     assert {e["detector"] for e in cluster.events_of("failure_detected")} == {"hang"}, cluster.logs()
 
 
-def _assert_resumed_together(cluster: Cluster, names: list[str], newest_complete: int) -> int:
+def _assert_resumed_together(cluster: Cluster, names: list[str], newest_complete: int,
+                             interval: int | None = 10) -> int:
     """The recovered round started every participant at one snapshot step (a multiple of the
-    snapshot interval), at or after ``newest_complete``; returns it."""
+    snapshot ``interval``, when one is fixed), at or after ``newest_complete``; returns it."""
     restarts = {name: [s["step"] for s in cluster.starts(name) if s["step"] > 0] for name in names}
     steps = {r[-1] for r in restarts.values() if r}
     assert len(steps) == 1 and all(restarts.values()), (restarts, cluster.logs())
     (step,) = steps
-    assert step >= newest_complete and step % 10 == 0, (restarts, cluster.logs())
+    assert step >= newest_complete and (interval is None or step % interval == 0), (restarts, cluster.logs())
     return step

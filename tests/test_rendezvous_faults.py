@@ -99,3 +99,22 @@ def test_a_peer_frozen_in_the_first_steps_of_a_round_is_detected_by_its_silent_h
     [failure] = cluster.events_of("failure_detected")
     assert failure["detector"] == "hang" and failure["step"] <= 3, failure
     assert all(cluster.result(n)["step"] == 40 for n in others)
+
+
+@pytest.mark.timeout(120)
+def test_an_endpoint_port_held_by_another_program_is_reported_at_once(processes, tmp_path):
+    """Issue 36 item 7: the endpoint's port is held by a program that is not a store (here one
+    that answers every connection like a web server). The participant cannot host the store there
+    and says so at once, naming the port -- it does not wait out connect_timeout (60 s) and end
+    with "is the store host running?"."""
+    from test_store_endpoint import listener
+
+    with listener(b"HTTP/1.0 400 Bad Request\r\n\r\n") as port:
+        cluster = Cluster(processes, tmp_path, "2:2", run_id="held-port")
+        cluster.port = port
+        cluster.out.mkdir(parents=True)
+        proc = cluster.start_participant("A", ["--max-steps", "5"])  # a user's script: no store started
+        assert wait_for(lambda: proc.popen.poll() is not None, 90), proc.log()
+    assert proc.popen.returncode not in (0, None), proc.log()
+    assert f"127.0.0.1:{port} is held by a program that is not a rendezvous store" in proc.log(), proc.log()
+    assert "within connect_timeout" not in proc.log(), proc.log()

@@ -339,3 +339,12 @@ def test_after_the_interruption_a_termination_stops_else_the_recovery_rules_deci
     assert decide_after_interruption(FailureKind.PEER_LOST, False, 1, 2, 0, None).action is FailureAction.RECOVER
     gave_up = decide_after_interruption(FailureKind.PEER_ERROR, False, 1, 2, 0, None)
     assert (gave_up.action, gave_up.close) == (FailureAction.NO_RESTART, CloseKind.FAILED)
+
+
+def test_a_sharded_job_starts_over_only_if_every_rank_that_trained_could():
+    from lightning_ft.runtime.decisions import START_OVER_NO, START_OVER_UNKNOWN, START_OVER_YES, may_start_over
+
+    assert may_start_over([START_OVER_YES, START_OVER_UNKNOWN, START_OVER_YES])  # the spare has no say
+    assert not may_start_over([START_OVER_YES, START_OVER_NO])  # one had copied (or resumed): more was lost
+    assert not may_start_over([START_OVER_UNKNOWN, START_OVER_UNKNOWN])  # nobody knows the start state
+    assert not may_start_over([])

@@ -28,6 +28,11 @@ class SnapshotSettings:
                                    "number of steps agreed by all ranks at the calibration steps, the first at "
                                    "step 8; None: no periodic snapshots without a schedule (a warning says so)",
         rule=number(allow_none=True))
+    max_seconds_at_risk: float | None = setting(
+        300.0, "sharded state (fsdp_ft) only, where a lost rank's work since its last snapshot cannot be recovered "
+               "from the survivors: the max_overhead schedule snapshots at least this often (seconds of training, a "
+               "power-of-two number of steps; wins over the save budget); None: the budget alone",
+        rule=number(allow_none=True), advanced=True)
     keep_last: int = setting(2, "snapshots kept per rank (>= 1); with >= 2 the oldest file is overwritten in place "
                                 "by the next snapshot, ~3x faster than a fresh tmpfs file",
                              rule=number(integer=True, minimum=1, inclusive=True), advanced=True)

@@ -256,9 +256,12 @@ class ScheduleProposal:
     window_steps: int = 0
     #: steps between durable copies
     persist_steps: int = 0
+    #: steps that fit into ``max_seconds_at_risk`` (a power of two, rounded down): the budget
+    #: interval's bound where a lost rank's work since its last snapshot cannot be recovered
+    risk_steps: int = 0
 
     def as_list(self) -> list[int]:
-        return [self.budget_steps, self.window_steps, self.persist_steps]
+        return [self.budget_steps, self.window_steps, self.persist_steps, self.risk_steps]
 
 
 @dataclass(frozen=True)
@@ -269,30 +272,38 @@ class Schedule:
     snapshot_interval: int | None
     #: steps between durable copies (None: no durable tier); every durable step is a snapshot step
     persist_every: int | None
+    #: the save budget's interval was lowered to this by ``max_seconds_at_risk`` (None: it was not)
+    bounded_by_risk: bool = False
 
 
 def propose_schedule(*, seconds_per_step: float | None, save_seconds: float | None, every_n_steps: int | None,
                      every_n_seconds: float | None, max_overhead: float | None,
-                     persist_seconds: float | None) -> ScheduleProposal:
+                     persist_seconds: float | None, max_seconds_at_risk: float | None = None) -> ScheduleProposal:
     """This rank's proposal: the overhead budget applies only without an explicit schedule
-    (``every_n_steps``/``every_n_seconds``); ``persist_seconds`` None means no durable tier."""
+    (``every_n_steps``/``every_n_seconds``); ``persist_seconds`` None means no durable tier;
+    ``max_seconds_at_risk`` (None: no bound) caps the budget's interval, for state whose
+    progress since the last snapshot dies with a lost rank (sharded state has no live copy)."""
     if not seconds_per_step or seconds_per_step <= 0:
         return ScheduleProposal()
-    budget = 0
+    budget = risk = 0
     if max_overhead and every_n_steps is None and every_n_seconds is None and save_seconds is not None:
         budget = snapshot_interval_for_budget(save_seconds, seconds_per_step, max_overhead)
+        if max_seconds_at_risk:
+            risk = steps_between_snapshots(max_seconds_at_risk, seconds_per_step)
     window = steps_between_snapshots(every_n_seconds, seconds_per_step) if every_n_seconds else 0
     persist = 0
     if persist_seconds is not None:
         persist = persist_interval_steps(persist_seconds, seconds_per_step, every_n_steps or 1)
-    return ScheduleProposal(budget, window, persist)
+    return ScheduleProposal(budget, window, persist, risk)
 
 
 def agree_schedule(proposals: Sequence[ScheduleProposal], every_n_steps: int | None) -> Schedule:
     """The schedule every rank adopts from every rank's proposal (each rank runs this on the same input).
 
     * ``every_n_seconds``: the smallest window interval, so no rank's loss window exceeds it;
-    * the overhead budget: the largest budget interval, so no rank's saves exceed the budget;
+    * the overhead budget: the largest budget interval, so no rank's saves exceed the budget,
+      but at most the smallest ``risk_steps``, so no rank risks more than ``max_seconds_at_risk``
+      of work (the bound wins over the budget: losing the work costs more than saving it);
     * durable copies: the largest interval, raised to a multiple of the snapshot interval (both
       are powers of two, or multiples of ``every_n_steps`` by a power of two) so every durable
       step is a step every rank snapshots.
@@ -300,11 +311,15 @@ def agree_schedule(proposals: Sequence[ScheduleProposal], every_n_steps: int | N
     windows = [p.window_steps for p in proposals if p.window_steps > 0]
     budgets = [p.budget_steps for p in proposals if p.budget_steps > 0]
     interval = min(windows) if windows else max(budgets) if budgets else None
+    risks = [p.risk_steps for p in proposals if p.risk_steps > 0]
+    bounded = not windows and interval is not None and bool(risks) and min(risks) < interval
+    if bounded:
+        interval = min(risks)
     persists = [p.persist_steps for p in proposals if p.persist_steps > 0]
     persist = max(persists) if persists else None
     if persist is not None and every_n_steps is None and interval is not None:
         persist = max(persist, interval)
-    return Schedule(interval, persist)
+    return Schedule(interval, persist, bounded)
 
 
 def durable_copy_seconds(nbytes: int, measured_bytes_per_second: float | None,

@@ -408,3 +408,18 @@ def merge_setting(name: str, explicit: object, env_name: str, env_value: str | N
         raise ValueError(f"contradictory settings: {name}={explicit!r} but {env_name}={env_value!r}; "
                          f"set one of them")
     return explicit if explicit is not None else from_env
+
+
+#: a rank's answer to "can the job start over from the failed round's start state?"
+START_OVER_NO, START_OVER_YES, START_OVER_UNKNOWN = 0, 1, -1
+
+
+def may_start_over(votes: list[int]) -> bool:
+    """Whether a sharded round whose shards no longer make up any step can start over from the
+    state the failed round started with: every rank that trained in it says that state was the
+    fit's own start (not a resumed snapshot, which only copies would bring back) and that it
+    had sent no copy yet (after a copy, a lost rank's shards survive unless more was lost than
+    the copies cover: starting over would hide that). Ranks that did not train in it (spares)
+    have no say."""
+    said = [vote for vote in votes if vote != START_OVER_UNKNOWN]
+    return bool(said) and all(vote == START_OVER_YES for vote in said)

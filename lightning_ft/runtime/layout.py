@@ -21,9 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_ft._lightning.module_template import ModuleTemplate
+from lightning_ft.checkpoint.exchange.agreement import gather_steps
 from lightning_ft.checkpoint.exchange.shard_replicas import ShardReplicator
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
+from lightning_ft.checkpoint.memory.listing import SnapshotInfo
+from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.exit_codes import JobCannotGoOn
+from lightning_ft.runtime.decisions import START_OVER_NO, START_OVER_UNKNOWN, START_OVER_YES, may_start_over
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +65,8 @@ class ReplicatedState:
     def check_resumed(self, follows_a_failure: bool, resumed: bool) -> None:
         """Any restore (or none, at the round's start snapshot) is a consistent state."""
 
-    def start_round(self, checkpoint: EmergencyCheckpoint | None, rank: int, world_size: int, domain_id: str,
-                    replication_factor: int, emit: Emit) -> None:
+    def start_round(self, checkpoint: EmergencyCheckpoint | None, step: int, rank: int, world_size: int,
+                    domain_id: str, replication_factor: int, emit: Emit) -> None:
         """Copies for hot spares are published by the runtime (rank 0), not per rank."""
 
     def after_optimizer_step(self, checkpoint: EmergencyCheckpoint | None, step: int,
@@ -87,6 +91,10 @@ class ShardedState:
         self._template: ModuleTemplate | None = None
         #: copies of each rank's snapshots on ranks in other failure domains (this round's)
         self._replicas: ShardReplicator | None = None
+        #: whether this rank's round started from the fit's own start state (None: no round yet)
+        self._round_from_fit_start: bool | None = None
+        #: whether this round copies shards to other domains, and whether this rank sent one yet
+        self._copies_planned = self._copied = False
 
     def capture(self, module: Any) -> None:
         """Before ``configure_model`` shards anything in this process: keep the children as they are."""
@@ -112,16 +120,37 @@ class ShardedState:
         return plan.step if plan is not None else None
 
     def check_resumed(self, follows_a_failure: bool, resumed: bool) -> None:
+        """After a failure no step had every rank's shards: start over from the failed round's
+        start state when every rank that trained in it can (:func:`may_start_over`; a collective:
+        every rank of the round calls it with the same arguments), else end the job."""
         if follows_a_failure and not resumed:
-            # the module was rebuilt without values: only a snapshot whose shards all exist gives them
-            raise JobCannotGoOn(
-                "fsdp_ft: after the failure no step has every rank's shards (in memory on the participants' hosts "
-                "or in the durable tier): a lost rank's shards went with its failure domain and no copy of them "
-                "survived (replication_factor, persist_to); resuming would mix steps or start over")
+            # the module was rebuilt without values: only a snapshot whose shards all exist gives
+            # them, or the state the fit started from, which the rerun rebuilds as the first run did
+            votes = [row[0] for row in gather_steps([self._start_over_vote()])]
+            if not may_start_over(votes):
+                raise JobCannotGoOn(
+                    "fsdp_ft: after the failure no step has every rank's shards (in memory on the participants' "
+                    "hosts or in the durable tier): a lost rank's shards went with its failure domain and no copy "
+                    "of them survived (replication_factor, persist_to); resuming would mix steps or start over")
+            log.warning("fsdp_ft: the failure came before any rank's shards were copied to another failure domain: "
+                        "starting over from the state the fit started with")
+        # a round that starts from the fit's own start state can be started again from it
+        self._round_from_fit_start = not resumed
+        self._copies_planned = self._copied = False
 
-    def start_round(self, checkpoint: EmergencyCheckpoint | None, rank: int, world_size: int, domain_id: str,
-                    replication_factor: int, emit: Emit) -> None:
-        """Plan this round's copies of each rank's shards on ranks in other failure domains."""
+    def _start_over_vote(self) -> int:
+        if self._round_from_fit_start is None:
+            return START_OVER_UNKNOWN  # did not train in the failed round (a spare)
+        # without copies (replication_factor=0, one failure domain) every loss of a host would
+        # start over again: the job ends instead and says why (the configuration decided it)
+        fresh = self._round_from_fit_start and self._copies_planned and not self._copied
+        return START_OVER_YES if fresh else START_OVER_NO
+
+    def start_round(self, checkpoint: EmergencyCheckpoint | None, step: int, rank: int, world_size: int,
+                    domain_id: str, replication_factor: int, emit: Emit) -> None:
+        """Plan this round's copies of each rank's shards on ranks in other failure domains, and
+        copy the snapshot of the round's start ``step`` at once (collective): until a rank's
+        shards have a copy, losing its domain loses every step."""
         self._replicas = None
         if checkpoint is None or not replication_factor or world_size < 2:
             return
@@ -133,16 +162,25 @@ class ShardedState:
                         "another; losing it loses the shards of every step (set LIGHTNING_FT_DOMAIN_ID per host, "
                         "or keep durable copies with persist_to)", domain_id)
         self._replicas = replicas if replicas.copies else None
+        self._copies_planned = self._replicas is not None
+        if self._replicas is not None:
+            store = checkpoint.store
+            start = next((info for info in store.list() if info.step == step), None) if store is not None else None
+            self._copy(start, store)
 
     def after_optimizer_step(self, checkpoint: EmergencyCheckpoint | None, step: int,
                              progress: Callable[[], None]) -> None:
-        """The snapshot of a scheduled step was committed before this update (the optimizer's
-        pre-hook): copy it now, every rank at the same step."""
-        replicas = self._replicas
-        if replicas is not None and checkpoint is not None and checkpoint.scheduled(step):
+        """The snapshot of ``step`` (scheduled, or the budget's first measured save) was committed
+        before this update (the optimizer's pre-hook): copy it now, every rank at the same step,
+        before the next snapshot is taken."""
+        if self._replicas is not None and checkpoint is not None and checkpoint.snapshot_step(step):
             progress()
-            replicas.copy(checkpoint.last_snapshot, checkpoint.store)
+            self._copy(checkpoint.last_snapshot, checkpoint.store)
             progress()
+
+    def _copy(self, own: SnapshotInfo | None, store: SnapshotStore | None) -> None:
+        assert self._replicas is not None
+        self._copied = self._replicas.copy(own, store) or self._copied
 
 
 StateLayout = ReplicatedState | ShardedState

@@ -321,7 +321,7 @@ class FaultToleranceRuntime:
         if runtime is not None and runtime.result is not None:
             round_id = runtime.round_id
             assert self.settings.domain_id is not None  # resolved by resolve_settings
-            self.layout.start_round(checkpoint, rank, self.surface.world_size, self.settings.domain_id,
+            self.layout.start_round(checkpoint, step, rank, self.surface.world_size, self.settings.domain_id,
                                     self.settings.replication_factor,
                                     lambda event, **f: self.event_log.emit(event, round=round_id, **f))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 import socket
 import time
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from lightning_ft._clock import monotonic
+from lightning_ft._torch import tcpstore_ping, tcpstore_pong
 from lightning_ft.deadlines import BoundedStore, call_with_timeout, connect_exit_bound, first_line
 from lightning_ft.settings import Timeouts
 from lightning_ft.settings.fields import RendezvousConfigError
@@ -108,6 +110,55 @@ def host_store(host: str, port: int, timeout: datetime.timedelta, multi_tenant: 
         raise
 
 
+#: how long a store is given to answer a ping before the endpoint is reported as not answering
+STORE_PING_TIMEOUT = 2.0
+
+
+def store_ping(host: str, port: int, timeout: float = STORE_PING_TIMEOUT) -> str:
+    """Whether a rendezvous store answers at ``host:port``, asked with a plain socket before torch
+    connects (whose client, pointed at something else, waits out its whole timeout and logs C++
+    backtraces meanwhile): "store", "refused" (nothing listens: its host may not be up yet),
+    "silent" (it accepted and said nothing: a frozen store host, or another program), or
+    "foreign: <what it did>" (it answered, or closed, as no TCPStore does). One overall deadline."""
+    nonce = secrets.randbits(32)
+    deadline = monotonic() + timeout
+    answer = b""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(tcpstore_ping(nonce))
+            while len(answer) < 4:
+                remaining = deadline - monotonic()
+                if remaining <= 0:
+                    return "silent"
+                sock.settimeout(remaining)
+                chunk = sock.recv(64)
+                if not chunk:
+                    return f"foreign: it closed the connection{' after ' + repr(answer[:16]) if answer else ''}"
+                answer += chunk
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "silent"
+    except OSError as exc:
+        return f"foreign: {type(exc).__name__}: {exc}"
+    return "store" if answer == tcpstore_pong(nonce) else f"foreign: it answered {answer[:16]!r}"
+
+
+def _check_the_endpoint_is_a_store(endpoint: Endpoint, host: str, port: int) -> None:
+    """Fail at once when the endpoint is held by something that is not a rendezvous store; say at
+    once that it does not answer when it stays silent (then the bounded connect decides)."""
+    found = store_ping(host, port)
+    if found.startswith("foreign"):
+        raise RendezvousConnectionError(
+            f"the rendezvous endpoint {endpoint} is held by a program that is not a rendezvous store "
+            f"({found.partition(': ')[2]}): another job or service uses port {port}; choose a free port "
+            "(--rdzv-endpoint / LIGHTNING_FT_ENDPOINT)")
+    if found == "silent":
+        log.warning("the rendezvous endpoint %s accepts connections but does not answer as a store within %gs: "
+                    "its store host is frozen or overloaded, or another program holds port %d; waiting up to "
+                    "connect_timeout for it", endpoint, STORE_PING_TIMEOUT, port)
+
+
 def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) -> tuple[BoundedStore, bool]:
     """Host the TCPStore at the endpoint, or connect to whoever hosts it; every call on the
     returned store is bounded by ``timeouts.store_timeout`` (:class:`~lightning_ft.deadlines.BoundedStore`).
@@ -131,6 +182,7 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) 
                 raise RendezvousConnectionError(
                     f"is_host=true but the rendezvous store cannot listen on {endpoint}: {first_line(exc)}") from None
             log.debug("not hosting the store at %s (%s); connecting as a client", endpoint, first_line(exc))
+    _check_the_endpoint_is_a_store(endpoint, host, port)
     remaining = max(1.0, deadline - monotonic())
     # bounded: a frozen store host's kernel still accepts the connection, and the client then
     # waits for the handshake's answer without limit. torch's own connect retries end after
@@ -143,7 +195,7 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) 
     if not connecting.ok:
         raise RendezvousConnectionError(
             f"cannot reach the rendezvous store at {endpoint} within connect_timeout={connect_timeout:g}s "
-            f"(--rdzv-endpoint); is the store host running? ({connecting.problem})")
+            f"(--rdzv-endpoint); is the store host running, and is port {port} its? ({connecting.problem})")
     store = connecting.value
     store.set_timeout(timeout)
     return BoundedStore(store, timeouts.store_timeout), False

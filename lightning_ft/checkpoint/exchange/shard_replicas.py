@@ -69,12 +69,13 @@ class ShardReplicator:
         """Whether any rank's snapshot has a holder (False: every rank is in one domain, or factor 0)."""
         return any(self.holders)
 
-    def copy(self, own: SnapshotInfo | None, store: SnapshotStore | None) -> None:
+    def copy(self, own: SnapshotInfo | None, store: SnapshotStore | None) -> bool:
         """Send this rank's snapshot ``own`` (read from ``store``) to its holders unless it was sent
         already, and keep what the ranks this rank holds for send (collective). A copy that fails
-        the checks on arrival is dropped with a logged reason; training goes on."""
+        the checks on arrival is dropped with a logged reason; training goes on. Returns whether
+        this rank sent a snapshot now."""
         if not self.copies:
-            return
+            return False
         start = time.perf_counter()
         send_to = self.holders[self.rank]
         with contextlib.ExitStack() as held:
@@ -98,10 +99,11 @@ class ShardReplicator:
         for source, buffer in received.items():
             self._keep(source, buffer)
         seconds = round(time.perf_counter() - start, 4)  # what the copy held training up: sends and writes
-        if int(size.item()) >= 0:
-            assert own is not None
-            self._emit(ev.SHARD_REPLICA, step=own.step, to_ranks=list(send_to), bytes=int(size.item()),
-                       seconds=seconds)
+        if int(size.item()) < 0:
+            return False
+        assert own is not None
+        self._emit(ev.SHARD_REPLICA, step=own.step, to_ranks=list(send_to), bytes=int(size.item()), seconds=seconds)
+        return True
 
     def _keep(self, source: int, buffer: torch.Tensor) -> None:
         try:

@@ -28,17 +28,19 @@ _EMA = 0.3  # weight of the newest step-time sample
 class ScheduleCalibration:
     """Step time (an exponential average), the last few save times, and the agreed :class:`Schedule`.
 
-    ``every_n_steps``, ``every_n_seconds``, ``max_overhead``: as for ``EmergencyCheckpoint``.
+    ``every_n_steps``, ``every_n_seconds``, ``max_overhead``, ``max_seconds_at_risk``: as for
+    ``EmergencyCheckpoint`` (the last applies where :meth:`calibrate` is told the state is sharded).
     """
 
     #: what step times are measured with (a test sets the time its steps take with it)
     clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     def __init__(self, every_n_steps: int | None, every_n_seconds: float | None,
-                 max_overhead: float | None) -> None:
+                 max_overhead: float | None, max_seconds_at_risk: float | None = None) -> None:
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.max_overhead = max_overhead
+        self.max_seconds_at_risk = max_seconds_at_risk
         self._durations: deque[float] = deque(maxlen=5)
         self._clock: tuple[float, int] | None = None  # (time, global_step) at the last step change
         self.seconds_per_step: float | None = None
@@ -105,12 +107,16 @@ class ScheduleCalibration:
         """Whether the calibration at ``step`` is a budget schedule's first: it needs a save measured."""
         return self.budget_schedule() and step - self._train_start_step == FIRST_CALIBRATION
 
-    def calibrate(self, step: int, rank: int, persist_seconds: float | None, emit: Callable[..., None]) -> None:
-        """Agree with every rank on the schedule (collective: every rank calls it at the same step)."""
+    def calibrate(self, step: int, rank: int, persist_seconds: float | None, emit: Callable[..., None],
+                  sharded: bool = False) -> None:
+        """Agree with every rank on the schedule (collective: every rank calls it at the same step);
+        ``sharded``: a lost rank's progress since its last snapshot is lost with it (every rank
+        passes the same), so ``max_seconds_at_risk`` bounds the interval."""
         save_seconds = self.estimated_save_seconds()
         proposal = propose_schedule(seconds_per_step=self.seconds_per_step, save_seconds=save_seconds,
                                     every_n_steps=self.every_n_steps, every_n_seconds=self.every_n_seconds,
-                                    max_overhead=self.max_overhead, persist_seconds=persist_seconds)
+                                    max_overhead=self.max_overhead, persist_seconds=persist_seconds,
+                                    max_seconds_at_risk=self.max_seconds_at_risk if sharded else None)
         rows = gather_steps(proposal.as_list())
         schedule = agree_schedule([ScheduleProposal(*row) for row in rows], self.every_n_steps)
         changed, self.schedule = schedule != self.schedule, schedule
@@ -119,12 +125,17 @@ class ScheduleCalibration:
         sps = self.seconds_per_step or 0.0
         fields = dict(step=step, snapshot_every_n_steps=schedule.snapshot_interval or self.every_n_steps,
                       persist_every_n_steps=schedule.persist_every, seconds_per_step=round(sps, 6),
-                      save_seconds=None if save_seconds is None else round(save_seconds, 6))
+                      save_seconds=None if save_seconds is None else round(save_seconds, 6),
+                      bounded_by_risk=schedule.bounded_by_risk)
         emit(ev.SNAPSHOT_SCHEDULE, **fields)
         every = fields["snapshot_every_n_steps"]
         share = f", a save {save_seconds:.3f} s = {100 * save_seconds / (every * sps):.2f} % of training time" \
             if every and sps and save_seconds else ""
         durable = f"; durable copies every {schedule.persist_every} steps" if schedule.persist_every else ""
+        if sharded and every and sps:
+            bound = f" (max_seconds_at_risk={self.max_seconds_at_risk:g})" if schedule.bounded_by_risk else ""
+            durable += (f"; at most {every * sps:.1f} s of work at risk{bound}: sharded state has no live copy "
+                        "to fall back on")
         log.info("EmergencyCheckpoint: at step %d, snapshots every %s steps (%.2f s%s)%s", step, every,
                  (every or 0) * sps, share, durable)
 

@@ -135,7 +135,8 @@ class EmergencyCheckpoint(pl.Callback):
         self._check_spare = True
         self._space_checked = False
         self._estimated_bytes: int | None = None
-        self._calibration = ScheduleCalibration(self.every_n_steps, self.every_n_seconds, self.max_overhead)
+        self._calibration = ScheduleCalibration(self.every_n_steps, self.every_n_seconds, self.max_overhead,
+                                                config.max_seconds_at_risk)
         self._background = BackgroundSnapshots()
         self._resume = AutoResume()
         self._live = LiveState()
@@ -212,10 +213,12 @@ class EmergencyCheckpoint(pl.Callback):
                   store.rank, reason, step, seconds, info.nbytes / 2**20)
         return info
 
-    def scheduled(self, step: int) -> bool:
-        """Whether ``step`` is a periodic snapshot step of the schedule every rank agreed on,
-        whether or not this rank's save of it succeeded (the same answer on every rank)."""
-        return snapshot_due(step, None, self.every_n_steps, self._calibration.snapshot_interval)
+    def snapshot_step(self, step: int) -> bool:
+        """Whether every rank took (or tried) a snapshot at ``step``: a periodic one of the agreed
+        schedule, or the save the overhead budget's first calibration measures (the same answer on
+        every rank, whether or not this rank's save succeeded)."""
+        return (snapshot_due(step, None, self.every_n_steps, self._calibration.snapshot_interval)
+                or self._calibration.first_needs_a_save(step))
 
     def save_live_state(self, trainer: pl.Trainer, reason: str) -> SnapshotInfo | None:
         """After a failure inside the next optimizer step (a peer's death fails its gradient
@@ -355,7 +358,8 @@ class EmergencyCheckpoint(pl.Callback):
             first = None
             if self._calibration.first_needs_a_save(step):
                 first = self._periodic_save(trainer, step, persist=False)  # measures the save the budget needs
-            self._calibration.calibrate(step, trainer.global_rank, self._persist_seconds(trainer), self._events.emit)
+            self._calibration.calibrate(step, trainer.global_rank, self._persist_seconds(trainer), self._events.emit,
+                                        sharded=holds_shards(trainer))
             if first is not None:
                 self._maybe_persist(trainer, first)
         if snapshot_due(step, self._last_saved_step, self.every_n_steps, self._calibration.snapshot_interval):
