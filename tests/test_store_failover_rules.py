@@ -116,11 +116,11 @@ def switchboard():
 
 def test_presence_says_alive_and_which_store_and_a_closed_port_is_dead(switchboard):
     board, store = switchboard
-    status = probe(board.presence.endpoint, "STATUS", 1.0)
+    status = probe(board.presence.endpoint, "STATUS", 1.0, "me", board.proof)
     assert status.state == "alive" and status.epoch == 0 and status.store == f"127.0.0.1:{store.port}"
-    assert probe(f"127.0.0.1:{free_refused_port()}", "STATUS", 1.0).state == "dead"
+    assert probe(f"127.0.0.1:{free_refused_port()}", "STATUS", 1.0, "me", board.proof).state == "dead"
     board.close()
-    assert probe(board.presence.endpoint, "STATUS", 1.0).state == "dead"
+    assert probe(board.presence.endpoint, "STATUS", 1.0, "me", board.proof).state == "dead"
 
 
 def test_a_failover_store_mirrors_its_calls_and_hands_torch_the_current_client(switchboard):
@@ -219,11 +219,12 @@ def test_a_participant_that_left_takes_nothing_over_and_its_presence_is_gone():
             client.set("k", "v")
     import time
 
-    # the listener closes on its next look (at most a second: it waits in accept that long)
+    # the listener closes on its next look (a probe wakes it)
     deadline = time.monotonic() + 3.0
-    while probe(board.presence.endpoint, "STATUS", 1.0).state != "dead" and time.monotonic() < deadline:
+    while probe(board.presence.endpoint, "STATUS", 1.0, "me", board.proof).state != "dead" and \
+            time.monotonic() < deadline:
         time.sleep(0.1)
-    assert probe(board.presence.endpoint, "STATUS", 1.0).state == "dead"
+    assert probe(board.presence.endpoint, "STATUS", 1.0, "me", board.proof).state == "dead"
     board.close()
 
 

@@ -3,7 +3,8 @@
 * :mod:`.switchboard` -- where the store is now and the fail-over that moves it;
 * :mod:`.connection` -- :class:`~.connection.FailoverStore`, a connection that follows it (every
   connection of the process is one);
-* :mod:`.presence` -- each participant's presence listener, and probing one;
+* :mod:`.presence` -- the presence protocol (who is alive, proven) and probing a participant;
+* :mod:`.listener` -- each participant's presence listener;
 * :mod:`.rebuild` -- pure rules: who may serve (a quorum), the state rebuilt from the views;
 * :mod:`.candidates` -- who may host the store next, as the participant learns it each round;
 * :mod:`.backend` -- the :class:`~lightning_ft.store.backend.RendezvousBackend` that ties them together.

@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from lightning_ft.deadlines import BackgroundThread, first_line
+from lightning_ft.failover.presence import PresenceProof
 from lightning_ft.failover.switchboard import Candidate, StoreSwitchboard
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.failover import presence_key
@@ -55,6 +56,9 @@ class FailoverParticipant:
         self.whole = False
         self._refresher: CandidateRefresher | None = None
         switchboard.participating = lambda: not rendezvous.left
+        # presence answers name this launch (the code has no random launch id: run id and
+        # incarnation tell a run id's launches apart) and, with a job secret, prove it
+        switchboard.proof = PresenceProof(switchboard.signer, rendezvous.settings.run_id, rendezvous.keys.incarnation)
         switchboard.presence.start()
         rendezvous.values.put(presence_key(rendezvous.keys.prefix, rendezvous.participant_id),
                               switchboard.presence.endpoint)

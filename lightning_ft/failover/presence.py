@@ -1,28 +1,100 @@
-"""A participant's presence listener: how the others learn, during a store fail-over, whether
-this process is alive and which store it follows (see :mod:`lightning_ft.failover.switchboard`).
+"""The presence protocol: how the others learn, during a store fail-over, whether a participant
+is alive and which store it follows (see :mod:`lightning_ft.failover.switchboard`).
 
-A refused connection proves the process gone (its host's kernel says so); a frozen or
-unreachable one is silent. The listener answers ``<epoch> <store host:port>`` and, on
-``FAILOVER <epoch>``, asks its owner to check that store at once.
+A refused connection proves the process gone (its host's kernel says so); anything else that
+is not an authentic answer -- no answer, a late one, a malformed one, one for another
+participant or launch, one that fails its check -- is *silent*, never *alive*.
+
+The protocol, one request and one answer per connection, each a line ending in ``\\n``:
+
+* request (ASCII, at most :data:`MAX_REQUEST` bytes with its newline): ``STATUS <nonce>``, or
+  ``FAILOVER <epoch> <nonce>`` (the store of that epoch is lost: check it). ``<epoch>`` is
+  ASCII digits (at most 18), ``<nonce>`` 16 to 64 lowercase hex digits, fresh and random per
+  probe. Anything else is dropped unanswered.
+* answer (ASCII JSON, at most :data:`MAX_ANSWER` bytes): ``{"epoch", "store", "participant",
+  "run", "incarnation", "nonce", "mac"}`` -- the epoch and the store (host:port) this process
+  follows (or serves during its own fail-over), who answers (participant id), for which launch
+  (run id and incarnation: the code has no random per-launch id, and a run id's launches are
+  told apart by their incarnation), the request's nonce, and ``mac``: HMAC-SHA256 over all
+  of it (:meth:`PresenceProof.mac`) with a key derived from the job secret (HKDF, a label of
+  its own), or ``""`` without a secret.
+
+A prober counts a peer alive only when the answer names the participant and launch it asked
+for and echoes its nonce; with a job secret, also only when the MAC verifies (constant-time
+compare). So a process that took over a dead participant's port (another job's listener, a
+restarted participant, an old copy of an answer replayed) is silent, not a living voter.
+
+Residual risk without a job secret: the check then proves only that whatever answers knows the
+participant id and run id (both readable by any client of the store) and speaks this
+protocol -- it stops accidents (a port reused by another process, a replayed answer), not an
+attacker who answers for a dead participant on purpose and so can keep it counted as alive.
+With a secret, such an answer needs the secret (whoever holds it is a participant of the job and
+can do what the job's processes can). Either way requests are not authenticated: any
+client can learn a participant's epoch and store endpoint (the store says as much) and make it
+check its store (one check at a time), and whoever can forge a TCP reset or hold a port can
+make a participant look gone or silent (a denial of service, as for the store itself).
+
+The listener is :class:`~lightning_ft.failover.listener.Presence`; this module is the protocol
+and the probe.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import logging
+import secrets
 import socket
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple
 
-from lightning_ft.deadlines import BackgroundThread
-from lightning_ft.store.tcp import Endpoint, listen_on, parse_endpoint
+from lightning_ft._clock import monotonic
+from lightning_ft.schema.signing import Signer
+from lightning_ft.store.tcp import Endpoint, parse_endpoint
+
+log = logging.getLogger(__name__)
+
+#: the longest request line, its newline included
+MAX_REQUEST = 128
+#: the longest answer line, its newline included
+MAX_ANSWER = 4096
+_LABEL = b"lightning_ft/presence/v1"
+_FIELDS = frozenset({"epoch", "store", "participant", "run", "incarnation", "nonce", "mac"})
+_DIGITS = frozenset(b"0123456789")
+_HEX = frozenset(b"0123456789abcdef")
 
 
-class PresenceOwner(Protocol):
-    """What the listener asks of the process's switchboard."""
+class PresenceRequest(NamedTuple):
+    """A parsed request: ``epoch`` is None for ``STATUS``, the lost store's for ``FAILOVER``."""
 
-    def status_line(self) -> str: ...
+    epoch: int | None
+    nonce: str
 
-    def suspect(self, epoch: int) -> None: ...
 
-    def participating(self) -> bool: ...
+def _is(text: bytes, alphabet: frozenset[int], least: int, most: int) -> bool:
+    return least <= len(text) <= most and all(byte in alphabet for byte in text)
+
+
+def parse_request(line: bytes) -> PresenceRequest | None:
+    """The request in ``line`` (without its newline), or None unless it is exactly one of the
+    two forms. Strict on purpose: bytes are checked against ASCII digits and hex digits (never
+    ``str.isdigit``, which takes '²' and other digits ``int`` refuses)."""
+    if len(line) >= MAX_REQUEST:
+        return None
+    words = line.split(b" ")
+    if len(words) == 2 and words[0] == b"STATUS" and _is(words[1], _HEX, 16, 64):
+        return PresenceRequest(None, words[1].decode("ascii"))
+    if len(words) == 3 and words[0] == b"FAILOVER" and _is(words[1], _DIGITS, 1, 18) and _is(words[2], _HEX, 16, 64):
+        return PresenceRequest(int(words[1]), words[2].decode("ascii"))
+    return None
+
+
+def request_line(request: str, nonce: str) -> bytes:
+    """The line a probe sends: ``request`` ("STATUS" or "FAILOVER <epoch>") and its nonce."""
+    line = f"{request} {nonce}".encode("ascii")
+    if parse_request(line) is None:
+        raise ValueError(f"not a presence request: {request!r}")
+    return line + b"\n"
 
 
 class PeerStatus(NamedTuple):
@@ -34,28 +106,138 @@ class PeerStatus(NamedTuple):
     store: str = ""
 
 
-def probe(endpoint: str, request: str, timeout: float) -> PeerStatus:
-    """Ask the presence listener at ``endpoint`` (``STATUS``, or ``FAILOVER <epoch>``: the store of
-    that epoch is lost, check it)."""
+class NotAuthentic(ValueError):
+    """A presence answer that does not prove who speaks; the message says why."""
+
+
+class PresenceProof:
+    """What a presence answer proves, for one launch (``run_id``, ``incarnation``) of a job: its
+    MAC key is derived from the job secret of ``signer`` (None, or a signer without a secret:
+    the plain protocol, see the module's residual risk). Listener and prober use the same one."""
+
+    def __init__(self, signer: Signer | None = None, run_id: str = "", incarnation: int = 0) -> None:
+        self._key = signer.derived_key(_LABEL) if signer is not None else None
+        self.run_id, self.incarnation = run_id, incarnation
+
+    @property
+    def authenticated(self) -> bool:
+        """Answers carry (and must carry) a MAC made with the job secret."""
+        return self._key is not None
+
+    def mac(self, participant_id: str, epoch: int, store: str, nonce: str) -> str:
+        """HMAC-SHA256 (hex) over every field of an answer; ``""`` without a secret."""
+        if self._key is None:
+            return ""
+        # a JSON list: no field can run into the next (unlike a plain join)
+        fields = [_LABEL.decode(), participant_id, self.run_id, self.incarnation, epoch, store, nonce]
+        message = json.dumps(fields, separators=(",", ":")).encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+
+    def answer(self, participant_id: str, epoch: int, store: str, nonce: str) -> bytes:
+        """The answer line of ``participant_id`` to a request that carried ``nonce``."""
+        fields = {"epoch": epoch, "store": store, "participant": participant_id, "run": self.run_id,
+                  "incarnation": self.incarnation, "nonce": nonce,
+                  "mac": self.mac(participant_id, epoch, store, nonce)}
+        return json.dumps(fields, separators=(",", ":")).encode("ascii") + b"\n"
+
+    def check(self, line: bytes, participant_id: str, nonce: str) -> PeerStatus:
+        """"alive" when ``line`` is the authentic answer of ``participant_id`` of this launch to the
+        request that carried ``nonce``; else "silent" (logged at debug, saying why)."""
+        try:
+            epoch, store = self.verify(line, participant_id, nonce)
+        except NotAuthentic as exc:
+            log.debug("presence answer for %s not taken: %s", participant_id, exc)
+            return PeerStatus("silent")
+        return PeerStatus("alive", epoch, store)
+
+    def verify(self, line: bytes, participant_id: str, nonce: str) -> tuple[int, str]:
+        """``(epoch, store)`` of an authentic answer; NotAuthentic saying why it is not one."""
+        try:
+            fields = json.loads(line.decode("ascii")) if len(line) < MAX_ANSWER else None
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            fields = None
+        if not isinstance(fields, dict) or set(fields) != _FIELDS:
+            raise NotAuthentic("not a presence answer")
+        epoch, store = fields["epoch"], fields["store"]
+        if not _number(epoch) or not _number(fields["incarnation"]) or \
+                not all(isinstance(fields[k], str) for k in ("store", "participant", "run", "nonce", "mac")):
+            raise NotAuthentic("a field of the wrong type")
+        if not _same(fields["nonce"], nonce):
+            raise NotAuthentic("it does not echo this probe's nonce (an old answer, or not ours)")
+        if (fields["participant"], fields["run"], fields["incarnation"]) != \
+                (participant_id, self.run_id, self.incarnation):
+            raise NotAuthentic(f"it answers for participant {fields['participant']!r} of run {fields['run']!r}, "
+                               f"incarnation {fields['incarnation']}")
+        if self.authenticated and not _same(fields["mac"], self.mac(participant_id, epoch, store, nonce)):
+            raise NotAuthentic("its MAC does not match the job secret")
+        if not _endpoint(store):
+            raise NotAuthentic(f"no store endpoint: {store[:80]!r}")
+        return epoch, store
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+
+
+def _same(given: str, expected: str) -> bool:
+    """Constant-time equality of two strings (either may hold any code point)."""
+    return hmac.compare_digest(given.encode(errors="backslashreplace"), expected.encode(errors="backslashreplace"))
+
+
+def _endpoint(text: str) -> bool:
+    if not 0 < len(text) <= 300 or not text.isascii() or not text.isprintable() or " " in text:
+        return False
+    try:
+        parse_endpoint(text)
+    except ValueError:
+        return False
+    return True
+
+
+def probe(endpoint: str, request: str, timeout: float, participant_id: str, proof: PresenceProof) -> PeerStatus:
+    """Ask the presence listener of ``participant_id`` at ``endpoint``: ``request`` is ``STATUS``,
+    or ``FAILOVER <epoch>`` (the store of that epoch is lost, check it). Returns within
+    ``timeout`` in all -- connect, send and the whole answer share one deadline, so a listener
+    that trickles its answer cannot hold the probe -- and "alive" only for an answer that
+    ``proof`` takes as authentic."""
+    deadline = monotonic() + timeout
+    nonce = secrets.token_hex(16)
+    line = request_line(request, nonce)
     try:
         target = parse_endpoint(endpoint)
         with socket.create_connection((target.host, target.port), timeout=timeout) as sock:
-            sock.settimeout(timeout)
-            sock.sendall(request.encode() + b"\n")
-            answer = b""
-            while not answer.endswith(b"\n") and len(answer) < 512:
-                chunk = sock.recv(512)
-                if not chunk:
-                    break
-                answer += chunk
+            answer = _exchange(sock, line, deadline)
     except ConnectionRefusedError:
         return PeerStatus("dead")
     except (OSError, ValueError):
         return PeerStatus("silent")
-    epoch_text, _, store = answer.decode(errors="replace").strip().partition(" ")
-    if not epoch_text.lstrip("-").isdigit():
+    if answer is None:
         return PeerStatus("silent")
-    return PeerStatus("alive", int(epoch_text), store)
+    return proof.check(answer, participant_id, nonce)
+
+
+def _exchange(sock: socket.socket, line: bytes, deadline: float) -> bytes | None:
+    """Send ``line`` and read one answer line (without its newline) by ``deadline``; None when
+    none came whole in time, or it is too long."""
+    answer = b""
+    sent = False
+    while True:
+        remaining = deadline - monotonic()  # recomputed before every call: the deadline is overall
+        if remaining <= 0:
+            return None
+        sock.settimeout(remaining)
+        if not sent:
+            sock.sendall(line)
+            sent = True
+            continue
+        chunk = sock.recv(MAX_ANSWER - len(answer))
+        if not chunk:
+            return None
+        answer += chunk
+        if b"\n" in answer:
+            return answer.partition(b"\n")[0]
+        if len(answer) >= MAX_ANSWER:
+            return None
 
 
 def local_address_towards(endpoint: Endpoint) -> str:
@@ -67,53 +249,3 @@ def local_address_towards(endpoint: Endpoint) -> str:
             return str(sock.getsockname()[0])
     except OSError:
         return socket.gethostname()
-
-
-class Presence(BackgroundThread):
-    """This participant's presence listener: answers ``<epoch> <store host:port>`` (the store it
-    follows, or serves during its own fail-over), and starts a check on ``FAILOVER <epoch>``."""
-
-    def __init__(self, switchboard: PresenceOwner, host: str, join_timeout: float) -> None:
-        super().__init__("lightning_ft-presence", join_timeout)
-        self.switchboard = switchboard
-        self.host = host
-        self._sock = listen_on(host, 0)
-        # the owner stops it when its participant leaves (shutting the socket down wakes the
-        # accept); the timeout only backs that up. Not shorter: thousands of listeners in a
-        # process, each woken every second to ask, cost more CPU than the rendezvous itself
-        self._sock.settimeout(10.0)
-        self.endpoint = f"{host}:{self._sock.getsockname()[1]}"
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            if not self.switchboard.participating():
-                self._sock.close()  # left the rendezvous: refused from now on, i.e. gone for the others
-                return
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with conn:
-                try:
-                    conn.settimeout(1.0)
-                    request = conn.recv(128).decode(errors="replace").strip()
-                    conn.sendall(self.switchboard.status_line().encode() + b"\n")
-                except OSError:
-                    continue
-            kind, _, epoch = request.partition(" ")
-            if kind == "FAILOVER" and epoch.isdigit():
-                self.switchboard.suspect(int(epoch))
-
-    def stop(self, join: bool = True) -> None:
-        """Close the listener: from now on connecting is refused (this participant is gone)."""
-        self.stopping.set()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept
-        except OSError:
-            pass  # not listening (any more)
-        super().stop(join)
-        self._sock.close()
-
-

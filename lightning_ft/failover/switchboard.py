@@ -53,7 +53,8 @@ from lightning_ft.deadlines import (
     connect_exit_bound,
     first_line,
 )
-from lightning_ft.failover.presence import Presence, local_address_towards, probe
+from lightning_ft.failover.listener import Presence
+from lightning_ft.failover.presence import PeerStatus, PresenceProof, local_address_towards, probe
 from lightning_ft.failover.rebuild import Mirror, may_serve, merge_views
 from lightning_ft.schema.failover import (
     EPOCH_KEY,
@@ -137,7 +138,9 @@ class StoreSwitchboard:
         self._serving: tuple[int, str] | None = None
         self._suspecting = False
         self._probe_store: BoundedStore | None = self._probe_connection(first)
-        self.presence = Presence(self, local_address_towards(endpoint), timeouts.thread_stop_timeout)
+        #: what presence answers prove: bound to the launch (run id, incarnation) by FailoverParticipant
+        self.proof = PresenceProof(signer)
+        self.presence = Presence(self, local_address_towards(endpoint), timeouts)
 
     # ----------------------------------------------------------------- connections
 
@@ -241,9 +244,8 @@ class StoreSwitchboard:
         store.set_timeout(datetime.timedelta(seconds=bound if inline else self.timeouts.store_timeout))
         return BoundedStore(store, bound, inline=inline)
 
-    def status_line(self) -> str:
-        epoch, store = self._serving if self._serving is not None else (self.epoch, str(self.endpoint))
-        return f"{epoch} {store}"
+    def presence_status(self) -> tuple[int, str]:
+        return self._serving if self._serving is not None else (self.epoch, str(self.endpoint))
 
     # ----------------------------------------------------------------- the fail-over
 
@@ -343,7 +345,7 @@ class StoreSwitchboard:
                 if candidate.participant_id == self.participant_id:
                     target = candidate
                     break
-                status = probe(candidate.presence, f"FAILOVER {from_epoch}", self.timeouts.probe_timeout)
+                status = self._probe(candidate, f"FAILOVER {from_epoch}")
                 if status.state == "dead":
                     dead.add(candidate.participant_id)
                 elif status.state == "alive":
@@ -366,13 +368,17 @@ class StoreSwitchboard:
         """Wait until ``target`` serves a store newer than ``from_epoch``: ``(epoch, host:port)``, or
         None when it is gone or does not within the fail-over's bound."""
         while monotonic() < deadline:
-            status = probe(target.presence, f"FAILOVER {from_epoch}", self.timeouts.probe_timeout)
+            status = self._probe(target, f"FAILOVER {from_epoch}")
             if status.state == "dead":
                 return None
             if status.state == "alive" and status.epoch > from_epoch and status.store:
                 return status.epoch, status.store
             time.sleep(_POLL)
         return None
+
+    def _probe(self, candidate: Candidate, request: str) -> PeerStatus:
+        """Ask ``candidate``'s presence (:func:`~.presence.probe`): "alive" only for its authentic answer."""
+        return probe(candidate.presence, request, self.timeouts.probe_timeout, candidate.participant_id, self.proof)
 
     def _register(self, epoch: int, endpoint: Endpoint, deadline: float) -> None:
         remaining = max(1.0, deadline - monotonic())
@@ -457,8 +463,7 @@ class StoreSwitchboard:
         if not candidates:
             return set()
         with ThreadPoolExecutor(max_workers=min(16, len(candidates)), thread_name_prefix="lightning_ft-probe") as pool:
-            states = list(pool.map(lambda c: probe(c.presence, f"FAILOVER {epoch}", self.timeouts.probe_timeout).state,
-                                   candidates))
+            states = list(pool.map(lambda c: self._probe(c, f"FAILOVER {epoch}").state, candidates))
         return {c.participant_id for c, state in zip(candidates, states, strict=True) if state == "dead"}
 
     # ----------------------------------------------------------------- after a partition
@@ -470,7 +475,7 @@ class StoreSwitchboard:
         for candidate in self.candidates:
             if candidate.participant_id == self.participant_id:
                 continue
-            status = probe(candidate.presence, "STATUS", self.timeouts.probe_timeout)
+            status = self._probe(candidate, "STATUS")
             if status.state != "alive":
                 continue
             if status.epoch > self.epoch and status.store:
