@@ -85,7 +85,14 @@ def test_no_failure_spare_exits_zero_promptly(processes, tmp_path):
 
 
 def test_sigkill_active_node_spare_steps_in(processes, tmp_path):
-    out, a, b, c = start_three(processes, tmp_path, steps=60, MARK_AT_STEP="10")
+    """The spare's agent takes the dead node's place; the agents' events tell ``lightning-ft
+    report`` what happened (issue 36 item 5: it used to say "rounds 0, failures 0, spares used
+    none" for a torchrun run)."""
+    from lightning_ft.events import read_events
+    from lightning_ft.report.timeline import summarize
+
+    events = tmp_path / "events"
+    out, a, b, c = start_three(processes, tmp_path, steps=60, MARK_AT_STEP="10", LIGHTNING_FT_EVENTS_DIR=str(events))
     assert wait_for(lambda: (out / "marked").exists(), 60), processes.dump_logs()
     kill_node(b, out)  # node B dies: its agent and its worker
     codes = processes.wait_all(timeout=100)
@@ -95,6 +102,10 @@ def test_sigkill_active_node_spare_steps_in(processes, tmp_path):
     assert (out / "done_A").exists() and (out / "done_C").exists(), logs
     assert int((out / "progress").read_text()) == 60
     assert_all_gone([a, b, c])
+    summary = summarize(read_events(events))
+    assert summary.rounds >= 2 and len(summary.failures) == 1, summary
+    assert summary.failures[0].detected_by and summary.status == "finished", summary
+    assert len(summary.spares_used) == 1, summary
 
 
 def test_sigkill_of_the_store_hosting_node_fails_the_store_over(processes, tmp_path):

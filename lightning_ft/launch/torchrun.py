@@ -23,9 +23,11 @@ from torch.distributed.elastic.rendezvous.api import (
 from lightning_ft._logging import ensure_log_output
 from lightning_ft._torch import exit_barrier_names
 from lightning_ft.deadlines import raw_store
+from lightning_ft.events import names as ev
+from lightning_ft.events.log import EventLog, NullEventLog, open_event_log
 from lightning_ft.launch.factory import Participant, open_participant
 from lightning_ft.process import exit_now
-from lightning_ft.rendezvous.barrier import BarrierRendezvous, UnhealthyNodeError
+from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult, UnhealthyNodeError
 from lightning_ft.rendezvous.participant import local_participant
 from lightning_ft.rendezvous.settings import RendezvousConfigError, torchrun_config
 from lightning_ft.schema.run import EXIT_BARRIER_KEY, EXIT_BARRIER_PREFIX, CloseKind, CloseReason
@@ -52,16 +54,28 @@ class LightningFTRendezvousHandler(RendezvousHandler):
 
     Standby nodes stay inside :meth:`next_rendezvous` until a failure needs them; they leave
     with ``RendezvousGracefulExitError`` when the job finished or closed for good.
+
+    The agent records what it sees in the run's event log (``events``; ``lightning-ft report``
+    reads it): every round it completes (standby ones too), each re-rendezvous after an active
+    round as a failure (torch's agent comes back only when its workers failed or the membership
+    changed) and how it left. The workers' own events come from the workers.
     """
 
     def __init__(self, participant: Participant, local_addr: str | None = None,
-                 health_check: Callable[[], tuple[bool, str]] | None = None) -> None:
+                 health_check: Callable[[], tuple[bool, str]] | None = None,
+                 events: EventLog | NullEventLog | None = None) -> None:
         self._participant = participant
         self._rdzv = participant.rendezvous
         self._local_addr = local_addr
         self._health_check = health_check
         self._shut_down = False
         self._left_gracefully = False
+        self._events = events if events is not None else NullEventLog()
+        self._rdzv.on_round_complete.append(self._round_complete)
+
+    def _round_complete(self, result: RoundResult) -> None:
+        self._events.emit(ev.ROUND_COMPLETE, round=result.round, rank=result.rank, world=result.world_size,
+                          standby=not result.is_active)
 
     @property
     def rendezvous(self) -> BarrierRendezvous:
@@ -92,6 +106,9 @@ class LightningFTRendezvousHandler(RendezvousHandler):
                     f"node {self._rdzv.participant_id} failed its health check and is excluded: {reasons}")
         last = self._rdzv.last_result
         if last is not None and last.is_active:
+            self._events.emit(ev.FAILURE_DETECTED, round=last.round, step=None, detector="agent",
+                              error="torchrun's agent restarts its workers (a worker failed, or the membership "
+                                    "changed)")
             self._participant.backend.follow_newest()  # the others may have moved while this agent was frozen
         result = self._rdzv.next_active_round()
         round_store = dist.PrefixStore(result.store_prefix, raw_store(self._rdzv.store))
@@ -121,6 +138,7 @@ class LightningFTRendezvousHandler(RendezvousHandler):
             return True
         self._shut_down = True
         if self._left_gracefully:
+            self._events.emit(ev.SPARE_EXIT, reason="not needed: the job finished or closed")
             done = self._rdzv.shutdown(job_finished=False)
             _exit_zero_if_torch_mishandles_graceful_exit()
             return done
@@ -136,6 +154,12 @@ class LightningFTRendezvousHandler(RendezvousHandler):
         except (RuntimeError, OSError) as exc:
             log.warning("rendezvous shutdown could not reach the store: %s", exc)
             return False
+        if finished:
+            assert result is not None
+            self._events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=None, seconds=None)
+        elif result is not None and result.is_active:
+            self._events.emit(ev.DECISION, round=result.round, kind="agent_gave_up", action="raise",
+                              reason="its workers failed and it gave up (restarts exhausted or error)")
         return self._rdzv.shutdown(job_finished=finished)
 
 
@@ -171,10 +195,14 @@ def create_handler(params: RendezvousParameters) -> LightningFTRendezvousHandler
                              infra_rank=options.infra_rank, addr=params.local_addr)
     participant = open_participant(endpoint, options.is_host, info, settings)
     health_check = _node_health_check(settings.timeouts.health_timeout) if settings.health_check else None
+    events = open_event_log(info.participant_id)
+    events.emit(ev.JOIN, participant=info.participant_id, domain=info.domain_id, endpoint=str(endpoint),
+                run_id=settings.run_id, min_nodes=settings.min_nodes, max_nodes=settings.max_nodes,
+                store_host=participant.hosting, launcher="torchrun")
     log.info("lightning_ft rendezvous: run %s, nodes %d:%d, endpoint %s, %s, participant %s (domain %s)",
              settings.run_id, settings.min_nodes, settings.max_nodes, endpoint,
              "store host" if participant.hosting else "store client", info.participant_id, info.domain_id)
-    return LightningFTRendezvousHandler(participant, params.local_addr, health_check)
+    return LightningFTRendezvousHandler(participant, params.local_addr, health_check, events)
 
 
 def _node_health_check(timeout_s: float) -> Callable[[], tuple[bool, str]]:
