@@ -7,11 +7,15 @@ each with the reason it is needed.
 from __future__ import annotations
 
 import datetime
+import secrets
+import socket
 import struct
 from typing import Any
 
 import torch.distributed as dist
 from torch import _weights_only_unpickler as _weights_only
+
+from lightning_ft._clock import monotonic
 
 
 def exit_barrier_names() -> tuple[str, str]:
@@ -80,11 +84,45 @@ def user_allowed_globals() -> dict[str, Any]:
 _TCPSTORE_VALIDATE, _TCPSTORE_PING, _TCPSTORE_MAGIC = 0, 13, 0x3C85F7CE
 
 
-def tcpstore_ping(nonce: int) -> bytes:
+def _tcpstore_ping(nonce: int) -> bytes:
     """What a TCPStore client sends to validate itself and ping with ``nonce`` (a uint32)."""
     return struct.pack("<BIBI", _TCPSTORE_VALIDATE, _TCPSTORE_MAGIC, _TCPSTORE_PING, nonce)
 
 
-def tcpstore_pong(nonce: int) -> bytes:
-    """A TCPStore's answer to :func:`tcpstore_ping` with ``nonce``."""
+def _tcpstore_pong(nonce: int) -> bytes:
+    """A TCPStore's answer to :func:`_tcpstore_ping` with ``nonce``."""
     return struct.pack("<I", nonce)
+
+
+#: how long a store is given to answer a ping before the endpoint is reported as not answering
+STORE_PING_TIMEOUT = 2.0
+
+
+def store_ping(host: str, port: int, timeout: float = STORE_PING_TIMEOUT) -> str:
+    """Whether a rendezvous store answers at ``host:port``, asked with a plain socket before torch
+    connects (whose client, pointed at something else, waits out its whole timeout and logs C++
+    backtraces meanwhile): "store", "refused" (nothing listens: its host may not be up yet),
+    "silent" (it accepted and said nothing: a frozen store host, or another program), or
+    "foreign: <what it did>" (it answered, or closed, as no TCPStore does). One overall deadline."""
+    nonce = secrets.randbits(32)
+    deadline = monotonic() + timeout
+    answer = b""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(_tcpstore_ping(nonce))
+            while len(answer) < 4:
+                remaining = deadline - monotonic()
+                if remaining <= 0:
+                    return "silent"
+                sock.settimeout(remaining)
+                chunk = sock.recv(64)
+                if not chunk:
+                    return f"foreign: it closed the connection{' after ' + repr(answer[:16]) if answer else ''}"
+                answer += chunk
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "silent"
+    except OSError as exc:
+        return f"foreign: {type(exc).__name__}: {exc}"
+    return "store" if answer == _tcpstore_pong(nonce) else f"foreign: it answered {answer[:16]!r}"

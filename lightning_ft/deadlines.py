@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from lightning_ft._clock import monotonic
+from lightning_ft._torch import store_ping
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,11 @@ class DeadlineExceeded(RuntimeError):
 
 class StoreUnresponsiveError(DeadlineExceeded):
     """A store call did not return within its bound: the store (or its host) is frozen or gone."""
+
+
+class StoreRefusedError(RuntimeError):
+    """A new connection to the store was refused: nothing listens at its endpoint any more (a
+    ``RuntimeError`` like the ``DistNetworkError`` torch's own connect would raise)."""
 
 
 class InterpreterExitingError(RuntimeError):
@@ -403,7 +409,12 @@ class BoundedStore:
     def clone(self, bound: float | None = None, inline: bool = False) -> BoundedStore:
         """Another connection to the same store (torch's ``TCPStore.clone``), bounded alike or by
         ``bound``; ``inline``: its calls run on the caller's thread (see :attr:`inline`)."""
-        # torch's clone connects a new client with the store's own timeout (and its retries)
+        # torch's clone connects a new client with the store's own timeout and retries, each
+        # retry logged with a C++ backtrace when nothing listens any more: asked first, quietly
+        host, port = getattr(self.raw, "host", None), getattr(self.raw, "port", None)
+        if isinstance(host, str) and isinstance(port, int) and \
+                store_ping(host, port, min(self.bound, 2.0)) == "refused":
+            raise StoreRefusedError(f"the rendezvous store at {host}:{port} refuses connections (it is gone)")
         timeout = getattr(self.raw, "timeout", None)
         exit_bound = connect_exit_bound(timeout.total_seconds()) if timeout is not None else None
         return BoundedStore(self._call("clone", exit_bound=exit_bound), self.bound if bound is None else bound,

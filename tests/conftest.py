@@ -71,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
                                     "more): this pytest is too new for it (pyproject.toml pins pytest < 9.2)")
 
     def rank(item) -> int:
-        if item.get_closest_marker("slurm"):
+        if item.get_closest_marker("slurm") or item.path.name == "test_typecheck.py":
             return 0
         if item.path.name in LONGEST_MODULES:
             return 1 + LONGEST_MODULES.index(item.path.name)

@@ -28,8 +28,9 @@ event                          fields
 ``evicted``                    round, step, reason (this rank leaves as a straggler; exit 84)
 ``restored``                   round, step (global step training resumes from)
 ``failure_detected``           round, step (training had reached), error, detector (``collective`` | ``hang`` |
-                               ``rendezvous`` | ``agent``: torchrun's agent re-joined after an active round), stalled (ranks blamed by the hang detector), stuck_seconds,
-                               step_seconds (median step of the failed round; prices the redone steps)
+                               ``rendezvous`` | ``agent``: torchrun's agent re-joined after an active round),
+                               stalled (ranks blamed by the hang detector), stuck_seconds, step_seconds
+                               (median step of the failed round; prices the redone steps)
 ``decision``                   round, kind (:class:`~lightning_ft.runtime.decisions.FailureKind`),
                                action (``recover`` | ``raise`` | ``no_restart``), reason
 ``round_open``                 round (the new round), after (the failed round), reason

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import secrets
 import socket
 import time
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from lightning_ft._clock import monotonic
-from lightning_ft._torch import tcpstore_ping, tcpstore_pong
+from lightning_ft._torch import STORE_PING_TIMEOUT, store_ping
 from lightning_ft.deadlines import BoundedStore, call_with_timeout, connect_exit_bound, first_line
 from lightning_ft.settings import Timeouts
 from lightning_ft.settings.fields import RendezvousConfigError
@@ -22,6 +21,8 @@ log = logging.getLogger(__name__)
 
 #: as torchrun's c10d backend
 DEFAULT_PORT = 29400
+#: how often an endpoint that refuses connections is asked again while its store host starts
+_REFUSED_POLL = 0.1
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,32 @@ def listen_on(host: str, port: int) -> socket.socket:
     return sock
 
 
-def host_store(host: str, port: int, timeout: datetime.timedelta, multi_tenant: bool = True) -> dist.TCPStore:
-    """Host a TCPStore that listens on ``host`` only (port 0: a free one; ``store.port`` tells)."""
-    sock = listen_on(host, port)
+def reserve_port(host: str) -> socket.socket:
+    """A TCP socket bound to a free port of ``host`` and not listening: the port is this process's
+    (connecting to it is refused) until :func:`host_store` serves a store on it.
+
+    Without ``SO_REUSEADDR`` on purpose: no other socket, of any process, can bind the port while
+    this one holds it (Linux lets two sockets share a port only when both set it)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def host_store(host: str, port: int, timeout: datetime.timedelta, multi_tenant: bool = True,
+               reserved: socket.socket | None = None) -> dist.TCPStore:
+    """Host a TCPStore that listens on ``host`` only (port 0: a free one; ``store.port`` tells), or
+    on ``reserved`` (a socket of :func:`reserve_port`; ``host`` and ``port`` are then its own)."""
+    if reserved is not None:
+        sock = reserved
+        sock.listen(512)
+    else:
+        sock = listen_on(host, port)
     bound_port = sock.getsockname()[1]
     try:
         # the store takes the descriptor over; the Python object must not close it
@@ -110,44 +134,17 @@ def host_store(host: str, port: int, timeout: datetime.timedelta, multi_tenant: 
         raise
 
 
-#: how long a store is given to answer a ping before the endpoint is reported as not answering
-STORE_PING_TIMEOUT = 2.0
-
-
-def store_ping(host: str, port: int, timeout: float = STORE_PING_TIMEOUT) -> str:
-    """Whether a rendezvous store answers at ``host:port``, asked with a plain socket before torch
-    connects (whose client, pointed at something else, waits out its whole timeout and logs C++
-    backtraces meanwhile): "store", "refused" (nothing listens: its host may not be up yet),
-    "silent" (it accepted and said nothing: a frozen store host, or another program), or
-    "foreign: <what it did>" (it answered, or closed, as no TCPStore does). One overall deadline."""
-    nonce = secrets.randbits(32)
-    deadline = monotonic() + timeout
-    answer = b""
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.sendall(tcpstore_ping(nonce))
-            while len(answer) < 4:
-                remaining = deadline - monotonic()
-                if remaining <= 0:
-                    return "silent"
-                sock.settimeout(remaining)
-                chunk = sock.recv(64)
-                if not chunk:
-                    return f"foreign: it closed the connection{' after ' + repr(answer[:16]) if answer else ''}"
-                answer += chunk
-    except ConnectionRefusedError:
-        return "refused"
-    except TimeoutError:
-        return "silent"
-    except OSError as exc:
-        return f"foreign: {type(exc).__name__}: {exc}"
-    return "store" if answer == tcpstore_pong(nonce) else f"foreign: it answered {answer[:16]!r}"
-
-
-def _check_the_endpoint_is_a_store(endpoint: Endpoint, host: str, port: int) -> None:
-    """Fail at once when the endpoint is held by something that is not a rendezvous store; say at
-    once that it does not answer when it stays silent (then the bounded connect decides)."""
-    found = store_ping(host, port)
+def _wait_for_a_store(endpoint: Endpoint, host: str, port: int, deadline: float) -> None:
+    """Before torch connects: wait while nothing listens at the endpoint (its host may still be
+    starting; torch's own retries would log a C++ backtrace each), fail at once when something
+    that is no rendezvous store holds it, and say at once when it stays silent (then the
+    bounded connect decides)."""
+    while (found := store_ping(host, port)) == "refused" and monotonic() < deadline:
+        time.sleep(_REFUSED_POLL)
+    if found == "refused":
+        raise RendezvousConnectionError(
+            f"cannot reach the rendezvous store at {endpoint} within connect_timeout: nothing listens there "
+            "(connections refused); is the store host running? (--rdzv-endpoint / LIGHTNING_FT_ENDPOINT)")
     if found.startswith("foreign"):
         raise RendezvousConnectionError(
             f"the rendezvous endpoint {endpoint} is held by a program that is not a rendezvous store "
@@ -182,7 +179,7 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) 
                 raise RendezvousConnectionError(
                     f"is_host=true but the rendezvous store cannot listen on {endpoint}: {first_line(exc)}") from None
             log.debug("not hosting the store at %s (%s); connecting as a client", endpoint, first_line(exc))
-    _check_the_endpoint_is_a_store(endpoint, host, port)
+    _wait_for_a_store(endpoint, host, port, deadline)
     remaining = max(1.0, deadline - monotonic())
     # bounded: a frozen store host's kernel still accepts the connection, and the client then
     # waits for the handshake's answer without limit. torch's own connect retries end after
