@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from lightning_ft._clock import monotonic
-from lightning_ft._torch import STORE_PING_TIMEOUT, store_ping
+from lightning_ft._torch import STORE_PING_TIMEOUT as STORE_PING_TIMEOUT  # re-exported: the endpoint's ping
+from lightning_ft._torch import store_ping as store_ping
 from lightning_ft.deadlines import BoundedStore, call_with_timeout, connect_exit_bound, first_line
 from lightning_ft.settings import Timeouts
 from lightning_ft.settings.fields import RendezvousConfigError
