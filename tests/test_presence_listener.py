@@ -32,9 +32,9 @@ class Owner:
     """What a switchboard is to its listener: who it is, the store it follows, the checks asked of it."""
 
     def __init__(self, secret: bytes | None, participant_id: str = "node-a:4242:0", run_id: str = "run-37",
-                 incarnation: int = 2) -> None:
+                 incarnation: int = 2, launch_id: str = "5f" * 16) -> None:
         self.participant_id = participant_id
-        self.proof = PresenceProof(Signer(secret), run_id, incarnation)
+        self.proof = PresenceProof(Signer(secret), run_id, incarnation, launch_id)
         self.suspects: list[int] = []
         self.suspected = threading.Event()
         self.fail_participating = 0  # how many calls of participating() raise
@@ -343,8 +343,10 @@ def test_a_squatter_on_a_dead_participants_port_that_replays_its_answer_is_not_a
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("other", [dict(secret=b"another-jobs-secret"), dict(participant_id="node-a:5151:0"),
-                                   dict(run_id="another-run"), dict(incarnation=3), dict(secret=None)],
-                         ids=["other-secret", "other-participant", "other-run", "other-incarnation", "no-secret"])
+                                   dict(run_id="another-run"), dict(incarnation=3), dict(launch_id="a0" * 16),
+                                   dict(secret=None)],
+                         ids=["other-secret", "other-participant", "other-run", "other-incarnation",
+                              "earlier-launch-same-secret", "no-secret"])
 def test_a_listener_of_another_participant_launch_or_secret_is_not_alive(make_listener, other):
     expected = Owner(b"job-secret")
     identity = {k: v for k, v in other.items() if k != "secret"}
@@ -361,7 +363,8 @@ def test_the_plain_protocol_tells_participants_and_runs_apart_and_a_secret_also_
     owner, presence = make_listener(secret)
     assert ask(owner, presence) == EXPECTED
     line, n = raw_answer(presence.port)
-    for other in (Owner(secret, participant_id="node-b:1:0"), Owner(secret, run_id="other-run")):
+    for other in (Owner(secret, participant_id="node-b:1:0"), Owner(secret, run_id="other-run"),
+                  Owner(secret, launch_id="a0" * 16)):
         assert other.proof.check(line.rstrip(b"\n"), other.participant_id, n).state == "silent"
         assert ask(other, presence).state == "silent"
 
@@ -370,7 +373,7 @@ def test_the_plain_protocol_tells_participants_and_runs_apart_and_a_secret_also_
     forger = socket.socket()
     forger.bind(("127.0.0.1", 0))
     forger.listen(8)
-    plain = PresenceProof(Signer(None), owner.proof.run_id, owner.proof.incarnation)
+    plain = PresenceProof(Signer(None), owner.proof.run_id, owner.proof.incarnation, owner.proof.launch_id)
     answered = threading.Event()
 
     def serve() -> None:

@@ -1,19 +1,29 @@
 """The rendezvous store fails over to a surviving participant (issue 25): real processes, real
-TCPStores, real signals."""
+TCPStores, real signals. Issue 37: what a store client or a squatter on a dead peer's ports can
+make participants do (nothing: they move only to a successor they computed, and with a job secret
+only on values bound to this launch), and a store that accepts no new connection."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import resource
 import signal
+import socket
 import sys
 import time
 
 import pytest
+import torch.distributed as dist
 
-from proc_utils import REPO_ROOT
+from lightning_ft.schema.failover import EpochKeys, decode_presence, epoch_key, failover_scope, presence_key
+from lightning_ft.schema.run import LAUNCH_KEY, RunKeys
+from lightning_ft.schema.signing import MAGIC, TAG_BYTES, Signer
+
+from proc_utils import REPO_ROOT, write_secret
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from ft_cluster import Cluster, in_order, ordered_start, release
+from ft_cluster import Cluster, base_env, in_order, ordered_start, release
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -27,7 +37,7 @@ def three(processes, tmp_path, args: list[str], standalone: bool = True, **env: 
     cluster = Cluster(processes, tmp_path, "2:3")
     cluster.out.mkdir(parents=True)
     if standalone:
-        cluster.start_store()
+        cluster.start_store(**env)
     hold = ordered_start(cluster, "AB")
     for infra_rank, name in enumerate("ABC"):
         cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank), **env)
@@ -179,3 +189,178 @@ def test_store_killed_during_a_recovery_fails_over_and_the_recovery_goes_on(proc
     assert "FAULT store-kill" in cluster.procs["B"].log(), cluster.logs()
     assert cluster.events_of("store_failover"), cluster.logs()
     assert cluster.result("B")["step"] == 200
+
+
+# ------------------------------------------------------------------ issue 37
+
+SQUATTER = str(REPO_ROOT / "tests" / "scripts" / "failover_squatter.py")
+#: an earlier launch of the same job id (a resubmission keeps the run id and the secret file)
+EARLIER_LAUNCH = "e0" * 16
+
+
+def plain(raw: bytes) -> bytes:
+    """A stored value without its seal (sealed is not encrypted: any store client reads it)."""
+    return raw[len(MAGIC) + TAG_BYTES:] if raw.startswith(MAGIC) else raw
+
+
+def secret_env(tmp_path, secret: str) -> dict[str, str]:
+    return {"LIGHTNING_FT_SECRET_FILE": write_secret(tmp_path)} if secret == "job-secret" else {}
+
+
+def store_client(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+
+
+def participant_id(cluster: Cluster, name: str) -> str:
+    return f"{socket.gethostname()}:{cluster.procs[name].pid}:0"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("secret", ["no-secret", "job-secret"])
+def test_after_a_peer_loss_a_squatter_with_a_newer_store_is_not_followed(processes, tmp_path, secret):
+    """Issue 37 finding 2. An active dies (an ordinary peer loss; the store lives). A process on its
+    host takes over both ports it announced -- its presence port and the port it held for a
+    successor store --, answers every probe as the dead peer ("alive, I follow the store of epoch 1
+    over there") and serves a store there whose epoch value verifies as well as an attacker can make
+    it: a plain "1" without a secret; with one, the sealed value of an earlier launch's fail-over
+    under the same secret. The survivor asks it (the squatter answered) and stays on its store: a
+    newer store is followed only with a majority of the candidates behind it (with a secret the
+    answer is not even authentic). The spare takes the dead peer's place and the job finishes 0."""
+    env = secret_env(tmp_path, secret)
+    cluster = three(processes, tmp_path, ["--max-steps", "150", *SLOW], **env)
+    cluster.wait_for_step(30, 60)
+    victim = participant_id(cluster, "A")
+    if secret == "job-secret":
+        sealer = Signer(open(env["LIGHTNING_FT_SECRET_FILE"], "rb").read().strip())
+        epoch_value = sealer.seal(epoch_key(failover_scope(cluster.run_id, 0, EARLIER_LAUNCH)), "1")
+    else:
+        epoch_value = b"1"
+    squatter = processes.start("squatter", [sys.executable, SQUATTER, "--endpoint", f"127.0.0.1:{cluster.port}",
+                                            "--run-id", cluster.run_id, "--victim", victim,
+                                            "--epoch-value", epoch_value.hex(), "--seconds", "60"], env=base_env())
+    wait_for_output(squatter, "ready")
+    # the survivors see the loss only once the squatter holds the ports: a real squatter is quick,
+    # this one must not lose a race with the machine's load
+    for name in "BC":
+        os.kill(cluster.procs[name].pid, signal.SIGSTOP)
+    try:
+        cluster.kill("A")
+        wait_for_output(squatter, "squatting")
+    finally:
+        for name in "BC":
+            os.kill(cluster.procs[name].pid, signal.SIGCONT)
+    codes = cluster.wait(["B", "C"], 90)
+    assert codes == {"B": 0, "C": 0}, cluster.logs() + squatter.log()
+    assert "answered 1" in squatter.log(), squatter.log()  # the survivor asked it: the attack was made
+    assert cluster.events_of("store_failover") == [], cluster.logs()
+    assert "failed over to" not in cluster.logs()
+    assert cluster.result("B")["step"] == 150 and cluster.result("C")["step"] == 150
+    squatter.popen.send_signal(signal.SIGTERM)
+    squatter.popen.wait(30)
+    assert "keys others wrote to its store: 0" in squatter.log(), squatter.log()
+
+
+def wait_for_output(proc, text: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in proc.log():
+        assert proc.popen.poll() is None and time.monotonic() < deadline, proc.log()
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(180)
+def test_fail_over_values_of_an_earlier_launch_do_not_verify_and_the_fail_over_completes(processes, tmp_path):
+    """Issue 37 finding 2, with a job secret. The participant hosting the store dies; while the
+    successor waits for its quorum, a store client writes there the sealed "abandoned" of an
+    earlier launch's fail-over of the same job id under the same secret: under this launch's key
+    (and under the key the code before issue 37 read). Fail-over values are bound to the run, its
+    incarnation, this launch and the epoch: the copy fails its check and is ignored (logged), the
+    spare registers, the store opens and the job finishes 0."""
+    env = secret_env(tmp_path, "job-secret")
+    sealer = Signer(open(env["LIGHTNING_FT_SECRET_FILE"], "rb").read().strip())
+    cluster = three(processes, tmp_path, ["--max-steps", "150", *SLOW], standalone=False, **env)
+    cluster.wait_for_step(30, 60)
+    first = store_client(cluster.port)
+    launch = plain(first.get(LAUNCH_KEY)).decode()
+    announced = decode_presence(plain(first.get(presence_key(RunKeys(cluster.run_id, 0).prefix,
+                                                             participant_id(cluster, "B")))))
+    assert announced is not None and launch != EARLIER_LAUNCH
+    earlier = EpochKeys(failover_scope(cluster.run_id, 0, EARLIER_LAUNCH), 1).abandoned
+    before_issue_37 = "lightning_ft_failover/e1/abandoned"
+    replays = {EpochKeys(failover_scope(cluster.run_id, 0, launch), 1).abandoned: sealer.seal(earlier, "no quorum"),
+               before_issue_37: sealer.seal(before_issue_37, "no quorum")}
+    del first
+    # the spare stays away until the replay is in place: the successor (B, next in the order)
+    # waits for it, a quorum being B and C
+    os.kill(cluster.procs["C"].pid, signal.SIGSTOP)
+    try:
+        cluster.kill("A")
+        successor = wait_for_store(announced.successor, 30)
+        for key, value in replays.items():
+            successor.set(key, value)
+    finally:
+        os.kill(cluster.procs["C"].pid, signal.SIGCONT)
+    codes = cluster.wait(["B", "C"], 90)
+    assert codes == {"B": 0, "C": 0}, cluster.logs()
+    assert cluster.events_of("store_failover"), cluster.logs()
+    assert "ignored the value of store key lightning_ft_failover/" in cluster.procs["C"].log(), cluster.logs()
+    assert "gave up" not in cluster.logs()
+    assert cluster.result("B")["step"] == 150 and cluster.result("C")["step"] == 150
+
+
+def wait_for_store(endpoint: str, timeout: float) -> dist.TCPStore:
+    """A client of the store that will serve at ``endpoint`` (refused until it listens)."""
+    host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing served at {endpoint}"
+            time.sleep(0.02)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
+
+
+def descriptors(pid: int) -> list[int]:
+    return sorted(int(fd) for fd in os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.timeout(180)
+def test_a_store_that_accepts_no_new_connection_ends_the_job_with_83_saying_so(processes, tmp_path):
+    """Issue 37 finding 7. Another user holds idle connections to the store from before the job
+    started, and the store's file-descriptor limit is reached: every descriptor below it is taken
+    (here: the limit is lowered to just above them once the job trains), so the store answers on
+    the connections it has and closes every new one at once. A peer dies: recovering needs new
+    connections. The store never moved, so that is no fail-over: the survivor ends with 83 and a
+    message naming the store and why, without a traceback or torch's C++ backtraces."""
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.out.mkdir(parents=True)
+    store = cluster.start_store()
+    before = len(descriptors(store.pid))
+    idle = [socket.create_connection(("127.0.0.1", cluster.port), timeout=10) for _ in range(32)]
+    deadline = time.monotonic() + 30
+    while len(descriptors(store.pid)) < before + len(idle):  # accepted: each holds a descriptor of the store's
+        assert time.monotonic() < deadline, descriptors(store.pid)
+        time.sleep(0.05)
+    taken = max(descriptors(store.pid))
+    hold = ordered_start(cluster, "AB")
+    for infra_rank, name in enumerate("ABC"):
+        cluster.start_participant(name, ["--max-steps", "100000", *SLOW, *hold],
+                                  LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+        in_order(cluster, name, actives="AB")
+    release(hold)
+    cluster.wait_for_step(30, 60)
+    # from here on a new descriptor would have to be numbered below the idle connections' last
+    resource.prlimit(store.pid, resource.RLIMIT_NOFILE, (taken + 1, taken + 1))
+    cluster.kill("A")
+    codes = cluster.wait(["B", "C"], 120)
+    assert codes["B"] == 83, cluster.logs()
+    assert "accepts no new connections (file-descriptor limit?)" in cluster.procs["B"].log(), cluster.logs()
+    assert f"127.0.0.1:{cluster.port}" in cluster.procs["B"].log()
+    assert codes["C"] in (0, 83), cluster.logs()
+    for name in "BC":
+        log = cluster.procs[name].log()
+        assert "Traceback" not in log and "kept moving" not in log, log
+    assert cluster.events_of("store_failover") == [], cluster.logs()
+    for sock in idle:
+        sock.close()

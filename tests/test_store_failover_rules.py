@@ -16,7 +16,7 @@ from lightning_ft.failover.switchboard import StoreSwitchboard, probe
 from lightning_ft.schema.failover import ViewEntry, decode_view, encode_view
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.settings import Timeouts
-from lightning_ft.store.tcp import Endpoint, host_store
+from lightning_ft.store.tcp import Endpoint, host_store, parse_endpoint
 
 # ------------------------------------------------------------------ the quorum
 
@@ -296,3 +296,123 @@ def test_a_slow_store_that_answers_again_is_not_failed_over():
         os.kill(server.pid, signal.SIGCONT)
         server.kill()
         server.wait(10)
+
+
+# ------------------------------------------------------------------ issue 37: where a participant moves
+
+
+def test_a_participant_follows_only_a_majority_to_an_endpoint_a_candidate_announced():
+    from lightning_ft.failover.rebuild import announced_store, store_to_follow
+
+    announced = {"10.0.0.2:4001", "10.0.0.3:4002"}
+    on_b = ("alive", 1, "10.0.0.2:4001")
+    assert announced_store("10.0.0.2:4001", announced) and not announced_store("", announced)
+    # the frozen store host comes back: both others follow B's store
+    assert store_to_follow(0, [on_b, on_b], announced) == (1, "10.0.0.2:4001")
+    # a squatter on a dead peer's ports says "epoch 1 over there", the living say epoch 0: 1 of 2
+    assert store_to_follow(0, [on_b, ("alive", 0, "10.0.0.1:29400")], announced) is None
+    # an endpoint nobody announced is never followed, whoever names it
+    assert store_to_follow(0, [("alive", 1, "6.6.6.6:1")] * 3, announced) is None
+    # the gone do not vote; the silent do (they may be alive: as for the quorum)
+    assert store_to_follow(0, [on_b, ("dead", -1, "")], announced) == (1, "10.0.0.2:4001")
+    assert store_to_follow(0, [on_b, ("silent", -1, "")], announced) is None
+    assert store_to_follow(1, [on_b, on_b], announced) is None  # not newer
+    assert store_to_follow(0, [], announced) is None
+
+
+def test_fail_over_keys_are_bound_to_run_incarnation_launch_and_epoch():
+    from lightning_ft.schema.failover import EpochKeys, epoch_key, failover_scope
+
+    signer = Signer(b"the secret kept across resubmissions")
+    launch = failover_scope("slurm-42", 0, "ab" * 16)
+    earlier = failover_scope("slurm-42", 0, "cd" * 16)  # the same job id and secret, an earlier launch
+    sealed = signer.seal(EpochKeys(earlier, 1).abandoned, "no quorum")
+    assert signer.unseal(EpochKeys(earlier, 1).abandoned, sealed) == b"no quorum"
+    for key in (EpochKeys(launch, 1).abandoned, EpochKeys(launch, 2).abandoned,
+                EpochKeys(failover_scope("slurm-42", 1, "ab" * 16), 1).abandoned,
+                EpochKeys(failover_scope("other-run", 0, "ab" * 16), 1).abandoned):
+        assert signer.open(key, sealed) is None  # copied under this launch's key: does not verify
+    assert signer.open(epoch_key(launch), signer.seal(epoch_key(earlier), "1")) is None
+
+
+def test_a_presence_announcement_is_two_endpoints_or_nothing():
+    from lightning_ft.schema.failover import Announcement, decode_presence, encode_presence
+
+    assert decode_presence(encode_presence("10.0.0.1:5000", "10.0.0.1:5001").encode()) == \
+        Announcement("10.0.0.1:5000", "10.0.0.1:5001")
+    for garbage in (b"10.0.0.1:5000", b"10.0.0.1:5000\x1f", b"a:1\x1fb:0", b"a:1\x1fb:x", b"a:1\x1fb:2\x1fc:3",
+                    b"\xff:1\x1fb:2", b"a b:1\x1fb:2"):
+        assert decode_presence(garbage) is None, garbage
+
+
+def test_the_launch_id_is_the_store_hosts_and_every_reader_reads_the_same(tcp_store):
+    from lightning_ft.rendezvous.records import publish_launch_id, read_launch_id
+    from lightning_ft.schema.run import LAUNCH_KEY, is_launch_id
+
+    signer = Signer(b"secret")
+    store = BoundedStore(tcp_store, 5.0)
+    assert read_launch_id(store, signer) == read_launch_id(store, signer)  # none published: the first reader's
+    tcp_store.set(LAUNCH_KEY, "ab" * 16)  # a client without the secret writes one: replaced, not taken
+    taken = read_launch_id(store, signer)
+    assert taken != "ab" * 16 and is_launch_id(taken.encode())
+    published = publish_launch_id(store, signer)  # a store host that starts writes its own
+    assert published != taken and read_launch_id(store, signer) == published
+    assert not is_launch_id(b"AB" * 16) and not is_launch_id(b"ab" * 15)
+
+
+def test_a_successor_serves_on_the_port_it_announced_and_nothing_listens_there_before(switchboard):
+    board, _ = switchboard
+    announced = parse_endpoint(board.successor)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((announced.host, announced.port), timeout=5).close()
+    with pytest.raises(OSError):  # held: no other socket can take the port
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind((announced.host, announced.port))
+    server, endpoint = board._serve_on_announced_port(1)
+    assert endpoint == announced and server.port == announced.port
+    client = dist.TCPStore(announced.host, announced.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    client.set("k", "v")
+    assert server.get("k") == b"v"
+    from lightning_ft.failover.switchboard import StoreLostError
+    with pytest.raises(StoreLostError, match="served one already"):
+        board._serve_on_announced_port(2)
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_closes_new_connections_is_said_so_without_torch_trying():
+    """A store at its descriptor limit accepts a connection and closes it at once: the connect says
+    so within its bound (torch's client, which logs a C++ backtrace per try, is never pointed at it)."""
+    import threading
+    import time
+
+    from lightning_ft.failover.reach import StoreClosesConnectionsError, connect, refuses_connections
+
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(64)
+    stop = threading.Event()
+
+    def close_each() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = full.accept()
+            except OSError:
+                return
+            conn.close()
+
+    thread = threading.Thread(target=close_each, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(StoreClosesConnectionsError, match="accepts no new connections") as caught:
+            connect(Endpoint("127.0.0.1", full.getsockname()[1]), 5.0, 1.0, 0.5, 5.0)
+        assert time.monotonic() - start < 10.0
+    finally:
+        stop.set()
+        full.close()
+        thread.join(5)
+    assert refuses_connections(caught.value, moved=False)
+    assert not refuses_connections(caught.value, moved=True)  # the store moved: try the new one
+    from lightning_ft.failover.reach import StoreUnreachableError
+    assert not refuses_connections(StoreUnreachableError("refused"), moved=False)

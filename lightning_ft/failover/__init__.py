@@ -7,6 +7,7 @@
 * :mod:`.listener` -- each participant's presence listener;
 * :mod:`.rebuild` -- pure rules: who may serve (a quorum), the state rebuilt from the views;
 * :mod:`.candidates` -- who may host the store next, as the participant learns it each round;
+* :mod:`.reach` -- bounded connects to a store, and what a failed one means (refused, full);
 * :mod:`.backend` -- the :class:`~lightning_ft.store.backend.RendezvousBackend` that ties them together.
 """
 

@@ -1,9 +1,10 @@
 """The fail-over candidates, as a participant learns them: who may host the store next.
 
 After each round it completes, a participant takes the round's participants that announced a
-presence, in arrivals-log order, as its :class:`~lightning_ft.failover.switchboard.StoreSwitchboard`'s
-candidates (the first of them that is alive serves the store if it is lost). Apart from the
-module of the switchboard, which moves the store; this one only feeds it.
+presence (and the endpoint each would serve the store on), in arrivals-log order, as its
+:class:`~lightning_ft.failover.switchboard.StoreSwitchboard`'s candidates (the first of them
+that is alive serves the store if it is lost). Apart from the module of the switchboard, which
+moves the store; this one only feeds it.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from lightning_ft.deadlines import BackgroundThread, first_line
-from lightning_ft.failover.presence import PresenceProof
 from lightning_ft.failover.switchboard import Candidate, StoreSwitchboard
 from lightning_ft.rendezvous.records import RunRecords
-from lightning_ft.schema.failover import presence_key
+from lightning_ft.schema.failover import decode_presence, encode_presence, presence_key
 from lightning_ft.schema.run import ROSTER_HEAD, decode_roster_head
 
 if TYPE_CHECKING:
@@ -39,8 +39,8 @@ def read_candidates(switchboard: StoreSwitchboard, records: RunRecords, round_id
         found = records.values.multi_get(names)
     else:
         found = [records.values.get(n) for n in names]
-    switchboard.candidates = [Candidate(pid, raw.decode(errors="replace"))
-                              for pid, raw in zip(ids, found, strict=True) if raw is not None]
+    announced = [(pid, decode_presence(raw) if raw is not None else None) for pid, raw in zip(ids, found, strict=True)]
+    switchboard.candidates = [Candidate(pid, a.presence, a.successor) for pid, a in announced if a is not None]
     return whole
 
 
@@ -56,12 +56,14 @@ class FailoverParticipant:
         self.whole = False
         self._refresher: CandidateRefresher | None = None
         switchboard.participating = lambda: not rendezvous.left
-        # presence answers name this launch (the code has no random launch id: run id and
-        # incarnation tell a run id's launches apart) and, with a job secret, prove it
-        switchboard.proof = PresenceProof(switchboard.signer, rendezvous.settings.run_id, rendezvous.keys.incarnation)
+        # presence answers and fail-over keys name this launch (run id, incarnation and the
+        # launch's random id, read from the store now: see read_launch_id) and, with a job secret,
+        # prove it
+        switchboard.bind_launch(rendezvous.settings.run_id, rendezvous.keys.incarnation,
+                                rendezvous.records.launch_id)
         switchboard.presence.start()
         rendezvous.values.put(presence_key(rendezvous.keys.prefix, rendezvous.participant_id),
-                              switchboard.presence.endpoint)
+                              encode_presence(switchboard.presence.endpoint, switchboard.successor))
         rendezvous.on_round_complete.append(self.track_round)
         rendezvous.on_leave.append(lambda: switchboard.presence.stop(join=False))
 

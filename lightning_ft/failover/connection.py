@@ -7,12 +7,14 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_ft.deadlines import BoundedStore, first_line
-from lightning_ft.failover.switchboard import (
+from lightning_ft.failover.reach import (
     StoreLostError,
-    StoreSwitchboard,
+    StoreRefusesConnectionsError,
     StoreUnreachableError,
     is_lost_store_error,
+    refuses_connections,
 )
+from lightning_ft.failover.switchboard import StoreSwitchboard
 
 
 class FailoverStore:
@@ -51,6 +53,10 @@ class FailoverStore:
                     self._follow(self._epoch, self._store)
                 except StoreUnreachableError as exc:  # the new store's host may be gone as well
                     self.switchboard.fail_over(epoch, str(exc))
+                    if refuses_connections(exc, moved=self.switchboard.epoch != epoch):
+                        # it answers on the connections it has (else the fail-over would have
+                        # moved it): not lost, full -- nothing that needs a connection can go on
+                        raise StoreRefusesConnectionsError(str(exc)) from None
             raise StoreLostError(f"the rendezvous store kept moving while this connection followed it (epoch "
                                  f"{self.switchboard.epoch})")
 

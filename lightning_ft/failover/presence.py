@@ -12,22 +12,27 @@ The protocol, one request and one answer per connection, each a line ending in `
   ASCII digits (at most 18), ``<nonce>`` 16 to 64 lowercase hex digits, fresh and random per
   probe. Anything else is dropped unanswered.
 * answer (ASCII JSON, at most :data:`MAX_ANSWER` bytes): ``{"epoch", "store", "participant",
-  "run", "incarnation", "nonce", "mac"}`` -- the epoch and the store (host:port) this process
-  follows (or serves during its own fail-over), who answers (participant id), for which launch
-  (run id and incarnation: the code has no random per-launch id, and a run id's launches are
-  told apart by their incarnation), the request's nonce, and ``mac``: HMAC-SHA256 over all
-  of it (:meth:`PresenceProof.mac`) with a key derived from the job secret (HKDF, a label of
-  its own), or ``""`` without a secret.
+  "run", "incarnation", "launch", "nonce", "mac"}`` -- the epoch and the store (host:port) this
+  process follows (or serves during its own fail-over), who answers (participant id), for which
+  launch (run id, incarnation and the launch's random id, which the store's host made when the
+  store started: :func:`~lightning_ft.rendezvous.records.read_launch_id`), the request's nonce,
+  and ``mac``: HMAC-SHA256 over all of it (:meth:`PresenceProof.mac`) with a key derived from
+  the job secret (HKDF, a label of its own), or ``""`` without a secret.
 
 A prober counts a peer alive only when the answer names the participant and launch it asked
 for and echoes its nonce; with a job secret, also only when the MAC verifies (constant-time
 compare). So a process that took over a dead participant's port (another job's listener, a
-restarted participant, an old copy of an answer replayed) is silent, not a living voter.
+listener of an earlier launch under the same secret, a restarted participant, an old copy of an
+answer replayed) is silent, not a living voter. An alive answer only says which store the peer
+follows; where a participant moves is still only an endpoint a candidate announced (see
+:mod:`~lightning_ft.failover.switchboard`).
 
 Residual risk without a job secret: the check then proves only that whatever answers knows the
-participant id and run id (both readable by any client of the store) and speaks this
+participant id, run id and launch id (all readable by any client of the store) and speaks this
 protocol -- it stops accidents (a port reused by another process, a replayed answer), not an
-attacker who answers for a dead participant on purpose and so can keep it counted as alive.
+attacker who answers for a dead participant on purpose and so can keep it counted as alive (or
+say that it follows a newer store: which a participant follows only when a majority of the
+candidates it asks say so, at an endpoint a candidate announced; see the switchboard).
 With a secret, such an answer needs the secret (whoever holds it is a participant of the job and
 can do what the job's processes can). Either way requests are not authenticated: any
 client can learn a participant's epoch and store endpoint (the store says as much) and make it
@@ -59,7 +64,7 @@ MAX_REQUEST = 128
 #: the longest answer line, its newline included
 MAX_ANSWER = 4096
 _LABEL = b"lightning_ft/presence/v1"
-_FIELDS = frozenset({"epoch", "store", "participant", "run", "incarnation", "nonce", "mac"})
+_FIELDS = frozenset({"epoch", "store", "participant", "run", "incarnation", "launch", "nonce", "mac"})
 _DIGITS = frozenset(b"0123456789")
 _HEX = frozenset(b"0123456789abcdef")
 
@@ -111,13 +116,15 @@ class NotAuthentic(ValueError):
 
 
 class PresenceProof:
-    """What a presence answer proves, for one launch (``run_id``, ``incarnation``) of a job: its
-    MAC key is derived from the job secret of ``signer`` (None, or a signer without a secret:
-    the plain protocol, see the module's residual risk). Listener and prober use the same one."""
+    """What a presence answer proves, for one launch (``run_id``, ``incarnation``, ``launch_id``)
+    of a job: its MAC key is derived from the job secret of ``signer`` (None, or a signer without
+    a secret: the plain protocol, see the module's residual risk). Listener and prober use the
+    same one."""
 
-    def __init__(self, signer: Signer | None = None, run_id: str = "", incarnation: int = 0) -> None:
+    def __init__(self, signer: Signer | None = None, run_id: str = "", incarnation: int = 0,
+                 launch_id: str = "") -> None:
         self._key = signer.derived_key(_LABEL) if signer is not None else None
-        self.run_id, self.incarnation = run_id, incarnation
+        self.run_id, self.incarnation, self.launch_id = run_id, incarnation, launch_id
 
     @property
     def authenticated(self) -> bool:
@@ -129,14 +136,14 @@ class PresenceProof:
         if self._key is None:
             return ""
         # a JSON list: no field can run into the next (unlike a plain join)
-        fields = [_LABEL.decode(), participant_id, self.run_id, self.incarnation, epoch, store, nonce]
+        fields = [_LABEL.decode(), participant_id, self.run_id, self.incarnation, self.launch_id, epoch, store, nonce]
         message = json.dumps(fields, separators=(",", ":")).encode()
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
     def answer(self, participant_id: str, epoch: int, store: str, nonce: str) -> bytes:
         """The answer line of ``participant_id`` to a request that carried ``nonce``."""
         fields = {"epoch": epoch, "store": store, "participant": participant_id, "run": self.run_id,
-                  "incarnation": self.incarnation, "nonce": nonce,
+                  "incarnation": self.incarnation, "launch": self.launch_id, "nonce": nonce,
                   "mac": self.mac(participant_id, epoch, store, nonce)}
         return json.dumps(fields, separators=(",", ":")).encode("ascii") + b"\n"
 
@@ -160,14 +167,14 @@ class PresenceProof:
             raise NotAuthentic("not a presence answer")
         epoch, store = fields["epoch"], fields["store"]
         if not _number(epoch) or not _number(fields["incarnation"]) or \
-                not all(isinstance(fields[k], str) for k in ("store", "participant", "run", "nonce", "mac")):
+                not all(isinstance(fields[k], str) for k in ("store", "participant", "run", "launch", "nonce", "mac")):
             raise NotAuthentic("a field of the wrong type")
         if not _same(fields["nonce"], nonce):
             raise NotAuthentic("it does not echo this probe's nonce (an old answer, or not ours)")
-        if (fields["participant"], fields["run"], fields["incarnation"]) != \
-                (participant_id, self.run_id, self.incarnation):
+        if (fields["participant"], fields["run"], fields["incarnation"], fields["launch"]) != \
+                (participant_id, self.run_id, self.incarnation, self.launch_id):
             raise NotAuthentic(f"it answers for participant {fields['participant']!r} of run {fields['run']!r}, "
-                               f"incarnation {fields['incarnation']}")
+                               f"incarnation {fields['incarnation']}, launch {fields['launch'][:40]!r}")
         if self.authenticated and not _same(fields["mac"], self.mac(participant_id, epoch, store, nonce)):
             raise NotAuthentic("its MAC does not match the job secret")
         if not _endpoint(store):

@@ -4,6 +4,8 @@ No I/O here; :mod:`lightning_ft.failover.switchboard` reads the world, asks, and
 
 * :func:`may_serve` -- the quorum rule that keeps a partition from producing two stores that
   both decide.
+* :func:`announced_store`, :func:`store_to_follow` -- where a participant may move: only to an
+  endpoint a candidate announced, and, when its own store did not fail, only with a majority.
 * :class:`Mirror` -- what one participant holds: every key it wrote or read (its *view*).
 * :func:`merge_views` -- the successor's state, rebuilt from what the participants held.
 """
@@ -11,6 +13,7 @@ No I/O here; :mod:`lightning_ft.failover.switchboard` reads the world, asks, and
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -47,6 +50,33 @@ def may_serve(participants: Collection[str], registered: Mapping[str, bool], dea
         return Verdict(False, f"{len(reached)} of {len(voters)} participant(s) that may be alive reached it "
                               "(a majority is needed: a partition must not yield two stores)")
     return Verdict(True)
+
+
+def announced_store(store: str, announced: Collection[str]) -> bool:
+    """Whether ``store`` -- the endpoint a presence answer names -- is one that a candidate announced
+    when it joined (read from the store while it lived). A participant moves to no other: not to
+    one a presence answer made up (a squatter on a dead participant's presence port, without a job
+    secret), nor to one a store names."""
+    return bool(store) and store in announced
+
+
+def store_to_follow(epoch: int, answers: Iterable[tuple[str, int, str]],
+                    announced: Collection[str]) -> tuple[int, str] | None:
+    """The newer store a participant that follows ``epoch`` moves to without having lost its own
+    store: ``(epoch, endpoint)`` that a strict majority of the asked candidates not proven gone
+    follow -- ``answers`` are their ``(state, epoch, store)``, state "dead", "silent" or "alive" --
+    at an endpoint a candidate announced; None when there is no such majority.
+
+    A majority, as for opening a successor (:func:`may_serve`): the answers of the few who could
+    be impersonated (a squatter holds only a dead participant's ports) cannot outvote the living.
+    """
+    voters = [(state, e, store) for state, e, store in answers if state != "dead"]
+    newer = Counter((e, store) for state, e, store in voters
+                    if state == "alive" and e > epoch and announced_store(store, announced))
+    if not newer:
+        return None
+    (best, where), count = max(newer.items(), key=lambda item: (item[1], item[0][0]))
+    return (best, where) if 2 * count > len(voters) else None
 
 
 def _number(value: bytes) -> int | None:

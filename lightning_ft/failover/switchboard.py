@@ -10,30 +10,39 @@ How a fail-over goes (epoch ``e`` -> ``e + 1``):
 1. A store call fails as a lost store does (connection reset or refused, or no answer within
    its bound) and a fresh connection confirms the store is gone (one failed connection is not
    a lost store).
-2. Every participant announced a *presence* endpoint when it joined (a small listener that
+2. Every participant announced, when it joined, a *presence* endpoint (a small listener that
    says whether this process is alive and which store it follows; its kernel refusing a
-   connection proves the process gone). The candidates are the last round's participants, in
-   the order of that round's arrivals log -- an order every participant read from the store
-   before it was lost. Each participant walks the order: a candidate that is gone is skipped,
-   one that is silent (frozen, unreachable) too; the first one alive is the successor and is
-   told so at once.
-3. The successor serves a new TCPStore next to its presence listener. Participants connect,
-   hand it their *view* (every key they wrote or read on the lost store, see :class:`Mirror`)
-   and register. It opens only with a quorum (:func:`~lightning_ft.failover.rebuild.may_serve`:
-   a majority of the participants not proven gone, one of them active), rebuilds the state
-   from the views (:func:`~lightning_ft.failover.rebuild.merge_views`) and marks the epoch
-   open; otherwise it writes why it gave up, and everyone raises :class:`StoreLostError` (the
-   truthful exit of a lost store).
+   connection proves the process gone) and a *successor* endpoint: a port it holds from then on
+   (bound, not listening: :func:`~lightning_ft.store.tcp.reserve_port`) where it would serve the
+   store. The candidates are the last round's participants, in the order of that round's
+   arrivals log -- an order every participant read from the store before it was lost. Each
+   participant walks the order: a candidate that is gone is skipped, one that is silent (frozen,
+   unreachable) too; the first one alive is the successor and is told so at once.
+3. The successor serves a new TCPStore on the port it announced. Participants connect -- only
+   ever to an endpoint a candidate announced (:func:`~lightning_ft.failover.rebuild.announced_store`),
+   never to one a presence answer or a store names --, check that the store serves the epoch
+   (a sealed number under the launch's keys), hand it their *view* (every key they wrote or read
+   on the lost store, see :class:`Mirror`) and register. It opens only with a quorum
+   (:func:`~lightning_ft.failover.rebuild.may_serve`: a majority of the participants not proven
+   gone, one of them active), rebuilds the state from the views
+   (:func:`~lightning_ft.failover.rebuild.merge_views`) and marks the epoch open; otherwise it
+   writes why it gave up, and everyone raises :class:`StoreLostError` (the truthful exit of a
+   lost store).
 4. Connections reconnect to the new endpoint on their next call and retry the call once.
 
 A running process group needs no store, so training goes on while this happens; the next
 round's process group is built on the new store.
+
+Every fail-over key is under the launch's scope (run id, incarnation, the launch's random id:
+:func:`~lightning_ft.schema.failover.failover_scope`), so with a job secret a value sealed for
+another job, launch or epoch does not verify. Without a secret nothing is authenticated, and a
+participant moves only to a successor computed from what it read while its store lived: the
+candidates and the endpoints they announced.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import socket
 import threading
@@ -42,33 +51,34 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-import torch.distributed as dist
-
 from lightning_ft._clock import monotonic
-from lightning_ft.deadlines import (
-    Abandon,
-    BoundedStore,
-    StoreUnresponsiveError,
-    call_with_timeout,
-    connect_exit_bound,
-    first_line,
-)
+from lightning_ft.deadlines import Abandon, BoundedStore, first_line
 from lightning_ft.failover.listener import Presence
 from lightning_ft.failover.presence import PeerStatus, PresenceProof, local_address_towards, probe
-from lightning_ft.failover.rebuild import Mirror, may_serve, merge_views
+from lightning_ft.failover.reach import (
+    StoreClosesConnectionsError,
+    StoreLostError,
+    StoreRefusesConnectionsError,
+    StoreUnreachableError,
+    is_lost_store_error,
+    refuses,
+)
+from lightning_ft.failover.reach import connect as connect_client
+from lightning_ft.failover.rebuild import Mirror, announced_store, may_serve, merge_views, store_to_follow
 from lightning_ft.schema.failover import (
-    EPOCH_KEY,
     EpochKeys,
     decode_registration,
     decode_view,
     encode_registration,
     encode_view,
+    epoch_key,
+    failover_scope,
 )
-from lightning_ft.schema.run import decode_number, encode_number
+from lightning_ft.schema.run import ROSTER_HEAD, decode_number, encode_number
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.settings import Timeouts
 from lightning_ft.sockets import break_connections_to
-from lightning_ft.store.tcp import Endpoint, host_store, parse_endpoint
+from lightning_ft.store.tcp import Endpoint, host_store, parse_endpoint, reserve_port
 
 log = logging.getLogger(__name__)
 
@@ -77,33 +87,17 @@ _POLL = 0.02
 #: how often the successor probes the participants that did not register yet
 _PROBE_EVERY = 0.2
 
-
-#: how long one attempt of torch's client at connecting to a store that served already may take
-#: (see StoreSwitchboard._connect). Short: torch retries inside one attempt, which then lasts up
-#: to 2.5x this (deadlines.connect_exit_bound), and an attempt still under way when the process
-#: exits holds its exit that long (one that returned during finalization would abort it)
-_CONNECT_ATTEMPT = 1.0
-#: store connections this process makes at once (see StoreSwitchboard._client)
-_CONNECTING = threading.BoundedSemaphore(4)
-
-
-class StoreLostError(RuntimeError):
-    """The rendezvous store is lost and no successor could take over; the message says why."""
-
-
-class StoreUnreachableError(StoreLostError):
-    """A new connection to the store of the current epoch failed (its host may be gone too): a
-    fail-over may still find the store (a lost store as far as this connection can tell)."""
+__all__ = ["Candidate", "StoreClosesConnectionsError", "StoreLostError", "StoreRefusesConnectionsError",
+           "StoreSwitchboard", "StoreUnreachableError", "is_lost_store_error", "probe"]
 
 
 class Candidate(NamedTuple):
+    """A participant that may host the store next, as it announced itself when it joined."""
+
     participant_id: str
     presence: str
-
-
-def is_lost_store_error(exc: BaseException) -> bool:
-    """A store call failed as a lost store makes it fail (not a timeout of a ``wait`` for a key)."""
-    return isinstance(exc, (StoreUnresponsiveError, StoreUnreachableError, dist.DistNetworkError, ConnectionError))
+    #: where it would serve the store (the port it holds for that)
+    store: str = ""
 
 
 class StoreSwitchboard:
@@ -138,9 +132,18 @@ class StoreSwitchboard:
         self._serving: tuple[int, str] | None = None
         self._suspecting = False
         self._probe_store: BoundedStore | None = self._probe_connection(first)
-        #: what presence answers prove: bound to the launch (run id, incarnation) by FailoverParticipant
+        #: what presence answers prove, and the fail-over keys' scope: bound to the launch by bind_launch
         self.proof = PresenceProof(signer)
+        self.scope: str | None = None
         self.presence = Presence(self, local_address_towards(endpoint), timeouts)
+        #: the port this process would serve the store on (announced with its presence); used once
+        self._reserved: socket.socket | None = reserve_port(self.presence.host)
+        self.successor = f"{self.presence.host}:{self._reserved.getsockname()[1]}"
+
+    def bind_launch(self, run_id: str, incarnation: int, launch_id: str) -> None:
+        """Bind presence answers and every fail-over key to this launch (before any candidate is known)."""
+        self.proof = PresenceProof(self.signer, run_id, incarnation, launch_id)
+        self.scope = failover_scope(run_id, incarnation, launch_id)
 
     # ----------------------------------------------------------------- connections
 
@@ -198,51 +201,16 @@ class StoreSwitchboard:
 
     def _client(self, endpoint: Endpoint, bound: float, quick: bool = False,
                 within: float | None = None, inline: bool = False, abandon: Abandon | None = None) -> BoundedStore:
-        """A client of ``endpoint`` whose calls are bounded by ``bound``; reaching it is bounded by
-        ``within`` (default: the call bound, at least ten probe bounds; ``quick``: twenty -- a store just
-        failed over to, whose host may have died since: a killed host's listening socket can
-        live on in a child, which accepts and never answers). Not tighter: dozens of
-        participants connecting at once make a store slow to accept, not gone."""
+        """A client of ``endpoint`` whose calls are bounded by ``bound`` (:func:`~.reach.connect`);
+        reaching it is bounded by ``within`` (default: the call bound, at least ten probe bounds;
+        ``quick``: twenty -- a store just failed over to, whose host may have died since: a killed
+        host's listening socket can live on in a child, which accepts and never answers). Not
+        tighter: dozens of participants connecting at once make a store slow to accept, not gone."""
         quick_bound = 20 * self.timeouts.probe_timeout
         timeout = within if within is not None else \
             (quick_bound if quick else max(quick_bound / 2, min(bound, self.timeouts.connect_timeout)))
-        timeout = max(1.0, timeout)
-        # a few at a time: after a fail-over every connection of the process reconnects at once,
-        # and torch's client connects in a burst time out together (measured: 300 at once in one
-        # process, a third got through within 10 s)
-        if not _CONNECTING.acquire(timeout=timeout):
-            raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: no connection slot "
-                                        f"within {timeout:g}s")
-        try:
-            return self._connect(endpoint, bound, timeout, inline, abandon)
-        finally:
-            _CONNECTING.release()
-
-    def _connect(self, endpoint: Endpoint, bound: float, timeout: float, inline: bool = False,
-                 abandon: Abandon | None = None) -> BoundedStore:
-        # torch's client retries a refused connection until its timeout (it waits for a store
-        # that is still starting); every endpoint here served already, so a refusal means its
-        # host is gone: say so now, not after ``timeout``. A store that dies while a client
-        # connects would leave torch retrying for the whole timeout (and a call under way holds
-        # the process's exit as long): so it connects in short attempts, each after that check.
-        deadline = monotonic() + timeout
-        while True:
-            if _refuses(endpoint, self.timeouts.probe_timeout):
-                raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint}: connection refused")
-            attempt = max(0.5, min(_CONNECT_ATTEMPT, deadline - monotonic()))
-            connecting = call_with_timeout(
-                functools.partial(dist.TCPStore, endpoint.host, endpoint.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=attempt)),
-                attempt + 1.0, f"connecting to the rendezvous store at {endpoint}", store_call=True,
-                abandon=abandon, exit_bound=connect_exit_bound(attempt))
-            if connecting.ok:
-                break
-            if monotonic() >= deadline or (abandon is not None and abandon.is_set()):
-                raise StoreUnreachableError(f"cannot reach the rendezvous store at {endpoint} within {timeout:g}s: "
-                                            f"{connecting.problem}")
-        store = connecting.value
-        store.set_timeout(datetime.timedelta(seconds=bound if inline else self.timeouts.store_timeout))
-        return BoundedStore(store, bound, inline=inline)
+        return connect_client(endpoint, bound, max(1.0, timeout), self.timeouts.probe_timeout,
+                              self.timeouts.store_timeout, inline, abandon)
 
     def presence_status(self) -> tuple[int, str]:
         return self._serving if self._serving is not None else (self.epoch, str(self.endpoint))
@@ -328,7 +296,7 @@ class StoreSwitchboard:
         while True:
             if self._answers(self.endpoint):
                 return True
-            if monotonic() >= deadline or _refuses(self.endpoint, self.timeouts.probe_timeout):
+            if monotonic() >= deadline or refuses(self.endpoint, self.timeouts.probe_timeout):
                 return False
             time.sleep(0.2)
 
@@ -336,7 +304,7 @@ class StoreSwitchboard:
         log.warning("rendezvous store at %s lost (%s): failing over to a participant", self.endpoint, why)
         dead: set[str] = set()
         remaining = list(self.candidates)
-        if not remaining:
+        if not remaining or self.scope is None:
             raise StoreLostError(f"the rendezvous store at {self.endpoint} is lost ({why}) before any round "
                                  "completed: no participant is known to take it over")
         while remaining:
@@ -366,12 +334,17 @@ class StoreSwitchboard:
 
     def _await_successor(self, target: Candidate, from_epoch: int, deadline: float) -> tuple[int, str] | None:
         """Wait until ``target`` serves a store newer than ``from_epoch``: ``(epoch, host:port)``, or
-        None when it is gone or does not within the fail-over's bound."""
+        None when it is gone, does not within the fail-over's bound, or names a store at an
+        endpoint no candidate announced (never followed: see the module)."""
         while monotonic() < deadline:
             status = self._probe(target, f"FAILOVER {from_epoch}")
             if status.state == "dead":
                 return None
             if status.state == "alive" and status.epoch > from_epoch and status.store:
+                if not announced_store(status.store, {c.store for c in self.candidates}):
+                    log.warning("rendezvous store: %s names a store at %s, an endpoint no fail-over candidate "
+                                "announced; not following it", target.participant_id, status.store[:80])
+                    return None
                 return status.epoch, status.store
             time.sleep(_POLL)
         return None
@@ -384,36 +357,62 @@ class StoreSwitchboard:
         remaining = max(1.0, deadline - monotonic())
         store = self._client(endpoint, remaining, within=remaining)
         values = SealedStore(store, self.signer)
-        keys = EpochKeys(epoch)
-        served = decode_number(values.get(EPOCH_KEY))
+        assert self.scope is not None  # a fail-over needs candidates, known only once bound
+        keys = EpochKeys(self.scope, epoch)
+        served = decode_number(values.get(epoch_key(self.scope)))
         if served != epoch:
             raise StoreLostError(f"the store at {endpoint} serves epoch {served}, not {epoch} as its host said")
         values.put(keys.view(self.participant_id), encode_view(self.mirror.view()))
         values.append(keys.registered, encode_registration(self.participant_id, self.active))
         while monotonic() < deadline:
+            # a successor either opens or gives up; the one value a participant reads on every turn
+            abandoned = values.get(keys.abandoned)
+            if abandoned is not None:
+                raise StoreLostError(f"the successor store at {endpoint} gave up: {abandoned.decode(errors='replace')}")
             if values.get(keys.open) is not None:
                 self.endpoint, self.epoch, self.hosting = endpoint, epoch, False
                 self._probe_later(store)
                 return
-            abandoned = values.get(keys.abandoned)
-            if abandoned is not None:
-                raise StoreLostError(f"the successor store at {endpoint} gave up: {abandoned.decode(errors='replace')}")
             time.sleep(_POLL)
         raise StoreLostError(f"the successor store at {endpoint} did not open within "
                              f"failover_timeout={self.timeouts.failover_timeout:g}s")
 
     def _serve(self, epoch: int, deadline: float, dead: set[str]) -> None:
-        host = self.presence.host
-        server = host_store(host, 0, datetime.timedelta(seconds=self.timeouts.store_timeout))
-        self._servers.append(server)
-        endpoint = Endpoint(host, server.port)
+        server, endpoint = self._serve_on_announced_port(epoch)
         store = BoundedStore(server, self.timeouts.store_timeout)
         values = SealedStore(store, self.signer)
-        keys = EpochKeys(epoch)
-        values.put(EPOCH_KEY, encode_number(epoch))
+        assert self.scope is not None  # a fail-over needs candidates, known only once bound
+        keys = EpochKeys(self.scope, epoch)
+        values.put(epoch_key(self.scope), encode_number(epoch))
         values.put(keys.view(self.participant_id), encode_view(self.mirror.view()))
         values.append(keys.registered, encode_registration(self.participant_id, self.active))
         self._serving = (epoch, str(endpoint))  # the presence listener tells callers from here on
+        registered = self._await_quorum(values, keys, epoch, deadline, dead)
+        rebuilt = _rebuild(store, values, keys, [pid for pid in registered if pid != self.participant_id],
+                           self.mirror.view())
+        values.put(keys.open, f"{len(registered)} registered, {len(dead)} gone, {rebuilt} keys")
+        log.info("rendezvous store of epoch %d serves at %s: %d participant(s) registered, %d gone, %d key(s) rebuilt",
+                 epoch, endpoint, len(registered), len(dead), rebuilt)
+        self.endpoint, self.epoch, self.hosting = endpoint, epoch, True
+        self._probe_store = None
+
+    def _serve_on_announced_port(self, epoch: int) -> tuple[Any, Endpoint]:
+        """Serve a store on the port this process announced (once: a second fail-over to it, which
+        only a store it served and lost could need, has no announced port left)."""
+        reserved, self._reserved = self._reserved, None
+        if reserved is None:
+            raise StoreLostError(f"this participant was to host the rendezvous store of epoch {epoch} but served "
+                                 "one already: the port it announced is used")
+        server = host_store(self.presence.host, 0, datetime.timedelta(seconds=self.timeouts.store_timeout),
+                            reserved=reserved)
+        self._servers.append(server)
+        return server, parse_endpoint(self.successor)
+
+    def _await_quorum(self, values: SealedStore, keys: EpochKeys, epoch: int, deadline: float,
+                      dead: set[str]) -> dict[str, bool]:
+        """Wait (bounded by ``deadline``) until the registrations make a quorum and everyone not gone
+        registered, or ``last_call_timeout`` after the quorum; returns who registered (-> active).
+        Else writes why it gives up and raises StoreLostError."""
         participants = [c.participant_id for c in self.candidates]
         quorum_at: float | None = None
         probed_at = 0.0
@@ -432,7 +431,7 @@ class StoreSwitchboard:
                 quorum_at = now if quorum_at is None else quorum_at
                 everyone = all(p in registered or p in dead for p in participants)
                 if everyone or now - quorum_at >= self.timeouts.last_call_timeout:
-                    break
+                    return registered
             if now > deadline:
                 values.put(keys.abandoned, verdict.reason or "no quorum in time")
                 self._serving = None
@@ -440,22 +439,6 @@ class StoreSwitchboard:
                                      f"cannot serve it: {verdict.reason or 'no quorum in time'} within "
                                      f"failover_timeout={self.timeouts.failover_timeout:g}s")
             time.sleep(_POLL)
-        views = [self.mirror.view()]
-        others = [pid for pid in registered if pid != self.participant_id]
-        # every registration follows its view's write: the keys are there (multi_get waits for missing ones)
-        for raw in values.multi_get([keys.view(p) for p in others]):
-            view = decode_view(raw) if raw is not None else None
-            if view is not None:
-                views.append(view)
-        merged = list(merge_views(views).items())
-        for start in range(0, len(merged), 512):
-            chunk = merged[start:start + 512]
-            store.multi_set([k for k, _ in chunk], [v for _, v in chunk])
-        values.put(keys.open, f"{len(registered)} registered, {len(dead)} gone, {len(merged)} keys")
-        log.info("rendezvous store of epoch %d serves at %s: %d participant(s) registered, %d gone, %d key(s) rebuilt",
-                 epoch, endpoint, len(registered), len(dead), len(merged))
-        self.endpoint, self.epoch, self.hosting = endpoint, epoch, True
-        self._probe_store = None
 
     def _gone(self, candidates: list[Candidate], epoch: int) -> set[str]:
         """Which of ``candidates`` are gone (their presence refused), asked in parallel; the living
@@ -469,35 +452,60 @@ class StoreSwitchboard:
     # ----------------------------------------------------------------- after a partition
 
     def follow_newest(self) -> bool:
-        """Follow a newer store if the first live participant of the order follows one (a process
-        that was frozen while the others failed over must not go on deciding on the old store).
-        True when this process moved."""
-        for candidate in self.candidates:
-            if candidate.participant_id == self.participant_id:
-                continue
-            status = self._probe(candidate, "STATUS")
-            if status.state != "alive":
-                continue
-            if status.epoch > self.epoch and status.store:
-                with self._lock:
-                    endpoint = parse_endpoint(status.store)
-                    store = self._client(endpoint, self.timeouts.store_timeout)
-                    if decode_number(SealedStore(store, self.signer).get(EPOCH_KEY)) != status.epoch:
-                        return False
-                    log.warning("rendezvous store: the others failed over to %s (epoch %d) while this process "
-                                "followed epoch %d; following it", endpoint, status.epoch, self.epoch)
-                    lost = self.endpoint
-                    self.endpoint, self.epoch, self.hosting = endpoint, status.epoch, False
-                    self._probe_later(store)
-                    _break_connections(lost)
-                for callback in self.on_switch:
-                    callback(False)
-                return True
+        """Follow a newer store if a majority of the first candidates not proven gone follow it (a
+        process that was frozen while the others failed over must not go on deciding on the old
+        store), at an endpoint a candidate announced, once it serves that epoch (its sealed number,
+        under this launch's keys). A majority, not the first that answers: one answer proves little
+        without a job secret (a squatter on a dead participant's ports can give it), and the store
+        it names opened with a majority behind it. True when this process moved."""
+        others = [c for c in self.candidates if c.participant_id != self.participant_id][:ROSTER_HEAD]
+        if not others or self.scope is None:
             return False
-        return False
+        with ThreadPoolExecutor(max_workers=len(others), thread_name_prefix="lightning_ft-probe") as pool:
+            answers = list(pool.map(lambda c: self._probe(c, "STATUS"), others))
+        target = store_to_follow(self.epoch, [(a.state, a.epoch, a.store) for a in answers],
+                                 {c.store for c in self.candidates})
+        if target is None:
+            return False
+        epoch, where = target
+        with self._lock:
+            if self.epoch >= epoch:
+                return False
+            endpoint = parse_endpoint(where)
+            store = self._client(endpoint, self.timeouts.store_timeout)
+            if decode_number(SealedStore(store, self.signer).get(epoch_key(self.scope))) != epoch:
+                return False
+            log.warning("rendezvous store: the others failed over to %s (epoch %d) while this process followed "
+                        "epoch %d; following it", endpoint, epoch, self.epoch)
+            lost = self.endpoint
+            self.endpoint, self.epoch, self.hosting = endpoint, epoch, False
+            self._probe_later(store)
+            _break_connections(lost)
+        for callback in self.on_switch:
+            callback(False)
+        return True
 
     def close(self) -> None:
         self.presence.stop()
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None:
+            reserved.close()
+
+
+def _rebuild(store: BoundedStore, values: SealedStore, keys: EpochKeys, others: list[str], own: Any) -> int:
+    """Write the state rebuilt from this successor's own view and those of the ``others`` that
+    registered; returns how many keys."""
+    views = [own]
+    # every registration follows its view's write: the keys are there (multi_get waits for missing ones)
+    for raw in values.multi_get([keys.view(p) for p in others]):
+        view = decode_view(raw) if raw is not None else None
+        if view is not None:
+            views.append(view)
+    merged = list(merge_views(views).items())
+    for start in range(0, len(merged), 512):
+        chunk = merged[start:start + 512]
+        store.multi_set([k for k, _ in chunk], [v for _, v in chunk])
+    return len(merged)
 
 
 def _break_connections(endpoint: Endpoint) -> None:
@@ -511,13 +519,3 @@ def _break_connections(endpoint: Endpoint) -> None:
     except Exception as exc:  # noqa: BLE001 - best effort: the calls then end on their own
         log.debug("could not shut down the connections to %s: %s", endpoint, first_line(exc))
 
-
-def _refuses(endpoint: Endpoint, timeout: float) -> bool:
-    """True when ``endpoint`` refuses a TCP connection: nothing listens there any more."""
-    try:
-        with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:  # silent, unreachable: not proven gone
-        return False

@@ -16,6 +16,7 @@ from typing import Any
 from lightning_ft.failover.backend import FailoverBackend
 from lightning_ft.rendezvous.barrier import BarrierRendezvous
 from lightning_ft.rendezvous.participant import ParticipantInfo
+from lightning_ft.rendezvous.records import publish_launch_id
 from lightning_ft.rendezvous.settings import RendezvousSettings
 from lightning_ft.schema.signing import job_signer
 from lightning_ft.store.backend import RendezvousBackend, StoreBackend
@@ -54,6 +55,8 @@ def open_participant(endpoint: Endpoint, is_host: bool | None, info: Participant
     here) the store at ``endpoint`` and build ``info``'s participant with ``settings``. Raises
     ``RendezvousError`` when the store cannot be reached."""
     first, hosting = connect_store(endpoint, is_host, settings.timeouts)
+    if hosting:  # a new store is a new launch (see read_launch_id)
+        publish_launch_id(first, job_signer())
     backend: RendezvousBackend = (
         FailoverBackend(endpoint, first, hosting, info.participant_id, settings.timeouts, job_signer())
         if settings.store_failover else StoreBackend(first, hosting))

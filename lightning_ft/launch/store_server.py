@@ -21,7 +21,7 @@ from types import FrameType
 from lightning_ft._clock import monotonic
 from lightning_ft._logging import ensure_log_output
 from lightning_ft.rendezvous.lifecycle import wait_for_acknowledgements
-from lightning_ft.rendezvous.records import RunRecords, current_incarnation
+from lightning_ft.rendezvous.records import RunRecords, current_incarnation, publish_launch_id
 from lightning_ft.schema.run import CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore, SecretError, job_signer
 from lightning_ft.store.tcp import host_store
@@ -57,6 +57,7 @@ def serve(host: str, port: int, run_id: str | None, grace_timeout: float,
     except (RuntimeError, OSError) as exc:
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         return 2
+    publish_launch_id(store, signer)  # a new store is a new launch (see read_launch_id)
     print(f"lightning-ft store listening on {host}:{store.port}", flush=True)
     values = SealedStore(store, signer)
     while not stop_requested():

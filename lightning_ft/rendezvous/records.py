@@ -20,6 +20,7 @@ from lightning_ft.deadlines import StoreClient
 from lightning_ft.rendezvous.decisions import Arrival, arrivals_of_round, choose_incarnation
 from lightning_ft.rendezvous.liveness import came_back
 from lightning_ft.schema.run import (
+    LAUNCH_KEY,
     SEP,
     ArrivalWriter,
     Beat,
@@ -37,6 +38,8 @@ from lightning_ft.schema.run import (
     encode_lost,
     encode_number,
     incarnation_key,
+    is_launch_id,
+    new_launch_id,
 )
 from lightning_ft.schema.signing import SealedStore, Signer, get_if_present
 
@@ -53,6 +56,15 @@ class RunRecords:
         self.values = SealedStore(store, signer)
         self._round_seen = 0
         self._line_cache: dict[bytes, bytes | None] = {}
+        self._launch_id: str | None = None
+
+    @property
+    def launch_id(self) -> str:
+        """This launch's random id (see :func:`read_launch_id`), read on first use -- when the
+        participant joins, with a store fail-over; else with its first round -- and kept."""
+        if self._launch_id is None:
+            self._launch_id = read_launch_id(self.store, self.signer)
+        return self._launch_id
 
     # ----------------------------------------------------------------- the round
 
@@ -207,6 +219,26 @@ class RunRecords:
         if all_or_none:
             return set()
         return {pid for pid, name in zip(ids, names, strict=True) if self.values.get(name) is not None}
+
+
+def publish_launch_id(store: StoreClient, signer: Signer) -> str:
+    """Make this launch's id and write it, overwriting whatever is there: by whoever hosts the
+    store, right after it starts listening (before any participant of this launch can have read
+    one). Returns it."""
+    launch_id = new_launch_id()
+    SealedStore(store, signer).put(LAUNCH_KEY, launch_id)
+    return launch_id
+
+
+def read_launch_id(store: StoreClient, signer: Signer) -> str:
+    """This launch's id, as its store holds it: the authentic one there, else (no store host wrote
+    one, or the value there fails its check) a fresh one -- the first writer wins, so every
+    participant reads the same. A participant reads it once, when it joins."""
+    values = SealedStore(store, signer)
+    held = values.get(LAUNCH_KEY)  # one request, as a rule: the store's host wrote it
+    if held is None or not is_launch_id(held):
+        held = values.replace(LAUNCH_KEY, is_launch_id, new_launch_id())
+    return held.decode()
 
 
 def current_incarnation(store: StoreClient, signer: Signer, run_id: str) -> int | None:

@@ -44,7 +44,7 @@ from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.checkpoint.service import replica_puller
 from lightning_ft.deadlines import call_with_timeout, first_line
 from lightning_ft.events import names as ev
-from lightning_ft.exit_codes import ExitCode, FaultTolerantExit, JobEndedError
+from lightning_ft.exit_codes import ExitCode, FaultTolerantExit, JobCannotGoOn, JobEndedError
 from lightning_ft.process import destroy_process_group
 from lightning_ft.rendezvous.barrier import ActivesFinishedError, ParticipantExcludedError, RoundResult
 from lightning_ft.runtime.decisions import (
@@ -215,6 +215,9 @@ class RendezvousFitLoop:
             self._rendezvous_ended(session, EndCause.TIMED_OUT, str(exc))
         except _SpareTerminated:
             self._rendezvous_ended(session, EndCause.SIGTERM, "SIGTERM while waiting in the rendezvous")
+        except JobCannotGoOn as exc:  # decided (e.g. a store that takes no new connection): said why, 83
+            assert self._executor is not None
+            self._executor.give_up(str(exc), cause=exc, close=True)
         except (RuntimeError, OSError) as exc:  # the store itself (DistStoreError is a RuntimeError)
             self._rendezvous_ended(session, EndCause.STORE_LOST,
                                    f"lost the rendezvous store at {self._host.settings.launch.endpoint}: "

@@ -33,7 +33,7 @@ from lightning_ft.runtime.settings import HangSettings, StragglerSettings, Strat
 from lightning_ft.runtime.stage_state import NO_FIT
 from lightning_ft.runtime.transport import GroupTransport, retire_group
 from lightning_ft.runtime.watchdog import RoundWatchdog, StepClock
-from lightning_ft.schema.round import VERDICT_KEY, encode_verdict
+from lightning_ft.schema.round import VERDICT_KEY, EvictionScope, encode_verdict
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import SealedStore
 from lightning_ft.settings import Timeouts
@@ -315,8 +315,11 @@ class RoundRuntime:
 
         if stragglers is not None and stragglers.straggler_factor is not None and result.world_size > 1:
             self.work = WorkMeter(stragglers.straggler_window)
+            rendezvous = session.rendezvous  # an eviction is bound to this run, incarnation, round and launch
+            scope = EvictionScope(rendezvous.settings.run_id, keys.incarnation, result.round,
+                                  rendezvous.records.launch_id)
             self.stragglers = StragglerWatch(
-                self.work, rank=result.rank, world_size=result.world_size, round_id=result.round,
+                self.work, rank=result.rank, world_size=result.world_size, scope=scope,
                 factor=stragglers.straggler_factor, window=stragglers.straggler_window, round_values=round_values,
                 records=records, emit=events.emit)
         transport = self.transport

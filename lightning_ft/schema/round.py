@@ -157,8 +157,27 @@ def work_key(rank: int) -> str:
     return f"work/{rank}"
 
 
-#: the rank the straggler policy evicted in this round, and why (first writer wins)
+#: the rank the straggler policy evicted in this round, and why (first writer wins); read only
+#: with a job secret (without one a store client could forge it: eviction then only warns)
 EVICT_KEY = "evict"
+
+
+class EvictionScope(NamedTuple):
+    """What an eviction is bound to: the run, its incarnation, the round and the launch's random
+    id. The seal binds the key (run, incarnation, round) already; the value names them all again
+    so that one of an earlier launch under the same secret -- same run id and key on a fresh
+    store -- does not count either."""
+
+    run_id: str
+    incarnation: int
+    round_id: int
+    launch_id: str
+
+
+class Eviction(NamedTuple):
+    rank: int
+    step: int
+    reason: str
 
 
 def encode_work(step: int, count: int, median: float, low: float, wait: float) -> str:
@@ -174,14 +193,21 @@ def decode_work(raw: bytes) -> tuple[int, int, float, float, float] | None:
         return None
 
 
-def encode_eviction(rank: int, step: int, reason: str) -> str:
-    return f"{rank}{SEP}{step}{SEP}{reason}"
+def encode_eviction(scope: EvictionScope, rank: int, step: int, reason: str) -> str:
+    return json.dumps({"run": scope.run_id, "incarnation": scope.incarnation, "round": scope.round_id,
+                       "launch": scope.launch_id, "rank": rank, "step": step, "reason": reason})
 
 
-def decode_eviction(raw: bytes) -> tuple[int, int, str] | None:
-    """``(rank, step, reason)`` of an eviction, or None for anything else."""
-    parts = raw.decode(errors="replace").split(SEP, 2)
+def decode_eviction(raw: bytes, scope: EvictionScope) -> Eviction | None:
+    """The eviction in ``raw`` if it is one bound to ``scope``; None for anything else (a damaged
+    value, or an eviction of another run, incarnation, round or launch)."""
     try:
-        return int(parts[0]), int(parts[1]), parts[2]
-    except (ValueError, IndexError):
+        record = json.loads(raw)
+        bound = EvictionScope(record["run"], record["incarnation"], record["round"], record["launch"])
+        eviction = Eviction(record["rank"], record["step"], record["reason"])
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
         return None
+    numbers = (bound.incarnation, bound.round_id, eviction.rank, eviction.step)
+    if bound != scope or not all(type(n) is int for n in numbers) or not isinstance(eviction.reason, str):
+        return None
+    return eviction

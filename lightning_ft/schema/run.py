@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -36,6 +37,25 @@ EXIT_BARRIER_KEY = EXIT_BARRIER_PREFIX + "/last_member"
 
 #: the unit separator between the fields of a value: never in host names, ids or domains
 SEP = "\x1f"
+
+
+#: this launch's id (a sealed random hex string, see :func:`new_launch_id`): written by whoever
+#: hosts the store when it starts (or, if nobody did, by the first participant that finds none)
+#: and read by every participant when it joins; store fail-over values, presence answers and
+#: evictions are bound to it, so that a value of an earlier launch under the same secret (a
+#: resubmission reusing the run id and the secret file, on a fresh store) does not verify
+LAUNCH_KEY = "lightning_ft_launch/id"
+_HEX = frozenset(b"0123456789abcdef")
+
+
+def new_launch_id() -> str:
+    """A fresh launch id: 128 random bits, as 32 lowercase hex digits."""
+    return secrets.token_hex(16)
+
+
+def is_launch_id(raw: bytes) -> bool:
+    """Whether ``raw`` is a launch id as :func:`new_launch_id` makes them."""
+    return len(raw) == 32 and all(byte in _HEX for byte in raw)
 
 
 def incarnation_key(run_id: str) -> str:

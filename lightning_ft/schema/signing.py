@@ -190,8 +190,10 @@ def job_signer() -> Signer:
     if secret is None:
         log.warning("no job secret (%s or %s): control-plane values in the store are not authenticated; anyone "
                     "who can reach the store can end, stop or fail this job. No snapshot is taken from the store "
-                    "(no replicas on hot spares: a spare starts from the survivors' snapshots). See docs/trust.md.",
-                    ENV_SECRET_FILE, ENV_SECRET)
+                    "(no replicas on hot spares: a spare starts from the survivors' snapshots), straggler eviction "
+                    "only warns, and a store fail-over moves only to a successor this process computed from the "
+                    "fail-over candidates it read while its store lived, at the endpoint that candidate announced. "
+                    "See docs/trust.md.", ENV_SECRET_FILE, ENV_SECRET)
     return Signer(secret, source)
 
 

@@ -91,14 +91,19 @@ class StragglerAction(enum.Enum):
 
 
 def decide(verdict: StragglerVerdict, spares: int, step: int, last_eviction_step: int | None,
-           window: int) -> tuple[StragglerAction, str]:
+           window: int, authenticated: bool = True) -> tuple[StragglerAction, str]:
     """What to do about ``verdict`` at ``step``: evict only with a hot spare to take the place
-    (so the job never shrinks below its actives, hence never below ``min_nodes``) and at most
-    once per ``window`` steps; else warn."""
+    (so the job never shrinks below its actives, hence never below ``min_nodes``), at most once
+    per ``window`` steps, and only in a job whose store values are ``authenticated`` (a job
+    secret: without one an eviction in the store could be anyone's, so none is written or
+    obeyed); else warn."""
     if verdict.straggler is None:
         return StragglerAction.NONE, verdict.reason
     if spares < 1:
         return StragglerAction.WARN, f"{verdict.reason}; no hot spare to replace it, so it stays"
+    if not authenticated:
+        return StragglerAction.WARN, (f"{verdict.reason}; this job has no secret, so straggler eviction only warns "
+                                      "(an eviction in the store could be forged)")
     if last_eviction_step is not None and step - last_eviction_step < window:
         return StragglerAction.WARN, (f"{verdict.reason}; an eviction at step {last_eviction_step} is less than "
                                       f"{window} steps ago")

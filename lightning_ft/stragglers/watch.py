@@ -8,6 +8,12 @@ evicted; rank 0 reads every rank's summary as often and asks the policy
 (:data:`~lightning_ft.schema.round.EVICT_KEY`); the evicted rank leaves at its next step
 boundary (the strategy raises :class:`~lightning_ft.exit_codes.StragglerEvicted` there), its
 peers see a lost peer and a hot spare takes the place, resuming from their live state.
+
+Only with a job secret: an eviction is then sealed and bound to the run, its incarnation, the
+round and the launch (:class:`~lightning_ft.schema.round.EvictionScope`), and one that fails
+either check is ignored. Without a secret any store client could write one, so eviction only
+warns: rank 0 writes none, and nothing read from the store makes a rank leave or write its
+marker (an eviction found there is ignored, with a warning).
 """
 
 from __future__ import annotations
@@ -18,7 +24,15 @@ from collections.abc import Callable
 from lightning_ft._clock import monotonic
 from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.records import RunRecords
-from lightning_ft.schema.round import EVICT_KEY, decode_eviction, decode_work, encode_eviction, encode_work, work_key
+from lightning_ft.schema.round import (
+    EVICT_KEY,
+    EvictionScope,
+    decode_eviction,
+    decode_work,
+    encode_eviction,
+    encode_work,
+    work_key,
+)
 from lightning_ft.schema.signing import SealedStore
 from lightning_ft.stragglers.meter import WorkMeter
 from lightning_ft.stragglers.policy import StragglerAction, WorkSummary, decide, judge
@@ -29,14 +43,18 @@ log = logging.getLogger(__name__)
 class StragglerWatch:
     """This rank's part; :meth:`tick` is called by the round watchdog on every poll."""
 
-    def __init__(self, meter: WorkMeter, *, rank: int, world_size: int, round_id: int, factor: float, window: int,
-                 round_values: SealedStore, records: RunRecords, emit: Callable[..., None],
+    def __init__(self, meter: WorkMeter, *, rank: int, world_size: int, scope: EvictionScope, factor: float,
+                 window: int, round_values: SealedStore, records: RunRecords, emit: Callable[..., None],
                  publish_interval: float | None = None, judge_interval: float | None = None,
                  clock: Callable[[], float] = monotonic) -> None:
         self.meter = meter
         self.rank = rank
         self.world_size = world_size
-        self.round_id = round_id
+        self.scope = scope
+        self.round_id = scope.round_id
+        #: evictions are written and obeyed (a job secret: see the module)
+        self.authenticated = round_values.signer.enabled
+        self._ignored_eviction = False
         self.factor = factor
         self.window = window
         self.round_values = round_values
@@ -64,13 +82,27 @@ class StragglerWatch:
         if now - self._published_at >= self.publish_interval:
             self._published_at = now
             self._publish()
-            raw = self.round_values.get(EVICT_KEY)
-            eviction = decode_eviction(raw) if raw is not None else None
-            if eviction is not None and eviction[0] == self.rank and self.evicted is None:
-                self.evicted = eviction[2]
+            self._read_eviction()
         if self.rank == 0 and now - self._judged_at >= self.judge_interval:
             self._judged_at = now
             self._judge()
+
+    def _read_eviction(self) -> None:
+        """Whether this rank was evicted: only an authentic eviction bound to this round counts."""
+        raw = self.round_values.get(EVICT_KEY)  # with a secret: None unless sealed with it
+        if raw is None or self.evicted is not None:
+            return
+        eviction = decode_eviction(raw, self.scope) if self.authenticated else None
+        if eviction is None:
+            if not self._ignored_eviction:
+                self._ignored_eviction = True
+                why = ("it is bound to another run, incarnation, round or launch, or not an eviction"
+                       if self.authenticated else "this job has no secret, so straggler eviction only warns "
+                       "(a store client could have written it)")
+                log.warning("ddp_ft: ignored the eviction in store key %s: %s", self.round_values.key(EVICT_KEY), why)
+            return
+        if eviction.rank == self.rank:
+            self.evicted = eviction.reason
 
     def _publish(self) -> None:
         summary = self.meter.summary()
@@ -101,11 +133,13 @@ class StragglerWatch:
         if verdict.straggler is None:
             return
         step = summaries[0].step
-        action, reason = decide(verdict, self._spares(), step, None, self.window)
+        action, reason = decide(verdict, self._spares(), step, None, self.window, self.authenticated)
         straggler = verdict.straggler
         if action is StragglerAction.EVICT:
-            winner = self.round_values.put_if_absent(EVICT_KEY, encode_eviction(straggler, step, reason))
-            if decode_eviction(winner) == (straggler, step, reason):
+            # the first eviction bound to this round wins; anything else there (forged, replayed) is replaced
+            winner = self.round_values.replace(EVICT_KEY, lambda raw: decode_eviction(raw, self.scope) is not None,
+                                               encode_eviction(self.scope, straggler, step, reason))
+            if decode_eviction(winner, self.scope) == (straggler, step, reason):
                 log.warning("ddp_ft: evicting rank %d as a straggler at step %d: %s", straggler, step, reason)
                 self.emit(ev.STRAGGLER, round=self.round_id, rank=straggler, step=step, action=action.value,
                           score=round(verdict.scores[straggler], 3), reason=reason)
