@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import time
+import zlib
 
 import pytest
 
@@ -59,9 +60,9 @@ def pytest_itemcollected(item):
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which adds each test's xdist_group to its node id
 def pytest_collection_modifyitems(config, items):
     """Longest first, so that pytest-xdist's workers end together instead of one of them
-    finishing a long test alone: SLURM scenarios, then the longest modules, then the other
-    tests that start processes, then the rest (a stable sort: modules stay in one piece within
-    each class). xdist hands out groups with more tests first anyway.
+    finishing a long test alone: SLURM scenarios (and mypy), then the longest modules, then the
+    other tests that start processes, mixed across modules, then the rest (a stable sort). xdist
+    hands out groups with more tests first anyway.
 
     Also a check that xdist honours the groups (a too new pytest makes it ignore them silently)."""
     if getattr(config.option, "loadgroup", False):
@@ -70,12 +71,17 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"pytest-xdist ignored the xdist_group of {ignored[0]} (and {len(ignored) - 1} "
                                     "more): this pytest is too new for it (pyproject.toml pins pytest < 9.2)")
 
-    def rank(item) -> int:
+    def rank(item) -> tuple[int, int]:
         if item.get_closest_marker("slurm") or item.path.name == "test_typecheck.py":
-            return 0
+            return 0, 0
         if item.path.name in LONGEST_MODULES:
-            return 1 + LONGEST_MODULES.index(item.path.name)
-        return 10 if item.get_closest_marker("multiprocess") else 20
+            return 1 + LONGEST_MODULES.index(item.path.name), 0
+        if item.get_closest_marker("multiprocess"):
+            # mixed, not module by module: a module's tests often wait alike (frozen stores and
+            # peers, bounded timeouts), and a stretch of them left both cores idle; crc32, not
+            # hash(): every worker must collect the same order
+            return 10, zlib.crc32(item.nodeid.encode())
+        return 20, 0
 
     items.sort(key=rank)
 

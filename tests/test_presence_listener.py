@@ -335,7 +335,7 @@ def test_a_squatter_on_a_dead_participants_port_that_replays_its_answer_is_not_a
     assert ask(owner, presence).state == "dead"
     squatter = Squatter(presence.port, copied)
     try:
-        assert ask(owner, presence).state == "silent"
+        assert ask(owner, presence).state == "dead"  # a whole answer that is not the participant's: gone
         assert squatter.answered.wait(PATIENT)  # it did answer: the answer was judged, and refused
     finally:
         squatter.close()
@@ -353,8 +353,8 @@ def test_a_listener_of_another_participant_launch_or_secret_is_not_alive(make_li
     _, listener = make_listener(other.get("secret", b"job-secret"), **identity)
     line, n = raw_answer(listener.port)
     assert line.endswith(b"\n")  # it answers, as it answers anyone: the answer is judged, and refused
-    assert expected.proof.check(line.rstrip(b"\n"), expected.participant_id, n).state == "silent"
-    assert ask(expected, listener).state == "silent"
+    assert expected.proof.check(line.rstrip(b"\n"), expected.participant_id, n).state == "dead"
+    assert ask(expected, listener).state == "dead"
 
 
 @pytest.mark.timeout(30)
@@ -365,8 +365,8 @@ def test_the_plain_protocol_tells_participants_and_runs_apart_and_a_secret_also_
     line, n = raw_answer(presence.port)
     for other in (Owner(secret, participant_id="node-b:1:0"), Owner(secret, run_id="other-run"),
                   Owner(secret, launch_id="a0" * 16)):
-        assert other.proof.check(line.rstrip(b"\n"), other.participant_id, n).state == "silent"
-        assert ask(other, presence).state == "silent"
+        assert other.proof.check(line.rstrip(b"\n"), other.participant_id, n).state == "dead"
+        assert ask(other, presence).state == "dead"
 
     # a forger that speaks the protocol: it echoes each nonce and names the expected participant
     # and run (both readable from the store), but has no secret
@@ -393,7 +393,7 @@ def test_the_plain_protocol_tells_participants_and_runs_apart_and_a_secret_also_
         forger.close()
     # with a secret it needs the MAC; without one it passes: the residual risk presence.py names
     assert answered.is_set()
-    assert status == (EXPECTED if secret is None else PeerStatus("silent"))
+    assert status == (EXPECTED if secret is None else PeerStatus("dead"))
 
 
 # ------------------------------------------------------------------ the probe's own deadline

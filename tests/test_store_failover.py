@@ -11,6 +11,7 @@ import resource
 import signal
 import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -364,3 +365,162 @@ def test_a_store_that_accepts_no_new_connection_ends_the_job_with_83_saying_so(p
     assert cluster.events_of("store_failover") == [], cluster.logs()
     for sock in idle:
         sock.close()
+
+
+# ---------------------------------------------------------------- issue 37: the presence channel under attack
+
+
+def announced_presence(cluster: Cluster, name: str) -> str:
+    """The presence endpoint ``name`` announced when it joined (any store client can read it)."""
+    from lightning_ft.schema.run import incarnation_key
+
+    store = store_client(cluster.port)
+    incarnation = int(plain(store.get(incarnation_key(cluster.run_id))))
+    key = presence_key(RunKeys(cluster.run_id, incarnation).prefix, participant_id(cluster, name))
+    announced = decode_presence(plain(store.get(key)))
+    assert announced is not None
+    return announced.presence
+
+
+class ListenerPressure:
+    """What another local user can do to a presence listener without any secret, kept up until
+    :meth:`stop`: the 12-byte line that killed the listener before issue 37 (``FAILOVER ²``: a
+    digit to ``str.isdigit`` that ``int`` refuses), 40 idle connections at a time, and 2 clients
+    that trickle one byte every 0.4 s."""
+
+    def __init__(self, endpoint: str) -> None:
+        host, _, port = endpoint.rpartition(":")
+        self.address = (host, int(port))
+        self.stopping = threading.Event()
+        self.sent_lines = 0
+        self.held = 0
+        self.threads = [threading.Thread(target=self._idle, daemon=True),
+                        *(threading.Thread(target=self._trickle, daemon=True) for _ in range(2))]
+        with socket.create_connection(self.address, timeout=5) as sock:
+            sock.sendall("FAILOVER ²\n".encode())
+            self.sent_lines += 1
+        for thread in self.threads:
+            thread.start()
+
+    def _idle(self) -> None:
+        while not self.stopping.is_set():
+            held = []
+            for _ in range(40):
+                try:
+                    held.append(socket.create_connection(self.address, timeout=1))
+                except OSError:
+                    break
+            self.held = max(self.held, len(held))
+            self.stopping.wait(0.3)
+            for sock in held:
+                sock.close()
+
+    def _trickle(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                with socket.create_connection(self.address, timeout=1) as sock:
+                    for byte in b"STATUS 0123456789abcdef0123456789abcdef\n":
+                        sock.sendall(bytes([byte]))
+                        if self.stopping.wait(0.4):
+                            return
+            except OSError:
+                self.stopping.wait(0.1)  # dropped at its deadline: connect again
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(5)
+
+
+class Squatter:
+    """A process's listener on a dead participant's presence port that answers every probe with
+    the answer the participant gave earlier (copied by anyone who asked once)."""
+
+    def __init__(self, endpoint: str, answer: bytes) -> None:
+        host, _, port = endpoint.rpartition(":")
+        self.server = socket.socket()
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.server.bind((host, int(port)))
+        self.server.listen(16)
+        self.server.settimeout(0.1)
+        self.answer, self.answered = answer, 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                continue
+            with conn:
+                try:
+                    conn.settimeout(1)
+                    conn.recv(256)
+                    conn.sendall(self.answer)
+                    self.answered += 1
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+        self.server.close()
+
+
+def copied_answer(endpoint: str) -> bytes:
+    """What the participant at ``endpoint`` answers one STATUS probe (its own nonce, any nonce)."""
+    host, _, port = endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"STATUS 00112233445566778899aabbccddeeff\n")
+        sock.settimeout(5)
+        answer = b""
+        while not answer.endswith(b"\n"):
+            chunk = sock.recv(4096)
+            assert chunk, answer
+            answer += chunk
+    return answer
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("secret", ["no-secret", "job-secret"])
+def test_the_presence_channel_under_attack_still_carries_the_fail_over(processes, tmp_path, secret):
+    """Issue 37 findings 1, 3, 4 and 5 in one real job: before the store host dies, the survivors'
+    presence listeners get the line that killed them (`FAILOVER ²`), 40 idle and 2 trickling
+    connections each, kept up through the fail-over; the store host's presence port is taken
+    over at its death by a squatter that replays the answer it gave. The listeners keep
+    answering, the squatter counts as gone (not as a living voter that never registers), the
+    store fails over to a survivor and the job finishes 0. Before: a dead listener, probes held
+    for minutes, a quorum missed -- exit 83."""
+    env = secret_env(tmp_path, secret)
+    cluster = three(processes, tmp_path, ["--max-steps", "150", *SLOW], standalone=False, **env)
+    cluster.wait_for_step(30, 60)
+    endpoints = {name: announced_presence(cluster, name) for name in "ABC"}
+    replayed = copied_answer(endpoints["A"])
+    pressure = [ListenerPressure(endpoints[name]) for name in "BC"]
+    squatter = None
+    try:
+        # the survivors notice the loss only once the squatter holds the port (a real one is
+        # quick; this one must not lose a race with the machine's load)
+        for name in "BC":
+            os.kill(cluster.procs[name].pid, signal.SIGSTOP)
+        try:
+            cluster.kill("A")
+            cluster.wait(["A"], 30)
+            squatter = Squatter(endpoints["A"], replayed)
+        finally:
+            for name in "BC":
+                os.kill(cluster.procs[name].pid, signal.SIGCONT)
+        codes = cluster.wait(["B", "C"], 120)
+    finally:
+        for attack in pressure:
+            attack.stop()
+        if squatter is not None:
+            squatter.stop()
+    assert codes == {"B": 0, "C": 0}, cluster.logs()
+    assert cluster.events_of("store_failover"), cluster.logs()
+    assert cluster.result("B")["step"] == 150 and cluster.result("C")["step"] == 150
+    assert all(attack.held == 40 for attack in pressure), [attack.held for attack in pressure]
+    assert squatter is not None and squatter.answered >= 1  # the survivors asked it: its answer was judged
+    assert "Exception in thread" not in cluster.logs(), cluster.logs()

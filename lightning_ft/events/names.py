@@ -56,6 +56,9 @@ event                          fields
 ``finished``                   round, rank, step, seconds (a stage -- fit, validate, test, predict -- completed
                                and the exit barrier passed),
                                step_seconds (median step of the last round)
+``agent_exit``                 round, outcome (``finished``: its workers finished and passed the exit barrier |
+                               ``gave_up``: its workers failed and it leaves), reason (torchrun's agent, with
+                               ``--rdzv-backend=lightning_ft``; the workers log their own ``finished``)
 =============================  ==================================================================
 
 The SIGTERM path (``GracefulTermination``):
@@ -119,6 +122,7 @@ NO_RESTART = "no_restart"
 NODE_FAULT = "node_fault"
 STOPPED = "stopped"
 FINISHED = "finished"
+AGENT_EXIT = "agent_exit"
 
 # the SIGTERM path
 TERMINATION_SIGNAL = "termination_signal"
@@ -136,4 +140,4 @@ LIVE_STATE = "live_state"
 
 #: a participant whose log ends with one of these left on its own terms
 EXIT_EVENTS = (FINISHED, SPARE_EXIT, NO_RESTART, NODE_FAULT, STOPPED, TERMINATION_DECISION, UNHEALTHY_EXIT,
-               EVICTED)
+               EVICTED, AGENT_EXIT)

@@ -103,8 +103,9 @@ def request_line(request: str, nonce: str) -> bytes:
 
 
 class PeerStatus(NamedTuple):
-    """What a presence probe found: ``state`` "dead" (refused), "silent" or "alive"; an alive
-    peer follows the store of ``epoch`` at ``store`` (host:port)."""
+    """What a presence probe found: ``state`` "dead" (refused, or a whole answer that is not the
+    participant's: another process holds its port), "silent" (no whole answer in time) or
+    "alive"; an alive peer follows the store of ``epoch`` at ``store`` (host:port)."""
 
     state: str
     epoch: int = -1
@@ -149,12 +150,15 @@ class PresenceProof:
 
     def check(self, line: bytes, participant_id: str, nonce: str) -> PeerStatus:
         """"alive" when ``line`` is the authentic answer of ``participant_id`` of this launch to the
-        request that carried ``nonce``; else "silent" (logged at debug, saying why)."""
+        request that carried ``nonce``; else "dead" (logged at debug, saying why): a whole answer
+        that does not prove who speaks comes from a process that is not that participant (a
+        squatter on its port, another job's listener), so the participant is gone -- counted as
+        a living voter, such a squatter could deny a fail-over its quorum."""
         try:
             epoch, store = self.verify(line, participant_id, nonce)
         except NotAuthentic as exc:
-            log.debug("presence answer for %s not taken: %s", participant_id, exc)
-            return PeerStatus("silent")
+            log.debug("presence answer for %s not taken (not that participant: gone): %s", participant_id, exc)
+            return PeerStatus("dead")
         return PeerStatus("alive", epoch, store)
 
     def verify(self, line: bytes, participant_id: str, nonce: str) -> tuple[int, str]:

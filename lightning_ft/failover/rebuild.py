@@ -32,8 +32,9 @@ def may_serve(participants: Collection[str], registered: Mapping[str, bool], dea
 
     ``participants``: the last round's participants (every candidate); ``registered``: who
     reached this successor -> whether it was active; ``dead``: participants whose host
-    *refused* a connection to their presence port (their process is gone: the kernel says so;
-    a frozen or unreachable one is not dead, it may come back).
+    *refused* a connection to their presence port (their process is gone: the kernel says so),
+    or whose port answered as some other process (a squatter: the participant is gone too); a
+    frozen or unreachable one is not dead, it may come back.
 
     The rule: the registered are a strict majority of the participants not proven dead, and at
     least one of them was active. Every participant registers with one successor per epoch, so

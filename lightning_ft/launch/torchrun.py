@@ -154,12 +154,10 @@ class LightningFTRendezvousHandler(RendezvousHandler):
         except (RuntimeError, OSError) as exc:
             log.warning("rendezvous shutdown could not reach the store: %s", exc)
             return False
-        if finished:
-            assert result is not None
-            self._events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=None, seconds=None)
-        elif result is not None and result.is_active:
-            self._events.emit(ev.DECISION, round=result.round, kind="agent_gave_up", action="raise",
-                              reason="its workers failed and it gave up (restarts exhausted or error)")
+        if result is not None and result.is_active:
+            self._events.emit(ev.AGENT_EXIT, round=result.round, outcome="finished" if finished else "gave_up",
+                              reason="its workers finished" if finished else
+                              "its workers failed and it gave up (restarts exhausted or error)")
         return self._rdzv.shutdown(job_finished=finished)
 
 

@@ -249,7 +249,7 @@ def _training_seconds(timeline: Sequence[TimelineEntry]) -> float | None:
         start = next((e.seconds for e in timeline if e.event == ev.ROUND_COMPLETE), None)
     if start is None:
         return None
-    finished = [e.seconds for e in timeline if e.event == ev.FINISHED]
+    finished = [e.seconds for e in timeline if _finished(e)]
     end = max(finished) if finished else timeline[-1].seconds
     return end - start if end > start else None
 
@@ -271,9 +271,15 @@ def _participants(timeline: Sequence[TimelineEntry]) -> tuple[ParticipantSummary
     return tuple(result)
 
 
+def _finished(entry: TimelineEntry) -> bool:
+    """A stage completed: a participant's ``finished``, or a torchrun agent whose workers finished
+    (its workers may log nothing of their own: not every torchrun script is a Lightning one)."""
+    return entry.event == ev.FINISHED or (entry.event == ev.AGENT_EXIT and entry.fields.get("outcome") == "finished")
+
+
 def _final_status(timeline: Sequence[TimelineEntry]) -> tuple[str, str, int | None]:
     no_restart = [e for e in timeline if e.event == ev.NO_RESTART]
-    finished = [e for e in timeline if e.event == ev.FINISHED]
+    finished = [e for e in timeline if _finished(e)]
     steps = [s for s in (_step_of(e.fields) for e in finished) if s is not None]
     final_step = max(steps) if steps else None
     if no_restart:
