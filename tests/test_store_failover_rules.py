@@ -416,3 +416,28 @@ def test_a_store_that_closes_new_connections_is_said_so_without_torch_trying():
     assert not refuses_connections(caught.value, moved=True)  # the store moved: try the new one
     from lightning_ft.failover.reach import StoreUnreachableError
     assert not refuses_connections(StoreUnreachableError("refused"), moved=False)
+
+
+def test_asking_half_the_candidates_settles_only_what_every_answer_of_the_rest_would_settle():
+    """follow_settled stops a participant after the first half of the candidates only when no
+    answers of the others could make store_to_follow move it (checked over every combination)."""
+    import itertools
+
+    from lightning_ft.failover.rebuild import follow_settled, store_to_follow
+
+    announced = {"h:2", "h:3"}
+    kinds = [("dead", -1, ""), ("silent", -1, ""), ("alive", 1, "h:1"), ("alive", 2, "h:2"), ("alive", 2, "x:9"),
+             ("alive", 3, "h:3")]
+    settled_some = False
+    for asked in (1, 2, 3, 4):
+        first = (asked + 1) // 2
+        for head in itertools.product(kinds, repeat=first):
+            if not follow_settled(1, list(head), asked, announced):
+                continue
+            settled_some = True
+            for tail in itertools.product(kinds, repeat=asked - first):
+                assert store_to_follow(1, [*head, *tail], announced) is None, (head, tail)
+    assert settled_some
+    # the common case: everyone asked so far follows this process's store
+    assert follow_settled(1, [("alive", 1, "h:1")] * 4, 8, announced)
+    assert not follow_settled(1, [("alive", 2, "h:2")] * 4, 8, announced)

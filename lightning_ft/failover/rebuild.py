@@ -80,6 +80,17 @@ def store_to_follow(epoch: int, answers: Iterable[tuple[str, int, str]],
     return (best, where) if 2 * count > len(voters) else None
 
 
+def follow_settled(epoch: int, answers: Iterable[tuple[str, int, str]], asked: int,
+                   announced: Collection[str]) -> bool:
+    """Whether the ``answers`` of some of the ``asked`` candidates already rule out a move (for
+    :func:`store_to_follow`), whatever the others answer: when at least half of all asked are
+    voters that name no newer announced store, no newer store can win a strict majority of the
+    voters. Lets a participant ask half of the candidates in the common case (nobody moved)."""
+    staying = sum(1 for state, e, store in answers
+                  if state != "dead" and not (state == "alive" and e > epoch and announced_store(store, announced)))
+    return 2 * staying >= asked
+
+
 def _number(value: bytes) -> int | None:
     """The non-negative number a (sealed or plain) value holds, or None."""
     data = value[len(MAGIC) + TAG_BYTES:] if value.startswith(MAGIC) else value

@@ -64,7 +64,14 @@ from lightning_ft.failover.reach import (
     refuses,
 )
 from lightning_ft.failover.reach import connect as connect_client
-from lightning_ft.failover.rebuild import Mirror, announced_store, may_serve, merge_views, store_to_follow
+from lightning_ft.failover.rebuild import (
+    Mirror,
+    announced_store,
+    follow_settled,
+    may_serve,
+    merge_views,
+    store_to_follow,
+)
 from lightning_ft.schema.failover import (
     EpochKeys,
     decode_registration,
@@ -461,10 +468,17 @@ class StoreSwitchboard:
         others = [c for c in self.candidates if c.participant_id != self.participant_id][:ROSTER_HEAD]
         if not others or self.scope is None:
             return False
-        with ThreadPoolExecutor(max_workers=len(others), thread_name_prefix="lightning_ft-probe") as pool:
-            answers = list(pool.map(lambda c: self._probe(c, "STATUS"), others))
-        target = store_to_follow(self.epoch, [(a.state, a.epoch, a.store) for a in answers],
-                                 {c.store for c in self.candidates})
+        announced = {c.store for c in self.candidates}
+        # half first: when nobody moved (the common case, every re-join after a peer loss) their
+        # answers settle it, and a failure round of N participants makes N x half the probes
+        first = (len(others) + 1) // 2
+        answers: list[tuple[str, int, str]] = []
+        for wave in (others[:first], others[first:]):
+            if not wave or follow_settled(self.epoch, answers, len(others), announced):
+                break
+            with ThreadPoolExecutor(max_workers=len(wave), thread_name_prefix="lightning_ft-probe") as pool:
+                answers += [(a.state, a.epoch, a.store) for a in pool.map(lambda c: self._probe(c, "STATUS"), wave)]
+        target = store_to_follow(self.epoch, answers, announced)
         if target is None:
             return False
         epoch, where = target
