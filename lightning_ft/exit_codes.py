@@ -68,3 +68,15 @@ class JobEndedError(RuntimeError):
     stage of this process ended the job with an error of its own, which the script caught: the
     job's other participants have left, so no later stage can run in this run (a job of one
     participant goes on instead). Catchable, as the error that ended the job was."""
+
+
+class HandOver(RuntimeError):
+    """Raised inside ``fit()`` at the step boundary after a hand-over verdict (a SIGTERM that reached
+    some actives while hot spares wait): on a ``leaving`` rank the strategy withdraws it from the
+    job and ends it with ``SUCCESS`` (0: it handed its place over, the job goes on); on the others
+    it re-forms the group with the spares from the live state."""
+
+    def __init__(self, leaving: bool, reason: str) -> None:
+        super().__init__(reason)
+        self.leaving = leaving
+        self.reason = reason

@@ -96,6 +96,9 @@ KEEP: dict[str, tuple] = {
     "termination_decision": ("action", "exit_code", "tier"),
     "unhealthy_exit": ("exit_code",),
     "evicted": ("round",),
+    "hand_over_verdict": ("hands_over", "leaving"),
+    "handed_over": ("round",),
+    "hand_over": ("round",),
 }
 #: events kept as a set per participant, not in the sequence: they come from a thread of their
 #: own, in no fixed order with the others (the health check runs while the ranks agree on the

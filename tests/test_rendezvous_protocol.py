@@ -221,6 +221,23 @@ def test_previous_active_keeps_place_over_faster_spare(tcp_store):
     assert not results[2].is_active
 
 
+@pytest.mark.timeout(120)
+def test_a_previous_active_that_withdrew_is_not_waited_for(tcp_store):
+    """A hand-over (or an eviction): the leaver withdrew for good, so the next round completes with
+    the survivor and the spare at once, not after the grace kept for survivors (600 s here: longer
+    than the test may take)."""
+    rdzvs = [make(tcp_store, i, infra=i, previous_active_grace=600.0) for i in range(3)]
+    try:
+        first = join_all(rdzvs)
+        assert [r.is_active for r in first] == [True, True, False]
+        rdzvs[1].open_next_round(first[1].round, "hand-over")
+        rdzvs[0].withdraw("handed over")  # its heartbeat goes on until the process exits: alive, but gone
+        second = join_all(rdzvs[1:], method="next_active_round")
+    finally:
+        stop(rdzvs)
+    assert [r.rank for r in second] == [0, 1], second
+
+
 def test_withdrawal_frees_the_place(tcp_store):
     rdzvs = [make(tcp_store, i, min_nodes=2, max_nodes=2, join_timeout=0.5) for i in range(2)]
     try:

@@ -245,14 +245,17 @@ def test_bug_in_training_step_fails_the_job_without_using_the_spare(processes, t
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("callback", ["added by the strategy", "given by the user"])
-def test_sigterm_to_one_active_takes_the_graceful_termination_path(processes, tmp_path, callback):
+def test_sigterm_to_every_active_takes_the_graceful_termination_path(processes, tmp_path, callback):
+    """Every active signalled (scancel, a time limit, a preempted job): the whole job stops at one
+    step although a spare waits (one active signalled hands over: tests/test_handover.py)."""
     cluster = Cluster(processes, tmp_path, "2:3")
     graceful = ["--graceful"] if callback == "given by the user" else []
     cluster.start(["A", "B", "C"], ["--max-steps", "400", *graceful, *SLOW])
     cluster.wait_for_step(20, 45)
     actives = cluster.active_names()
     spare = next(n for n in "ABC" if n not in actives)
-    cluster.kill(actives[1], signal.SIGTERM)
+    for name in actives:
+        cluster.kill(name, signal.SIGTERM)
     codes = cluster.wait(["A", "B", "C"], 40)
     # the spare stops with the job: 143, nothing of its own to save (0 would claim "finished")
     assert codes == {actives[0]: 81, actives[1]: 81, spare: 143}, cluster.logs()
@@ -264,6 +267,8 @@ def test_sigterm_to_one_active_takes_the_graceful_termination_path(processes, tm
         assert snapshots, f"no committed snapshot of the stop step {stop_step} on {name}"
     assert stops[0] == stops[1]
     assert cluster.events_of("stopped")
+    verdicts = cluster.events_of("hand_over_verdict")
+    assert verdicts and all(not e["hands_over"] and "every active" in e["reason"] for e in verdicts), verdicts
 
 
 @pytest.mark.timeout(150)

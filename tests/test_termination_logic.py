@@ -316,3 +316,102 @@ def test_signal_listener_records_in_the_handler_and_acts_in_a_thread():
     assert signal.getsignal(signal.SIGUSR2) == before
     assert signal.set_wakeup_fd(-1) == -1  # nothing of ours left behind
     assert len(seen) == 1
+
+
+# ------------------------------------------------------------------ hand-over (issue 38)
+
+
+def test_the_signalled_hand_over_when_enough_spares_are_ready():
+    from lightning_ft.termination.decision import decide_hand_over
+
+    verdict = decide_hand_over(world_size=4, signalled={2}, unhealthy=(), spares_ready=1)
+    assert verdict.leavers == (2,) and verdict.hands_over
+    verdict = decide_hand_over(world_size=4, signalled={1}, unhealthy={3}, spares_ready=2)
+    assert verdict.leavers == (1, 3)
+
+
+@pytest.mark.parametrize(("signalled", "unhealthy", "spares", "why"), [
+    ({0, 1}, (), 5, "every active"),            # scancel, a time limit: the whole job stops (81)
+    ({0}, {1}, 5, "every active"),              # the last one unhealthy counts as leaving too
+    ({0, 1}, (), 1, "every active"),
+    ({1}, (), 0, "0 hot spare(s) are ready"),  # no spare: stop (elastic would shrink)
+    ({1, 2}, (), 1, "1 hot spare(s) are ready"),
+    ((), (), 3, "no rank says it was signalled"),
+    ({1}, (), None, "cannot re-form in-process"),  # plain DDP, torchrun's agent
+])
+def test_without_a_place_for_every_leaver_the_whole_job_stops(signalled, unhealthy, spares, why):
+    from lightning_ft.termination.decision import decide_hand_over
+
+    world = 2 if why == "every active" else 3
+    verdict = decide_hand_over(world_size=world, signalled=signalled, unhealthy=unhealthy, spares_ready=spares)
+    assert not verdict.hands_over and verdict.leavers == () and why in verdict.reason, verdict
+
+
+def test_a_rank_outside_the_world_never_counts_as_a_leaver():
+    from lightning_ft.termination.decision import decide_hand_over
+
+    verdict = decide_hand_over(world_size=2, signalled={1, 7, -1}, unhealthy=(), spares_ready=1)
+    assert verdict.leavers == (1,)
+
+
+def test_a_damaged_hand_over_verdict_decodes_as_none():
+    from lightning_ft.schema.termination import HandOverVerdict
+
+    assert HandOverVerdict.decode(HandOverVerdict((1,), "x").encode()) == HandOverVerdict((1,), "x")
+    for raw in (b"", b"[]", b'{"leavers": [-1], "reason": ""}', b'{"leavers": [true], "reason": ""}',
+                b'{"leavers": [1]}', b'{"leavers": "1", "reason": ""}', b"\xff"):
+        assert HandOverVerdict.decode(raw) is None, raw
+
+
+def test_signalled_ranks_and_the_first_published_verdict_are_what_every_rank_reads(tcp_store):
+    import torch.distributed as dist
+
+    from lightning_ft.schema.termination import HandOverVerdict
+
+    prefix = dist.PrefixStore("h/", tcp_store)
+    rank0, rank1, rank2 = (StoreStopCoordinator(prefix.clone(), r, 3) for r in range(3))
+    rank1.propose(5, signal.SIGTERM, "rank 1: SIGTERM received", signalled=True)
+    rank2.mark_signalled()
+    rank1.mark_signalled()  # twice: still one rank
+    assert rank0.signalled_ranks() == {1, 2}
+    assert rank0.hand_over_verdict() is None
+    first = rank2.publish_hand_over(HandOverVerdict((1, 2), "two leave"))
+    assert rank0.publish_hand_over(HandOverVerdict((), "the job stops")) == first  # loses the compare_set
+    assert rank1.hand_over_verdict() == first == HandOverVerdict((1, 2), "two leave")
+
+
+def test_the_agreement_waits_out_the_settle_time_and_counts_signals_that_arrived_meanwhile(tcp_store):
+    import torch.distributed as dist
+
+    from lightning_ft._clock import monotonic
+    from lightning_ft.termination.handover import HandOverAgreement
+
+    class Seat:
+        told: list = []
+
+        def spares_ready(self):
+            return 1
+
+        def hand_over(self, leaving, reason):
+            self.told.append((leaving, reason))
+
+    prefix = dist.PrefixStore("s/", tcp_store)
+    rank0, rank1 = StoreStopCoordinator(prefix.clone(), 0, 2), StoreStopCoordinator(prefix.clone(), 1, 2)
+    seat = Seat()
+    agreement = HandOverAgreement(rank0, seat, settle_s=0.3, timeout_s=5.0)
+    rank1.mark_signalled()
+    started = monotonic()
+    # rank 0 is signalled too, 0.1 s after rank 1, while the settle time runs
+    threading.Timer(0.1, rank0.mark_signalled).start()
+    events = []
+
+    class Log:
+        def emit(self, event, **fields):
+            events.append((event, fields))
+
+    verdict = agreement.settle(started, 7, self_signalled=False, unhealthy=(), events=Log())
+    assert monotonic() - started >= 0.3
+    assert not verdict.hands_over and "every active" in verdict.reason  # both signalled: the job stops
+    assert seat.told == [] and events[0][1]["hands_over"] is False
+    # rank 1 reads the same verdict without deciding again
+    assert HandOverAgreement(rank1, seat, 0.3, 5.0).verdict(started, True) == verdict

@@ -26,6 +26,10 @@ event                          fields
 ``straggler``                  round, rank, step, action (``evict`` | ``warn``), score (own work over the peers'
                                median), reason (rank 0: the straggler policy found a persistently slow rank)
 ``evicted``                    round, step, reason (this rank leaves as a straggler; exit 84)
+``handed_over``                round, step, reason (this rank was signalled and hot spares take its place:
+                               it leaves the job, exit 0; the job goes on)
+``hand_over``                  round, step, leavers, reason (the survivors of a hand-over re-form with spares
+                               from their live state)
 ``restored``                   round, step (global step training resumes from)
 ``failure_detected``           round, step (training had reached), error, detector (``collective`` | ``hang`` |
                                ``rendezvous`` | ``agent``: torchrun's agent re-joined after an active round),
@@ -72,6 +76,9 @@ The SIGTERM path (``GracefulTermination``):
                                this rank stopped: the agreed step, an unhealthy peer, a store that did
                                not answer), seconds_since_signal
 ``unhealthy_exit``             exit_code, reasons, step, seconds_since_signal
+``hand_over_verdict``          step, hands_over (bool), leavers, leaving (bool: this rank; null without a
+                               hand-over), reason, seconds_since_signal (with hot spares: whether the
+                               signalled hand their places over or the whole job stops)
 =============================  ==================================================================
 
 Snapshots (``EmergencyCheckpoint``, any strategy):
@@ -107,6 +114,8 @@ SHARD_REPLICA = "shard_replica"
 WORK = "work"
 STRAGGLER = "straggler"
 EVICTED = "evicted"
+HANDED_OVER = "handed_over"
+HAND_OVER = "hand_over"
 RESTORED = "restored"
 FAILURE_DETECTED = "failure_detected"
 DECISION = "decision"
@@ -130,6 +139,7 @@ HEALTH_REPORT = "health_report"
 STOP_AGREED = "stop_agreed"
 TERMINATION_DECISION = "termination_decision"
 UNHEALTHY_EXIT = "unhealthy_exit"
+HAND_OVER_VERDICT = "hand_over_verdict"
 
 # snapshots
 SNAPSHOT_SCHEDULE = "snapshot_schedule"
@@ -140,4 +150,4 @@ LIVE_STATE = "live_state"
 
 #: a participant whose log ends with one of these left on its own terms
 EXIT_EVENTS = (FINISHED, SPARE_EXIT, NO_RESTART, NODE_FAULT, STOPPED, TERMINATION_DECISION, UNHEALTHY_EXIT,
-               EVICTED, AGENT_EXIT)
+               EVICTED, HANDED_OVER, AGENT_EXIT)

@@ -207,6 +207,12 @@ class Coordinator:
         missing += [p for p in self._suspects if p in arrived_ids and p not in self._dead and p not in missing]
         if not missing:
             return False
+        # a previous active that withdrew or left unhealthy (a hand-over, an eviction) is lost for
+        # good already: nothing to wait out, no heartbeat to judge
+        gone = {pid for pid, record in self.records.lost_records().items() if record.silent_at is None}
+        left = [pid for pid in missing if pid in gone]
+        self._dead.update(left)
+        missing = [pid for pid in missing if pid not in gone]
         now, dead = self.clock(), set()
         for pid, beat in self.records.heartbeats(missing).items():
             known = self._heartbeats.knows(pid)
@@ -221,7 +227,7 @@ class Coordinator:
                    else f"previous active, missing from round {self.round_id}")
             self.rdzv.mark_lost(pid, f"heartbeat silent for {self.settings.dead_after:.2f}s ({why})",
                                 silent_at=self._heartbeats.last_beat(pid))
-        return bool(dead)
+        return bool(dead or left)
 
     def step(self) -> None:
         if self.clock() - self._ticked_at >= min(self.settings.tick_interval, self.settings.heartbeat_every):

@@ -146,6 +146,12 @@ class RunRecords:
                 lost.setdefault(record.participant_id, record)
         return lost
 
+    def spares_of_round(self, round_id: int, actives: int) -> int:
+        """Hot spares that could take a place now: live participants of ``round_id`` beyond its ``actives``."""
+        lost = self.lost()
+        live = [a for a in self.arrivals(round_id) if a.participant_id not in lost]
+        return max(0, len(live) - actives)
+
     def mark_lost(self, participant_id: str, why: str, silent_at: int | None = None) -> bool:
         """Record ``participant_id`` as lost for good (``silent_at``: the heartbeat number it stood
         still at, when its silence judged it); False when it already was. Racing writers may both

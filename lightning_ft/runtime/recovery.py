@@ -31,7 +31,7 @@ from lightning_ft._lightning.trainer_reset import reset_trainer_for_rerun, teard
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.deadlines import call_with_timeout, first_line
 from lightning_ft.events import names as ev
-from lightning_ft.exit_codes import ExitCode, FaultTolerantExit, JobCannotGoOn, StragglerEvicted
+from lightning_ft.exit_codes import ExitCode, FaultTolerantExit, HandOver, JobCannotGoOn, StragglerEvicted
 from lightning_ft.process import ExitWatchdog, destroy_process_group, planned_exit_code
 from lightning_ft.runtime.decisions import (
     Detector,
@@ -148,6 +148,9 @@ class RecoveryExecutor:
             if isinstance(exc, StragglerEvicted):
                 self._leave_evicted(exc, trainer)
             self.give_up(str(exc), cause=exc, close=True)  # every rank found it alike: the job ends, said why
+        if isinstance(exc, HandOver):  # decided by every rank alike at a step boundary
+            self._hand_over(exc, trainer)
+            return now
         step = trainer.global_step if trainer is not None else 0
         failures_without_progress = run.count_failure(step)
         watchdog = runtime.stop_watchdog()
@@ -160,6 +163,9 @@ class RecoveryExecutor:
             self._leave_at_once(outcome, kind, exc, facts, step)
         detector = detector or Detector.COLLECTIVE
         self._interrupt(trainer, exc, kind, detector, step)
+        planned = runtime.hand_over  # the SIGTERM path's verdict, reached while the collective failed
+        if planned is not None and planned.leaving:
+            self._leave_handed_over(planned, trainer)
         outcome = decide_after_interruption(kind, _termination_in_progress(trainer), failures_without_progress,
                                             settings.max_failures_without_progress, run.recoveries,
                                             settings.max_recoveries, self._host.cannot_reform())
@@ -181,8 +187,43 @@ class RecoveryExecutor:
         if outcome.action is FailureAction.NO_RESTART:
             peer = f" ({facts.peer_error})" if facts.peer_error else ""
             self.give_up(f"{outcome.reason}{peer}", cause=exc, close=True)
-        self._prepare_next_round(trainer, kind, exc)
+        self._prepare_next_round(trainer, f"{kind.value} in round {result.round}: {type(exc).__name__}: "
+                                          f"{first_line(exc)}")
         return now
+
+    def _hand_over(self, exc: HandOver, trainer: Any) -> None:
+        """A hand-over verdict at a step boundary: a leaver leaves (exit 0); the others re-form with
+        the spares from their live state, as after a lost peer but planned -- no step is lost."""
+        if exc.leaving:
+            self._leave_handed_over(exc, trainer)
+        runtime = self._run.round
+        assert runtime is not None and runtime.result is not None
+        result, step = runtime.result, trainer.global_step
+        runtime.stop_watchdog()
+        self._session.events.emit(ev.HAND_OVER, round=result.round, step=step, reason=exc.reason)
+        log.warning("ddp_ft: round %d hands over after step %d (%s); re-forming with the spares", result.round,
+                    step, exc.reason)
+        runtime.retire_group()
+        _call_on_exception(trainer, exc)
+        finalize_failed(trainer)
+        if self._host.layout.resumes_from_live_state and is_fitting(trainer):
+            save_live_state(trainer, f"hand-over in round {result.round}")
+        self._teardown(trainer, runtime)
+        self._prepare_next_round(trainer, f"hand-over in round {result.round}: {exc.reason}")
+
+    def _leave_handed_over(self, exc: HandOver, trainer: Any) -> NoReturn:
+        """This rank was signalled and a hot spare takes its place: leave the job for good (withdrawn)
+        with exit 0 -- nothing failed, the job goes on."""
+        runtime = self._run.round
+        message = f"handed over to a hot spare: {exc.reason}"
+        self._session.events.emit(ev.HANDED_OVER, round=runtime.round_id if runtime is not None else None,
+                                  step=trainer.global_step if trainer is not None else None, reason=exc.reason)
+        log.warning("ddp_ft: %s; leaving with exit code 0", message)
+        print(f"lightning_ft: HANDED_OVER (0): {message}", file=sys.stderr, flush=True)
+        if runtime is not None:
+            runtime.stop_watchdog()
+        self.leave(withdraw=message)
+        raise FaultTolerantExit(ExitCode.SUCCESS, message) from None
 
     def _interrupt(self, trainer: Any, exc: BaseException, kind: FailureKind, detector: Detector, step: int) -> None:
         """Report the failure; retire the group; callbacks and loggers learn of the interruption as
@@ -201,7 +242,7 @@ class RecoveryExecutor:
         _call_on_exception(trainer, exc)
         finalize_failed(trainer)
 
-    def _prepare_next_round(self, trainer: Any, kind: FailureKind, exc: BaseException) -> None:
+    def _prepare_next_round(self, trainer: Any, reason: str) -> None:
         """Every participant of the next round -- survivor or spare -- starts from what a fresh
         process would have: pristine callbacks, loggers, datamodule and module state."""
         run, session = self._run, self._session
@@ -212,13 +253,12 @@ class RecoveryExecutor:
             self._pristine.restore(trainer, self._module)
         self._host.rebuild_module()  # after the pristine state: it shares the module tree it restores
         run.recoveries += 1
-        error_text = f"{type(exc).__name__}: {first_line(exc)}"
         try:
-            session.open_round(result.round, f"{kind.value} in round {result.round}: {error_text}")
+            session.open_round(result.round, reason)
         except (RuntimeError, OSError) as store_error:  # torch's DistNetworkError/DistStoreError
             self.give_up(f"lost the rendezvous store at {self._host.settings.launch.endpoint} "
                          f"({type(store_error).__name__}: {first_line(store_error)}) while recovering from a "
-                         f"{kind.value} in round {result.round}; the job cannot re-form its group")
+                         f"{reason}; the job cannot re-form its group")
 
     def _leave_at_once(self, outcome: FailureOutcome, kind: FailureKind, exc: BaseException, facts: FailureFacts,
                        step: int) -> NoReturn:

@@ -34,7 +34,7 @@ from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
-from lightning_ft.exit_codes import StragglerEvicted
+from lightning_ft.exit_codes import HandOver, StragglerEvicted
 from lightning_ft.runtime.fit_loop import RendezvousFitLoop, TorchrunFitLoop
 from lightning_ft.runtime.layout import StateLayout
 from lightning_ft.runtime.log_history import decide_log_versions, keep_log_history
@@ -169,6 +169,25 @@ class FaultToleranceRuntime:
     def rebuild_module(self) -> None:
         """After a failure: the module as a fresh process builds it before ``configure_model``."""
         self.layout.rebuild(self.surface.lightning_module, self.surface.root_device)
+
+    @property
+    def hand_over_seat(self) -> FaultToleranceRuntime | None:
+        """What the SIGTERM path hands over through (:class:`~lightning_ft.termination.handover.HandOverSeat`);
+        None where this process never re-forms in-process (torchrun's agent restarts the workers; a
+        job of one participant has no spare)."""
+        return None if self.under_torchrun or self.settings.launch.max_nodes == 1 else self
+
+    def spares_ready(self) -> int | None:
+        """Live hot spares of this round that could take a leaver's place (None: none can)."""
+        runtime, session = self.round, self.session
+        if runtime is None or runtime.result is None or session is None or self.cannot_reform() is not None:
+            return None
+        return session.rendezvous.records.spares_of_round(runtime.result.round, runtime.result.world_size)
+
+    def hand_over(self, leaving: bool, reason: str) -> None:
+        """A hand-over verdict: leave or re-form at the next step boundary (or in the failure that comes first)."""
+        if self.round is not None:
+            self.round.hand_over = HandOver(leaving, reason)
 
     def leave_as_spare(self) -> None:
         """After fit() returns on a process that is not (or no longer) training: never act as rank 0."""
@@ -357,10 +376,13 @@ class FaultToleranceRuntime:
             runtime.work.watch_gradients(module)
 
     def on_train_batch_start(self) -> None:
-        """At a step boundary: a straggler verdict against this rank is acted on here."""
+        """At a step boundary: a hand-over verdict, or a straggler verdict against this rank, is acted on here."""
         runtime = self.round
         if runtime is None:
             return
+        pending, runtime.hand_over = runtime.hand_over, None
+        if pending is not None:  # at a step boundary: the live state of every rank is this step
+            raise pending
         runtime.step_started()
         if runtime.work is not None:
             runtime.work.micro_batch_started()

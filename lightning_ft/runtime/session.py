@@ -23,6 +23,7 @@ from lightning_ft.checkpoint.memory.roots import remove_run_snapshots
 from lightning_ft.deadlines import on_service_thread_stop, raw_store
 from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
+from lightning_ft.exit_codes import HandOver
 from lightning_ft.failover.backend import FailoverBackend
 from lightning_ft.launch.factory import Participant, open_participant
 from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
@@ -265,6 +266,8 @@ class RoundRuntime:
     stragglers: StragglerWatch | None = None
     #: a training step completed in this round
     progressed: bool = False
+    #: a hand-over verdict of the SIGTERM path, acted on at the next step boundary
+    hand_over: HandOver | None = None
     awaiting_first_step: bool = False
 
     def __post_init__(self) -> None:

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 STOP_KEY = "stop"
 UNHEALTHY_COUNT_KEY = "unhealthy_count"
+#: a log (sealed records, one per rank) of the ranks that received the termination signal themselves
+SIGNALLED_LOG = "signalled"
+#: the hand-over verdict of this termination (first writer wins; every rank acts on the winner)
+HAND_OVER_KEY = "hand_over"
 
 
 def namespace_prefix(namespace: str) -> str:
@@ -67,3 +71,45 @@ def encode_unhealthy(step: int, reasons: list[str]) -> str:
 def decode_unhealthy(raw: bytes) -> list[str]:
     """The reasons a rank gave when it left as unhealthy."""
     return [str(r) for r in json.loads(raw.decode())["reasons"]]
+
+
+def encode_signalled(rank: int) -> str:
+    return json.dumps({"rank": rank})
+
+
+def decode_signalled(raw: bytes) -> int | None:
+    """The rank of a record of the signalled log; None for anything that is not one."""
+    try:
+        rank = json.loads(raw.decode())["rank"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    return rank if type(rank) is int and rank >= 0 else None
+
+
+@dataclass(frozen=True)
+class HandOverVerdict:
+    """Whether a termination is a hand-over: ``leavers`` leave, the others go on with spares in their
+    places; no leavers: the whole job stops (the SIGTERM path as without spares)."""
+
+    leavers: tuple[int, ...]
+    reason: str
+
+    @property
+    def hands_over(self) -> bool:
+        return bool(self.leavers)
+
+    def encode(self) -> str:
+        return json.dumps({"leavers": list(self.leavers), "reason": self.reason})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> HandOverVerdict | None:
+        """The verdict in ``raw``; None for a damaged value."""
+        try:
+            data = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+            leavers, reason = data["leavers"], data["reason"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
+        if not isinstance(leavers, list) or not all(type(r) is int and r >= 0 for r in leavers) \
+                or not isinstance(reason, str):
+            return None
+        return cls(tuple(leavers), reason)

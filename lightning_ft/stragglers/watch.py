@@ -153,6 +153,4 @@ class StragglerWatch:
 
     def _spares(self) -> int:
         """Hot spares that could take a place now: live participants of the run beyond its actives."""
-        lost = self.records.lost()
-        live = [a for a in self.records.arrivals(self.round_id) if a.participant_id not in lost]
-        return max(0, len(live) - self.world_size)
+        return self.records.spares_of_round(self.round_id, self.world_size)

@@ -133,6 +133,11 @@ class FaultTolerantSurface(ParallelStrategy):
         """The store the SIGTERM path agrees on a stop step through (see the runtime)."""
         return self.ft.stop_store
 
+    @property
+    def hand_over_seat(self) -> Any:
+        """What the SIGTERM path hands a signalled node's place over through (see the runtime)."""
+        return self.ft.hand_over_seat
+
     # ------------------------------------------------------------------ what the runtime asks
 
     def assign_rank(self, rank: int, world_size: int) -> None:

@@ -32,21 +32,18 @@ decide as in 4. and log why -- it never waits out the store's own op timeout (mi
 from __future__ import annotations
 
 import logging
-import secrets
 import signal
 import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 
 from lightning_ft._clock import monotonic
 from lightning_ft._lightning.callback_dispatch import skip_unused_batch_hooks
 from lightning_ft._lightning.launcher import disarm_child_observer
 from lightning_ft._lightning.trainer import log_step_metrics
 from lightning_ft._logging import ensure_log_output
-from lightning_ft._torch import default_group_store
 from lightning_ft._validation import require
 from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.events import NullEventLog, open_event_log
@@ -55,12 +52,17 @@ from lightning_ft.exit_codes import FaultTolerantExit
 from lightning_ft.health import NodeHealthCheck
 from lightning_ft.health.probes import default_probes
 from lightning_ft.process import install_exit_hook, plan_exit
-from lightning_ft.schema.termination import namespace_prefix
 from lightning_ft.settings import SettingsError, load
 from lightning_ft.settings.environment import torchelastic_run_id, torchelastic_shutdown_timeout
-from lightning_ft.termination.coordination import LocalStopCoordinator, StopRequest, StoreStopCoordinator
+from lightning_ft.termination.coordination import (
+    LocalStopCoordinator,
+    StopRequest,
+    StoreStopCoordinator,
+    coordinator_for,
+)
 from lightning_ft.termination.decision import BoundaryAction, decide_at_boundary, resolve_grace_seconds
 from lightning_ft.termination.execution import Termination, TerminationExecutor
+from lightning_ft.termination.handover import HandOverAgreement, hand_over_seat
 from lightning_ft.termination.settings import TerminationSettings, check_reserve
 from lightning_ft.termination.signals import SignalListener
 from lightning_ft.termination.watcher import StopWatcher
@@ -140,6 +142,10 @@ class GracefulTermination(pl.Callback):
         # training thread's own, so a call stuck on it stalls nothing but the bounded call
         self._coordinator: StoreStopCoordinator | LocalStopCoordinator = LocalStopCoordinator()
         self._watcher: StopWatcher | None = None
+        self._hand_over = HandOverAgreement(self._coordinator, None, 0.0, 0.0)
+        #: a signal of this rank's own that came after a hand-over verdict it survived: the next
+        #: round's termination begins with it (a signal is never dropped)
+        self._carried_signal: tuple[int, float] | None = None
         self._restore_handlers: dict[int, Any] = {}
         self._fit_active = False
         self._last_boundary_step = -1
@@ -174,7 +180,7 @@ class GracefulTermination(pl.Callback):
         self._trainer = trainer
         self._rank, self._world_size = trainer.global_rank, trainer.world_size
         self._termination = None
-        shared = self._make_coordinator(trainer)
+        shared = coordinator_for(trainer.strategy, self._rank, self._world_size, self._store_override)
         self._coordinator = shared.clone()
         self._watcher = None
         if isinstance(shared, StoreStopCoordinator):
@@ -195,33 +201,17 @@ class GracefulTermination(pl.Callback):
             events=self._events, rank=self._rank, world_size=self._world_size, announcer=self._coordinator,
             current_step=self._current_step, fit_active=lambda: self._fit_active)
         self._listener = SignalListener(self.signals, self._on_signal)
+        self._hand_over = HandOverAgreement(self._coordinator, hand_over_seat(trainer.strategy),
+                                            self.settings.hand_over_settle_seconds, self.timeouts.stop_store_timeout)
         if self._listener.install():
             log.info("rank %d: handling %s (grace %.0f s from %s, health check %.1f s, %d probes)",
                      self._rank, "/".join(signal.Signals(s).name for s in self.signals), self.grace_seconds,
                      self.grace_source, self._health_check.timeout_s, len(self._health_check.probes))
         else:
             self._listener = None
-
-    def _make_coordinator(self, trainer: pl.Trainer) -> StoreStopCoordinator | LocalStopCoordinator:
-        if self._world_size <= 1:
-            return LocalStopCoordinator()
-        # a strategy that keeps its own store connection (ddp_ft: one that follows the store when
-        # it fails over) offers it; else the process group's
-        store = self._store_override if self._store_override is not None else \
-            getattr(trainer.strategy, "stop_store", None)
-        if store is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                log.warning("rank %d: world size %d but no process group; ranks cannot agree on a stop step",
-                            self._rank, self._world_size)
-                return LocalStopCoordinator()
-            store = default_group_store()
-        # A fresh namespace per fit, chosen by rank 0 and broadcast once while all ranks are
-        # in step (never from a signal handler). Stores outlive worker groups: torchrun's
-        # agent keeps one TCPStore across worker restarts and membership changes, so a
-        # stop key left by an earlier group would stop the restarted one at once.
-        namespace = trainer.strategy.broadcast(secrets.token_hex(8) if self._rank == 0 else None, src=0)
-        assert namespace is not None  # rank 0's, on every rank
-        return StoreStopCoordinator(store, self._rank, self._world_size, prefix=namespace_prefix(namespace))
+        carried, self._carried_signal = self._carried_signal, None
+        if carried is not None and self._listener is not None:
+            self._on_signal(*carried)
 
     def _finish(self, trainer: pl.Trainer | None = None, exiting: bool = False) -> None:
         """Stop watching and put the pre-fit handlers back; nothing of ours stays installed.
@@ -260,6 +250,12 @@ class GracefulTermination(pl.Callback):
                     self._rank, name, step + 1)
         self._events.emit(ev.TERMINATION_SIGNAL, signal=name, step=step)
         self._begin(signum, seen_at, f"{name} received")
+        coordinator = self._coordinator
+        if isinstance(coordinator, StoreStopCoordinator) and self._hand_over.possible:
+            # for the hand-over verdict: this rank leaves if peers and spares can go on without it
+            call_with_timeout(coordinator.mark_signalled, self.timeouts.announce_timeout,
+                              f"rank {self._rank}: recording the signal", unanswered="going on without it",
+                              log_problem=True)
 
     def _on_peer_stop(self, stop: StopRequest) -> None:  # stop-watcher thread
         # start the health check now, not at the next step boundary; after fit, nothing to stop
@@ -341,6 +337,8 @@ class GracefulTermination(pl.Callback):
             where = f"stopping at step {step}, past the agreed stop step {stop.step}"
         else:
             where = f"reached the agreed stop step {step}"
+        if self._handed_over(trainer, termination, step, unhealthy):
+            return
         self._stop_here(trainer, termination, step, where)
 
     def _propose(self, termination: Termination, step: int) -> StopRequest | None:
@@ -349,7 +347,8 @@ class GracefulTermination(pl.Callback):
         reason = f"rank {self._rank}: {termination.cause}"
         if isinstance(coordinator, LocalStopCoordinator):
             return coordinator.propose(proposal, termination.signum, reason)
-        outcome = call_with_timeout(lambda: coordinator.propose(proposal, termination.signum, reason),
+        signalled = self._signalled() and self._hand_over.possible
+        outcome = call_with_timeout(lambda: coordinator.propose(proposal, termination.signum, reason, signalled),
                                     self.timeouts.stop_store_timeout, "proposing the stop step in the store")
         if not outcome.ok:
             log.error("rank %d: %s; no agreed stop step: stopping at step %d", self._rank, outcome.problem, step)
@@ -367,34 +366,38 @@ class GracefulTermination(pl.Callback):
         Stops here (never returns) when the confirmations do not come in time: a rank that
         does not know the stop step might train past it, so nobody trains it.
         """
-        coordinator, timeout = self._coordinator, self.timeouts.stop_store_timeout
         stop = termination.stop
         assert stop is not None  # agreed on by _at_boundary before it holds
-
-        def _wait() -> tuple[bool, dict[int, list[str]]]:
-            confirmed = coordinator.wait_until_all_confirmed(timeout)
-            return confirmed, coordinator.unhealthy_peers()
-
-        started = monotonic()
-        # the outer bound is a little longer: the inner wait returns False by itself when the
-        # store answers but a rank did not confirm
-        outcome = call_with_timeout(_wait, timeout + 0.5, "waiting for every rank to confirm the stop step")
-        if outcome.problem is None:
-            confirmed, unhealthy = outcome.value
-            if unhealthy:
-                return unhealthy
-            if confirmed:
-                termination.all_confirmed = True
-                log.info("rank %d: every rank confirmed the stop after step %d (waited %.0f ms)", self._rank,
-                         stop.step, (monotonic() - started) * 1000)
-                return {}
-            problem = f"not every rank confirmed the stop step within {timeout:g} s"
-        else:
-            problem = outcome.problem
+        unhealthy, problem = wait_for_confirmations(self._coordinator, self.timeouts.stop_store_timeout, stop)
+        if problem is None:
+            termination.all_confirmed = not unhealthy
+            return unhealthy
         log.error("rank %d: %s; stopping at step %d instead of %d", self._rank, problem, step, stop.step)
         self._stop_here(trainer, termination, step, f"stopping at step {step} before the agreed stop step "
                                                     f"{stop.step}: {problem}")
         return {}  # not reached
+
+    def _signalled(self) -> bool:
+        """This rank received the signal itself (not only a peer's stop request)."""
+        return self._listener is not None and self._listener.received is not None
+
+    def _handed_over(self, trainer: pl.Trainer, termination: Termination, step: int,
+                     unhealthy: dict[int, list[str]]) -> bool:
+        """At the stop (or a peer's unhealthy exit): act on the hand-over verdict; False: the job stops."""
+        if not self._hand_over.possible:
+            return False
+        verdict = self._hand_over.settle(termination.started_at, step, self._signalled(), unhealthy, self._events)
+        if not verdict.hands_over:
+            return False
+        if self._rank in verdict.leavers:
+            termination.exit_code_if_killed = 0  # forced out when the way out takes too long: still handed over
+            self._finish(trainer, exiting=True)
+            return True
+        termination.watchdog.disarm()  # this rank goes on training
+        self._carried_signal = self._listener.received if self._listener is not None else None
+        self._termination = None
+        self._finish(trainer)
+        return True
 
     def _propose_margin(self) -> int:
         # Any margin >= 1 keeps the agreement exact: the proposer holds before the stop step
@@ -449,6 +452,8 @@ class GracefulTermination(pl.Callback):
             self._finish()
             return
         step = trainer.global_step
+        if self._world_size > 1 and self._handed_over(trainer, termination, step, peers):
+            return  # the strategy re-forms (or this rank leaves) as the verdict says
         where = (f"{type(exception).__name__} during the termination (unhealthy peers: {peers or 'none'}); "
                  f"saving from the last completed step {step}")
         assert self._executor is not None  # made in setup(), before any termination
@@ -468,6 +473,31 @@ class GracefulTermination(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._finish()
+
+
+def wait_for_confirmations(coordinator: StoreStopCoordinator | LocalStopCoordinator, timeout: float,
+                           stop: StopRequest) -> tuple[dict[int, list[str]], str | None]:
+    """Wait (bounded) until every rank confirmed ``stop``: ``(unhealthy peers, None)`` when they did
+    or a peer left unhealthy meanwhile, ``({}, problem)`` when the confirmations did not come."""
+
+    def _wait() -> tuple[bool, dict[int, list[str]]]:
+        confirmed = coordinator.wait_until_all_confirmed(timeout)
+        return confirmed, coordinator.unhealthy_peers()
+
+    started = monotonic()
+    # the outer bound is a little longer: the inner wait returns False by itself when the
+    # store answers but a rank did not confirm
+    outcome = call_with_timeout(_wait, timeout + 0.5, "waiting for every rank to confirm the stop step")
+    if outcome.problem is not None:
+        return {}, outcome.problem
+    confirmed, unhealthy = outcome.value
+    if unhealthy:
+        return unhealthy, None
+    if not confirmed:
+        return {}, f"not every rank confirmed the stop step within {timeout:g} s"
+    log.info("rank %d: every rank confirmed the stop after step %d (waited %.0f ms)", coordinator.rank, stop.step,
+             (monotonic() - started) * 1000)
+    return {}, None
 
 
 def _validate_signals(signals: Sequence[int]) -> tuple[signal.Signals, ...]:

@@ -14,25 +14,35 @@ from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 import time
 from typing import Any
 
+import torch.distributed as dist
+
 from lightning_ft._clock import monotonic
+from lightning_ft._torch import default_group_store
 from lightning_ft.schema.signing import SealedStore, Signer, job_signer
 from lightning_ft.schema.termination import (
+    HAND_OVER_KEY,
+    SIGNALLED_LOG,
     STOP_KEY,
     UNHEALTHY_COUNT_KEY,
+    HandOverVerdict,
     StopRequest,
     confirmed_key,
+    decode_signalled,
     decode_unhealthy,
+    encode_signalled,
     encode_unhealthy,
+    namespace_prefix,
     unhealthy_key,
     wake_key,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalStopCoordinator", "StopRequest", "StoreStopCoordinator"]
+__all__ = ["LocalStopCoordinator", "StopRequest", "StoreStopCoordinator", "coordinator_for"]
 
 # polling for the confirmations: start fast (they usually arrive within a few store round
 # trips), back off so a long wait costs the store little
@@ -68,11 +78,14 @@ class StoreStopCoordinator:
                 log.debug("store clone failed; sharing the connection", exc_info=True)
         return StoreStopCoordinator(store, self.rank, self.world_size, self.prefix, self.values.signer)
 
-    def propose(self, step: int, signum: int, reason: str) -> StopRequest:
+    def propose(self, step: int, signum: int, reason: str, signalled: bool = False) -> StopRequest:
         """Propose stopping after ``step``; returns the agreed request (possibly an earlier one).
 
-        This rank then knows the stop: it confirms, and wakes every rank's watcher.
+        This rank then knows the stop: it confirms, and wakes every rank's watcher. ``signalled``:
+        this rank received the signal itself (recorded first, for the hand-over verdict).
         """
+        if signalled:
+            self.mark_signalled()
         mine = StopRequest(step, self.rank, signum, reason)
         agreed = StopRequest.decode(self.values.put_if_absent(STOP_KEY, mine.encode()))
         self.confirm()
@@ -82,6 +95,24 @@ class StoreStopCoordinator:
     def poll(self) -> StopRequest | None:
         raw = self.values.get(STOP_KEY)
         return StopRequest.decode(raw) if raw is not None else None
+
+    def mark_signalled(self) -> None:
+        """Record that this rank received the termination signal itself (a leaver if it hands over)."""
+        self.values.append(SIGNALLED_LOG, encode_signalled(self.rank))
+
+    def signalled_ranks(self) -> set[int]:
+        ranks = (decode_signalled(raw) for raw in self.values.records(SIGNALLED_LOG))
+        return {r for r in ranks if r is not None and r < self.world_size}
+
+    def hand_over_verdict(self) -> HandOverVerdict | None:
+        """The verdict some rank published for this termination, None before any."""
+        raw = self.values.get(HAND_OVER_KEY)
+        return HandOverVerdict.decode(raw) if raw is not None else None
+
+    def publish_hand_over(self, verdict: HandOverVerdict) -> HandOverVerdict:
+        """Publish ``verdict`` unless one is there; returns the one every rank acts on."""
+        winner = HandOverVerdict.decode(self.values.put_if_absent(HAND_OVER_KEY, verdict.encode()))
+        return winner if winner is not None else HandOverVerdict((), "a damaged hand-over verdict: the job stops")
 
     def confirm(self) -> None:
         """Tell the proposer(s) this rank knows the stop request."""
@@ -167,7 +198,7 @@ class LocalStopCoordinator:
     def clone(self) -> LocalStopCoordinator:
         return self
 
-    def propose(self, step: int, signum: int, reason: str) -> StopRequest:
+    def propose(self, step: int, signum: int, reason: str, signalled: bool = False) -> StopRequest:
         if self._stop is None:
             self._stop = StopRequest(step, 0, signum, reason)
         return self._stop
@@ -192,3 +223,27 @@ class LocalStopCoordinator:
 
     def unhealthy_peers(self) -> dict[int, list[str]]:
         return {}
+
+
+def coordinator_for(strategy: Any, rank: int, world_size: int,
+                    store: Any | None = None) -> StoreStopCoordinator | LocalStopCoordinator:
+    """The coordinator of one ``fit()``: over ``store``, else the store the strategy offers
+    (``stop_store``), else the process group's; a fresh key space chosen by rank 0 (a collective:
+    every rank calls this at the same point of ``fit()``, never from a signal handler)."""
+    if world_size <= 1:
+        return LocalStopCoordinator()
+    # a strategy that keeps its own store connection (ddp_ft: one that follows the store when
+    # it fails over) offers it; else the process group's
+    store = store if store is not None else getattr(strategy, "stop_store", None)
+    if store is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            log.warning("rank %d: world size %d but no process group; ranks cannot agree on a stop step",
+                        rank, world_size)
+            return LocalStopCoordinator()
+        store = default_group_store()
+    # Stores outlive worker groups: torchrun's agent keeps one TCPStore across worker restarts
+    # and membership changes, so a stop key left by an earlier group would stop the restarted
+    # one at once.
+    namespace = strategy.broadcast(secrets.token_hex(8) if rank == 0 else None, src=0)
+    assert namespace is not None  # rank 0's, on every rank
+    return StoreStopCoordinator(store, rank, world_size, prefix=namespace_prefix(namespace))

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import enum
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lightning_ft.exit_codes import ExitCode
+from lightning_ft.schema.termination import HandOverVerdict
 
 DEFAULT_GRACE_SECONDS = 30.0
 
@@ -109,6 +111,32 @@ def decide_at_boundary(*, step: int, stop_step: int, peer_unhealthy: bool, all_c
     if step == stop_step - 1 and not all_confirmed:
         return BoundaryAction.HOLD
     return BoundaryAction.CONTINUE
+
+
+def decide_hand_over(*, world_size: int, signalled: Iterable[int], unhealthy: Iterable[int],
+                     spares_ready: int | None) -> HandOverVerdict:
+    """A termination that reached only some actives: do they hand over to hot spares, or does the job stop?
+
+    ``signalled``: ranks that received the signal themselves; ``unhealthy``: ranks that left as
+    unhealthy; ``spares_ready``: live hot spares not signalled themselves (``None``: this job cannot
+    re-form in-process -- plain DDP, torchrun's agent restarts the workers, a job of one process).
+    The signalled and the unhealthy leave; everyone else goes on when a spare takes every
+    leaver's place. When every active leaves (scancel, the time limit, a preempted job) or too
+    few spares wait, nobody hands over: the whole job stops at the agreed step as without spares.
+    """
+    leaving = tuple(sorted({r for r in (*signalled, *unhealthy) if 0 <= r < world_size}))
+    if spares_ready is None:
+        return HandOverVerdict((), "this job cannot re-form in-process: the whole job stops")
+    if not leaving:
+        return HandOverVerdict((), "no rank says it was signalled: the whole job stops")
+    if len(leaving) >= world_size:
+        return HandOverVerdict((), f"every active was signalled or is unhealthy ({world_size} of {world_size}): "
+                                   "the whole job stops")
+    if spares_ready < len(leaving):
+        return HandOverVerdict((), f"{len(leaving)} of {world_size} actives leave (ranks {list(leaving)}) but "
+                                   f"{spares_ready} hot spare(s) are ready: the whole job stops")
+    return HandOverVerdict(leaving, f"ranks {list(leaving)} of {world_size} leave; {len(leaving)} of "
+                                    f"{spares_ready} ready hot spare(s) take their places")
 
 
 def budget_left(*, grace_s: float, signal_time: float, now: float, exit_reserve_s: float) -> float:

@@ -26,6 +26,10 @@ class TerminationSettings:
     save_safety_factor: float = setting(1.5, "the measured snapshot cost is multiplied by this before it is "
                                              "compared with the time left",
                                         rule=number(minimum=1, inclusive=True), advanced=True)
+    hand_over_settle_seconds: float = setting(
+        0.5, "with hot spares ready, a termination waits this long after it began before deciding who hands over: "
+             "the other signals of one preemption arrive meanwhile (a job whose every active is signalled stops)",
+        rule=number(inclusive=True), advanced=True)
     exit_reserve_seconds: float = setting(1.0, "time kept back from the grace period for the exit itself",
                                           rule=number(inclusive=True), advanced=True)
     overrun_is_unhealthy: bool = setting(True, "a health probe that has not answered by the deadline counts as "

@@ -1,0 +1,83 @@
+"""A SIGTERM to some actives while hot spares wait: the signalled hand their places over (exit 0),
+the job goes on from the survivors' live state and no step is trained again (issue 38).
+
+Real processes: a standalone ``lightning-ft store`` and ``tests/scripts/ft_train.py`` participants
+(see ``tests/scripts/ft_cluster.py``); the spare is standby before training starts.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+from proc_utils import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
+from ft_cluster import Cluster, in_order, ordered_start, release
+
+pytestmark = [pytest.mark.multiprocess]
+
+SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
+
+
+def start_with_spares(cluster: Cluster, names: str, actives: str, args: list[str], **env_of: dict[str, str]) -> None:
+    """``actives`` train, the other ``names`` are standby before the first step."""
+    cluster.out.mkdir(parents=True, exist_ok=True)
+    cluster.start_store()
+    hold = ordered_start(cluster, actives)
+    for name in names:
+        cluster.start_participant(name, [*args, *hold], **env_of.get(name, {}))
+        in_order(cluster, name, actives=actives)
+    release(hold)
+
+
+def assert_no_step_trained_twice(cluster: Cluster, name: str) -> list[int]:
+    steps = [r["step"] for r in cluster.steps()[name]]
+    assert steps == sorted(set(steps)), f"{name} trained a step again: {steps}"
+    assert steps == list(range(steps[0], steps[-1] + 1)), f"{name} skipped a step: {steps}"
+    return steps
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_one_active_hands_over_to_the_spare_and_no_step_is_trained_again(processes, tmp_path):
+    cluster = Cluster(processes, tmp_path, "2:3", run_id="hand-over")
+    start_with_spares(cluster, "ABC", "AB", ["--max-steps", "150", *SLOW])
+    cluster.wait_for_step(20, 60)
+    cluster.kill("B", signal.SIGTERM)
+    codes = cluster.wait(["A", "B", "C"], 90)
+    assert codes == {"A": 0, "B": 0, "C": 0}, cluster.logs()
+    assert "HANDED_OVER (0)" in cluster.procs["B"].log()
+    left_at = max(r["step"] for r in cluster.steps()["B"])
+    [verdict] = {tuple(e["leavers"]) for e in cluster.events_of("hand_over_verdict")}
+    assert verdict == (1,), cluster.events_of("hand_over_verdict")
+    assert len(cluster.events_of("handed_over")) == 1 and len(cluster.events_of("hand_over")) == 1
+    # the survivor trained on without a step again; the spare started at the step B left after
+    steps = assert_no_step_trained_twice(cluster, "A")
+    assert steps[-1] == 150 and left_at in steps
+    assert [s["step"] for s in cluster.starts("C")] == [left_at]
+    assert assert_no_step_trained_twice(cluster, "C")[0] == left_at + 1
+    restored = {e["step"] for e in cluster.events_of("restored") if e.get("round", 0) > 0}
+    assert restored == {left_at}, restored
+    assert cluster.result("A")["weights"] == cluster.result("C")["weights"]
+    assert not cluster.events_of("failure_detected"), cluster.events_of("failure_detected")
+    assert cluster.events_of("first_step_after_recovery")
+    assert all(cluster.left_cleanly(n) for n in "ABC")
+
+
+@pytest.mark.timeout(180)
+def test_an_unhealthy_signalled_node_leaves_at_once_and_the_spare_takes_its_place(processes, tmp_path):
+    marker = tmp_path / "xid"
+    marker.write_text("Xid 79: GPU has fallen off the bus")
+    cluster = Cluster(processes, tmp_path, "2:3", run_id="unhealthy-hand-over")
+    start_with_spares(cluster, "ABC", "AB", ["--max-steps", "120", *SLOW],
+                      B={"LIGHTNING_FT_HEALTH_MARKERS": str(marker)})
+    cluster.wait_for_step(20, 60)
+    cluster.kill("B", signal.SIGTERM)
+    codes = cluster.wait(["A", "B", "C"], 90)
+    assert codes == {"A": 0, "B": 82, "C": 0}, cluster.logs()
+    assert "Xid 79" in cluster.procs["B"].log()
+    assert cluster.result("A")["step"] == cluster.result("C")["step"] == 120
+    assert cluster.result("A")["weights"] == cluster.result("C")["weights"]
+    assert_no_step_trained_twice(cluster, "A")
