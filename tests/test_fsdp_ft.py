@@ -14,7 +14,7 @@ import pytest
 from proc_utils import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
-from ft_cluster import Cluster
+from ft_cluster import Cluster, ordered_start, release
 
 FSDP = ["--strategy", "fsdp_ft", "--resumable-data", "--step-sleep", "0.03", "--snapshot-every", "10"]
 
@@ -170,6 +170,37 @@ def test_a_killed_host_is_replaced_by_the_spare_with_its_shards_from_the_replica
     # sharded state is never copied through the store: no warning that store copies need a secret
     assert "snapshot replicas for hot spares are off" not in cluster.logs()
     assert any(e.get("from_rank") is not None for e in cluster.events_of("snapshot_received")), cluster.logs()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_sigterm_to_one_host_hands_its_shards_over_and_no_step_is_trained_again(processes, tmp_path):
+    """Issue 38: three hosts, 2 actives + 1 spare, fsdp_ft's default schedule. SIGTERM to one
+    active: at the agreed step every rank snapshots its shards and copies them to the other host
+    (the signalled one too: it is alive and holds them), the signalled host leaves with exit 0,
+    the survivor and the spare resume at that very step -- not at a scheduled snapshot -- the
+    leaver's shards from their copy, and finish with the weights of an uninterrupted run."""
+    reference = _cluster(processes, tmp_path / "reference", "fsdp-reference")
+    _start(reference, {"R0": 0, "R1": 1}, [*DEFAULT_SCHEDULE, "--max-steps", "60"], store="reference-store")
+    cluster = _cluster(processes, tmp_path / "job", "fsdp-hand-over", nnodes="2:3")
+    cluster.out.mkdir(parents=True)
+    hold = ordered_start(cluster, "AB")  # the spare is standby before the first step
+    _start(cluster, {"A": 0, "B": 1}, [*DEFAULT_SCHEDULE, "--max-steps", "60", *hold])
+    cluster.wait_for_log("B", "round 0 complete")
+    cluster.start_participant("C", [*DEFAULT_SCHEDULE, "--max-steps", "60", "--ft-option", "infra_rank=2"])
+    cluster.wait_for_log("C", "standby in round 0")
+    release(hold)
+    cluster.wait_for_step(25, 90, among=["A", "B"])
+    cluster.kill("B", signal.SIGTERM)
+    assert cluster.wait(["A", "B", "C"], 90) == {"A": 0, "B": 0, "C": 0}, cluster.logs()
+    left_at = max(r["step"] for r in cluster.steps()["B"])
+    assert "HANDED_OVER (0)" in cluster.procs["B"].log()
+    copied = [e["step"] for e in cluster.events_of("shard_replica") if e["pid"] == cluster.procs["B"].pid]
+    assert copied[-1] == left_at, (copied, left_at)  # the leaver's shards of the step it left at
+    assert _assert_resumed_together(cluster, ["A", "C"], newest_complete=left_at, interval=None) == left_at
+    assert reference.wait(["R0", "R1"], 120) == {"R0": 0, "R1": 0}, reference.logs()
+    expected = reference.result("R0")["weights"]
+    assert cluster.result("A")["weights"] == cluster.result("C")["weights"] == expected
 
 
 @pytest.mark.multiprocess

@@ -73,6 +73,14 @@ class ReplicatedState:
                              progress: Callable[[], None]) -> None:
         """Nothing after a step."""
 
+    def can_hand_over(self) -> bool:
+        """The survivors' live state holds everything a leaver had: a spare can always take its place."""
+        return True
+
+    def before_hand_over(self, checkpoint: EmergencyCheckpoint | None, trainer: Any,
+                         progress: Callable[[], None]) -> None:
+        """Nothing to send: the survivors' live state is the step the next round resumes from."""
+
 
 class ShardedState:
     """Each rank holds only its own shards (FSDP2 ``DTensor``\\ s; ``fsdp_ft``)."""
@@ -177,6 +185,29 @@ class ShardedState:
             progress()
             self._copy(checkpoint.last_snapshot, checkpoint.store)
             progress()
+
+    def can_hand_over(self) -> bool:
+        """A leaver's shards reach its replacement only as a copy in another failure domain."""
+        return self._replicas is not None
+
+    def before_hand_over(self, checkpoint: EmergencyCheckpoint | None, trainer: Any,
+                         progress: Callable[[], None]) -> None:
+        """At the hand-over's step boundary, on every rank (the leavers too, which are alive and hold
+        their shards): snapshot this step's shards and copy them to ranks in other failure domains
+        (collective), so the next round resumes at this step -- the leavers' shards from their
+        copies -- and no step is trained again."""
+        if self._replicas is None or checkpoint is None:
+            return
+        progress()
+        own = checkpoint.last_snapshot
+        if own is None or own.step != trainer.global_step:
+            try:
+                own = checkpoint.save_now(trainer, reason="hand-over")
+            except Exception:  # the copy says "nothing" and the newest complete step stands
+                log.exception("fsdp_ft: the hand-over's snapshot of step %d failed", trainer.global_step)
+                own = None
+        self._copy(own, checkpoint.store)
+        progress()
 
     def _copy(self, own: SnapshotInfo | None, store: SnapshotStore | None) -> None:
         assert self._replicas is not None

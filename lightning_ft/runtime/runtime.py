@@ -180,7 +180,8 @@ class FaultToleranceRuntime:
     def spares_ready(self) -> int | None:
         """Live hot spares of this round that could take a leaver's place (None: none can)."""
         runtime, session = self.round, self.session
-        if runtime is None or runtime.result is None or session is None or self.cannot_reform() is not None:
+        if (runtime is None or runtime.result is None or session is None or self.cannot_reform() is not None
+                or not self.layout.can_hand_over()):
             return None
         return session.rendezvous.records.spares_of_round(runtime.result.round, runtime.result.world_size)
 
@@ -382,6 +383,7 @@ class FaultToleranceRuntime:
             return
         pending, runtime.hand_over = runtime.hand_over, None
         if pending is not None:  # at a step boundary: the live state of every rank is this step
+            self.layout.before_hand_over(self._checkpoint, self.run.trainer, self.progress)
             raise pending
         runtime.step_started()
         if runtime.work is not None:
