@@ -8,7 +8,8 @@ a standalone ``lightning-ft store``), alternating, SIGTERM at the same step:
 * ``stop-relaunch`` (the anchor, what a signal to one node cost before: the whole job stops with
   81 and is requeued): 2 actives, no spare; both stop at the agreed step with their snapshots
   (81) and are relaunched at once on the same nodes -- no scheduler in between, so the anchor is
-  a lower bound of a real requeue (minutes of queueing and start-up on a cluster).
+  a lower bound of a real requeue (minutes of queueing on a cluster); its processes start as
+  fresh interpreters, as a scheduler starts them.
 
 Reported: SIGTERM -> the first training step of the job completed after it (``hand-over``: the
 survivors' ``first_step_after_recovery`` event; ``stop-relaunch``: the first step record of a
@@ -35,7 +36,13 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 
 from ft_cluster import Cluster, in_order, ordered_start, release  # noqa: E402
-from proc_utils import ProcessSet  # noqa: E402
+from procs import ProcessSet as FreshProcesses  # noqa: E402  (examples/: no fork server)
+
+
+def ProcessSet(log_dir: Path) -> FreshProcesses:
+    # fresh interpreters, as a scheduler starts them: the relaunch of the anchor pays the real
+    # start-up (importing torch and Lightning), not a fork of a preloaded one (tests/prefork.py)
+    return FreshProcesses(log_dir, cwd=REPO)
 
 SCENARIOS = ("stop-relaunch", "hand-over")
 
@@ -83,18 +90,18 @@ def stop_relaunch(args, root: Path) -> dict:
         signalled = cluster.kill("B", signal.SIGTERM)
         codes = cluster.wait(["A", "B"], 120)
         stopped_at = max(r["step"] for r in cluster.steps()["B"])
-        old = set(cluster.procs.values())
-        for infra_rank, name in enumerate("AB"):  # the requeue, on the same nodes, at once
-            cluster.start_participant(name, _train_args(args), LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+        for infra_rank, name in enumerate("AB"):  # the requeue, on the same nodes (identity, memory), at once
+            cluster.start_participant(f"{name}2", _train_args(args), LIGHTNING_FT_INFRA_RANK=str(infra_rank),
+                                      LIGHTNING_FT_DOMAIN_ID=f"host-{name}",
+                                      LIGHTNING_FT_SNAPSHOT_DIR=str(root / f"shm-{name}"))
         deadline = time.monotonic() + 120
         first = None
         while first is None and time.monotonic() < deadline:
-            new = [records for name, records in cluster.steps().items() if cluster.procs[name] not in old]
-            times = [r[0]["t"] for r in new if r]
+            times = [records[0]["t"] for name, records in cluster.steps().items() if name.endswith("2") and records]
             first = min(times) if times else None
             time.sleep(0.02)
-        relaunched = cluster.wait(["A", "B"], 120)
-        resumed = [s["step"] for name in "AB" for s in cluster.starts(name)]
+        relaunched = cluster.wait(["A2", "B2"], 120)
+        resumed = [s["step"] for name in ("A2", "B2") for s in cluster.starts(name)]
         return {"seconds": first - signalled if first is not None else None, "codes": {**codes, "relaunch": relaunched},
                 "redone": stopped_at - min(resumed) if resumed else None, "verdict_seconds": None,
                 "finished": all(code == 0 for code in relaunched.values())}

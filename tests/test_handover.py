@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+from lightning_ft.events.log import read_events
+from lightning_ft.report.timeline import job_exit_code, summarize
+
 from proc_utils import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
@@ -51,7 +54,7 @@ def test_sigterm_to_one_active_hands_over_to_the_spare_and_no_step_is_trained_ag
     assert "HANDED_OVER (0)" in cluster.procs["B"].log()
     left_at = max(r["step"] for r in cluster.steps()["B"])
     [verdict] = {tuple(e["leavers"]) for e in cluster.events_of("hand_over_verdict")}
-    assert verdict == (1,), cluster.events_of("hand_over_verdict")
+    assert verdict == (cluster.steps()["B"][0]["rank"],), cluster.events_of("hand_over_verdict")
     assert len(cluster.events_of("handed_over")) == 1 and len(cluster.events_of("hand_over")) == 1
     # the survivor trained on without a step again; the spare started at the step B left after
     steps = assert_no_step_trained_twice(cluster, "A")
@@ -64,6 +67,12 @@ def test_sigterm_to_one_active_hands_over_to_the_spare_and_no_step_is_trained_ag
     assert not cluster.events_of("failure_detected"), cluster.events_of("failure_detected")
     assert cluster.events_of("first_step_after_recovery")
     assert all(cluster.left_cleanly(n) for n in "ABC")
+    # lightning-ft report: one hand-over, no failure, the job's code 0 (what a batch script ends with)
+    summary = summarize(read_events(str(cluster.events)))
+    [hand_over] = summary.hand_overs
+    assert hand_over.steps_redone == 0 and hand_over.step == left_at and hand_over.seconds is not None
+    assert summary.failures == () and summary.status == "finished"
+    assert job_exit_code(summary, launcher_code=0).code == 0
 
 
 @pytest.mark.timeout(180)

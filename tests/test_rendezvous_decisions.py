@@ -144,6 +144,22 @@ def test_previous_active_grace_holds_places_unless_dead():
         is Action.COMPLETE
 
 
+def test_after_a_loss_the_round_completes_once_everyone_who_can_still_take_part_arrived():
+    """2:3, one participant lost for good (a hand-over, a death): the survivor and the spare are all
+    that can come, so no last call is waited out; while a survivor of the previous round is
+    missing (and not dead) its place is still kept."""
+    previous = (info(0).participant_id, info(1).participant_id)
+    both = RoundView(1, (arrival(0, 0), arrival(1, 2)), previous_actives=previous,
+                     dead_previous_actives=frozenset({previous[1]}), lost_count=1)
+    decision = decide_completion(both, settings(), RoundTimer(opened_at=0.0), now=0.0)
+    assert decision.action is Action.COMPLETE and "can still take part" in decision.reason
+    survivor_missing = RoundView(1, (arrival(0, 2), arrival(1, 3)), previous_actives=previous,
+                                 dead_previous_actives=frozenset({previous[1]}), lost_count=1)
+    assert decide_completion(survivor_missing, settings(), RoundTimer(0.0), now=0.0).action is Action.WAIT
+    no_loss = RoundView(1, (arrival(0, 0), arrival(1, 1)), previous_actives=previous)
+    assert decide_completion(no_loss, settings(), RoundTimer(0.0), now=0.0).action is Action.WAIT  # last call
+
+
 def test_close_for_good_when_too_few_can_ever_arrive():
     view = RoundView(3, (arrival(0, 0),), lost_count=2)
     decision = decide_completion(view, settings(), RoundTimer(opened_at=0.0), now=0.0)

@@ -292,3 +292,38 @@ def test_work_per_rank_says_who_the_others_wait_for_and_which_straggler_was_foun
     assert "the others wait for node0 (4.00x their own work)" in text
     assert "rank 0 at step 50: warn (score 4.0) by node0" in text
     assert "busy_seconds" not in text.split("Summary:")[0]  # work reports stay out of the timeline
+
+
+def test_a_hand_over_is_reported_with_its_cost_and_the_job_exit_code_stays_0():
+    """node1 signalled at +4.0 s, hands over after step 30 (exit 0); the spare node2 steps in and the
+    job's first step after it comes at +4.8 s: 0.8 s lost, no step redone, no failure."""
+    from lightning_ft.report.timeline import job_exit_code
+
+    events = [
+        ev(0.0, "node0", "join"), ev(0.1, "node1", "join"), ev(0.2, "node2", "join"),
+        ev(1.0, "node0", "round_complete", round=0, rank=0, world=2, standby=False),
+        ev(1.0, "node1", "round_complete", round=0, rank=1, world=2, standby=False),
+        ev(1.0, "node2", "round_complete", round=0, rank=None, world=2, standby=True),
+        ev(4.0, "node1", "termination_signal", signal="SIGTERM", step=29),
+        ev(4.5, "node1", "hand_over_verdict", step=30, hands_over=True, leavers=[1], leaving=True, reason="r",
+           seconds_since_signal=0.5),
+        ev(4.5, "node0", "hand_over_verdict", step=30, hands_over=True, leavers=[1], leaving=False, reason="r",
+           seconds_since_signal=0.4),
+        ev(4.55, "node1", "handed_over", round=0, step=30, reason="r"),
+        ev(4.55, "node0", "hand_over", round=0, step=30, reason="r"),
+        ev(4.7, "node0", "round_complete", round=1, rank=0, world=2, standby=False),
+        ev(4.7, "node2", "round_complete", round=1, rank=1, world=2, standby=False),
+        ev(4.75, "node0", "restored", round=1, step=30),
+        ev(4.75, "node2", "restored", round=1, step=30),
+        ev(4.8, "node0", "first_step_after_recovery", round=1, step=31, seconds_since_failure=0.25),
+        ev(9.0, "node0", "finished", step=100), ev(9.0, "node2", "finished", step=100),
+    ]
+    summary = summarize(events)
+    [hand_over] = summary.hand_overs
+    assert hand_over.left == ("node1",) and hand_over.step == 30 and hand_over.restored_step == 30
+    assert hand_over.steps_redone == 0 and hand_over.seconds == pytest.approx(0.8)
+    assert summary.failures == () and summary.status == "finished" and summary.spares_used == ("node2",)
+    assert summary.lost_seconds == pytest.approx(0.8)
+    text = format_report(summary)
+    assert "hand-overs    1" in text and "node1 left after step 30 (exit 0)" in text and "steps redone 0" in text
+    assert job_exit_code(summary, launcher_code=0).code == 0

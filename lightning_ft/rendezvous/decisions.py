@@ -206,6 +206,10 @@ def decide_completion(view: RoundView, settings: RendezvousSettings, timer: Roun
         return Decision(Action.WAIT,
                         f"keeping places for {len(missing)} survivor(s) of the previous round",
                         wake_at=grace_end)
+    if not missing and arrived >= capacity:
+        # after losses: everyone who can still take part is here; a newcomer joins as a spare
+        return Decision(Action.COMPLETE, f"all {arrived} participants that can still take part arrived "
+                                         f"({view.lost_count} lost for good)")
     if now < last_call_end:
         return Decision(Action.WAIT, f"last call ({arrived} arrived)", wake_at=last_call_end)
     return Decision(Action.COMPLETE, f"{arrived} arrived (min_nodes={settings.min_nodes}) and "

@@ -25,6 +25,8 @@ What the summary counts (event names are those the ``ddp_ft`` strategy emits):
 * goodput: 1 - lost time / training time, where training time runs from the first process
   group (``group_formed``; else the first completed round) to the end of the run (the last
   ``finished``, else the last event);
+* hand-overs (:mod:`~lightning_ft.report.handovers`): signalled nodes that left for hot spares;
+  the signal -> the first step after it counts as lost time;
 * spares used: participants that were standby in one round and active in a later one;
 * final status: ``no_restart``, else ``finished``, else ``stopped`` (the SIGTERM path:
   ``stopped``/``termination_decision``/``unhealthy_exit``), else ``incomplete`` (still
@@ -41,6 +43,7 @@ from typing import Any
 
 from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import ExitCode
+from lightning_ft.report.handovers import HandOver, hand_overs
 from lightning_ft.report.launches import Relaunch, relaunches
 from lightning_ft.report.work import RoundWork, straggler_lines, work_per_round
 
@@ -116,6 +119,8 @@ class RunSummary:
     stragglers: tuple[str, ...] = ()
     #: launches after the first that took the run up again (their events in the same directory)
     relaunches: tuple[Relaunch, ...] = ()
+    #: signalled nodes that handed their places over to hot spares (the job went on)
+    hand_overs: tuple[HandOver, ...] = ()
 
 
 # ---------------------------------------------------------------------- pure decisions
@@ -329,8 +334,10 @@ def summarize(events: Iterable[Any]) -> RunSummary:
     if launched_again:
         detail += f" after {len(launched_again)} relaunch(es)"
     training = _training_seconds(timeline)
+    handed = tuple(hand_overs(timeline, _step_of, lambda entry: entry.who))
     lost = sum(f.lost_seconds for f in failures if f.lost_seconds is not None) + \
-        sum(r.lost_seconds for r in launched_again if r.lost_seconds is not None)
+        sum(r.lost_seconds for r in launched_again if r.lost_seconds is not None) + \
+        sum(h.seconds for h in handed if h.seconds is not None)
     return RunSummary(
         duration=timeline[-1].seconds if timeline else 0.0,
         participants=participants,
@@ -348,6 +355,7 @@ def summarize(events: Iterable[Any]) -> RunSummary:
         work=work_per_round(timeline),
         stragglers=straggler_lines(timeline),
         relaunches=launched_again,
+        hand_overs=handed,
     )
 
 

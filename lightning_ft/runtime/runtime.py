@@ -173,9 +173,12 @@ class FaultToleranceRuntime:
     @property
     def hand_over_seat(self) -> FaultToleranceRuntime | None:
         """What the SIGTERM path hands over through (:class:`~lightning_ft.termination.handover.HandOverSeat`);
-        None where this process never re-forms in-process (torchrun's agent restarts the workers; a
-        job of one participant has no spare)."""
-        return None if self.under_torchrun or self.settings.launch.max_nodes == 1 else self
+        None where this process never re-forms in-process (torchrun's agent restarts the workers) or
+        the job has no place for a hot spare (``min_nodes == max_nodes``: a stop is the whole job's)."""
+        launch = self.settings.launch
+        no_spares = launch.max_nodes is not None and launch.min_nodes is not None and \
+            launch.max_nodes <= launch.min_nodes
+        return None if self.under_torchrun or launch.max_nodes == 1 or no_spares else self
 
     def spares_ready(self) -> int | None:
         """Live hot spares of this round that could take a leaver's place (None: none can)."""
