@@ -90,3 +90,24 @@ def test_an_unhealthy_signalled_node_leaves_at_once_and_the_spare_takes_its_plac
     assert cluster.result("A")["step"] == cluster.result("C")["step"] == 120
     assert cluster.result("A")["weights"] == cluster.result("C")["weights"]
     assert_no_step_trained_twice(cluster, "A")
+
+
+@pytest.mark.timeout(180)
+def test_after_a_hand_over_used_the_only_spare_a_second_signal_stops_the_job_with_81(processes, tmp_path):
+    """B hands over to the spare C; later A is signalled too and no spare is left: A and C stop at one
+    step with their snapshots (81, a requeue resumes there); B's 0 stands."""
+    cluster = Cluster(processes, tmp_path, "2:3", run_id="hand-over-then-stop")
+    start_with_spares(cluster, "ABC", "AB", ["--max-steps", "400", *SLOW])
+    cluster.wait_for_step(20, 60)
+    cluster.kill("B", signal.SIGTERM)
+    assert cluster.wait(["B"], 60) == {"B": 0}, cluster.logs()
+    cluster.wait_for_log("A", "first step after recovery completed")
+    cluster.kill("A", signal.SIGTERM)
+    codes = cluster.wait(["A", "C"], 60)
+    assert codes == {"A": 81, "C": 81}, cluster.logs()
+    verdicts = [e for e in cluster.events_of("hand_over_verdict") if not e["hands_over"]]
+    assert verdicts and all("0 hot spare(s) are ready" in e["reason"] for e in verdicts), verdicts
+    decisions = cluster.events_of("termination_decision")
+    assert len({e["step"] for e in decisions}) == 1 and all(e["exit_code"] == 81 for e in decisions), decisions
+    summary = summarize(read_events(str(cluster.events)))
+    assert len(summary.hand_overs) == 1 and job_exit_code(summary, launcher_code=0).code == 81
