@@ -395,6 +395,9 @@ def test_the_agreement_waits_out_the_settle_time_and_counts_signals_that_arrived
         def hand_over(self, leaving, reason):
             self.told.append((leaving, reason))
 
+        def min_world_size(self):
+            return None
+
     prefix = dist.PrefixStore("s/", tcp_store)
     rank0, rank1 = StoreStopCoordinator(prefix.clone(), 0, 2), StoreStopCoordinator(prefix.clone(), 1, 2)
     seat = Seat()
@@ -415,3 +418,16 @@ def test_the_agreement_waits_out_the_settle_time_and_counts_signals_that_arrived
     assert seat.told == [] and events[0][1]["hands_over"] is False
     # rank 1 reads the same verdict without deciding again
     assert HandOverAgreement(rank1, seat, 0.3, 5.0).verdict(started, True) == verdict
+
+
+def test_an_elastic_job_without_spares_shrinks_down_to_min_nodes_but_not_below():
+    from lightning_ft.termination.decision import decide_hand_over
+
+    verdict = decide_hand_over(world_size=4, signalled={3}, unhealthy=(), spares_ready=0, min_world_size=2)
+    assert verdict.leavers == (3,) and "shrinks to 3" in verdict.reason
+    verdict = decide_hand_over(world_size=4, signalled={1, 2}, unhealthy=(), spares_ready=1, min_world_size=3)
+    assert verdict.leavers == (1, 2) and "shrinks to 3" in verdict.reason
+    below = decide_hand_over(world_size=4, signalled={1, 2, 3}, unhealthy=(), spares_ready=0, min_world_size=2)
+    assert not below.hands_over and "0 hot spare(s)" in below.reason
+    every = decide_hand_over(world_size=2, signalled={0, 1}, unhealthy=(), spares_ready=0, min_world_size=1)
+    assert not every.hands_over and "every active" in every.reason

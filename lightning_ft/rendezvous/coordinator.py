@@ -264,7 +264,7 @@ class Coordinator:
         # own answers; a stalled one that wakes up loses the race for ``ready`` and leaves its
         # answers unread.
         decision = f"{self.rdzv.participant_id}#{uuid.uuid4().hex[:8]}"
-        assignment = assign_ranks(arrivals, self.previous_actives, self.settings.min_nodes,
+        assignment = assign_ranks(arrivals, self.previous_actives, self.settings.active_count,
                                   self.settings.segment, keep_ranks=self.settings.keep_ranks)
         world = len(assignment.active)
         answers = [(a, rank) for rank, a in enumerate(assignment.active)]

@@ -40,6 +40,10 @@ class RendezvousOptions:
                                       "the lost rank's place, instead of closing ranks (sharded state: a rank's "
                                       "shard exists only where that rank ran); only with segment 1",
                                rule=boolean, parse=parse_flag, advanced=True)
+    elastic: bool = setting(False, "every participant up to max_nodes trains (no hot spares): a node lost or "
+                                   "signalled without a spare shrinks the job to at least min_nodes in-process, "
+                                   "the global batch kept by gradient accumulation (that of max_nodes ranks)",
+                            rule=boolean, parse=parse_flag, env="LIGHTNING_FT_ELASTIC")
     store_failover: bool = setting(True, "when the rendezvous store is lost (its host died, or lightning-ft "
                                          "store), a surviving participant takes it over (docs/strategy.md, "
                                          "Store fail-over); False: a lost store ends the job as before",
@@ -80,6 +84,16 @@ class RendezvousSettings:
     @property
     def keep_ranks(self) -> bool:
         return self.options.keep_ranks
+
+    @property
+    def elastic(self) -> bool:
+        return self.options.elastic
+
+    @property
+    def active_count(self) -> int:
+        """How many arrivals train: ``min_nodes`` (the rest are hot spares), every one up to
+        ``max_nodes`` when elastic."""
+        return self.max_nodes if self.options.elastic else self.min_nodes
 
     @property
     def store_failover(self) -> bool:
@@ -154,6 +168,9 @@ def validate_settings(settings: RendezvousSettings) -> None:
             f"min_nodes ({settings.min_nodes}) must be a multiple of segment ({settings.segment})")
     if not isinstance(settings.options, RendezvousOptions):
         raise RendezvousConfigError(f"options must be RendezvousOptions, got {settings.options!r}")
+    if settings.options.keep_ranks and settings.options.elastic:
+        raise RendezvousConfigError("elastic needs replicated state (ddp_ft): with keep_ranks (fsdp_ft) a rank's "
+                                    "shards exist only where it ran, so the world cannot shrink or grow")
     if settings.options.keep_ranks and settings.segment != 1:
         raise RendezvousConfigError(f"keep_ranks needs segment 1 (got segment {settings.segment}): a newcomer "
                                     "takes one lost rank's place, not a whole group's")

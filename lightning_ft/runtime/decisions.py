@@ -423,3 +423,17 @@ def may_start_over(votes: list[int]) -> bool:
     have no say."""
     said = [vote for vote in votes if vote != START_OVER_UNKNOWN]
     return bool(said) and all(vote == START_OVER_YES for vote in said)
+
+
+def elastic_accumulation(world_size: int, max_world_size: int, accumulation: int) -> tuple[int, str | None]:
+    """Per-rank gradient accumulation that keeps an elastic job's global batch -- that of
+    ``max_world_size`` ranks accumulating ``accumulation`` micro-batches each -- at ``world_size``
+    ranks: ``(micro-batches per rank, None)`` when it divides evenly; else the nearest (at least 1)
+    and what the global batch becomes."""
+    total = max_world_size * accumulation
+    if total % world_size == 0:
+        return total // world_size, None
+    nearest = max(1, round(total / world_size))
+    return nearest, (f"the global batch of {total} micro-batches per optimizer step ({max_world_size} ranks x "
+                     f"{accumulation}) does not split evenly over {world_size} ranks: {nearest} each, "
+                     f"{nearest * world_size} micro-batches per step while the world is {world_size}")

@@ -35,6 +35,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from lightning_ft._clock import monotonic
 from lightning_ft._lightning.callbacks import first_callback_of_type
+from lightning_ft._lightning.elastic import ElasticBatches
 from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer import is_fitting, is_tuner_exit, replace_checkpoint_path
 from lightning_ft._lightning.trainer_reset import mark_finished
@@ -53,6 +54,7 @@ from lightning_ft.runtime.decisions import (
     EndCause,
     Role,
     decide_on_rendezvous_end,
+    elastic_accumulation,
     looks_like_collective_error,
 )
 from lightning_ft.runtime.exit_barrier import BarrierOutcome, PeerSilence, wait_at_exit_barrier
@@ -99,6 +101,23 @@ def add_default_callbacks(trainer: Any, settings: StrategySettings) -> None:
     if settings.graceful_termination and first_callback_of_type(trainer, GracefulTermination) is None:
         trainer.callbacks.append(GracefulTermination())
         log.info("ddp_ft: added GracefulTermination() for the SIGTERM path")
+    if settings.rendezvous.elastic and first_callback_of_type(trainer, ElasticBatches) is None:
+        trainer.callbacks.append(ElasticBatches())
+
+
+def fit_accumulation_to_world(trainer: Any, settings: StrategySettings, world_size: int, accumulation: int) -> None:
+    """Elastic: this round's per-rank gradient accumulation keeps the global batch of ``max_nodes``
+    ranks accumulating the user's ``accumulation`` (see :func:`elastic_accumulation`)."""
+    maximum = settings.launch.max_nodes
+    if not settings.rendezvous.elastic or trainer is None or maximum is None or world_size < 1:
+        return
+    per_rank, problem = elastic_accumulation(world_size, maximum, accumulation)
+    if problem is not None:
+        log.warning("ddp_ft: elastic: %s", problem)
+    if per_rank != trainer.accumulate_grad_batches:
+        log.warning("ddp_ft: elastic: %d rank(s) train; each accumulates %d micro-batches per optimizer step (the "
+                    "global batch of %d ranks x %d)", world_size, per_rank, maximum, accumulation)
+    trainer.accumulate_grad_batches = per_rank
 
 
 def stand_by_result(trainer: Any) -> Any:
@@ -117,6 +136,7 @@ class RendezvousFitLoop:
         self._executor: RecoveryExecutor | None = None
         self._callbacks_added = False
         self._barrier_seconds = 0.0  # the last exit barrier's wait
+        self._accumulation = 1  # the user's gradient accumulation (an elastic job's rounds change the Trainer's)
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         """Run one stage of the job (this Trainer call: ``fit``, ``validate``, ``test`` or ``predict``)
@@ -142,6 +162,8 @@ class RendezvousFitLoop:
         datamodule = next((a for a in args if isinstance(a, pl.LightningDataModule)), None)
         # what a relaunched process would start this stage with; a recovery returns to it
         pristine = PristineState.capture(trainer, module, datamodule, keep=(EmergencyCheckpoint, GracefulTermination))
+        if trainer is not None:  # the user's, before an elastic round changes it
+            self._accumulation = int(trainer.accumulate_grad_batches)
         self._executor = RecoveryExecutor(host, run, session, pristine, module)
         while True:
             result = self._join_round(session, stage)
@@ -149,6 +171,7 @@ class RendezvousFitLoop:
                 return stand_by_result(trainer)  # a spare that was not needed (or the job ended)
             after_failure = session.rendezvous.stages.follows_a_failure(result.round)
             run.start_round(RoundRuntime(result, result.round, run.failure_at, after_failure=after_failure))
+            fit_accumulation_to_world(trainer, host.settings, result.world_size, self._accumulation)
             session.was_active = True
             tuner_exit = None
             try:
@@ -163,6 +186,8 @@ class RendezvousFitLoop:
                 run.failure_at = self._executor.handle(exc, trainer)
                 continue  # recovered: re-form the group and run the stage again
             self._finish_stage(session, result, stage)
+            if trainer is not None and host.settings.rendezvous.elastic:
+                trainer.accumulate_grad_batches = self._accumulation  # the user's again, for a later stage
             if tuner_exit is not None:
                 raise tuner_exit  # Lightning's caller ends the tuner's fit() with it
             return output

@@ -177,7 +177,7 @@ class FaultToleranceRuntime:
         the job has no place for a hot spare (``min_nodes == max_nodes``: a stop is the whole job's)."""
         launch = self.settings.launch
         no_spares = launch.max_nodes is not None and launch.min_nodes is not None and \
-            launch.max_nodes <= launch.min_nodes
+            launch.max_nodes <= launch.min_nodes and not self.settings.rendezvous.elastic
         return None if self.under_torchrun or launch.max_nodes == 1 or no_spares else self
 
     def spares_ready(self) -> int | None:
@@ -187,6 +187,10 @@ class FaultToleranceRuntime:
                 or not self.layout.can_hand_over()):
             return None
         return session.rendezvous.records.spares_of_round(runtime.result.round, runtime.result.world_size)
+
+    def min_world_size(self) -> int | None:
+        """An elastic job may shrink to its ``min_nodes`` participants; None: its world size is fixed."""
+        return self.settings.launch.min_nodes if self.settings.rendezvous.elastic else None
 
     def hand_over(self, leaving: bool, reason: str) -> None:
         """A hand-over verdict: leave or re-form at the next step boundary (or in the failure that comes first)."""

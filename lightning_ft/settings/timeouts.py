@@ -45,7 +45,7 @@ class Timeouts:
                                               "acknowledge the end before its process (and the store) goes",
                                          rule=_SECONDS, advanced=True)
     heartbeat_interval: float = setting(0.1, "participants raise a sealed heartbeat this often; one silent for 4 "
-                                             "beats is dead", rule=_SECONDS)
+                                             "beats is dead", rule=_SECONDS, advanced=True)
     # the store
     connect_timeout: float = setting(60.0, "bound on reaching the rendezvous store", rule=_SECONDS, advanced=True)
     store_timeout: float = setting(30.0, "bound on any one store call once connected: a frozen store host makes "

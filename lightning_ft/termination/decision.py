@@ -114,15 +114,17 @@ def decide_at_boundary(*, step: int, stop_step: int, peer_unhealthy: bool, all_c
 
 
 def decide_hand_over(*, world_size: int, signalled: Iterable[int], unhealthy: Iterable[int],
-                     spares_ready: int | None) -> HandOverVerdict:
+                     spares_ready: int | None, min_world_size: int | None = None) -> HandOverVerdict:
     """A termination that reached only some actives: do they hand over to hot spares, or does the job stop?
 
     ``signalled``: ranks that received the signal themselves; ``unhealthy``: ranks that left as
     unhealthy; ``spares_ready``: live hot spares not signalled themselves (``None``: this job cannot
     re-form in-process -- plain DDP, torchrun's agent restarts the workers, a job of one process).
     The signalled and the unhealthy leave; everyone else goes on when a spare takes every
-    leaver's place. When every active leaves (scancel, the time limit, a preempted job) or too
-    few spares wait, nobody hands over: the whole job stops at the agreed step as without spares.
+    leaver's place -- or, in an elastic job (``min_world_size``: its ``min_nodes``), when the
+    survivors and the spares are at least ``min_world_size``: the job shrinks. When every active
+    leaves (scancel, the time limit, a preempted job) or too few would be left, nobody hands over:
+    the whole job stops at the agreed step as without spares.
     """
     leaving = tuple(sorted({r for r in (*signalled, *unhealthy) if 0 <= r < world_size}))
     if spares_ready is None:
@@ -132,6 +134,10 @@ def decide_hand_over(*, world_size: int, signalled: Iterable[int], unhealthy: It
     if len(leaving) >= world_size:
         return HandOverVerdict((), f"every active was signalled or is unhealthy ({world_size} of {world_size}): "
                                    "the whole job stops")
+    left = world_size - len(leaving) + spares_ready
+    if spares_ready < len(leaving) and min_world_size is not None and left >= min_world_size:
+        return HandOverVerdict(leaving, f"ranks {list(leaving)} of {world_size} leave; with {spares_ready} hot "
+                                        f"spare(s) the elastic job shrinks to {left} (min_nodes={min_world_size})")
     if spares_ready < len(leaving):
         return HandOverVerdict((), f"{len(leaving)} of {world_size} actives leave (ranks {list(leaving)}) but "
                                    f"{spares_ready} hot spare(s) are ready: the whole job stops")

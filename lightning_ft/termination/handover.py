@@ -38,6 +38,9 @@ class HandOverSeat(Protocol):
     def hand_over(self, leaving: bool, reason: str) -> None:
         """Act on a hand-over verdict at the next step boundary: leave (``leaving``) or re-form."""
 
+    def min_world_size(self) -> int | None:
+        """An elastic job's ``min_nodes`` (it may shrink to it); None: the world size is fixed."""
+
 
 def hand_over_seat(strategy: Any) -> HandOverSeat | None:
     """The strategy's seat for hand-overs, None for a strategy without one (plain DDP)."""
@@ -96,7 +99,7 @@ class HandOverAgreement:
             signalled = coordinator.signalled_ranks() | ({coordinator.rank} if self_signalled else set())
             gone = known_unhealthy | set(coordinator.unhealthy_peers())
             verdict = decide_hand_over(world_size=coordinator.world_size, signalled=signalled, unhealthy=gone,
-                                       spares_ready=seat.spares_ready())
+                                       spares_ready=seat.spares_ready(), min_world_size=seat.min_world_size())
             return coordinator.publish_hand_over(verdict)
 
         outcome = call_with_timeout(_agree, self._timeout_s + self._settle_s, "agreeing on a hand-over")

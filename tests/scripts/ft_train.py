@@ -83,6 +83,9 @@ def main() -> int:
     parser.add_argument("--resumable-data", action="store_true",
                         help="each step's batch comes from (global step, rank), not from the loader's position, so "
                              "a run resumed mid-epoch trains on exactly the batches an uninterrupted one would")
+    parser.add_argument("--loader-data", action="store_true",
+                        help="the training loader is lightning_ft.data.resumable_loader over the 256 samples (its "
+                             "position is in every snapshot; an elastic job re-shards it by sample position)")
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--snapshot-every", type=int, default=10,
@@ -210,7 +213,12 @@ def main() -> int:
         def train_dataloader(self):
             g = torch.Generator().manual_seed(1234)
             x = torch.randn(256, 16, generator=g)
-            return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=args.batch_size, shuffle=True)
+            dataset = TensorDataset(x, x.sum(dim=1, keepdim=True))
+            if args.loader_data:
+                from lightning_ft.data import resumable_loader
+
+                return resumable_loader(dataset, args.batch_size, self.trainer, seed=7)
+            return DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
 
     class Recorder(pl.Callback):
         def on_train_end(self, trainer, pl_module):

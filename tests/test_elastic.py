@@ -1,0 +1,53 @@
+"""Elastic world size (issue 38, part 2): ``LIGHTNING_FT_ELASTIC=1`` with ``NNODES=MIN:MAX`` -- every
+participant up to MAX trains; a node lost without a spare shrinks the job in-process from the live
+state, the global batch kept by gradient accumulation and the data re-sharded by sample position,
+so the training math is that of the uninterrupted run.
+
+Real processes: a standalone ``lightning-ft store`` and ``tests/scripts/ft_train.py`` participants
+with ``lightning_ft.data.resumable_loader`` (``--loader-data``).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+from proc_utils import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
+from ft_cluster import Cluster
+
+pytestmark = [pytest.mark.multiprocess]
+
+#: 256 samples in batches of 8: 16 optimizer steps an epoch at 2 ranks (and at 1 rank accumulating 2)
+ARGS = ["--loader-data", "--step-sleep", "0.03", "--snapshot-every", "10", "--max-steps", "60"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["lost", "signalled"])
+def test_an_elastic_job_shrinks_when_a_node_is_lost_or_signalled_and_keeps_the_math(processes, tmp_path, sig):
+    """1:2 elastic, no spare: B is SIGKILLed (A recovers from its live state) or SIGTERMed (B hands its
+    place over: exit 0); A goes on alone, accumulating 2 micro-batches per step over the rest of the
+    epoch re-sharded by position, and ends with the weights of an uninterrupted 2-rank run."""
+    reference = Cluster(processes, tmp_path / "reference", "2:2", run_id="elastic-reference")
+    reference.out.mkdir(parents=True)
+    reference.start_store("reference-store")
+    for name in ("R0", "R1"):
+        reference.start_participant(name, ARGS)
+    cluster = Cluster(processes, tmp_path / "job", "1:2", run_id="elastic")
+    # both must train in round 0: it completes when both arrived (max), whatever the machine's load
+    cluster.start(["A", "B"], [*ARGS, "--ft-option", "last_call_timeout=60"], LIGHTNING_FT_ELASTIC="1")
+    cluster.wait_for_step(20, 90, among=["A", "B"])
+    cluster.kill("B", sig)
+    codes = cluster.wait(["A", "B"], 90)
+    assert codes == {"A": 0, "B": -9 if sig == signal.SIGKILL else 0}, cluster.logs()
+    assert reference.wait(["R0", "R1"], 120) == {"R0": 0, "R1": 0}, reference.logs()
+    pid = cluster.procs["A"].pid
+    worlds = [(e["round"], e["world"]) for e in cluster.events_of("round_complete") if e["pid"] == pid]
+    assert worlds == [(0, 2), (1, 1)], worlds
+    assert "1 rank(s) train; each accumulates 2 micro-batches" in cluster.procs["A"].log()
+    assert cluster.result("A")["step"] == 60
+    expected = reference.result("R0")["weights"]
+    assert cluster.result("A")["weights"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
