@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -58,12 +56,12 @@ def test_the_newest_step_with_every_shard_wins_and_each_rank_receives_its_own():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_two_ranks_snapshot_their_own_shards_and_restore_them(tmp_path):
+def test_two_ranks_snapshot_their_own_shards_and_restore_them(processes, tmp_path):
+    # the script forks its two ranks itself; it is started from the preloaded server (tests/prefork.py)
     script = REPO_ROOT / "tests" / "scripts" / "sharded_codec.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "shm")], capture_output=True, text=True,
-                          env=child_env(), timeout=100, start_new_session=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(re.findall(r"OK (\d)", proc.stdout)) == ["0", "1"], proc.stdout + proc.stderr
+    proc = processes.python("sharded", [str(script), str(tmp_path / "shm")], env=child_env())
+    assert processes.wait_all(timeout=100) == {"sharded": 0}, processes.dump_logs()
+    assert sorted(re.findall(r"OK (\d)", proc.log())) == ["0", "1"], processes.dump_logs()
 
 
 def _run(processes, name: str, root, run_id: str, steps: int, tmp_path) -> None:

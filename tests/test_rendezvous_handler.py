@@ -33,21 +33,63 @@ def test_entry_point_is_registered_for_torchrun():
     assert names.get("lightning_ft") == "lightning_ft.launch.torchrun:torchrun_handler_creator"
 
 
+#: run by the test below: imports torch alone (no module of ours, nothing of torch.distributed.elastic),
+#: then forks one child per module named in its arguments; each child imports that module first and
+#: says whether torch's registry has our backend (exit 0, else 3; 4: the import raised); its stderr
+#: goes to the file named after the module. Prints {module: exit code} as JSON.
+IMPORT_FIRST = r"""
+import json, os, sys
+import torch
+early = [m for m in sys.modules if m.startswith(("lightning_ft", "torch.distributed.elastic"))]
+assert not early, early
+codes = {}
+for module, log in zip(sys.argv[1::2], sys.argv[2::2]):
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        code = 4
+        try:
+            __import__(module)
+            from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as r
+            code = 0 if r._registry.get("lightning_ft") is not None else 3
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(code)
+    codes[module] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(json.dumps(codes))
+"""
+
+
 @pytest.mark.multiprocess
-def test_our_backend_registers_whichever_of_our_modules_is_imported_first():
+def test_our_backend_registers_whichever_of_our_modules_is_imported_first(tmp_path):
     """torch's rendezvous package imports our torchrun handler while it initializes; a module of
     ours imported first that triggers that load must not leave the handler's imports half done
-    (torch then logs an ImportError and drops the backend). Each in a fresh interpreter."""
+    (torch then logs an ImportError and drops the backend). Each in a process of its own that had
+    imported only torch before (forked from one interpreter that imported torch once: torch's import
+    involves neither our modules nor its rendezvous package, so it cannot change their order)."""
+    import json
+    import os
     import subprocess
     import sys
 
-    check = ("import {m}; from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as r; "
-             "raise SystemExit(0 if r._registry.get('lightning_ft') is not None else 3)")
-    for module in ("lightning_ft.store.tcp", "lightning_ft.failover.switchboard", "lightning_ft.rendezvous.barrier",
-                   "lightning_ft.runtime.fit_loop", "lightning_ft.launch.factory"):
-        done = subprocess.run([sys.executable, "-c", check.format(m=module)], capture_output=True, text=True,
-                              timeout=60)
-        assert done.returncode == 0 and "ImportError" not in done.stderr, (module, done.stderr[-2000:])
+    modules = ("lightning_ft.store.tcp", "lightning_ft.failover.switchboard", "lightning_ft.rendezvous.barrier",
+               "lightning_ft.runtime.fit_loop", "lightning_ft.launch.factory")
+    logs = {module: tmp_path / f"{module}.err" for module in modules}
+    proc = subprocess.Popen([sys.executable, "-c", IMPORT_FIRST, *(str(a) for m in modules for a in (m, logs[m]))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)  # it waits for each child before it forks the next
+    except BaseException:  # its forked children too (its process group: it is not reaped yet)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    assert proc.returncode == 0, stdout + stderr[-2000:]
+    codes = json.loads(stdout.strip().splitlines()[-1])
+    for module in modules:
+        stderr = logs[module].read_text()
+        assert codes[module] == 0 and "ImportError" not in stderr, (module, codes[module], stderr[-2000:])
 
 
 def test_registry_builds_our_handler_and_a_round_completes(port):

@@ -69,16 +69,22 @@ class Job:
         return self.slurm.job(self.job_id)
 
     def wait_until(self, predicate, timeout: float, what: str) -> dict[str, str]:
-        """Poll ``scontrol show job`` until ``predicate(info)``; the info, or an assertion with diagnostics."""
-        deadline = time.monotonic() + timeout
+        """Poll ``scontrol show job`` until ``predicate(info)``; the info, or an assertion with diagnostics.
+
+        Every 0.25 s for the first 30 s (the scenarios' events end their jobs within that), then
+        every second: each poll is an scontrol process and an RPC to slurmctld (about 6 ms of CPU
+        in all), and scenario (c) waits minutes for slurmctld's time-limit check."""
+        started = time.monotonic()
+        deadline = started + timeout
         while True:
             info = self.info()
             if predicate(info):
                 return info
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise AssertionError(f"job {self.job_id}: {what} did not happen within {timeout:.0f} s; "
                                      f"job: {info}\n{self.diagnostics()}")
-            time.sleep(0.25)  # each poll is an scontrol process
+            time.sleep(0.25 if now - started < 30 else 1.0)
 
     def wait_for_end(self, timeout: float) -> dict[str, str]:
         return self.wait_until(lambda i: i.get("JobState") in END_STATES, timeout, "the end")
@@ -252,7 +258,7 @@ def time_limit_job(slurm, tmp_path_factory):
     def give_the_rerun_time() -> None:
         # the requeued run would get the same short limit again (and another warning); a real job's rerun
         # has its whole time limit. Raised while the job waits for its restart (>= cred_expire, 5 s).
-        while not stop.wait(0.5):
+        while not stop.wait(1.0):
             if int(job.info().get("Restarts", "0")) >= 1:
                 slurm.run(["scontrol", "update", f"jobid={job.job_id}", "TimeLimit=10"])
                 return

@@ -3,21 +3,22 @@ in the run's records (rendezvous/stages.py), on a real TCPStore where records ar
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from lightning_ft._lightning.trainer import replace_checkpoint_path
 from lightning_ft.runtime.stage_state import (
     NO_FIT,
     FitCheckpointPaths,
-    align_module_state,
     checkpoint_path_for,
     newest_state_source,
 )
 
+from proc_utils import REPO_ROOT
+
+ALIGN_STATE = REPO_ROOT / "tests" / "scripts" / "align_state.py"
 PUBLISHED = FitCheckpointPaths(stage=2, best="/ckpt/best.ckpt", last="/ckpt/last.ckpt")
 
 
@@ -70,40 +71,18 @@ def test_the_checkpoint_path_is_replaced_where_lightning_passes_it(fn, position)
     assert replace_checkpoint_path(trainer, args[:position], choose) == args[:position]  # no such argument
 
 
-def _align(rank: int, world: int, port: int, trained_through: int, queue) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, wait_for_workers=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    torch.manual_seed(rank)  # each rank starts from other weights
-    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
-    module[1].running_mean += rank
-    received = align_module_state(module, trained_through, torch.device("cpu"))
-    digest = [t.detach().clone() for t in [*module.parameters(), *module.buffers()]]
-    queue.put((rank, received, [t.tolist() for t in digest]))
-    dist.destroy_process_group()
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_ranks_behind_receive_parameters_and_buffers_from_the_newest(port):
+def test_ranks_behind_receive_parameters_and_buffers_from_the_newest(processes, port, tmp_path):
     """Three real gloo ranks; ranks 1 and 2 trained through fit stage 2, rank 0 stood by: every
-    rank ends with rank 1's parameters and buffers, and says so."""
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
+    rank ends with rank 1's parameters and buffers, and says so. Each rank is a process of its own
+    (tests/scripts/align_state.py, forked from the preloaded server: tests/prefork.py)."""
     versions = [NO_FIT, 2, 2]
-    procs = [context.Process(target=_align, args=(rank, 3, port, versions[rank], queue)) for rank in range(3)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = {}
-        for _ in procs:
-            rank, received, state = queue.get(timeout=100)
-            results[rank] = (received, state)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    assert all(received == (1, 2) for received, _ in results.values()), results
-    assert results[0][1] == results[1][1] == results[2][1]
+    for rank in range(3):
+        processes.python(f"rank{rank}", [str(ALIGN_STATE), str(rank), "3", str(port), str(versions[rank]),
+                                         str(tmp_path / f"rank{rank}.json")])
+    codes = processes.wait_all(timeout=100)
+    assert codes == {"rank0": 0, "rank1": 0, "rank2": 0}, processes.dump_logs()
+    results = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)}
+    assert all(result["received"] == [1, 2] for result in results.values()), results
+    assert results[0]["state"] == results[1]["state"] == results[2]["state"]
