@@ -76,7 +76,9 @@ class HandOver(RuntimeError):
     job and ends it with ``SUCCESS`` (0: it handed its place over, the job goes on); on the others
     it re-forms the group with the spares from the live state."""
 
-    def __init__(self, leaving: bool, reason: str) -> None:
+    def __init__(self, leaving: bool, reason: str, grow: bool = False) -> None:
         super().__init__(reason)
         self.leaving = leaving
         self.reason = reason
+        #: not a hand-over: an elastic job re-forms to take in participants that arrived
+        self.grow = grow

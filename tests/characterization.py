@@ -99,6 +99,7 @@ KEEP: dict[str, tuple] = {
     "hand_over_verdict": ("hands_over", "leaving"),
     "handed_over": ("round",),
     "hand_over": ("round",),
+    "grow": ("round",),
 }
 #: events kept as a set per participant, not in the sequence: they come from a thread of their
 #: own, in no fixed order with the others (the health check runs while the ranks agree on the

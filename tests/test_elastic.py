@@ -14,6 +14,10 @@ import sys
 
 import pytest
 
+from lightning_ft.events.log import read_events
+from lightning_ft.report.text import format_report
+from lightning_ft.report.timeline import job_exit_code, summarize
+
 from proc_utils import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
@@ -49,5 +53,47 @@ def test_an_elastic_job_shrinks_when_a_node_is_lost_or_signalled_and_keeps_the_m
     assert worlds == [(0, 2), (1, 1)], worlds
     assert "1 rank(s) train; each accumulates 2 micro-batches" in cluster.procs["A"].log()
     assert cluster.result("A")["step"] == 60
+    expected = reference.result("R0")["weights"]
+    assert cluster.result("A")["weights"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_an_elastic_job_that_shrank_grows_back_when_a_node_arrives_and_keeps_the_math(processes, tmp_path):
+    """1:2 elastic: B is lost, A trains alone (accumulating 2); a new participant C arrives and A's
+    round takes it in at a step boundary (at most once per ``elastic_grow_interval``, 1 s here):
+    2 -> 1 -> 2 ranks, and the weights of an uninterrupted 2-rank run (float tolerance)."""
+    args = [*ARGS[:-1], "160"]
+    reference = Cluster(processes, tmp_path / "reference", "2:2", run_id="elastic-reference")
+    reference.out.mkdir(parents=True)
+    reference.start_store("reference-store")
+    for name in ("R0", "R1"):
+        reference.start_participant(name, args)
+    cluster = Cluster(processes, tmp_path / "job", "1:2", run_id="elastic-grow")
+    options = ["--ft-option", "last_call_timeout=60", "--ft-option", "elastic_grow_interval=1"]
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    for name in ("A", "B"):
+        # A slows down after the loss, so that C arrives while it still trains
+        cluster.start_participant(name, [*args, *options], LIGHTNING_FT_ELASTIC="1", FT_TRAIN_SLOW="25:4")
+    cluster.wait_for_step(20, 90, among=["A", "B"])
+    cluster.kill("B")
+    cluster.wait_for_log("A", "first step after recovery completed")
+    cluster.start_participant("C", [*args, *options], LIGHTNING_FT_ELASTIC="1")
+    assert cluster.wait(["A", "C"], 150) == {"A": 0, "C": 0}, cluster.logs()
+    assert reference.wait(["R0", "R1"], 120) == {"R0": 0, "R1": 0}, reference.logs()
+    pid = cluster.procs["A"].pid
+    worlds = [(e["round"], e["world"]) for e in cluster.events_of("round_complete") if e["pid"] == pid]
+    assert worlds == [(0, 2), (1, 1), (2, 2)], worlds
+    assert "elastic: 1 participant(s) arrived while 1 train" in cluster.procs["A"].log()
+    assert len(cluster.events_of("grow")) == 1
+    # lightning-ft report: the shrink and the grow, each with what it cost; the job's code 0
+    summary = summarize(read_events(str(cluster.events)))
+    assert [(c.round, c.kind, c.before, c.after) for c in summary.world_changes] == \
+        [(1, "shrink", 2, 1), (2, "grow", 1, 2)], summary.world_changes
+    assert all(c.seconds is not None and c.seconds > 0 for c in summary.world_changes), summary.world_changes
+    assert "round 2: grow 1 -> 2 ranks" in format_report(summary)
+    assert job_exit_code(summary, launcher_code=0).code == 0
+    assert cluster.result("A")["step"] == cluster.result("C")["step"] == 160
+    assert cluster.result("A")["weights"] == cluster.result("C")["weights"]
     expected = reference.result("R0")["weights"]
     assert cluster.result("A")["weights"] == pytest.approx(expected, rel=1e-4, abs=1e-5)

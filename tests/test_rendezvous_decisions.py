@@ -144,20 +144,26 @@ def test_previous_active_grace_holds_places_unless_dead():
         is Action.COMPLETE
 
 
-def test_after_a_loss_the_round_completes_once_everyone_who_can_still_take_part_arrived():
-    """2:3, one participant lost for good (a hand-over, a death): the survivor and the spare are all
-    that can come, so no last call is waited out; while a survivor of the previous round is
-    missing (and not dead) its place is still kept."""
+def test_after_a_loss_the_round_completes_once_every_live_participant_of_the_previous_round_arrived():
+    """2:3, one active lost for good (a hand-over, a death): the survivor and the standby spare are all
+    that is known to come, so no last call is waited out; while a survivor of the previous round is
+    missing (and not dead), or its standby participant has not arrived yet, the round waits."""
     previous = (info(0).participant_id, info(1).participant_id)
-    both = RoundView(1, (arrival(0, 0), arrival(1, 2)), previous_actives=previous,
-                     dead_previous_actives=frozenset({previous[1]}), lost_count=1)
+    standby = (info(2).participant_id,)
+    dead = frozenset({previous[1]})
+    both = RoundView(1, (arrival(0, 0), arrival(1, 2)), previous_actives=previous, dead_previous_actives=dead,
+                     lost_count=1, previous_standby=standby)
     decision = decide_completion(both, settings(), RoundTimer(opened_at=0.0), now=0.0)
-    assert decision.action is Action.COMPLETE and "can still take part" in decision.reason
+    assert decision.action is Action.COMPLETE and "every live participant" in decision.reason
     survivor_missing = RoundView(1, (arrival(0, 2), arrival(1, 3)), previous_actives=previous,
-                                 dead_previous_actives=frozenset({previous[1]}), lost_count=1)
+                                 dead_previous_actives=dead, lost_count=1, previous_standby=standby)
     assert decide_completion(survivor_missing, settings(), RoundTimer(0.0), now=0.0).action is Action.WAIT
-    no_loss = RoundView(1, (arrival(0, 0), arrival(1, 1)), previous_actives=previous)
-    assert decide_completion(no_loss, settings(), RoundTimer(0.0), now=0.0).action is Action.WAIT  # last call
+    # an elastic job that shrank to one: its newcomer (standby in the previous round) is waited for
+    alone = RoundView(2, (arrival(0, 0),), previous_actives=(previous[0],), lost_count=1,
+                      previous_standby=(info(5).participant_id,))
+    assert decide_completion(alone, settings(min_nodes=1), RoundTimer(0.0), now=0.0).action is Action.WAIT
+    no_previous = RoundView(0, (arrival(0, 0), arrival(1, 1)))
+    assert decide_completion(no_previous, settings(), RoundTimer(0.0), now=0.0).action is Action.WAIT  # last call
 
 
 def test_close_for_good_when_too_few_can_ever_arrive():

@@ -28,8 +28,10 @@ event                          fields
 ``evicted``                    round, step, reason (this rank leaves as a straggler; exit 84)
 ``handed_over``                round, step, reason (this rank was signalled and hot spares take its place:
                                it leaves the job, exit 0; the job goes on)
-``hand_over``                  round, step, leavers, reason (the survivors of a hand-over re-form with spares
-                               from their live state)
+``hand_over``                  round, step, reason (the survivors of a hand-over re-form with spares, or the
+                               elastic job shrinks, from their live state)
+``grow``                       round, step, reason (an elastic job re-forms to take in participants that
+                               arrived while it trained)
 ``restored``                   round, step (global step training resumes from)
 ``failure_detected``           round, step (training had reached), error, detector (``collective`` | ``hang`` |
                                ``rendezvous`` | ``agent``: torchrun's agent re-joined after an active round),
@@ -116,6 +118,7 @@ STRAGGLER = "straggler"
 EVICTED = "evicted"
 HANDED_OVER = "handed_over"
 HAND_OVER = "hand_over"
+GROW = "grow"
 RESTORED = "restored"
 FAILURE_DETECTED = "failure_detected"
 DECISION = "decision"

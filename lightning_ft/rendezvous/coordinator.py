@@ -135,7 +135,7 @@ class Coordinator:
         self.round_id = round_id
         self.clock = rendezvous.clock
         self.timer = RoundTimer(opened_at=self.clock())
-        self.previous_actives = self._read_previous_actives()
+        self.previous_actives, self.previous_standby = self._read_previous_round()
         self._heartbeats = HeartbeatTracker()
         self._dead: set[str] = set()
         # a coordinator this one took over from fell silent; if its heartbeat is silent too it
@@ -168,12 +168,16 @@ class Coordinator:
         # a claim that fails its check is tampering, not a successor: keep coordinating
         return claim is None or claim[0] in ("", self.rdzv.participant_id)
 
-    def _read_previous_actives(self) -> tuple[str, ...]:
+    def _read_previous_round(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The previous round's actives (in rank order) and its standby participants not lost."""
         raw = self.rdzv.values.get(self.keys.last_actives)
-        if raw is None:
-            return ()
-        last = decode_last_actives(raw)
-        return last[1] if last is not None and last[0] < self.round_id else ()
+        last = decode_last_actives(raw) if raw is not None else None
+        if last is None or last[0] >= self.round_id:
+            return (), ()
+        lost = self.records.lost()
+        standby = tuple(a.participant_id for a in self.records.arrivals(last[0])
+                        if a.participant_id not in last[1] and a.participant_id not in lost)
+        return last[1], standby
 
     def _read_arrivals(self, now: float) -> tuple[Arrival, ...]:
         # the hint is read before the log: an arrival it counts is in the log read after it. Read
@@ -190,7 +194,7 @@ class Coordinator:
         """The round as the store says now (arrivals in log order, lost participants)."""
         arrivals = self._read_arrivals(self.clock())
         return RoundView(self.round_id, arrivals, self.previous_actives, frozenset(self._dead),
-                         self._lost_count(len(arrivals)))
+                         self._lost_count(len(arrivals)), self.previous_standby)
 
     def _lost_count(self, arrived: int) -> int:
         """Participants lost for good that cannot come back: one judged dead while it was only

@@ -39,6 +39,8 @@ class RoundView:
     dead_previous_actives: frozenset[str] = frozenset()
     #: participants the job lost for good so far (unhealthy, dead, withdrawn)
     lost_count: int = 0
+    #: participant ids that waited as standby in the previous round (hot spares, newcomers), not lost
+    previous_standby: tuple[str, ...] = ()
 
 
 def arrivals_of_round(records: Sequence[ArrivalRecord | None]) -> tuple[Arrival, ...]:
@@ -206,10 +208,11 @@ def decide_completion(view: RoundView, settings: RendezvousSettings, timer: Roun
         return Decision(Action.WAIT,
                         f"keeping places for {len(missing)} survivor(s) of the previous round",
                         wake_at=grace_end)
-    if not missing and arrived >= capacity:
-        # after losses: everyone who can still take part is here; a newcomer joins as a spare
-        return Decision(Action.COMPLETE, f"all {arrived} participants that can still take part arrived "
-                                         f"({view.lost_count} lost for good)")
+    expected = {*view.previous_actives, *view.previous_standby} - view.dead_previous_actives
+    if view.previous_actives and not missing and expected <= arrived_ids:
+        # every live participant of the previous round is here: nobody else is known to come (a
+        # newcomer waits as standby and is taken in later), so no last call is waited out
+        return Decision(Action.COMPLETE, f"every live participant of the previous round arrived ({arrived})")
     if now < last_call_end:
         return Decision(Action.WAIT, f"last call ({arrived} arrived)", wake_at=last_call_end)
     return Decision(Action.COMPLETE, f"{arrived} arrived (min_nodes={settings.min_nodes}) and "

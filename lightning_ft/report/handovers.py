@@ -73,3 +73,51 @@ def hand_over_lines(items: Sequence[HandOver]) -> list[str]:
                      f"{item.step if item.step is not None else '-'} (exit 0), spares took their places; "
                      f"{cost}{redone}")
     return lines
+
+
+@dataclass(frozen=True)
+class WorldChange:
+    """An elastic job's world size changed between two rounds (a shrink or a grow)."""
+
+    round: int  # the round that formed with the new size
+    before: int
+    after: int
+    #: the event that began the change (a grow, a hand-over, a failure) -> the first step after it
+    seconds: float | None
+
+    @property
+    def kind(self) -> str:
+        return "grow" if self.after > self.before else "shrink"
+
+
+def world_changes(timeline: Sequence[Entry]) -> list[WorldChange]:
+    """Every change of the actives' world size from one completed round to the next, in order."""
+    worlds: dict[int, tuple[int, float]] = {}
+    for entry in timeline:
+        round_, world = entry.fields.get("round"), entry.fields.get("world")
+        if entry.event == ev.ROUND_COMPLETE and not entry.fields.get("standby") and isinstance(round_, int) \
+                and isinstance(world, int):
+            worlds.setdefault(round_, (world, entry.seconds))
+    changes = []
+    ordered = sorted(worlds.items())
+    starts = (ev.GROW, ev.HAND_OVER, ev.FAILURE_DETECTED)
+    for (_, (before, _)), (round_, (after, formed_at)) in zip(ordered, ordered[1:], strict=False):
+        if before == after:
+            continue
+        began = [e.seconds for e in timeline if e.event in starts and e.fields.get("round") == round_ - 1]
+        first = next((e for e in timeline if e.event == ev.FIRST_STEP_AFTER_RECOVERY and e.seconds >= formed_at
+                      and e.fields.get("round") == round_), None)
+        seconds = first.seconds - min(began) if first is not None and began else None
+        changes.append(WorldChange(round_, before, after, seconds))
+    return changes
+
+
+def world_change_lines(items: Sequence[WorldChange]) -> list[str]:
+    """The report's lines for an elastic job's shrinks and grows (none when the world never changed)."""
+    if not items:
+        return []
+    lines = [f"  world size    {len(items)} change(s)"]
+    for item in items:
+        cost = "" if item.seconds is None else f"; its cause -> first step after it {item.seconds:.2f} s"
+        lines.append(f"    round {item.round}: {item.kind} {item.before} -> {item.after} ranks{cost}")
+    return lines

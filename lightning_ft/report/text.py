@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning_ft.events import names as ev
 from lightning_ft.events.log import read_events
-from lightning_ft.report.handovers import hand_over_lines
+from lightning_ft.report.handovers import hand_over_lines, world_change_lines
 from lightning_ft.report.timeline import MAX_VALUE_CHARS, SOURCE_LOCATION, RunSummary, job_exit_code, summarize
 from lightning_ft.report.work import format_work
 
@@ -83,6 +83,7 @@ def format_summary(summary: RunSummary) -> list[str]:
         lines.append(f"       lost time {_fmt_seconds(r.lost_seconds)} (the gap, and {_fmt_opt(r.steps_redone)} "
                      f"step(s) done again)")
     lines += hand_over_lines(summary.hand_overs)
+    lines += world_change_lines(summary.world_changes)
     if summary.goodput is not None:
         lines.append(f"  goodput       {100 * summary.goodput:.1f} % (lost {summary.lost_seconds:.2f} s of "
                      f"{summary.training_seconds:.2f} s of training)")

@@ -43,7 +43,7 @@ from typing import Any
 
 from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import ExitCode
-from lightning_ft.report.handovers import HandOver, hand_overs
+from lightning_ft.report.handovers import HandOver, WorldChange, hand_overs, world_changes
 from lightning_ft.report.launches import Relaunch, relaunches
 from lightning_ft.report.work import RoundWork, straggler_lines, work_per_round
 
@@ -121,6 +121,8 @@ class RunSummary:
     relaunches: tuple[Relaunch, ...] = ()
     #: signalled nodes that handed their places over to hot spares (the job went on)
     hand_overs: tuple[HandOver, ...] = ()
+    #: an elastic job's shrinks and grows
+    world_changes: tuple[WorldChange, ...] = ()
 
 
 # ---------------------------------------------------------------------- pure decisions
@@ -356,6 +358,7 @@ def summarize(events: Iterable[Any]) -> RunSummary:
         stragglers=straggler_lines(timeline),
         relaunches=launched_again,
         hand_overs=handed,
+        world_changes=tuple(world_changes(timeline)),
     )
 
 

@@ -200,9 +200,9 @@ class RecoveryExecutor:
         assert runtime is not None and runtime.result is not None
         result, step = runtime.result, trainer.global_step
         runtime.stop_watchdog()
-        self._session.events.emit(ev.HAND_OVER, round=result.round, step=step, reason=exc.reason)
-        log.warning("ddp_ft: round %d hands over after step %d (%s); re-forming with the spares", result.round,
-                    step, exc.reason)
+        self._session.events.emit(ev.GROW if exc.grow else ev.HAND_OVER, round=result.round, step=step,
+                                  reason=exc.reason)
+        log.warning("ddp_ft: round %d re-forms after step %d (%s)", result.round, step, exc.reason)
         runtime.retire_group()
         _call_on_exception(trainer, exc)
         finalize_failed(trainer)

@@ -35,6 +35,7 @@ from lightning_ft.deadlines import raw_store
 from lightning_ft.events import EventLog, NullEventLog, open_event_log
 from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import HandOver, StragglerEvicted
+from lightning_ft.runtime.elastic import grow_reason
 from lightning_ft.runtime.fit_loop import RendezvousFitLoop, TorchrunFitLoop
 from lightning_ft.runtime.layout import StateLayout
 from lightning_ft.runtime.log_history import decide_log_versions, keep_log_history
@@ -246,8 +247,12 @@ class FaultToleranceRuntime:
         resume_step = self._share_snapshots()
         self._keep_log_history(session, runtime, resume_step if runtime.follows_a_failure else
                                self._resumed_step(resume_step))
+        launch = self.settings.launch
+        grow = (launch.max_nodes, self.settings.elastic_grow_interval) \
+            if self.settings.rendezvous.elastic and launch.max_nodes is not None else None
         runtime.start_watchdog(session, self.settings.hang, self.settings.timeouts, self._global_step,
-                               stragglers=self.settings.stragglers if self.layout.watches_stragglers else None)
+                               stragglers=self.settings.stragglers if self.layout.watches_stragglers else None,
+                               grow=grow)
 
     def align_stage_state(self) -> None:
         """Before the module is wrapped (``configure_model`` ran): a rank whose module state is older
@@ -389,6 +394,9 @@ class FaultToleranceRuntime:
         if runtime is None:
             return
         pending, runtime.hand_over = runtime.hand_over, None
+        grown = grow_reason(runtime.grow, self.run.trainer.global_step)
+        if pending is None and grown is not None:
+            pending = HandOver(False, grown, grow=True)
         if pending is not None:  # at a step boundary: the live state of every rank is this step
             self.layout.before_hand_over(self._checkpoint, self.run.trainer, self.progress)
             raise pending

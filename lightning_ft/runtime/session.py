@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
 from lightning_ft.rendezvous.participant import local_participant
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.runtime.decisions import Detector
+from lightning_ft.runtime.elastic import GrowWatch
 from lightning_ft.runtime.settings import HangSettings, StragglerSettings, StrategySettings
 from lightning_ft.runtime.stage_state import NO_FIT
 from lightning_ft.runtime.transport import GroupTransport, retire_group
@@ -238,6 +240,11 @@ def _end_sessions_at_exit() -> None:
         on_service_thread_stop(_end_every_session)
 
 
+def _tick_all(ticks: list[Callable[[], None]]) -> None:
+    for tick in ticks:
+        tick()
+
+
 def _end_every_session() -> None:
     for session in list(_SESSIONS.values()):
         session.end()
@@ -268,6 +275,8 @@ class RoundRuntime:
     progressed: bool = False
     #: a hand-over verdict of the SIGTERM path, acted on at the next step boundary
     hand_over: HandOver | None = None
+    #: an elastic job's look-out for newcomers (None: the world size is fixed, or at its maximum)
+    grow: GrowWatch | None = None
     awaiting_first_step: bool = False
 
     def __post_init__(self) -> None:
@@ -293,7 +302,8 @@ class RoundRuntime:
         return now - self.failure_at if self.failure_at is not None else None
 
     def start_watchdog(self, session: Session, hang: HangSettings, timeouts: Timeouts,
-                       global_step: Callable[[], int | None], stragglers: StragglerSettings | None = None) -> None:
+                       global_step: Callable[[], int | None], stragglers: StragglerSettings | None = None,
+                       grow: tuple[int, float] | None = None) -> None:
         """Watch this round from a thread with its own store connection (see :class:`RoundWatchdog`)."""
         result, events, keys = self.result, session.events, session.keys
         assert result is not None  # only a round of the barrier rendezvous is watched
@@ -325,6 +335,12 @@ class RoundRuntime:
                 self.work, rank=result.rank, world_size=result.world_size, scope=scope,
                 factor=stragglers.straggler_factor, window=stragglers.straggler_window, round_values=round_values,
                 records=records, emit=events.emit)
+        if grow is not None and result.world_size < grow[0]:  # (max_nodes, elastic_grow_interval)
+            self.grow = GrowWatch(rank=result.rank, world_size=result.world_size, max_world_size=grow[0],
+                                  round_id=result.round, round_values=round_values, records=records,
+                                  grow_interval=grow[1], global_step=global_step,
+                                  step_seconds=self.clock.median_seconds)
+        ticks = [watch.tick for watch in (self.stragglers, self.grow) if watch is not None]
         transport = self.transport
         self.clock.touch()  # building the group was progress; the watchdog measures from here
         self.watchdog = RoundWatchdog(
@@ -335,7 +351,7 @@ class RoundRuntime:
             liveness=session.rendezvous.settings.liveness, on_trigger=on_trigger,
             break_group=transport.abort if transport is not None else (lambda: 0),
             poll_interval=hang.watchdog_interval, join_timeout=timeouts.thread_stop_timeout,
-            on_poll=self.stragglers.tick if self.stragglers is not None else None)
+            on_poll=partial(_tick_all, ticks) if ticks else None)
         self.watchdog.start()
 
     def stop_watchdog(self) -> RoundWatchdog | None:

@@ -161,6 +161,9 @@ class StrategySettings:
                                                     "before giving up with NO_RESTART", rule=_COUNT, advanced=True)
     max_recoveries: int | None = setting(None, "optional cap on recoveries in one process",
                                          rule=number(integer=True, inclusive=True, allow_none=True), advanced=True)
+    elastic_grow_interval: float = setting(30.0, "an elastic job takes in participants that arrived while it "
+                                                 "trains at most once per this many seconds (a round must be "
+                                                 "this old first)", rule=_SECONDS, advanced=True)
     keep_snapshots_when_finished: bool = setting(False, "keep the job's snapshots in memory (/dev/shm) after its "
                                                         "last stage completed; by default each participant that "
                                                         "saw the job finish removes its own", rule=boolean,
