@@ -454,6 +454,35 @@ def test_f_torchrun_script_survives_a_killed_node_and_completes_0(jobs, timings)
 
 
 @BESIDE_THE_TIME_LIMIT_JOB
+@pytest.mark.usefixtures("time_limit_job")  # submitted now, checked by (c)
+@pytest.mark.timeout(330)
+def test_g_sigterm_to_one_task_hands_over_to_the_spare_and_the_job_completes_0(jobs, timings):
+    """Issue 38: SIGTERM reaches one active task (a node's notice: a spot reclaim, a drain agent; on
+    this one-node cluster ``scancel --signal`` would reach every task of the step): it hands its
+    place over to the hot spare and exits 0, the job goes on and ends COMPLETED 0:0 -- srun's own
+    code 0 too, no task failed."""
+    job = jobs.submit("hand-over", TRAIN_ARGS)
+    job.wait_for_step(40, 90)
+    assert wait_for(lambda: any(e["standby"] for e in job.events(0, "round_complete")), 60), job.diagnostics()
+    hosts = {e["pid"] for e in job.events(0, "join") if e["store_host"]}
+    victim = next(pid for pid in job.active_domains().values() if pid not in hosts)
+    start = time.monotonic()
+    os.kill(victim, signal.SIGTERM)
+    info, seconds = ended_after(job, start, 120)
+    timings["(g) SIGTERM to one active task -> hand-over -> COMPLETED"] = seconds
+
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job.diagnostics()
+    assert job.srun_and_job_codes() == [(0, 0)], job.diagnostics()
+    [handed] = job.events(0, "handed_over")
+    assert handed["pid"] == victim, job.diagnostics()
+    assert job.events(0, "snapshot_received"), "the spare did not receive the live state"
+    finished = job.events(0, "finished")
+    assert sorted(e["step"] for e in finished) == [STEPS, STEPS], job.diagnostics()
+    restored = {e["step"] for e in job.events(0, "restored") if e.get("round", 0) > 0}
+    assert restored == {handed["step"]}, (restored, handed)  # no step trained again
+
+
+@BESIDE_THE_TIME_LIMIT_JOB
 @pytest.mark.timeout(420)
 def test_c_time_limit_warning_stops_and_saves_before_the_limit_then_requeue_completes(time_limit_job, timings):
     job = time_limit_job  # submitted when the first scenario of this group started (see the fixture)
