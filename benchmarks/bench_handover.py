@@ -1,10 +1,15 @@
-"""Hand-over benchmark: SIGTERM to one active node of a running job (issue 38).
+"""Hand-over and elastic benchmark: SIGTERM to one active node of a running job, and an elastic job that
+shrinks and grows back (issue 38).
 
-Two scenarios in real processes on 127.0.0.1 (``tests/scripts/ft_train.py``, ``strategy="ddp_ft"``,
+Three scenarios in real processes on 127.0.0.1 (``tests/scripts/ft_train.py``, ``strategy="ddp_ft"``,
 a standalone ``lightning-ft store``), alternating, SIGTERM at the same step:
 
 * ``hand-over``: 2 actives + 1 hot spare; the signalled node hands its place over to the spare
   and the job goes on from the survivor's live state.
+* ``elastic``: 1:2 with ``LIGHTNING_FT_ELASTIC=1``, no spare: one node is SIGKILLed, the other
+  trains on alone (shrink), then a new participant arrives and is taken in (grow); reported:
+  kill -> first step of the shrunk job, and the grow's stall (its ``grow`` event -> the first step
+  of the grown job).
 * ``stop-relaunch`` (the anchor, what a signal to one node cost before: the whole job stops with
   81 and is requeued): 2 actives, no spare; both stop at the agreed step with their snapshots
   (81) and are relaunched at once on the same nodes -- no scheduler in between, so the anchor is
@@ -44,7 +49,7 @@ def ProcessSet(log_dir: Path) -> FreshProcesses:
     # start-up (importing torch and Lightning), not a fork of a preloaded one (tests/prefork.py)
     return FreshProcesses(log_dir, cwd=REPO)
 
-SCENARIOS = ("stop-relaunch", "hand-over")
+SCENARIOS = ("stop-relaunch", "hand-over", "elastic")
 
 
 def _train_args(args) -> list[str]:
@@ -73,6 +78,31 @@ def hand_over(args, root: Path) -> dict:
         return {"seconds": min(firsts) - signalled if firsts else None, "codes": codes,
                 "redone": left_at - min(restored) if restored else None,
                 "verdict_seconds": verdicts[0] if verdicts else None,
+                "finished": all(code == 0 for code in codes.values())}
+    finally:
+        procs.kill_all()
+
+
+def elastic(args, root: Path) -> dict:
+    procs = ProcessSet(log_dir=root)
+    try:
+        cluster = Cluster(procs, root, "1:2", run_id="bench-elastic")
+        cluster.out.mkdir(parents=True)
+        cluster.start_store()
+        options = ["--ft-option", "last_call_timeout=60", "--ft-option", "elastic_grow_interval=1"]
+        for infra_rank, name in enumerate("AB"):
+            cluster.start_participant(name, [*_train_args(args), *options], LIGHTNING_FT_INFRA_RANK=str(infra_rank),
+                                      LIGHTNING_FT_ELASTIC="1")
+        cluster.wait_for_step(args.signal_at, 120)
+        killed = cluster.kill("B")
+        cluster.wait_for_log("A", "first step after recovery completed", 120)
+        cluster.start_participant("C", [*_train_args(args), *options], LIGHTNING_FT_ELASTIC="1")
+        codes = cluster.wait(["A", "C"], 180)
+        firsts = sorted(e["t"] for e in cluster.events_of("first_step_after_recovery"))
+        grows = [e["t"] for e in cluster.events_of("grow")]
+        grown = [t for t in firsts if grows and t > grows[0]]
+        return {"seconds": firsts[0] - killed if firsts else None, "codes": codes, "redone": None,
+                "verdict_seconds": None, "grow_seconds": grown[0] - grows[0] if grown else None,
                 "finished": all(code == 0 for code in codes.values())}
     finally:
         procs.kill_all()
@@ -122,26 +152,32 @@ def main() -> int:
     try:
         for i in range(args.repeats):
             for name in SCENARIOS:
-                run = hand_over if name == "hand-over" else stop_relaunch
+                run = {"hand-over": hand_over, "elastic": elastic, "stop-relaunch": stop_relaunch}[name]
                 outcome = run(args, base / f"{name}-{i}")
                 results[name].append(outcome)
                 seconds = "never" if outcome["seconds"] is None else f"{outcome['seconds']:.3f}s"
                 verdict = "" if outcome["verdict_seconds"] is None else \
                     f", verdict {outcome['verdict_seconds']:.3f}s after the signal"
-                print(f"run {i} {name:14s}: SIGTERM -> first step of the job after it {seconds}, steps redone "
-                      f"{outcome['redone']}{verdict}, exit codes {outcome['codes']}", flush=True)
+                grow = "" if outcome.get("grow_seconds") is None else \
+                    f", grow: stall {outcome['grow_seconds']:.3f}s"
+                cause = "kill" if name == "elastic" else "SIGTERM"
+                print(f"run {i} {name:14s}: {cause} -> first step of the job after it {seconds}, steps redone "
+                      f"{outcome['redone']}{verdict}{grow}, exit codes {outcome['codes']}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
     def median(name: str) -> float:
         return statistics.median(r["seconds"] if r["seconds"] is not None else float("inf") for r in results[name])
 
-    anchor, ours = median("stop-relaunch"), median("hand-over")
+    anchor, ours, shrunk = median("stop-relaunch"), median("hand-over"), median("elastic")
+    stalls = [r["grow_seconds"] for r in results["elastic"] if r.get("grow_seconds") is not None]
     print(f"\nmedian SIGTERM -> first step after it: hand-over {ours:.3f}s (goal <= 1 s), stop + immediate "
           f"relaunch {anchor:.3f}s (ratio {ours / anchor:.2f}x the anchor); steps redone: hand-over "
           f"{[r['redone'] for r in results['hand-over']]}, relaunch {[r['redone'] for r in results['stop-relaunch']]}")
+    print(f"elastic: kill -> first step of the shrunk job {shrunk:.3f}s (goal <= 1 s; ratio {shrunk / anchor:.2f}x "
+          f"the anchor); grow stall {statistics.median(stalls) if stalls else float('nan'):.3f}s (goal <= 1 s)")
     print(json.dumps({"results": results, "median_hand_over_s": ours, "median_stop_relaunch_s": anchor,
-                      "ratio": ours / anchor}, default=str))
+                      "median_elastic_shrink_s": shrunk, "ratio": ours / anchor}, default=str))
     return 0
 
 
