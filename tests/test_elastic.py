@@ -9,6 +9,7 @@ with ``lightning_ft.data.resumable_loader`` (``--loader-data``).
 
 from __future__ import annotations
 
+import csv
 import signal
 import sys
 
@@ -70,7 +71,8 @@ def test_an_elastic_job_that_shrank_grows_back_when_a_node_arrives_and_keeps_the
     for name in ("R0", "R1"):
         reference.start_participant(name, args)
     cluster = Cluster(processes, tmp_path / "job", "1:2", run_id="elastic-grow")
-    options = ["--ft-option", "last_call_timeout=60", "--ft-option", "elastic_grow_interval=1"]
+    logs = tmp_path / "logs"
+    options = ["--ft-option", "last_call_timeout=60", "--ft-option", "elastic_grow_interval=1", "--csv-logs", str(logs)]
     cluster.out.mkdir(parents=True)
     cluster.start_store()
     for name in ("A", "B"):
@@ -94,6 +96,10 @@ def test_an_elastic_job_that_shrank_grows_back_when_a_node_arrives_and_keeps_the
     assert all(c.seconds is not None and c.seconds > 0 for c in summary.world_changes), summary.world_changes
     assert "round 2: grow 1 -> 2 ranks" in format_report(summary)
     assert job_exit_code(summary, launcher_code=0).code == 0
+    # the Trainer's logger: the world size at the first step of every round (it changes only with a round)
+    with open(logs / "lightning_logs" / "version_0" / "metrics.csv", newline="") as f:
+        points = [float(row["ft/world_size"]) for row in csv.DictReader(f) if row.get("ft/world_size")]
+    assert points == [2.0, 1.0, 2.0], points
     assert cluster.result("A")["step"] == cluster.result("C")["step"] == 160
     assert cluster.result("A")["weights"] == cluster.result("C")["weights"]
     expected = reference.result("R0")["weights"]
