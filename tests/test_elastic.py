@@ -30,17 +30,23 @@ pytestmark = [pytest.mark.multiprocess]
 ARGS = ["--loader-data", "--step-sleep", "0.03", "--snapshot-every", "10", "--max-steps", "60"]
 
 
+def start_reference(processes, tmp_path, args: list[str]) -> Cluster:
+    """The uninterrupted run to compare with: 2 ranks, not elastic, the same data order."""
+    reference = Cluster(processes, tmp_path / "reference", "2:2", run_id="elastic-reference")
+    reference.out.mkdir(parents=True)
+    reference.start_store("reference-store")
+    for name in ("R0", "R1"):
+        reference.start_participant(name, args)
+    return reference
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["lost", "signalled"])
 def test_an_elastic_job_shrinks_when_a_node_is_lost_or_signalled_and_keeps_the_math(processes, tmp_path, how):
     """1:2 elastic, no spare: B is SIGKILLed (A recovers from its live state) or SIGTERMed (B hands its
     place over: exit 0); A goes on alone, accumulating 2 micro-batches per step over the rest of the
     epoch re-sharded by position, and ends with the weights of an uninterrupted 2-rank run."""
-    reference = Cluster(processes, tmp_path / "reference", "2:2", run_id="elastic-reference")
-    reference.out.mkdir(parents=True)
-    reference.start_store("reference-store")
-    for name in ("R0", "R1"):
-        reference.start_participant(name, ARGS)
+    reference = start_reference(processes, tmp_path, ARGS)
     cluster = Cluster(processes, tmp_path / "job", "1:2", run_id="elastic")
     # both must train in round 0: it completes when both arrived (max), whatever the machine's load
     cluster.start(["A", "B"], [*ARGS, "--ft-option", "last_call_timeout=60"], LIGHTNING_FT_ELASTIC="1")
@@ -65,11 +71,7 @@ def test_an_elastic_job_that_shrank_grows_back_when_a_node_arrives_and_keeps_the
     round takes it in at a step boundary (at most once per ``elastic_grow_interval``, 1 s here):
     2 -> 1 -> 2 ranks, and the weights of an uninterrupted 2-rank run (float tolerance)."""
     args = [*ARGS[:-1], "160"]
-    reference = Cluster(processes, tmp_path / "reference", "2:2", run_id="elastic-reference")
-    reference.out.mkdir(parents=True)
-    reference.start_store("reference-store")
-    for name in ("R0", "R1"):
-        reference.start_participant(name, args)
+    reference = start_reference(processes, tmp_path, args)
     cluster = Cluster(processes, tmp_path / "job", "1:2", run_id="elastic-grow")
     logs = tmp_path / "logs"
     options = ["--ft-option", "last_call_timeout=60", "--ft-option", "elastic_grow_interval=1", "--csv-logs", str(logs)]
