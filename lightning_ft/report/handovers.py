@@ -47,7 +47,10 @@ def hand_overs(timeline: Sequence[Entry], step_of: Callable[[dict[str, Any]], in
                     and e.seconds <= left_at and isinstance(e.fields.get("seconds_since_signal"), (int, float))]
         signalled_at = min((e.seconds - float(e.fields["seconds_since_signal"]) for e in verdicts), default=left_at)
         step = step_of(leavers[0].fields)
-        first = next((e for e in timeline if e.event == ev.FIRST_STEP_AFTER_RECOVERY and e.seconds > left_at), None)
+        # the next round's first step (not a later one: a job that never trained again, then was
+        # relaunched, would count the gap twice); hosts' clocks differ: a cost <= 0 is unknown
+        first = next((e for e in timeline if e.event == ev.FIRST_STEP_AFTER_RECOVERY and e.seconds > left_at
+                      and e.fields.get("round") == (round_ or 0) + 1), None)
         restored = next((e for e in timeline if e.event == ev.RESTORED and e.seconds > left_at
                          and isinstance(e.fields.get("round"), int) and e.fields["round"] > (round_ or 0)), None)
         restored_step = step_of(restored.fields) if restored is not None else None
@@ -55,7 +58,7 @@ def hand_overs(timeline: Sequence[Entry], step_of: Callable[[dict[str, Any]], in
             round=round_, signalled_at=signalled_at, left=tuple(dict.fromkeys(who(e) for e in leavers)), step=step,
             restored_step=restored_step,
             steps_redone=step - restored_step if step is not None and restored_step is not None else None,
-            seconds=first.seconds - signalled_at if first is not None else None))
+            seconds=first.seconds - signalled_at if first is not None and first.seconds > signalled_at else None))
     return result
 
 

@@ -9,9 +9,10 @@ Every rank's watchdog reads that value, and each training thread raises a planne
 (:class:`~lightning_ft.exit_codes.HandOver`, nobody leaving) at the first step boundary at or
 past it: the next round forms from the live state with the newcomers in it (elastic: everyone
 trains), the gradient accumulation follows the new world size and the data is re-sharded by
-position. A rank that reads the value too late trains the next step alone: its collective fails
-at once (the others left the group) and it recovers from the same live state, as from a lost
-peer -- the agreement costs exactness of timing, never state.
+position. Every rank reads the value at each poll of its watchdog once the round may grow, well
+within that second; a rank that reads it too late anyway trains the next step alone: its
+collective fails at once (the others left the group) and it recovers from the same live state,
+as from a lost peer -- the agreement costs exactness of timing, never state.
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ class GrowWatch:
         if self.grow_at is not None or self.world_size >= self.max_world_size:
             return
         now = monotonic()
-        if now - self._looked_at < _LOOK_EVERY_S:
+        if now - self.started < self.grow_interval:
             return
-        self._looked_at = now
-        if self.rank == 0 and now - self.started >= self.grow_interval:
+        if self.rank == 0 and now - self._looked_at >= _LOOK_EVERY_S:
+            self._looked_at = now
             self._propose()
+        # every poll once the round may grow (one store read each): the step lies ~1 s of training
+        # ahead, so every rank reads it before it gets there and re-forms as planned
         raw = self.values.get(GROW_KEY)
         if raw is not None:
             try:

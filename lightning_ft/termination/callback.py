@@ -48,7 +48,7 @@ from lightning_ft._validation import require
 from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.events import NullEventLog, open_event_log
 from lightning_ft.events import names as ev
-from lightning_ft.exit_codes import FaultTolerantExit
+from lightning_ft.exit_codes import FaultTolerantExit, HandOver
 from lightning_ft.health import NodeHealthCheck
 from lightning_ft.health.probes import default_probes
 from lightning_ft.process import install_exit_hook, plan_exit
@@ -244,6 +244,8 @@ class GracefulTermination(pl.Callback):
     # ---- learning about a termination ---------------------------------------------------
 
     def _on_signal(self, signum: int, seen_at: float) -> None:  # watcher thread
+        if not self._fit_active:
+            return  # between rounds: the next round's install carries it (see _supersede)
         name = signal.Signals(signum).name
         step = self._current_step()
         log.warning("rank %d: %s received during step %d; starting the health check, stopping at an agreed step",
@@ -343,7 +345,7 @@ class GracefulTermination(pl.Callback):
 
     def _propose(self, termination: Termination, step: int) -> StopRequest | None:
         """Propose ``step + margin`` (bounded); the agreed request, or stop here if the store does not answer."""
-        coordinator, proposal = self._coordinator, step + self._propose_margin()
+        coordinator, proposal = self._coordinator, step + propose_margin(self.margin_steps, self._world_size)
         reason = f"rank {self._rank}: {termination.cause}"
         if isinstance(coordinator, LocalStopCoordinator):
             return coordinator.propose(proposal, termination.signum, reason)
@@ -393,23 +395,19 @@ class GracefulTermination(pl.Callback):
             termination.exit_code_if_killed = 0  # forced out when the way out takes too long: still handed over
             self._finish(trainer, exiting=True)
             return True
-        termination.watchdog.disarm()  # this rank goes on training
-        self._carried_signal = self._listener.received if self._listener is not None else None
-        self._termination = None
-        self._finish(trainer)
+        self._supersede(trainer, termination)
         return True
 
-    def _propose_margin(self) -> int:
-        # Any margin >= 1 keeps the agreement exact: the proposer holds before the stop step
-        # until every rank confirmed it (decide_at_boundary). A margin of 1 stops soonest:
-        # the hold before step+1 lasts until the peers' watchers read the request -- a few
-        # store round trips, as they block in a store wait that the proposal ends. Checks run
-        # only at optimizer-step boundaries (global_step changed), so ranks never stop inside
-        # an accumulation window, where the accumulated gradients would be lost. A larger
-        # margin gives the confirmations time to arrive while training goes on, at the price
-        # of one step of the grace period per unit. A single process has nobody to wait for
-        # and stops at its first boundary.
-        return self.margin_steps if self._world_size > 1 else 0
+    def _supersede(self, trainer: pl.Trainer, termination: Termination | None) -> None:
+        """This rank trains on in the next round (a hand-over's survivor, a planned re-form): the termination
+        ends without an exit; a signal of its own begins the next round's."""
+        listener = self._listener
+        self._finish(trainer)  # not fit-active from here: no signal begins a termination any more
+        if termination is not None:  # its health check and its watchdog no longer end this process
+            termination.superseded = True
+            termination.watchdog.disarm()
+        self._carried_signal = listener.received if listener is not None else None
+        self._termination = None
 
     def _stop_here(self, trainer: pl.Trainer | None, termination: Termination, step: int, where: str) -> NoReturn:
         assert self._executor is not None  # made in setup(), before any termination
@@ -428,6 +426,8 @@ class GracefulTermination(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._listener is None or isinstance(exception, FaultTolerantExit):
             return
+        if isinstance(exception, HandOver):  # a re-form the runtime planned (an elastic grow): go on with it
+            return self._supersede(trainer, self._termination)
         termination = self._termination
         received = self._listener.received
         if termination is None and received is not None:
@@ -473,6 +473,21 @@ class GracefulTermination(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._finish()
+
+
+def propose_margin(margin_steps: int, world_size: int) -> int:
+    """Steps between the proposing boundary and the proposed stop step.
+
+    Any margin >= 1 keeps the agreement exact: the proposer holds before the stop step until every
+    rank confirmed it (decide_at_boundary). A margin of 1 stops soonest: the hold before step+1
+    lasts until the peers' watchers read the request -- a few store round trips, as they block in a
+    store wait that the proposal ends. Checks run only at optimizer-step boundaries (global_step
+    changed), so ranks never stop inside an accumulation window, where the accumulated gradients
+    would be lost. A larger margin gives the confirmations time to arrive while training goes on, at
+    the price of one step of the grace period per unit. A single process has nobody to wait for and
+    stops at its first boundary.
+    """
+    return margin_steps if world_size > 1 else 0
 
 
 def wait_for_confirmations(coordinator: StoreStopCoordinator | LocalStopCoordinator, timeout: float,

@@ -53,6 +53,9 @@ class Termination:
         # what a forced exit (watchdog) should report right now: nothing saved yet
         self.exit_code_if_killed = not_saved_exit_code(signum)
         self.watchdog = ExitWatchdog(lambda: self.exit_code_if_killed, "lightning_ft termination")
+        #: this rank went on training without stopping (a hand-over survivor): its health verdict no
+        #: longer ends the process
+        self.superseded = False
 
 
 class TerminationExecutor:
@@ -96,7 +99,7 @@ class TerminationExecutor:
         if report.healthy:
             log.warning("rank %d: health check: %s; ready %.0f ms after the signal", self.rank,
                         report.summary(), after_ms)
-        elif self._fit_active():
+        elif self._fit_active() and not termination.superseded:
             self.exit_unhealthy(termination, report)
         else:
             log.warning("rank %d: health check: %s (training already over; not exiting)", self.rank,
