@@ -17,6 +17,7 @@ from lightning_ft.failover.switchboard import StoreSwitchboard
 from lightning_ft.rendezvous.barrier import BarrierRendezvous
 from lightning_ft.schema.signing import Signer
 from lightning_ft.settings import Timeouts
+from lightning_ft.store.locator import JobEndpoints
 from lightning_ft.store.tcp import Endpoint
 
 
@@ -25,9 +26,9 @@ class FailoverBackend:
 
     name = "failover"
 
-    def __init__(self, endpoint: Endpoint, first: BoundedStore, hosting: bool, participant_id: str,
-                 timeouts: Timeouts, signer: Signer) -> None:
-        self.switchboard = StoreSwitchboard(endpoint, first, hosting, participant_id, timeouts, signer)
+    def __init__(self, endpoint: Endpoint, job: JobEndpoints, first: BoundedStore, hosting: bool,
+                 participant_id: str, timeouts: Timeouts, signer: Signer) -> None:
+        self.switchboard = StoreSwitchboard(endpoint, first, hosting, participant_id, timeouts, signer, job)
         self._store = FailoverStore(self.switchboard, timeouts.store_timeout, first)
         self.participant: FailoverParticipant | None = None
 

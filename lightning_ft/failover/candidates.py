@@ -13,10 +13,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from lightning_ft.deadlines import BackgroundThread, first_line
+from lightning_ft.failover.partition import follow_newest
 from lightning_ft.failover.switchboard import Candidate, StoreSwitchboard
 from lightning_ft.rendezvous.records import RunRecords
-from lightning_ft.schema.failover import decode_presence, encode_presence, presence_key
-from lightning_ft.schema.run import ROSTER_HEAD, decode_roster_head
+from lightning_ft.schema.failover import decode_presence, encode_presence, epoch_key, presence_key
+from lightning_ft.schema.run import ROSTER_HEAD, decode_number, decode_roster_head
+from lightning_ft.schema.signing import SealedStore
 
 if TYPE_CHECKING:
     from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
@@ -61,6 +63,12 @@ class FailoverParticipant:
         # prove it
         switchboard.bind_launch(rendezvous.settings.run_id, rendezvous.keys.incarnation,
                                 rendezvous.records.launch_id)
+        # one that joins a store a fail-over opened counts its epochs from there (its sealed number
+        # under this launch's keys; none: the launch's first store), as the others do
+        assert switchboard.scope is not None  # bound just now
+        served = decode_number(SealedStore(rendezvous.store, switchboard.signer).get(epoch_key(switchboard.scope)))
+        if served is not None and served > switchboard.epoch:
+            switchboard.epoch = served
         switchboard.presence.start()
         rendezvous.values.put(presence_key(rendezvous.keys.prefix, rendezvous.participant_id),
                               encode_presence(switchboard.presence.endpoint, switchboard.successor))
@@ -77,8 +85,8 @@ class FailoverParticipant:
             self._refresher.start()
 
     def follow_newest(self) -> None:
-        """Before re-joining after a failure (see :meth:`StoreSwitchboard.follow_newest`)."""
-        self.switchboard.follow_newest()
+        """Before re-joining after a failure (see :func:`~lightning_ft.failover.partition.follow_newest`)."""
+        follow_newest(self.switchboard)
 
     def close(self) -> None:
         """The participant left for good: stop the refresher (joined)."""

@@ -64,14 +64,7 @@ from lightning_ft.failover.reach import (
     refuses,
 )
 from lightning_ft.failover.reach import connect as connect_client
-from lightning_ft.failover.rebuild import (
-    Mirror,
-    announced_store,
-    follow_settled,
-    may_serve,
-    merge_views,
-    store_to_follow,
-)
+from lightning_ft.failover.rebuild import Mirror, announced_store, may_serve, merge_views
 from lightning_ft.schema.failover import (
     EpochKeys,
     decode_registration,
@@ -81,10 +74,11 @@ from lightning_ft.schema.failover import (
     epoch_key,
     failover_scope,
 )
-from lightning_ft.schema.run import ROSTER_HEAD, decode_number, encode_number
+from lightning_ft.schema.run import decode_number, encode_number
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.settings import Timeouts
 from lightning_ft.sockets import break_connections_to
+from lightning_ft.store.locator import JobEndpoints
 from lightning_ft.store.tcp import Endpoint, host_store, parse_endpoint, reserve_port
 
 log = logging.getLogger(__name__)
@@ -116,8 +110,11 @@ class StoreSwitchboard:
     """
 
     def __init__(self, endpoint: Endpoint, first: BoundedStore, hosting: bool, participant_id: str,
-                 timeouts: Timeouts, signer: Signer) -> None:
+                 timeouts: Timeouts, signer: Signer, job: JobEndpoints | None = None) -> None:
         self.endpoint = endpoint
+        #: where the job was launched to find its store: a successor serves at the first of them it
+        #: can bind, so that nodes started later find the job (:mod:`lightning_ft.store.locator`)
+        self.job = job if job is not None else JobEndpoints.of(endpoint)
         #: set when the store of that epoch is replaced: calls still waiting on it give up
         self._epoch_ended: dict[int, Abandon] = {}
         self._epoch_lock = threading.Lock()
@@ -257,7 +254,8 @@ class StoreSwitchboard:
                 raise
             seconds = monotonic() - started
             self.failovers.append((self.epoch, seconds, successor))
-            _break_connections(lost)
+            if lost != self.endpoint:  # a store served again at the lost one's endpoint keeps its connections
+                _break_connections(lost)
             log.warning("rendezvous store: failed over to %s (epoch %d, %s) in %.2fs after: %s", self.endpoint,
                         self.epoch, "hosted here" if self.hosting else f"hosted by {successor}", seconds, why)
         finally:
@@ -320,7 +318,7 @@ class StoreSwitchboard:
                 if candidate.participant_id == self.participant_id:
                     target = candidate
                     break
-                status = self._probe(candidate, f"FAILOVER {from_epoch}")
+                status = self.probe(candidate, f"FAILOVER {from_epoch}")
                 if status.state == "dead":
                     dead.add(candidate.participant_id)
                 elif status.state == "alive":
@@ -344,11 +342,11 @@ class StoreSwitchboard:
         None when it is gone, does not within the fail-over's bound, or names a store at an
         endpoint no candidate announced (never followed: see the module)."""
         while monotonic() < deadline:
-            status = self._probe(target, f"FAILOVER {from_epoch}")
+            status = self.probe(target, f"FAILOVER {from_epoch}")
             if status.state == "dead":
                 return None
             if status.state == "alive" and status.epoch > from_epoch and status.store:
-                if not announced_store(status.store, {c.store for c in self.candidates}):
+                if not announced_store(status.store, self.announced()):
                     log.warning("rendezvous store: %s names a store at %s, an endpoint no fail-over candidate "
                                 "announced; not following it", target.participant_id, status.store[:80])
                     return None
@@ -356,7 +354,11 @@ class StoreSwitchboard:
             time.sleep(_POLL)
         return None
 
-    def _probe(self, candidate: Candidate, request: str) -> PeerStatus:
+    def announced(self) -> set[str]:
+        """Where a successor may serve: the endpoints the candidates announced, and the job's own."""
+        return {c.store for c in self.candidates} | self.job.names()
+
+    def probe(self, candidate: Candidate, request: str) -> PeerStatus:
         """Ask ``candidate``'s presence (:func:`~.presence.probe`): "alive" only for its authentic answer."""
         return probe(candidate.presence, request, self.timeouts.probe_timeout, candidate.participant_id, self.proof)
 
@@ -404,14 +406,22 @@ class StoreSwitchboard:
         self._probe_store = None
 
     def _serve_on_announced_port(self, epoch: int) -> tuple[Any, Endpoint]:
-        """Serve a store on the port this process announced (once: a second fail-over to it, which
-        only a store it served and lost could need, has no announced port left)."""
+        """Serve a store at the first of the job's endpoints this process can bind (where nodes
+        started later look for it), else on the port this process announced (once: a second
+        fail-over to it, which only a store it served and lost could need, has no announced port left)."""
+        timeout = datetime.timedelta(seconds=self.timeouts.store_timeout)
+        probe = self.timeouts.probe_timeout
+        listed = self.job.bind_here(patience=4 * probe, probe_timeout=probe / 2)
+        if listed is not None:
+            endpoint, sock = listed
+            server = host_store(endpoint.host, 0, timeout, reserved=sock)
+            self._servers.append(server)
+            return server, endpoint
         reserved, self._reserved = self._reserved, None
         if reserved is None:
             raise StoreLostError(f"this participant was to host the rendezvous store of epoch {epoch} but served "
                                  "one already: the port it announced is used")
-        server = host_store(self.presence.host, 0, datetime.timedelta(seconds=self.timeouts.store_timeout),
-                            reserved=reserved)
+        server = host_store(self.presence.host, 0, timeout, reserved=reserved)
         self._servers.append(server)
         return server, parse_endpoint(self.successor)
 
@@ -453,35 +463,16 @@ class StoreSwitchboard:
         if not candidates:
             return set()
         with ThreadPoolExecutor(max_workers=min(16, len(candidates)), thread_name_prefix="lightning_ft-probe") as pool:
-            states = list(pool.map(lambda c: self._probe(c, f"FAILOVER {epoch}").state, candidates))
+            states = list(pool.map(lambda c: self.probe(c, f"FAILOVER {epoch}").state, candidates))
         return {c.participant_id for c, state in zip(candidates, states, strict=True) if state == "dead"}
 
     # ----------------------------------------------------------------- after a partition
 
-    def follow_newest(self) -> bool:
-        """Follow a newer store if a majority of the first candidates not proven gone follow it (a
-        process that was frozen while the others failed over must not go on deciding on the old
-        store), at an endpoint a candidate announced, once it serves that epoch (its sealed number,
-        under this launch's keys). A majority, not the first that answers: one answer proves little
-        without a job secret (a squatter on a dead participant's ports can give it), and the store
-        it names opened with a majority behind it. True when this process moved."""
-        others = [c for c in self.candidates if c.participant_id != self.participant_id][:ROSTER_HEAD]
-        if not others or self.scope is None:
-            return False
-        announced = {c.store for c in self.candidates}
-        # half first: when nobody moved (the common case, every re-join after a peer loss) their
-        # answers settle it, and a failure round of N participants makes N x half the probes
-        first = (len(others) + 1) // 2
-        answers: list[tuple[str, int, str]] = []
-        for wave in (others[:first], others[first:]):
-            if not wave or follow_settled(self.epoch, answers, len(others), announced):
-                break
-            with ThreadPoolExecutor(max_workers=len(wave), thread_name_prefix="lightning_ft-probe") as pool:
-                answers += [(a.state, a.epoch, a.store) for a in pool.map(lambda c: self._probe(c, "STATUS"), wave)]
-        target = store_to_follow(self.epoch, answers, announced)
-        if target is None:
-            return False
-        epoch, where = target
+    def follow(self, epoch: int, where: str) -> bool:
+        """Move every connection to the store of ``epoch`` at ``where`` -- a newer one that others
+        follow (:func:`~lightning_ft.failover.partition.follow_newest` decides) -- once it serves that
+        epoch (its sealed number, under this launch's keys). True when this process moved."""
+        assert self.scope is not None  # candidates are known only once bound
         with self._lock:
             if self.epoch >= epoch:
                 return False
@@ -494,7 +485,8 @@ class StoreSwitchboard:
             lost = self.endpoint
             self.endpoint, self.epoch, self.hosting = endpoint, epoch, False
             self._probe_later(store)
-            _break_connections(lost)
+            if lost != endpoint:
+                _break_connections(lost)
         for callback in self.on_switch:
             callback(False)
         return True

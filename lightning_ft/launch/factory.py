@@ -20,7 +20,8 @@ from lightning_ft.rendezvous.records import publish_launch_id
 from lightning_ft.rendezvous.settings import RendezvousSettings
 from lightning_ft.schema.signing import job_signer
 from lightning_ft.store.backend import RendezvousBackend, StoreBackend
-from lightning_ft.store.tcp import Endpoint, connect_store
+from lightning_ft.store.locator import JobEndpoints, connect_job_store
+from lightning_ft.store.tcp import Endpoint
 
 
 @dataclass
@@ -49,16 +50,18 @@ class Participant:
         self.backend.close()
 
 
-def open_participant(endpoint: Endpoint, is_host: bool | None, info: ParticipantInfo,
+def open_participant(endpoint: Endpoint | JobEndpoints, is_host: bool | None, info: ParticipantInfo,
                      settings: RendezvousSettings) -> Participant:
     """Reach (``is_host`` False), host (True) or either (None: host when the port can be bound
-    here) the store at ``endpoint`` and build ``info``'s participant with ``settings``. Raises
-    ``RendezvousError`` when the store cannot be reached."""
-    first, hosting = connect_store(endpoint, is_host, settings.timeouts)
+    here) the job's store at ``endpoint`` -- wherever a fail-over moved it among the job's listed
+    endpoints (:mod:`lightning_ft.store.locator`) -- and build ``info``'s participant with
+    ``settings``. Raises ``RendezvousError`` when the store cannot be reached."""
+    job = JobEndpoints.of(endpoint)
+    first, hosting, reached = connect_job_store(job, is_host, settings.timeouts)
     if hosting:  # a new store is a new launch (see read_launch_id)
         publish_launch_id(first, job_signer())
     backend: RendezvousBackend = (
-        FailoverBackend(endpoint, first, hosting, info.participant_id, settings.timeouts, job_signer())
+        FailoverBackend(reached, job, first, hosting, info.participant_id, settings.timeouts, job_signer())
         if settings.store_failover else StoreBackend(first, hosting))
     store = backend.store
     rendezvous = BarrierRendezvous(store, settings, info, is_store_host=hosting,

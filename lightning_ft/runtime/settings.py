@@ -41,7 +41,7 @@ from lightning_ft.settings.fields import (
     parse_text,
     setting_values,
 )
-from lightning_ft.store.tcp import Endpoint, parse_endpoint
+from lightning_ft.store.locator import JobEndpoints, parse_endpoints
 
 ENV_ENDPOINT = "LIGHTNING_FT_ENDPOINT"
 ENV_RUN_ID = "LIGHTNING_FT_RUN_ID"
@@ -70,7 +70,8 @@ class LaunchConfig:
 
     mode: LaunchMode
     run_id: str
-    endpoint: Endpoint | None = None
+    #: where the job's store is (one endpoint or a list: :mod:`lightning_ft.store.locator`)
+    endpoint: JobEndpoints | None = None
     min_nodes: int | None = None
     max_nodes: int | None = None
 
@@ -290,7 +291,7 @@ def resolve_launch_config(endpoint: str | None, run_id: str | None, min_nodes: i
                                   ". Or launch with torchrun --rdzv-backend=lightning_ft.")
     assert nodes is not None and run_id_value is not None
     try:
-        parsed = parse_endpoint(str(endpoint_text))
+        parsed = parse_endpoints(str(endpoint_text))
     except RendezvousConfigError as exc:
         raise StrategyConfigError(f"{_PREFIX}endpoint {endpoint_text!r}: {exc}") from None
     run_id_text = str(run_id_value)

@@ -53,7 +53,8 @@ class FaultTolerantDDPStrategy(FaultTolerantSurface, DDPStrategy):
 
     Args:
         endpoint: ``HOST:PORT`` of the rendezvous store (default ``$LIGHTNING_FT_ENDPOINT``);
-            run ``lightning-ft store`` there, or let the first process bind it.
+            run ``lightning-ft store`` there, or let the first process bind it. A list
+            ``HOST:PORT,HOST:PORT`` names where the store may move when its host is lost.
         run_id: names the job in the store and its snapshots (default ``$LIGHTNING_FT_RUN_ID``,
             else ``$TORCHELASTIC_RUN_ID``, else ``$SLURM_JOB_ID``).
         min_nodes, max_nodes: active participants, and actives plus spares (default

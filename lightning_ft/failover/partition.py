@@ -1,0 +1,37 @@
+"""After a partition: a process that was frozen while the others failed over finds their store.
+
+Before it re-joins after a failure, a participant asks the first fail-over candidates which store
+they follow; it moves to a newer one only when a strict majority of those not proven gone follow
+it, at an endpoint a candidate announced or the job listed, once that store serves the epoch
+(:meth:`~lightning_ft.failover.switchboard.StoreSwitchboard.follow`). A majority, not the first
+that answers: one answer proves little without a job secret (a squatter on a dead participant's
+ports can give it), and the store it names opened with a majority behind it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from lightning_ft.failover.rebuild import follow_settled, store_to_follow
+from lightning_ft.failover.switchboard import StoreSwitchboard
+from lightning_ft.schema.run import ROSTER_HEAD
+
+
+def follow_newest(board: StoreSwitchboard) -> bool:
+    """Follow a newer store if a majority of the first candidates not proven gone follow it (see the
+    module); True when this process moved."""
+    others = [c for c in board.candidates if c.participant_id != board.participant_id][:ROSTER_HEAD]
+    if not others or board.scope is None:
+        return False
+    announced = board.announced()
+    # half first: when nobody moved (the common case, every re-join after a peer loss) their
+    # answers settle it, and a failure round of N participants makes N x half the probes
+    first = (len(others) + 1) // 2
+    answers: list[tuple[str, int, str]] = []
+    for wave in (others[:first], others[first:]):
+        if not wave or follow_settled(board.epoch, answers, len(others), announced):
+            break
+        with ThreadPoolExecutor(max_workers=len(wave), thread_name_prefix="lightning_ft-probe") as pool:
+            answers += [(a.state, a.epoch, a.store) for a in pool.map(lambda c: board.probe(c, "STATUS"), wave)]
+    target = store_to_follow(board.epoch, answers, announced)
+    return target is not None and board.follow(*target)

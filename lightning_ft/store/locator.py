@@ -1,0 +1,162 @@
+"""Where this job's rendezvous store is: the one home of that question.
+
+A job is launched with one endpoint or a short list of them (``LIGHTNING_FT_ENDPOINT=h1:p,h2:p``:
+e.g. the first hosts of SLURM's node list, or the first pods of a Kubernetes headless service).
+The first is where a fresh job hosts its store. When the store's host is lost, the participant
+that takes the store over serves it at the first listed endpoint it can bind on its own host
+(the lost one itself, when the successor shares its host or the host was restarted), else at
+the port it announced (:mod:`lightning_ft.failover.switchboard`). A node started later with the
+same launch settings -- a replacement, a requeued node, a pod restarted in place -- asks every
+listed endpoint, so it finds the running job wherever the store moved among them, instead of
+hosting a second store (and a second job of the same run id) at the first.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from lightning_ft._clock import monotonic
+from lightning_ft._torch import store_ping
+from lightning_ft.deadlines import BoundedStore, first_line
+from lightning_ft.settings import Timeouts
+from lightning_ft.settings.fields import RendezvousConfigError
+from lightning_ft.store.tcp import DEFAULT_PORT, Endpoint, connect_store, listen_on, parse_endpoint
+
+log = logging.getLogger(__name__)
+
+#: more would make every newcomer's look-up and every fail-over's bind attempts longer for nothing:
+#: the store moves to the first listed endpoint a live participant can bind
+MAX_ENDPOINTS = 16
+#: how often a successor tries again to bind a listed endpoint that a dying store host still holds
+_REBIND_EVERY = 0.02
+
+
+@dataclass(frozen=True)
+class JobEndpoints:
+    """The endpoints a job was launched with, in order (the first: where a fresh job hosts its store)."""
+
+    endpoints: tuple[Endpoint, ...]
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("a job needs at least one rendezvous endpoint")
+
+    @classmethod
+    def of(cls, where: Endpoint | JobEndpoints | Sequence[Endpoint]) -> JobEndpoints:
+        if isinstance(where, JobEndpoints):
+            return where
+        if isinstance(where, Endpoint):
+            return cls((where,))
+        return cls(tuple(where))
+
+    @property
+    def first(self) -> Endpoint:
+        return self.endpoints[0]
+
+    @property
+    def host(self) -> str:
+        return self.first.host
+
+    @property
+    def port(self) -> int:
+        return self.first.port
+
+    @property
+    def others(self) -> tuple[Endpoint, ...]:
+        return self.endpoints[1:]
+
+    def names(self) -> frozenset[str]:
+        """Every listed endpoint as ``host:port`` (a successor serving at one is followed: the job
+        itself named it, not a value read from the wire)."""
+        return frozenset(str(e) for e in self.endpoints)
+
+    def __str__(self) -> str:
+        return ",".join(str(e) for e in self.endpoints)
+
+    def answering(self, timeout: float | None = None) -> Endpoint | None:
+        """The first listed endpoint where a rendezvous store answers (every one asked at once, each
+        within the ping's bound), or None."""
+        if len(self.endpoints) == 1:
+            found = [_ping(self.first, timeout)]
+        else:
+            with ThreadPoolExecutor(max_workers=len(self.endpoints), thread_name_prefix="lightning_ft-locate") as pool:
+                found = list(pool.map(lambda e: _ping(e, timeout), self.endpoints))
+        return next((e for e, state in zip(self.endpoints, found, strict=True) if state == "store"), None)
+
+    def bind_here(self, patience: float = 0.0, probe_timeout: float = 0.2) -> tuple[Endpoint, socket.socket] | None:
+        """A listening socket on the first listed endpoint this process can take: its host is an
+        address of this machine and nothing listens there (a store host that died released it).
+        None when there is none. A frozen store host still holds its port (it accepts and never
+        answers), so this never takes a store over from a process that could come back; a killed
+        one releases its port a moment after its connections closed (its descriptors are closed one
+        by one as it ends), so a port still held by a holder that does not answer silently is tried
+        again for up to ``patience`` seconds."""
+        for endpoint in self.endpoints:
+            deadline = monotonic() + patience
+            while True:
+                try:
+                    return endpoint, listen_on(_numeric(endpoint.host), endpoint.port)
+                except OSError as exc:
+                    log.debug("cannot serve the store at the job's endpoint %s here: %s", endpoint, first_line(exc))
+                    if exc.errno != errno.EADDRINUSE or monotonic() >= deadline or \
+                            _ping(endpoint, probe_timeout) in ("silent", "store"):
+                        break
+                    time.sleep(_REBIND_EVERY)
+        return None
+
+
+def parse_endpoints(text: str, default_port: int = DEFAULT_PORT) -> JobEndpoints:
+    """``host[:port][,host[:port]...]`` -> :class:`JobEndpoints` (duplicates dropped, order kept);
+    a clear error (``RendezvousConfigError``) names what is malformed."""
+    parsed: list[Endpoint] = []
+    for part in text.split(","):
+        endpoint = parse_endpoint(part, default_port)
+        if endpoint not in parsed:
+            parsed.append(endpoint)
+    if len(parsed) > MAX_ENDPOINTS:
+        raise RendezvousConfigError(f"rendezvous endpoint list {text[:120]!r} names {len(parsed)} endpoints; at most "
+                                    f"{MAX_ENDPOINTS} (the first hosts of the job are enough)")
+    return JobEndpoints(tuple(parsed))
+
+
+def _ping(endpoint: Endpoint, timeout: float | None) -> str:
+    try:
+        return store_ping(endpoint.host, endpoint.port) if timeout is None else \
+            store_ping(endpoint.host, endpoint.port, timeout)
+    except OSError as exc:  # a name that does not resolve: nothing of this job there
+        return f"foreign: {first_line(exc)}"
+
+
+def _numeric(host: str) -> str:
+    """``host`` as an address when it is one; a name is looked up (only a listed name of this
+    job's own hosts gets here, during a fail-over)."""
+    try:
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)[0][4][0])
+    except socket.gaierror:
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+
+
+def connect_job_store(where: Endpoint | JobEndpoints, is_host: bool | None,
+                      timeouts: Timeouts) -> tuple[BoundedStore, bool, Endpoint]:
+    """Reach this job's store wherever it is among the listed endpoints, or host it at the first
+    (``is_host`` as :func:`~lightning_ft.store.tcp.connect_store`): ``(store, hosting, endpoint)``.
+
+    A store answering at another listed endpoint than the first is the running job's, moved there by
+    a fail-over: a newcomer joins it rather than host a second store at the first (a second job of the
+    same run id beside the live one)."""
+    job = JobEndpoints.of(where)
+    if is_host is not True and job.others:
+        found = job.answering()
+        if found is not None and found != job.first:
+            log.info("the job's rendezvous store answers at %s (a listed endpoint it moved to); joining it there",
+                     found)
+            store, _ = connect_store(found, False, timeouts)
+            return store, False, found
+    store, hosting = connect_store(job.first, is_host, timeouts)
+    return store, hosting, job.first

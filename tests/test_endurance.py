@@ -1,0 +1,90 @@
+"""Faults after faults (issue 45): a job keeps its identity, its spares and its state while nodes
+die and replacements arrive -- real processes, real stores, real signals."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+from proc_utils import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
+from ft_cluster import Cluster, free_port, in_order, ordered_start, release
+
+pytestmark = [pytest.mark.multiprocess]
+
+SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("secret", ["no-secret", "job-secret"])
+def test_a_replacement_after_the_store_hosts_death_joins_the_running_job(processes, tmp_path, secret):
+    """A hosts the store (the default launch) and is SIGKILLed; the store fails over to a
+    participant. A replacement D, started as the scheduler would (the job's own launch settings),
+    joins the running job as a spare -- never a second job of the same run id from step 0 -- and
+    takes B's place when B dies later."""
+    env = {"LIGHTNING_FT_SECRET": "a-secret-for-this-test"} if secret == "job-secret" else {}
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.out.mkdir(parents=True)
+    args = ["--max-steps", "400", *SLOW]
+    hold = ordered_start(cluster, "AB")
+    for infra_rank, name in enumerate("ABC"):
+        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank), **env)
+        if name == "A":
+            cluster.wait_for_log("A", "hosting the rendezvous store")
+        in_order(cluster, name, actives="AB")
+    release(hold)
+    cluster.wait_for_step(40, 60)
+    cluster.kill("A")
+    cluster.wait_for_log("B", "failed over to", 60)
+    cluster.start_participant("D", args, LIGHTNING_FT_INFRA_RANK="3", **env)
+    cluster.wait_for_log("D", "standby", 60)
+    cluster.wait_for_step(120, 60, among=["C"])
+    cluster.kill("B")
+    codes = cluster.wait(["C", "D"], 120)
+    assert codes == {"C": 0, "D": 0}, cluster.logs()
+    assert cluster.result("C")["step"] == 400 and cluster.result("D")["step"] == 400, cluster.logs()
+    assert "starting fresh" not in cluster.procs["D"].log(), cluster.logs()
+    first_steps = {name: records[0]["step"] for name, records in cluster.steps().items() if records}
+    # the spares took over where the job was: nobody trained the first steps again
+    assert first_steps["A"] == first_steps["B"] == 1 and first_steps["C"] > 40 and first_steps["D"] > 40, first_steps
+
+
+@pytest.mark.timeout(180)
+def test_with_the_first_endpoint_unreachable_the_store_moves_to_a_listed_one_and_newcomers_find_it(
+        processes, tmp_path):
+    """The job is launched with two endpoints (``LIGHTNING_FT_ENDPOINT=first,second``). A, hosting
+    the store at the first, freezes (SIGSTOP: its port still accepts connections and never
+    answers, as an unreachable host's would time out): the successor cannot take the first
+    endpoint and serves at the second, which the job listed. A replacement D, started with the
+    same settings, finds the store there and joins as a spare -- it does not host a second store."""
+    cluster = Cluster(processes, tmp_path, "2:3")
+    cluster.out.mkdir(parents=True)
+    second = free_port()
+    endpoints = f"127.0.0.1:{cluster.port},127.0.0.1:{second}"
+    args = ["--max-steps", "400", *SLOW, "--hang-floor", "60"]
+    hold = ordered_start(cluster, "AB")
+    for infra_rank, name in enumerate("ABC"):
+        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank),
+                                  LIGHTNING_FT_ENDPOINT=endpoints)
+        if name == "A":
+            cluster.wait_for_log("A", "hosting the rendezvous store")
+        in_order(cluster, name, actives="AB")
+    release(hold)
+    cluster.wait_for_step(40, 60)
+    cluster.kill("A", signal.SIGSTOP)
+    try:
+        cluster.wait_for_log("B", f"failed over to 127.0.0.1:{second}", 60)
+        cluster.wait_for_step(60, 60, among=["C"])  # the spare took A's place
+        cluster.start_participant("D", args, LIGHTNING_FT_INFRA_RANK="3", LIGHTNING_FT_ENDPOINT=endpoints)
+        cluster.wait_for_log("D", "standby", 60)
+    finally:
+        cluster.kill("A")
+    assert "joining it there" in cluster.procs["D"].log() and "hosting" not in cluster.procs["D"].log()
+    cluster.wait_for_step(120, 60, among=["C"])
+    cluster.kill("B")
+    codes = cluster.wait(["C", "D"], 120)
+    assert codes == {"C": 0, "D": 0}, cluster.logs()
+    assert cluster.result("C")["step"] == 400 and cluster.result("D")["step"] == 400, cluster.logs()
