@@ -59,7 +59,11 @@ def test_with_the_first_endpoint_unreachable_the_store_moves_to_a_listed_one_and
     the store at the first, freezes (SIGSTOP: its port still accepts connections and never
     answers, as an unreachable host's would time out): the successor cannot take the first
     endpoint and serves at the second, which the job listed. A replacement D, started with the
-    same settings, finds the store there and joins as a spare -- it does not host a second store."""
+    same settings, finds the store there and joins -- it does not host a second store. D arrives
+    while the job re-forms, beside the spare C: the rebuilt store had lost round 0's list of actives
+    (only its coordinator, A, had written it), and the round used to complete with the two spares
+    alone, the survivor B arriving 11 ms late -- the job then trained from step 0 again. B keeps
+    its place now (its rank answer names it), and no step is trained again."""
     cluster = Cluster(processes, tmp_path, "2:3")
     cluster.out.mkdir(parents=True)
     second = free_port()
@@ -77,14 +81,15 @@ def test_with_the_first_endpoint_unreachable_the_store_moves_to_a_listed_one_and
     cluster.kill("A", signal.SIGSTOP)
     try:
         cluster.wait_for_log("B", f"failed over to 127.0.0.1:{second}", 60)
-        cluster.wait_for_step(60, 60, among=["C"])  # the spare took A's place
         cluster.start_participant("D", args, LIGHTNING_FT_INFRA_RANK="3", LIGHTNING_FT_ENDPOINT=endpoints)
         cluster.wait_for_log("D", "standby", 60)
     finally:
         cluster.kill("A")
     assert "joining it there" in cluster.procs["D"].log() and "hosting" not in cluster.procs["D"].log()
-    cluster.wait_for_step(120, 60, among=["C"])
-    cluster.kill("B")
-    codes = cluster.wait(["C", "D"], 120)
-    assert codes == {"C": 0, "D": 0}, cluster.logs()
-    assert cluster.result("C")["step"] == 400 and cluster.result("D")["step"] == 400, cluster.logs()
+    codes = cluster.wait(["B", "C", "D"], 120)
+    assert codes == {"B": 0, "C": 0, "D": 0}, cluster.logs()
+    steps = cluster.steps()
+    trained_after_the_freeze = [r["step"] for name in "CD" for r in steps[name]]
+    assert not trained_after_the_freeze or min(trained_after_the_freeze) > 40, cluster.logs()
+    # the survivor kept its place and trained on to the end: no step twice, none skipped
+    assert [r["step"] for r in steps["B"]] == list(range(1, 401)), cluster.logs()

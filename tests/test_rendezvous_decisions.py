@@ -268,3 +268,16 @@ def test_a_process_start_time_is_exact_to_the_clock_tick():
     before_first_line = float(out.stdout.strip())
     # the interpreter's own start (tens of ms) lies between; never after the first line, never a second
     assert -0.02 <= before_first_line < 0.3, (before_first_line, out.stderr[-500:])
+
+
+def test_the_previous_actives_come_back_from_the_rank_answers_that_survived_a_fail_over():
+    """After a store fail-over the round's list of actives may be gone; the rank answers that the
+    survivors kept name them, in rank order; answers of another round, standby answers and the
+    answers nobody kept name nobody."""
+    from lightning_ft.rendezvous.decisions import actives_from_answers
+    from lightning_ft.schema.run import RankAnswer
+
+    answers = [("b", RankAnswer(4, 1, 2)), ("a", None), ("c", RankAnswer(4, -1, 2)), ("d", RankAnswer(3, 0, 2)),
+               ("e", RankAnswer(4, 0, 2))]
+    assert actives_from_answers(4, answers) == ("e", "b")
+    assert actives_from_answers(5, answers) == ()

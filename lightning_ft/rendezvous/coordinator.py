@@ -20,6 +20,7 @@ from lightning_ft.rendezvous.decisions import (
     Arrival,
     RoundTimer,
     RoundView,
+    actives_from_answers,
     assign_ranks,
     decide_completion,
     split_extras,
@@ -35,6 +36,8 @@ from lightning_ft.schema.run import (
     CloseReason,
     RunKeys,
     decode_last_actives,
+    decode_rank_answer,
+    decode_ready,
     encode_last_actives,
     encode_rank_answer,
     encode_ready,
@@ -172,12 +175,30 @@ class Coordinator:
         """The previous round's actives (in rank order) and its standby participants not lost."""
         raw = self.rdzv.values.get(self.keys.last_actives)
         last = decode_last_actives(raw) if raw is not None else None
+        if self.round_id > 0 and (last is None or last[0] < self.round_id - 1):
+            recovered = self._actives_from_answers(self.round_id - 1)
+            if recovered:
+                log.info("round %d: the actives of round %d were not in the store (rebuilt by a fail-over); %d "
+                         "recovered from their rank answers", self.round_id, self.round_id - 1, len(recovered))
+                last = (self.round_id - 1, recovered)
         if last is None or last[0] >= self.round_id:
             return (), ()
         lost = self.records.lost()
         standby = tuple(a.participant_id for a in self.records.arrivals(last[0])
                         if a.participant_id not in last[1] and a.participant_id not in lost)
         return last[1], standby
+
+    def _actives_from_answers(self, round_id: int) -> tuple[str, ...]:
+        """The actives of ``round_id`` named by the rank answers still in the store (see
+        :func:`~lightning_ft.rendezvous.decisions.actives_from_answers`); () when it never completed."""
+        raw = self.rdzv.values.get(self.keys.ready(round_id))
+        ready = decode_ready(raw) if raw is not None else None
+        if ready is None:
+            return ()
+        ids = [a.participant_id for a in self.records.arrivals(round_id)]
+        answers = [self.rdzv.values.get(self.keys.decided_rank(round_id, ready.decision, pid)) for pid in ids]
+        return actives_from_answers(round_id, [(pid, decode_rank_answer(raw) if raw is not None else None)
+                                               for pid, raw in zip(ids, answers, strict=True)])
 
     def _read_arrivals(self, now: float) -> tuple[Arrival, ...]:
         # the hint is read before the log: an arrival it counts is in the log read after it. Read

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_ft.rendezvous.settings import RendezvousSettings
-from lightning_ft.schema.run import ArrivalRecord
+from lightning_ft.schema.run import ArrivalRecord, RankAnswer
 
 
 class Arrival(NamedTuple):
@@ -87,6 +87,17 @@ def _priority(arrival: Arrival, previous_rank: dict[str, int]) -> tuple:
         return (0, old, 0, arrival.position)
     infra = arrival.infra_rank if arrival.infra_rank >= 0 else math.inf
     return (1, 0, infra, arrival.position)
+
+
+def actives_from_answers(round_id: int, answers: Iterable[tuple[str, RankAnswer | None]]) -> tuple[str, ...]:
+    """The actives of ``round_id`` in rank order, from the rank answers of its participants that are
+    still known (``(participant id, answer)``; None: not known). After a store fail-over the round's
+    list of actives may be gone (only its coordinator had written it) while every participant that
+    handed its view over kept its own answer: those name the survivors, the ones a round after a
+    failure must keep places for; a participant whose answer is gone did not hand its view over."""
+    ranked = sorted((answer.rank, pid) for pid, answer in answers
+                    if answer is not None and answer.round == round_id and answer.rank >= 0)
+    return tuple(pid for _, pid in ranked)
 
 
 def assign_ranks(arrivals: Iterable[Arrival], previous_actives: Sequence[str], min_nodes: int,
