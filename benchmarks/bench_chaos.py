@@ -5,7 +5,8 @@ Real processes on 127.0.0.1 (``tests/scripts/ft_train.py``, ``strategy="ddp_ft"`
 scheduler launches them: every participant with the same launch settings (no standalone store: the
 first hosts it), a job secret, 2 actives + 2 hot spares (``2:4``). Two jobs, one after the other:
 
-* ``fault-free``: the job trains ``--max-steps``; its time from the first step to the end is the anchor.
+* ``fault-free``: the job trains ``--max-steps``; its time from the first step to the end is the anchor
+  (run before and after the chaos job, averaged: this machine's speed drifts within minutes).
 * ``chaos``: the same job; every ``--every`` seconds the next fault of the cycle hits it -- SIGKILL an
   active, SIGTERM an active (a hand-over), SIGSTOP an active for ``--freeze`` seconds, SIGKILL a
   spare, SIGKILL the store's host, SIGKILL two actives at once -- and every process that ended is
@@ -88,7 +89,9 @@ class Job:
         return max((r["step"] for records in self.cluster.steps().values() for r in records), default=0)
 
     def finished(self) -> bool:
-        return any(self.cluster.result(n) is not None for n in self.cluster.procs)
+        """A rank returned from fit() at the last step (a node that handed its place over returns too)."""
+        results = [self.cluster.result(n) for n in self.cluster.procs]
+        return any(r is not None and r.get("step") == self.args.max_steps for r in results)
 
 
 def run_job(args, root: Path, name: str, chaos: bool) -> dict:
@@ -109,7 +112,9 @@ def run_job(args, root: Path, name: str, chaos: bool) -> dict:
         thaw: list[tuple[float, str]] = []
         while not job.finished():
             if time.monotonic() > deadline:
-                raise RuntimeError("the job did not finish within the timeout:\n" + job.cluster.logs())
+                for line in timeline:
+                    print(json.dumps(line))
+                raise RuntimeError(f"the job did not finish within the timeout (logs in {root})")
             now = time.monotonic()
             for when, who in [t for t in thaw if t[0] <= now]:
                 os.kill(job.cluster.procs[who].pid, signal.SIGCONT)
@@ -127,6 +132,7 @@ def run_job(args, root: Path, name: str, chaos: bool) -> dict:
             for when in [p for p in pending if p <= now]:
                 pending.remove(when)
                 job.start(1)
+                timeline.append({"t": round(time.time() - started, 2), "started": f"n{len(job.cluster.procs) - 1}"})
             if chaos and now >= next_fault:
                 next_fault = now + args.every
                 timeline.append(inject(job, next(faults), started, thaw, args))
@@ -173,8 +179,10 @@ def summarize(job: Job, started: float, finished_at: float, timeline: list[dict]
             fresh_starts += 1  # a process that trained step 1 after the job had passed it: a second job
     ranks = {r["rank"] for records in steps.values() for r in records}
     trained_twice = sum(1 for count in seen.values() if count > 2)  # 2 ranks train every step once
-    weights = sorted({json.dumps(job.cluster.result(n)["weights"]) for n in job.cluster.procs
-                      if job.cluster.result(n) is not None and "weights" in job.cluster.result(n)})
+    results = [job.cluster.result(n) for n in job.cluster.procs]
+    # the ranks that finished the job (a spare that was never needed reports its untrained weights)
+    weights = sorted({json.dumps(r["weights"]) for r in results
+                      if r is not None and r.get("rank", -1) >= 0 and r.get("step") == job.args.max_steps})
     codes = {n: p.popen.poll() for n, p in job.cluster.procs.items()}
     return {"seconds": finished_at - started, "steps": max(seen, default=0), "fresh_starts": fresh_starts,
             "steps_trained_twice": trained_twice, "ranks": sorted(ranks), "weights": weights, "codes": codes,
@@ -192,13 +200,24 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--seed", type=int, default=45)
     parser.add_argument("--json", default=None, help="write both results here")
+    parser.add_argument("--keep", default=None, metavar="DIR", help="run in DIR and keep the logs")
+    parser.add_argument("--chaos-only", action="store_true", help="no fault-free anchor (to look at the faults)")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
+    root = Path(args.keep or tempfile.mkdtemp(prefix="bench-chaos-"))
     try:
-        free = run_job(args, root / "free", "fault-free", chaos=False)
+        if args.chaos_only:
+            chaos = run_job(args, root / "chaos", "chaos", chaos=True)
+            print(json.dumps({k: v for k, v in chaos.items() if k != "timeline"}))
+            return
+        # the anchor before and after the chaos run: this machine's speed drifts within minutes
+        before = run_job(args, root / "free-before", "fault-free", chaos=False)
         chaos = run_job(args, root / "chaos", "chaos", chaos=True)
+        after = run_job(args, root / "free-after", "fault-free", chaos=False)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    free = dict(before, seconds=(before["seconds"] + after["seconds"]) / 2)
+    print(f"fault-free runs: {before['seconds']:.1f} s before, {after['seconds']:.1f} s after the chaos run")
     for line in chaos["timeline"]:
         print(json.dumps(line))
     print(f"fault-free: {free['steps']} steps in {free['seconds']:.1f} s; chaos: {chaos['steps']} steps in "
@@ -209,7 +228,7 @@ def main() -> None:
     print(f"final weights equal to the fault-free run: {chaos['weights'] == free['weights']} "
           f"({len(chaos['weights'])} distinct in the chaos run)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"fault_free": free, "chaos": chaos}, indent=1))
+        Path(args.json).write_text(json.dumps({"fault_free": [before, after], "chaos": chaos}, indent=1))
 
 
 if __name__ == "__main__":
