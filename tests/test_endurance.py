@@ -3,6 +3,7 @@ die and replacements arrive -- real processes, real stores, real signals."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -93,3 +94,40 @@ def test_with_the_first_endpoint_unreachable_the_store_moves_to_a_listed_one_and
     assert not trained_after_the_freeze or min(trained_after_the_freeze) > 40, cluster.logs()
     # the survivor kept its place and trained on to the end: no step twice, none skipped
     assert [r["step"] for r in steps["B"]] == list(range(1, 401)), cluster.logs()
+
+
+@pytest.mark.timeout(180)
+def test_a_replacement_joins_the_live_store_not_the_stale_one_a_thawed_store_host_still_serves(
+        processes, tmp_path):
+    """A hosts the store at the job's one endpoint and freezes: the successor cannot take the
+    endpoint (A still holds it) and serves at the next port (the job's places). A thaws: its stale
+    store answers at the endpoint again. A replacement D joins the store of the highest fail-over
+    epoch -- the live one -- as a spare (A, thawed, follows the others there as a spare too); B
+    dies, a spare takes its place, and the job finishes."""
+    cluster = Cluster(processes, tmp_path, "2:4")
+    cluster.out.mkdir(parents=True)
+    args = ["--max-steps", "400", *SLOW, "--hang-floor", "60"]
+    hold = ordered_start(cluster, "AB")
+    for infra_rank, name in enumerate("ABC"):
+        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+        if name == "A":
+            cluster.wait_for_log("A", "hosting the rendezvous store")
+        in_order(cluster, name, actives="AB")
+    release(hold)
+    cluster.wait_for_step(40, 60)
+    cluster.kill("A", signal.SIGSTOP)
+    try:
+        cluster.wait_for_log("B", f"failed over to 127.0.0.1:{cluster.port + 1}", 60)
+        cluster.wait_for_step(60, 60, among=["C"])  # the spare took A's place
+    finally:
+        os.kill(cluster.procs["A"].pid, signal.SIGCONT)
+    cluster.start_participant("D", args, LIGHTNING_FT_INFRA_RANK="3")
+    cluster.wait_for_log("D", "standby", 60)
+    assert f"serves at 127.0.0.1:{cluster.port + 1} (epoch 1" in cluster.procs["D"].log(), cluster.logs()
+    cluster.wait_for_step(120, 60, among=["C"])
+    cluster.kill("B")
+    codes = cluster.wait(["A", "C", "D"], 120)
+    assert codes == {"A": 0, "C": 0, "D": 0}, cluster.logs()
+    finished = [name for name in "ACD" if (cluster.result(name) or {}).get("step") == 400
+                and cluster.result(name)["rank"] >= 0]
+    assert len(finished) == 2 and "C" in finished, (finished, cluster.logs())

@@ -361,7 +361,11 @@ def test_the_launch_id_is_the_store_hosts_and_every_reader_reads_the_same(tcp_st
 
 
 def test_a_successor_serves_on_the_port_it_announced_and_nothing_listens_there_before(switchboard):
+    """When it can take none of the job's places (none is an address of this machine, here)."""
+    from lightning_ft.store.locator import JobEndpoints
+
     board, _ = switchboard
+    board.job = JobEndpoints.of(Endpoint("192.0.2.1", 29400))  # TEST-NET: binding it fails at once
     announced = parse_endpoint(board.successor)
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((announced.host, announced.port), timeout=5).close()
@@ -441,3 +445,17 @@ def test_asking_half_the_candidates_settles_only_what_every_answer_of_the_rest_w
     # the common case: everyone asked so far follows this process's store
     assert follow_settled(1, [("alive", 1, "h:1")] * 4, 8, announced)
     assert not follow_settled(1, [("alive", 2, "h:2")] * 4, 8, announced)
+
+
+def test_a_successor_serves_at_the_first_place_of_the_job_it_can_bind(switchboard):
+    """The job's endpoint is held (its store lives): the successor serves at the next port, where
+    a node started later looks for it, and keeps its announced port for a later fail-over."""
+    from lightning_ft.store.locator import SPREAD
+
+    board, store = switchboard
+    server, endpoint = board._serve_on_announced_port(1)
+    # the next free one of the job's places (a neighbouring port may be another program's)
+    assert endpoint.host == "127.0.0.1" and store.port < endpoint.port < store.port + SPREAD
+    assert server.port == endpoint.port
+    assert str(endpoint) in board.announced()
+    assert board._reserved is not None

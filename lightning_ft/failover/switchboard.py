@@ -78,7 +78,7 @@ from lightning_ft.schema.run import decode_number, encode_number
 from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.settings import Timeouts
 from lightning_ft.sockets import break_connections_to
-from lightning_ft.store.locator import JobEndpoints
+from lightning_ft.store.locator import JobEndpoints, locator_key
 from lightning_ft.store.tcp import Endpoint, host_store, parse_endpoint, reserve_port
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,7 @@ class StoreSwitchboard:
         #: what presence answers prove, and the fail-over keys' scope: bound to the launch by bind_launch
         self.proof = PresenceProof(signer)
         self.scope: str | None = None
+        self.run_id = ""
         self.presence = Presence(self, local_address_towards(endpoint), timeouts)
         #: the port this process would serve the store on (announced with its presence); used once
         self._reserved: socket.socket | None = reserve_port(self.presence.host)
@@ -148,6 +149,7 @@ class StoreSwitchboard:
         """Bind presence answers and every fail-over key to this launch (before any candidate is known)."""
         self.proof = PresenceProof(self.signer, run_id, incarnation, launch_id)
         self.scope = failover_scope(run_id, incarnation, launch_id)
+        self.run_id = run_id
 
     # ----------------------------------------------------------------- connections
 
@@ -393,6 +395,7 @@ class StoreSwitchboard:
         assert self.scope is not None  # a fail-over needs candidates, known only once bound
         keys = EpochKeys(self.scope, epoch)
         values.put(epoch_key(self.scope), encode_number(epoch))
+        values.put(locator_key(self.run_id), encode_number(epoch))  # where nodes started later look
         values.put(keys.view(self.participant_id), encode_view(self.mirror.view()))
         values.append(keys.registered, encode_registration(self.participant_id, self.active))
         self._serving = (epoch, str(endpoint))  # the presence listener tells callers from here on

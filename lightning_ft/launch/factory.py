@@ -57,7 +57,7 @@ def open_participant(endpoint: Endpoint | JobEndpoints, is_host: bool | None, in
     endpoints (:mod:`lightning_ft.store.locator`) -- and build ``info``'s participant with
     ``settings``. Raises ``RendezvousError`` when the store cannot be reached."""
     job = JobEndpoints.of(endpoint)
-    first, hosting, reached = connect_job_store(job, is_host, settings.timeouts)
+    first, hosting, reached = connect_job_store(job, is_host, settings.timeouts, settings.run_id, job_signer())
     if hosting:  # a new store is a new launch (see read_launch_id)
         publish_launch_id(first, job_signer())
     backend: RendezvousBackend = (

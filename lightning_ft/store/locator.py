@@ -18,12 +18,13 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lightning_ft._clock import monotonic
 from lightning_ft._torch import store_ping
 from lightning_ft.deadlines import BoundedStore, first_line
+from lightning_ft.schema.run import decode_number
+from lightning_ft.schema.signing import SealedStore, Signer
 from lightning_ft.settings import Timeouts
 from lightning_ft.settings.fields import RendezvousConfigError
 from lightning_ft.store.tcp import DEFAULT_PORT, Endpoint, connect_store, listen_on, parse_endpoint
@@ -33,6 +34,11 @@ log = logging.getLogger(__name__)
 #: more would make every newcomer's look-up and every fail-over's bind attempts longer for nothing:
 #: the store moves to the first listed endpoint a live participant can bind
 MAX_ENDPOINTS = 16
+#: a successor serves at a listed endpoint's port or one of the next ``SPREAD - 1``: a store host
+#: that was frozen (and thawed since) still holds the listed port itself, serving a stale store
+SPREAD = 4
+#: how long a place other than the first endpoint may take to answer a newcomer's ping
+PLACE_PING_TIMEOUT = 0.5
 #: how often a successor tries again to bind a listed endpoint that a dying store host still holds
 _REBIND_EVERY = 0.02
 
@@ -71,23 +77,27 @@ class JobEndpoints:
     def others(self) -> tuple[Endpoint, ...]:
         return self.endpoints[1:]
 
+    def places(self) -> tuple[Endpoint, ...]:
+        """Where this job's store may serve, in order of preference: each listed endpoint, then the
+        next ports of each (:data:`SPREAD`)."""
+        return tuple(Endpoint(e.host, e.port + j) for j in range(SPREAD) for e in self.endpoints
+                     if e.port + j < 65536)
+
     def names(self) -> frozenset[str]:
-        """Every listed endpoint as ``host:port`` (a successor serving at one is followed: the job
-        itself named it, not a value read from the wire)."""
-        return frozenset(str(e) for e in self.endpoints)
+        """Every place as ``host:port`` (a successor serving at one is followed: the job itself
+        named it, not a value read from the wire)."""
+        return frozenset(str(e) for e in self.places())
 
     def __str__(self) -> str:
         return ",".join(str(e) for e in self.endpoints)
 
-    def answering(self, timeout: float | None = None) -> Endpoint | None:
-        """The first listed endpoint where a rendezvous store answers (every one asked at once, each
-        within the ping's bound), or None."""
-        if len(self.endpoints) == 1:
-            found = [_ping(self.first, timeout)]
-        else:
-            with ThreadPoolExecutor(max_workers=len(self.endpoints), thread_name_prefix="lightning_ft-locate") as pool:
-                found = list(pool.map(lambda e: _ping(e, timeout), self.endpoints))
-        return next((e for e, state in zip(self.endpoints, found, strict=True) if state == "store"), None)
+    def answering(self) -> list[Endpoint]:
+        """The places where a rendezvous store answers, in order. Asked one after the other: a place
+        where nothing listens refuses at once (the common case: a few microseconds each, no thread
+        per place at every participant's start); one that accepts and says nothing (a frozen store
+        host) is given :data:`PLACE_PING_TIMEOUT`, the first endpoint the ping's own bound."""
+        return [e for e in self.places()
+                if _ping(e, None if e == self.first else PLACE_PING_TIMEOUT) == "store"]
 
     def bind_here(self, patience: float = 0.0, probe_timeout: float = 0.2) -> tuple[Endpoint, socket.socket] | None:
         """A listening socket on the first listed endpoint this process can take: its host is an
@@ -97,7 +107,7 @@ class JobEndpoints:
         one releases its port a moment after its connections closed (its descriptors are closed one
         by one as it ends), so a port still held by a holder that does not answer silently is tried
         again for up to ``patience`` seconds."""
-        for endpoint in self.endpoints:
+        for endpoint in self.places():
             deadline = monotonic() + patience
             while True:
                 try:
@@ -142,21 +152,49 @@ def _numeric(host: str) -> str:
         return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
 
 
-def connect_job_store(where: Endpoint | JobEndpoints, is_host: bool | None,
-                      timeouts: Timeouts) -> tuple[BoundedStore, bool, Endpoint]:
-    """Reach this job's store wherever it is among the listed endpoints, or host it at the first
-    (``is_host`` as :func:`~lightning_ft.store.tcp.connect_store`): ``(store, hosting, endpoint)``.
+def locator_key(run_id: str) -> str:
+    """Where a store that a fail-over opened says which run and epoch it serves (sealed)."""
+    return f"lightning_ft_launch/{run_id}/epoch"
 
-    A store answering at another listed endpoint than the first is the running job's, moved there by
-    a fail-over: a newcomer joins it rather than host a second store at the first (a second job of the
-    same run id beside the live one)."""
+
+def connect_job_store(where: Endpoint | JobEndpoints, is_host: bool | None, timeouts: Timeouts,
+                      run_id: str = "", signer: Signer | None = None) -> tuple[BoundedStore, bool, Endpoint]:
+    """Reach this job's store wherever it is among its places, or host it at the first listed
+    endpoint (``is_host`` as :func:`~lightning_ft.store.tcp.connect_store`): ``(store, hosting, endpoint)``.
+
+    A store that a fail-over opened says so (:func:`locator_key`: this run, its epoch). A newcomer
+    joins the store of the highest epoch among those that answer -- the running job's -- rather
+    than host a second store at the first endpoint (a second job of the same run id beside the
+    live one), or join a stale one that a thawed store host still serves there."""
     job = JobEndpoints.of(where)
-    if is_host is not True and job.others:
+    if is_host is not True:
         found = job.answering()
-        if found is not None and found != job.first:
-            log.info("the job's rendezvous store answers at %s (a listed endpoint it moved to); joining it there",
-                     found)
-            store, _ = connect_store(found, False, timeouts)
-            return store, False, found
+        if found and found != [job.first]:
+            best = _newest_store(found, job.first, timeouts, run_id, signer or Signer(None))
+            if best is not None:
+                store, endpoint, epoch = best
+                if endpoint != job.first or epoch > 0:
+                    log.info("the job's rendezvous store serves at %s (epoch %d of its fail-overs); joining it there",
+                             endpoint, epoch)
+                return store, False, endpoint
     store, hosting = connect_store(job.first, is_host, timeouts)
     return store, hosting, job.first
+
+
+def _newest_store(found: list[Endpoint], first: Endpoint, timeouts: Timeouts, run_id: str,
+                  signer: Signer) -> tuple[BoundedStore, Endpoint, int] | None:
+    """Of the stores that answer, the one serving this run at the highest fail-over epoch (the
+    first endpoint's store counts as epoch 0 without a record; another place only with one)."""
+    best: tuple[BoundedStore, Endpoint, int] | None = None
+    for endpoint in found:
+        try:
+            store, _ = connect_store(endpoint, False, timeouts)
+            epoch = decode_number(SealedStore(store, signer).get(locator_key(run_id)))
+        except Exception as exc:  # noqa: BLE001 - a place that does not answer in time is no candidate
+            log.debug("the store at %s did not say which run it serves: %s", endpoint, first_line(exc))
+            continue
+        if epoch is None and endpoint != first:
+            continue  # another job's store, or a program on a neighbouring port
+        if best is None or (epoch or 0) > best[2]:
+            best = (store, endpoint, epoch or 0)
+    return best
