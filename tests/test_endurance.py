@@ -131,3 +131,31 @@ def test_a_replacement_joins_the_live_store_not_the_stale_one_a_thawed_store_hos
     finished = [name for name in "ACD" if (cluster.result(name) or {}).get("step") == 400
                 and cluster.result(name)["rank"] >= 0]
     assert len(finished) == 2 and "C" in finished, (finished, cluster.logs())
+
+
+@pytest.mark.timeout(180)
+def test_a_hand_over_does_not_count_a_spare_that_just_died(processes, tmp_path):
+    """The only spare is SIGKILLed, then an active is SIGTERMed at once: the spare is still an
+    arrival of the round and not yet judged lost, but its heartbeat no longer rises. The verdict
+    counts spares by heartbeat: no hand-over, the whole job stops with 81 at one step (it used to
+    hand over to the dead spare: the signalled node left 0 and the survivor waited 120 s for it)."""
+    from lightning_ft.events.log import read_events
+    from lightning_ft.report.timeline import job_exit_code, summarize
+
+    cluster = Cluster(processes, tmp_path, "2:3", run_id="dead-spare")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    hold = ordered_start(cluster, "AB")
+    for name in "ABC":
+        cluster.start_participant(name, ["--max-steps", "2000", *SLOW, *hold])
+        in_order(cluster, name, actives="AB")
+    release(hold)
+    cluster.wait_for_step(20, 60)
+    cluster.kill("C")
+    cluster.kill("B", signal.SIGTERM)
+    codes = cluster.wait(["A", "B"], 90)
+    assert codes == {"A": 81, "B": 81}, cluster.logs()
+    verdicts = cluster.events_of("hand_over_verdict")
+    assert verdicts and not any(v["hands_over"] for v in verdicts), verdicts
+    summary = summarize(read_events(str(cluster.events)))
+    assert job_exit_code(summary, launcher_code=81).code == 81

@@ -14,7 +14,9 @@ Without a job secret nothing is authenticated (values pass through unsealed), as
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from lightning_ft.deadlines import StoreClient
 from lightning_ft.rendezvous.decisions import Arrival, arrivals_of_round, choose_incarnation
@@ -30,6 +32,7 @@ from lightning_ft.schema.run import (
     decode_arrival,
     decode_beat,
     decode_coordinator,
+    decode_last_actives,
     decode_lost,
     decode_number,
     encode_arrival,
@@ -44,6 +47,16 @@ from lightning_ft.schema.run import (
 from lightning_ft.schema.signing import SealedStore, Signer, get_if_present
 
 log = logging.getLogger(__name__)
+
+
+class CompletedRound(Protocol):
+    """What :meth:`RunRecords.beating_spares` needs of a round's result."""
+
+    @property
+    def round(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
 
 
 class RunRecords:
@@ -151,6 +164,27 @@ class RunRecords:
         lost = self.lost()
         live = [a for a in self.arrivals(round_id) if a.participant_id not in lost]
         return max(0, len(live) - actives)
+
+    def beating_spares(self, result: CompletedRound, heartbeat_every: float,
+                       sleep: Callable[[float], None] = time.sleep) -> int:
+        """:meth:`spares_of_round` of ``result``'s round, counting only spares whose heartbeat rose
+        within two heartbeat intervals (read, wait, read again): a spare that died a moment ago is
+        still an arrival, and not yet lost, but it must not be handed a place. One read of the
+        round's actives and two of the standbys' heartbeats."""
+        round_id, actives, watch = result.round, result.world_size, 2 * heartbeat_every
+        lost = self.lost()
+        live = [a.participant_id for a in self.arrivals(round_id) if a.participant_id not in lost]
+        raw = self.values.get(self.keys.last_actives)
+        last = decode_last_actives(raw) if raw is not None else None
+        known = set(last[1]) if last is not None and last[0] == round_id else set()
+        standby = [pid for pid in live if pid not in known]
+        if not standby:
+            return 0
+        before = self.heartbeats(standby)
+        sleep(watch)
+        after = self.heartbeats(standby)
+        beating = [pid for pid in standby if _rose(before[pid], after[pid])]
+        return min(len(beating), max(0, len(live) - actives))
 
     def mark_lost(self, participant_id: str, why: str, silent_at: int | None = None) -> bool:
         """Record ``participant_id`` as lost for good (``silent_at``: the heartbeat number it stood
@@ -300,3 +334,8 @@ def _newest_authentic_incarnation(values: SealedStore, run_id: str, limit: int =
             break
         newest = incarnation
     return newest
+
+
+def _rose(before: int | None, after: int | None) -> bool:
+    """A heartbeat read twice: it rose (or appeared) in between."""
+    return after is not None and (before is None or after > before)

@@ -187,7 +187,7 @@ class FaultToleranceRuntime:
         if (runtime is None or runtime.result is None or session is None or self.cannot_reform() is not None
                 or not self.layout.can_hand_over()):
             return None
-        return session.rendezvous.records.spares_of_round(runtime.result.round, runtime.result.world_size)
+        return session.rendezvous.records.beating_spares(runtime.result, session.rendezvous.settings.heartbeat_every)
 
     def min_world_size(self) -> int | None:
         """An elastic job may shrink to its ``min_nodes`` participants; None: its world size is fixed."""
