@@ -19,6 +19,20 @@ pytestmark = [pytest.mark.multiprocess]
 SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
 
 
+def start_a_hosting_the_store(cluster: Cluster, args: list[str], **env: str) -> None:
+    """A (hosting the store: the default launch) and B active, C a hot spare; returns once the job
+    trained step 40."""
+    cluster.out.mkdir(parents=True)
+    hold = ordered_start(cluster, "AB")
+    for infra_rank, name in enumerate("ABC"):
+        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank), **env)
+        if name == "A":
+            cluster.wait_for_log("A", "hosting the rendezvous store")
+        in_order(cluster, name, actives="AB")
+    release(hold)
+    cluster.wait_for_step(40, 60)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("secret", ["no-secret", "job-secret"])
 def test_a_replacement_after_the_store_hosts_death_joins_the_running_job(processes, tmp_path, secret):
@@ -28,16 +42,8 @@ def test_a_replacement_after_the_store_hosts_death_joins_the_running_job(process
     takes B's place when B dies later."""
     env = {"LIGHTNING_FT_SECRET": "a-secret-for-this-test"} if secret == "job-secret" else {}
     cluster = Cluster(processes, tmp_path, "2:3")
-    cluster.out.mkdir(parents=True)
     args = ["--max-steps", "400", *SLOW]
-    hold = ordered_start(cluster, "AB")
-    for infra_rank, name in enumerate("ABC"):
-        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank), **env)
-        if name == "A":
-            cluster.wait_for_log("A", "hosting the rendezvous store")
-        in_order(cluster, name, actives="AB")
-    release(hold)
-    cluster.wait_for_step(40, 60)
+    start_a_hosting_the_store(cluster, args, **env)
     cluster.kill("A")
     cluster.wait_for_log("B", "failed over to", 60)
     cluster.start_participant("D", args, LIGHTNING_FT_INFRA_RANK="3", **env)
@@ -66,19 +72,10 @@ def test_with_the_first_endpoint_unreachable_the_store_moves_to_a_listed_one_and
     alone, the survivor B arriving 11 ms late -- the job then trained from step 0 again. B keeps
     its place now (its rank answer names it), and no step is trained again."""
     cluster = Cluster(processes, tmp_path, "2:3")
-    cluster.out.mkdir(parents=True)
     second = free_port()
     endpoints = f"127.0.0.1:{cluster.port},127.0.0.1:{second}"
     args = ["--max-steps", "400", *SLOW, "--hang-floor", "60"]
-    hold = ordered_start(cluster, "AB")
-    for infra_rank, name in enumerate("ABC"):
-        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank),
-                                  LIGHTNING_FT_ENDPOINT=endpoints)
-        if name == "A":
-            cluster.wait_for_log("A", "hosting the rendezvous store")
-        in_order(cluster, name, actives="AB")
-    release(hold)
-    cluster.wait_for_step(40, 60)
+    start_a_hosting_the_store(cluster, args, LIGHTNING_FT_ENDPOINT=endpoints)
     cluster.kill("A", signal.SIGSTOP)
     try:
         cluster.wait_for_log("B", f"failed over to 127.0.0.1:{second}", 60)
@@ -105,16 +102,8 @@ def test_a_replacement_joins_the_live_store_not_the_stale_one_a_thawed_store_hos
     epoch -- the live one -- as a spare (A, thawed, follows the others there as a spare too); B
     dies, a spare takes its place, and the job finishes."""
     cluster = Cluster(processes, tmp_path, "2:4")
-    cluster.out.mkdir(parents=True)
     args = ["--max-steps", "400", *SLOW, "--hang-floor", "60"]
-    hold = ordered_start(cluster, "AB")
-    for infra_rank, name in enumerate("ABC"):
-        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank))
-        if name == "A":
-            cluster.wait_for_log("A", "hosting the rendezvous store")
-        in_order(cluster, name, actives="AB")
-    release(hold)
-    cluster.wait_for_step(40, 60)
+    start_a_hosting_the_store(cluster, args)
     cluster.kill("A", signal.SIGSTOP)
     try:
         cluster.wait_for_log("B", f"failed over to 127.0.0.1:{cluster.port + 1}", 60)
