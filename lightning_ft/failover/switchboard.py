@@ -409,7 +409,7 @@ class StoreSwitchboard:
         self._probe_store = None
 
     def _serve_on_announced_port(self, epoch: int) -> tuple[Any, Endpoint]:
-        """Serve a store at the first of the job's endpoints this process can bind (where nodes
+        """Serve a store at the first of the job's places this process can bind (where nodes
         started later look for it), else on the port this process announced (once: a second
         fail-over to it, which only a store it served and lost could need, has no announced port left)."""
         timeout = datetime.timedelta(seconds=self.timeouts.store_timeout)

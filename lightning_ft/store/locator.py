@@ -2,13 +2,15 @@
 
 A job is launched with one endpoint or a short list of them (``LIGHTNING_FT_ENDPOINT=h1:p,h2:p``:
 e.g. the first hosts of SLURM's node list, or the first pods of a Kubernetes headless service).
-The first is where a fresh job hosts its store. When the store's host is lost, the participant
-that takes the store over serves it at the first listed endpoint it can bind on its own host
-(the lost one itself, when the successor shares its host or the host was restarted), else at
-the port it announced (:mod:`lightning_ft.failover.switchboard`). A node started later with the
-same launch settings -- a replacement, a requeued node, a pod restarted in place -- asks every
-listed endpoint, so it finds the running job wherever the store moved among them, instead of
-hosting a second store (and a second job of the same run id) at the first.
+The first is where a fresh job hosts its store. The store's *places* are each listed endpoint and
+its next ports (:data:`SPREAD`). When the store's host is lost, the participant that takes the
+store over serves it at the first place it can bind on its own host (the lost endpoint itself,
+when the successor shares its host or the host was restarted; the next port, when a frozen host
+still holds it), else at the port it announced (:mod:`lightning_ft.failover.switchboard`), and
+writes which run and epoch it serves. A node started later with the same launch settings -- a
+replacement, a requeued node, a pod restarted in place -- asks every place and joins the store of
+the highest epoch, instead of hosting a second store (and a second job of the same run id) at the
+first endpoint, or joining a stale one that a thawed store host still serves there.
 """
 
 from __future__ import annotations
@@ -73,10 +75,6 @@ class JobEndpoints:
     def port(self) -> int:
         return self.first.port
 
-    @property
-    def others(self) -> tuple[Endpoint, ...]:
-        return self.endpoints[1:]
-
     def places(self) -> tuple[Endpoint, ...]:
         """Where this job's store may serve, in order of preference: each listed endpoint, then the
         next ports of each (:data:`SPREAD`)."""
@@ -100,7 +98,7 @@ class JobEndpoints:
                 if _ping(e, None if e == self.first else PLACE_PING_TIMEOUT) == "store"]
 
     def bind_here(self, patience: float = 0.0, probe_timeout: float = 0.2) -> tuple[Endpoint, socket.socket] | None:
-        """A listening socket on the first listed endpoint this process can take: its host is an
+        """A listening socket on the first place this process can take: its host is an
         address of this machine and nothing listens there (a store host that died released it).
         None when there is none. A frozen store host still holds its port (it accepts and never
         answers), so this never takes a store over from a process that could come back; a killed
