@@ -487,3 +487,18 @@ def test_a_broken_listening_socket_listens_again_on_the_same_port(make_listener,
     assert presence.endpoint == endpoint and presence.alive
     assert ask(owner, presence) == EXPECTED
     assert [r.levelno for r in listener_log if "listens again" in r.getMessage()] == [logging.ERROR]
+
+
+def test_only_a_refused_presence_port_proves_its_participant_gone(make_listener):
+    """What the coordinator of a round takes as proof that a silent previous active ended: its
+    presence port refuses. A listener that answers, and one whose process is frozen (the
+    kernel accepts, nobody answers), prove nothing; a stopped listener's port refuses."""
+    from lightning_ft.failover.presence import refuses
+
+    _, presence = make_listener(None)
+    assert not refuses(presence.endpoint, PATIENT)
+    with socket.create_server(("127.0.0.1", 0), backlog=4) as frozen:  # listens, never accepts
+        assert not refuses(f"127.0.0.1:{frozen.getsockname()[1]}", PATIENT)
+    presence.stop()
+    assert refuses(presence.endpoint, PATIENT)
+    assert not refuses("not an endpoint", PATIENT)

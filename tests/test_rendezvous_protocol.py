@@ -433,6 +433,58 @@ def test_a_replayed_heartbeat_does_not_keep_a_dead_participant_alive(tcp_store):
     assert "heartbeat silent" in lost.get(rdzvs[0].participant_id, ""), lost
 
 
+def test_a_previous_active_whose_heartbeat_stalls_but_whose_process_is_there_keeps_its_place(tcp_store):
+    """CI: a process of 32 participants on a loaded 2-core machine went 0.4 s without a beat, and
+    the coordinator took all 32 for dead (4 beats of silence) -- their places lost, the job closed.
+    A heartbeat silence alone is judged only after ``unproven_dead_after`` (2 s); node 0's beats
+    are held up for 0.6 s here (a put queued at a loaded store) and it keeps its place."""
+    rdzvs = [make(tcp_store, i, infra=i, previous_active_grace=60.0) for i in range(3)]
+    held = threading.Event()
+    try:
+        first = join_all(rdzvs)
+        assert [r.is_active for r in first] == [True, True, False]
+        heartbeat = rdzvs[0]._heartbeat
+        beat = heartbeat.beat
+        heartbeat.beat = lambda: (held.wait(10), beat())
+        time.sleep(0.3)  # its beat now stands still: past dead_after (0.2 s) before anyone asks
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            survivor = pool.submit(rdzvs[1].next_active_round)
+            time.sleep(0.3)
+            held.set()
+            again = pool.submit(rdzvs[0].next_active_round)
+            second = [again.result(timeout=30), survivor.result(timeout=30)]
+    finally:
+        held.set()
+        stop(rdzvs)
+    assert [r.rank for r in second] == [0, 1] and second[0].round == 1
+    assert rdzvs[1].records.lost() == {}  # nobody lost a place: the spare stays a spare
+
+
+def test_a_silent_previous_active_proven_gone_is_judged_dead_without_the_floor(tcp_store):
+    """A process that ended refuses its presence port: the coordinator asks (``proves_gone``),
+    and judges it dead after 4 silent beats instead of the 2 s a silence alone needs."""
+    rdzvs = [make(tcp_store, i, infra=i, previous_active_grace=60.0) for i in range(3)]
+    asked: list[list[str]] = []
+    gone = rdzvs[0].participant_id
+
+    def proves_gone(ids):
+        asked.append(list(ids))
+        return {gone} & set(ids)
+
+    try:
+        first = join_all(rdzvs)
+        assert [r.is_active for r in first] == [True, True, False]
+        rdzvs[0].stop_heartbeat()
+        for r in rdzvs[1:]:
+            r.proves_gone = proves_gone
+        second = join_all(rdzvs[1:], method="next_active_round")
+    finally:
+        stop(rdzvs)
+    assert sorted(r.rank for r in second) == [0, 1]
+    assert asked and all(ids == [gone] for ids in asked)
+    assert "its process gone" in rdzvs[1].records.lost()[gone]
+
+
 def test_a_tick_given_after_the_waiters_check_wakes_its_wait(tcp_store):
     """The coordinator writes its decision, then ticks. A waiter that checked the decision just
     before it was written must be woken by that tick (it notes the newest tick before checking),

@@ -10,10 +10,13 @@ moves the store; this one only feeds it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from lightning_ft.deadlines import BackgroundThread, first_line
 from lightning_ft.failover.partition import follow_newest
+from lightning_ft.failover.presence import refuses
 from lightning_ft.failover.switchboard import Candidate, StoreSwitchboard
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.failover import decode_presence, encode_presence, epoch_key, presence_key
@@ -24,6 +27,9 @@ if TYPE_CHECKING:
     from lightning_ft.rendezvous.barrier import BarrierRendezvous, RoundResult
 
 log = logging.getLogger(__name__)
+
+#: how long asking whether a participant is gone waits for its host (a refusal comes at once)
+GONE_CONNECT_TIMEOUT = 0.2
 
 
 def read_candidates(switchboard: StoreSwitchboard, records: RunRecords, round_id: int) -> bool:
@@ -72,6 +78,7 @@ class FailoverParticipant:
         switchboard.presence.start()
         rendezvous.values.put(presence_key(rendezvous.keys.prefix, rendezvous.participant_id),
                               encode_presence(switchboard.presence.endpoint, switchboard.successor))
+        rendezvous.proves_gone = self.proven_gone
         rendezvous.on_round_complete.append(self.track_round)
         rendezvous.on_leave.append(lambda: switchboard.presence.stop(join=False))
 
@@ -83,6 +90,18 @@ class FailoverParticipant:
             clone = self.rendezvous.store.clone(4 * self.switchboard.timeouts.probe_timeout)
             self._refresher = CandidateRefresher(self, RunRecords(clone, self.rendezvous.signer, self.rendezvous.keys))
             self._refresher.start()
+
+    def proven_gone(self, participant_ids: Sequence[str]) -> set[str]:
+        """Which of ``participant_ids`` are proven gone: the presence port each announced refuses
+        connections (its process ended, or it left). Asked in parallel, each within
+        :data:`GONE_CONNECT_TIMEOUT`; one whose presence is unknown here is not proven gone."""
+        endpoints = {c.participant_id: c.presence for c in self.switchboard.candidates}
+        asked = [(pid, endpoints[pid]) for pid in participant_ids if pid in endpoints]
+        if not asked:
+            return set()
+        with ThreadPoolExecutor(max_workers=min(16, len(asked)), thread_name_prefix="lightning_ft-gone") as pool:
+            refused = list(pool.map(lambda a: refuses(a[1], GONE_CONNECT_TIMEOUT), asked))
+        return {pid for (pid, _), gone in zip(asked, refused, strict=True) if gone}
 
     def follow_newest(self) -> None:
         """Before re-joining after a failure (see :func:`~lightning_ft.failover.partition.follow_newest`)."""

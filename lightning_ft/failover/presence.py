@@ -227,6 +227,21 @@ def probe(endpoint: str, request: str, timeout: float, participant_id: str, proo
     return proof.check(answer, participant_id, nonce)
 
 
+def refuses(endpoint: str, timeout: float) -> bool:
+    """Whether the host of ``endpoint`` refuses a connection to it: nothing listens there, proof
+    that the participant whose presence listener it was has ended (or left). Connects only. A
+    frozen process still accepts (its kernel does) and an unreachable host does not answer within
+    ``timeout``: neither proves anything, both are False."""
+    try:
+        target = parse_endpoint(endpoint)
+        with socket.create_connection((target.host, target.port), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def _exchange(sock: socket.socket, line: bytes, deadline: float) -> bytes | None:
     """Send ``line`` and read one answer line (without its newline) by ``deadline``; None when
     none came whole in time, or it is too long."""

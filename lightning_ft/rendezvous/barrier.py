@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -134,10 +134,11 @@ class BarrierRendezvous:
                                               process_start_time() if started_at is None else started_at)
         self.keys = RunKeys(settings.run_id, incarnation)
         self.records = RunRecords(store, self.signer, self.keys)
-        self.clock = clock
-        self._sleep = sleep
+        self.clock, self._sleep = clock, sleep
         self._heartbeat_store_factory = heartbeat_store_factory
         self._heartbeat: Heartbeat | None = None
+        #: which of the given participants are proven gone (set by the store fail-over's presence)
+        self.proves_gone: Callable[[Sequence[str]], set[str]] | None = None
         #: the job's stages as this participant sees them (see :mod:`.stages`)
         self.stages = Stages(self.records, self.open_next_round, self._raise_if_closed_for_good,
                              settings.standby_poll_interval, self.clock, self._sleep)
@@ -147,8 +148,7 @@ class BarrierRendezvous:
         self._ready_seen: tuple[int, bytes | None] = (-1, None)
         self._last_active_round: int | None = None
         self._last_result: RoundResult | None = None
-        self._excluded = False
-        self._acked = False
+        self._excluded = self._acked = False
         #: numbers this participant's arrival records (a reader keeps each writer's newest)
         self._record_seq = itertools.count(1)
         #: called with every round this participant completes (active or standby)

@@ -10,7 +10,7 @@ import logging
 from torch.distributed import DistStoreError
 
 from lightning_ft._clock import monotonic
-from lightning_ft.deadlines import BackgroundThread, StoreClient
+from lightning_ft.deadlines import BackgroundThread, DeadlineExceeded, StoreClient
 from lightning_ft.rendezvous.coordinator import newest_tick
 from lightning_ft.schema.run import RunKeys, encode_number
 from lightning_ft.schema.signing import SealedStore
@@ -56,8 +56,8 @@ class TickWaiter:
 
 class Heartbeat(BackgroundThread):
     """Raises this participant's sealed heartbeat number every ``interval`` on a connection of its
-    own (one that does not rise for ``dead_after`` counts as dead); stops quietly when the store
-    is gone. A sealed number, not a counter: a store client can neither bump it nor replay an
+    own (one that does not rise for ``dead_after`` counts as dead); beats on after a beat that
+    timed out, stops quietly when the store is gone. A sealed number, not a counter: a store client can neither bump it nor replay an
     older one to keep a dead participant alive."""
 
     def __init__(self, values: SealedStore, key: str, interval: float) -> None:
@@ -73,9 +73,17 @@ class Heartbeat(BackgroundThread):
         super().start()
 
     def run(self) -> None:
+        late = False
         while not self.stopping.is_set():
             try:
                 self.beat()
+                late = False
+            except (DeadlineExceeded, DistStoreError) as exc:
+                # a beat that timed out (a loaded store): the next may land; a heartbeat that
+                # stopped here for good would count this live participant dead
+                if not late:
+                    log.debug("a heartbeat timed out, beating on: %s", exc)
+                late = True
             except Exception as exc:  # noqa: BLE001 - store gone: stop beating quietly
                 log.debug("heartbeat stopped: %s", exc)
                 return

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,6 +58,8 @@ class RendezvousMember(Protocol):
     records: RunRecords
     signer: Signer
     clock: Callable[[], float]
+    #: which of the given participants are proven gone (None: nothing can prove it here)
+    proves_gone: Callable[[Sequence[str]], set[str]] | None
 
     @property
     def participant_id(self) -> str: ...
@@ -141,6 +143,8 @@ class Coordinator:
         self.previous_actives, self.previous_standby = self._read_previous_round()
         self._heartbeats = HeartbeatTracker()
         self._dead: set[str] = set()
+        #: when each silent participant was last asked whether it is gone (once per heartbeat)
+        self._asked_gone: dict[str, float] = {}
         # a coordinator this one took over from fell silent; if its heartbeat is silent too it
         # is dead, and must not get a place in the round it failed to decide. The same for the
         # ones it had replaced: a takeover from a slow coordinator still judges the dead one.
@@ -238,21 +242,35 @@ class Coordinator:
         left = [pid for pid in missing if pid in gone]
         self._dead.update(left)
         missing = [pid for pid in missing if pid not in gone]
-        now, dead = self.clock(), set()
+        now, liveness = self.clock(), self.settings.liveness
+        dead: dict[str, str] = {}
+        unproven = []
         for pid, beat in self.records.heartbeats(missing).items():
             known = self._heartbeats.knows(pid)
             still = self._heartbeats.observe(pid, beat, now)
-            if still >= self.settings.dead_after:
-                dead.add(pid)
+            if still >= liveness.unproven_dead_after:
+                dead[pid] = f"heartbeat silent for {liveness.unproven_dead_after:.2f}s"
+            elif still >= liveness.dead_after:
+                unproven.append(pid)
             elif known and still == 0.0 and pid in self._suspects:
                 self._suspects.discard(pid)  # its heartbeat rises: slow, not dead; it keeps its place
+        for pid in self._proven_gone(unproven, now):
+            dead[pid] = f"heartbeat silent for {liveness.dead_after:.2f}s, its process gone"
         for pid in sorted(dead):
             self._dead.add(pid)
             why = ("coordinator of this round that went silent" if pid in self._suspects
                    else f"previous active, missing from round {self.round_id}")
-            self.rdzv.mark_lost(pid, f"heartbeat silent for {self.settings.dead_after:.2f}s ({why})",
-                                silent_at=self._heartbeats.last_beat(pid))
+            self.rdzv.mark_lost(pid, f"{dead[pid]} ({why})", silent_at=self._heartbeats.last_beat(pid))
         return bool(dead or left)
+
+    def _proven_gone(self, silent: list[str], now: float) -> set[str]:
+        """Which of ``silent`` are proven gone, each asked at most once per heartbeat: a silent
+        heartbeat alone may be a loaded machine (see :mod:`.liveness`), judged only later."""
+        ask = [pid for pid in silent if now - self._asked_gone.get(pid, -float("inf")) >= self.settings.heartbeat_every]
+        if not ask or self.rdzv.proves_gone is None:
+            return set()
+        self._asked_gone.update(dict.fromkeys(ask, now))
+        return self.rdzv.proves_gone(ask) & set(ask)
 
     def step(self) -> None:
         if self.clock() - self._ticked_at >= min(self.settings.tick_interval, self.settings.heartbeat_every):

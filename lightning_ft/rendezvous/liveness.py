@@ -8,25 +8,36 @@ watchdog (a frozen peer) and a hot spare (every active silent) all ask this trac
 its own threshold; every threshold is derived from the one primary setting ``heartbeat_interval``
 (and the job's size) by :class:`LivenessThresholds`:
 
-=====================  ===========================================  ================================
-threshold              formula                                      who judges by it
-=====================  ===========================================  ================================
-``heartbeat_every``    ``max(heartbeat_interval, max_nodes/2500)``  every participant beats this often
-``dead_after``         ``4 x heartbeat_every``                      the coordinator: a previous active
-                                                                    that did not come back is lost
-``takeover_after``     ``max(dead_after, 2 s)``                     a waiter replaces a silent
-                                                                    coordinator
-``frozen_peer_after``  ``max(5 x dead_after, 2 s)``                 the round watchdog: a peer whose
-                                                                    heartbeat stood still this long
-                                                                    while this rank cannot progress
-                                                                    is frozen (SIGSTOP, a hung host)
-``all_silent_after``   ``max(dead_after, 3 s)``                     a hot spare opens the next round
-                                                                    when every active is this silent
-=====================  ===========================================  ================================
+=======================  ===========================================  ===============================
+threshold                formula                                      who judges by it
+=======================  ===========================================  ===============================
+``heartbeat_every``      ``max(heartbeat_interval, max_nodes/2500)``  every participant beats this
+                                                                      often
+``dead_after``           ``4 x heartbeat_every``                      the coordinator: a previous
+                                                                      active that did not come back
+                                                                      is lost, when its process is
+                                                                      proven gone (its presence
+                                                                      port refuses connections)
+``unproven_dead_after``  ``max(dead_after, 2 s)``                     the same without that proof (a
+                                                                      frozen or starved process, an
+                                                                      unreachable host)
+``takeover_after``       ``max(dead_after, 2 s)``                     a waiter replaces a silent
+                                                                      coordinator
+``frozen_peer_after``    ``max(5 x dead_after, 2 s)``                 the round watchdog: a peer
+                                                                      whose heartbeat stood still
+                                                                      this long while this rank
+                                                                      cannot progress is frozen
+                                                                      (SIGSTOP, a hung host)
+``all_silent_after``     ``max(dead_after, 3 s)``                     a hot spare opens the next
+                                                                      round when every active is
+                                                                      this silent
+=======================  ===========================================  ===============================
 
 The floors keep a loaded machine from looking like a dead one: work that holds the GIL kept every
 heartbeat thread of a job from running for about a second at the start of training (seen on 2
-cores), and a coordinator replaced again and again keeps a round from completing. The hang
+cores; a process of 32 participants on a loaded 2-core machine once went 0.4 s without a beat
+and lost them all their places), and a coordinator replaced again and again keeps a round from
+completing. A process that ended is told apart at once: its presence port refuses. The hang
 timeout of a step is the other primary setting, ``hang_timeout_floor`` (see
 ``lightning_ft.runtime.decisions.hang_timeout``).
 """
@@ -40,6 +51,8 @@ from lightning_ft.schema.run import LostRecord
 
 #: all heartbeats of a job together stay near this many store requests per second
 HEARTBEATS_PER_SECOND = 2500.0
+#: the shortest heartbeat silence after which a previous active not proven gone is judged dead
+UNPROVEN_DEAD_FLOOR = 2.0
 #: the shortest lease silence after which a coordinator is replaced (see the module docstring)
 TAKEOVER_FLOOR = 2.0
 #: the shortest heartbeat silence after which the round watchdog judges a peer frozen
@@ -64,8 +77,14 @@ class LivenessThresholds:
 
     @property
     def dead_after(self) -> float:
-        """Heartbeat silence after which a participant counts as dead: four beats."""
+        """Heartbeat silence after which a participant whose process is proven gone counts as dead:
+        four beats."""
         return 4 * self.heartbeat_every
+
+    @property
+    def unproven_dead_after(self) -> float:
+        """Heartbeat silence after which a participant not proven gone counts as dead."""
+        return max(self.dead_after, UNPROVEN_DEAD_FLOOR)
 
     @property
     def takeover_after(self) -> float:
