@@ -559,7 +559,7 @@ def test_a_held_file_is_never_overwritten_by_later_snapshots(tmp_path, keep_last
 
 
 def test_a_failed_download_is_an_error_naming_the_rank(tmp_path, stores, monkeypatch):
-    from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
+    from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, resume_from_newest_intact
 
     tier = tier_at(tmp_path)
     tier.upload(stores[0].save(state(5.0), 5), "seg", world_size=1)
@@ -572,7 +572,7 @@ def test_a_failed_download_is_an_error_naming_the_rank(tmp_path, stores, monkeyp
 
     monkeypatch.setattr(tier, "fetch_into", unreachable)
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] could not get step 5"):
-        bring_into_memory(choice, tier, fresh)
+        resume_from_newest_intact([], tier, fresh, rank=0)
 
 
 def test_garbage_or_renamed_manifests_are_ignored(tmp_path, stores):
@@ -702,3 +702,156 @@ def test_direct_io_is_the_default_only_on_a_local_block_filesystem(tmp_path):
             assert not LocalDirTarget(shm_dir).direct_io
         finally:
             shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- a durable copy damaged after it was written
+
+
+def _damage(shard) -> None:
+    """Flip one byte of a shard's data region on disk (after its upload and manifest)."""
+    blob = bytearray(shard.read_bytes())
+    blob[-1] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+
+
+def _fit_to_durable_steps(tmp_path, durable):
+    from lightning_ft import EmergencyCheckpoint
+
+    first = EmergencyCheckpoint(every_n_steps=5, root=str(tmp_path / "shm1"), run_id="t", persist_to=durable,
+                                persist_every_n_seconds=0)
+    _fit(12, [first])
+    assert first.persister.wait_idle(20)
+    assert first.durable.complete_steps() == [5, 10]
+    return {step: next((tmp_path / f"durable/t/steps/step-{step:012d}").glob("*/rank0.snap")) for step in (5, 10)}
+
+
+def test_a_damaged_newest_durable_copy_resumes_from_the_intact_one_before_it_saying_so(tmp_path, caplog):
+    from lightning_ft import EmergencyCheckpoint
+    from lightning_ft.checkpoint import MemoryCheckpointIO
+
+    from ckpt_helpers import resume_probe
+
+    durable = str(tmp_path / "durable")
+    shards = _fit_to_durable_steps(tmp_path, durable)
+    _damage(shards[10])
+    # a new node: an empty snapshot root; before, every relaunch picked step 10, failed its check and stopped
+    probe = resume_probe()
+    io = MemoryCheckpointIO(root=str(tmp_path / "shm3"), run_id="t", persist_to=durable)
+    trainer = _fit(11, [probe], ckpt_path="mem://latest", plugins=[io])
+    assert probe.start_step == 5 and trainer.global_step == 11
+    caplog.clear()
+    probe = resume_probe()
+    with caplog.at_level(logging.INFO, logger="lightning_ft"):
+        trainer = _fit(13, [EmergencyCheckpoint(root=str(tmp_path / "shm2"), run_id="t", persist_to=durable), probe])
+    assert probe.start_step == 5 and trainer.global_step == 13
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "durable step 10 is damaged (rank 0: " in warnings[0] and "data checksum mismatch" in warnings[0]
+    assert warnings[0].endswith("; resuming from step 5, the newest intact copy before it")
+    assert "resume step 5 from the durable tier" in caplog.text
+
+
+def test_when_every_durable_copy_is_damaged_the_job_stops_naming_them_never_from_step_0(tmp_path):
+    from lightning_ft import EmergencyCheckpoint
+    from lightning_ft.checkpoint import MemoryCheckpointIO
+
+    from ckpt_helpers import resume_probe
+
+    durable = str(tmp_path / "durable")
+    for shard in _fit_to_durable_steps(tmp_path, durable).values():
+        _damage(shard)
+    with pytest.raises(RuntimeError, match=r"every durable copy .* is damaged \(steps 10, 5\)") as raised:
+        _fit(13, [EmergencyCheckpoint(root=str(tmp_path / "shm2"), run_id="t", persist_to=durable)])
+    assert "step 10: rank 0: " in str(raised.value) and "to start over from step 0" in str(raised.value)
+    io = MemoryCheckpointIO(root=str(tmp_path / "shm3"), run_id="t", persist_to=durable)
+    with pytest.raises(FileNotFoundError, match=r"every durable copy .* is damaged \(steps 10, 5\)"):
+        _fit(11, [], ckpt_path="mem://latest", plugins=[io])
+    # a checkpoint the user passed is no silent step 0: the job goes on from it
+    given = str(tmp_path / "given.ckpt")
+    _fit(3, []).save_checkpoint(given)
+    probe = resume_probe()
+    _fit(4, [EmergencyCheckpoint(root=str(tmp_path / "shm4"), run_id="t", persist_to=durable), probe],
+         ckpt_path=given)
+    assert probe.start_step == 3
+
+
+def test_an_unreachable_durable_storage_is_not_a_damaged_copy(tmp_path, stores, monkeypatch, caplog):
+    from lightning_ft.checkpoint.exchange.agreement import resume_from_newest_intact
+
+    tier = tier_at(tmp_path)
+    for step in (10, 20):
+        tier.upload(stores[0].save(state(float(step)), step), "seg", world_size=1)
+    fresh = SnapshotStore(tmp_path / "new-shm", run_id="job", rank=0)
+    read = tier.target.read
+
+    def refused(path):
+        if path.endswith(".snap"):
+            raise OSError("connection refused")
+        return read(path)
+
+    monkeypatch.setattr(tier.target, "read", refused)
+    # the storage went away between listing and download: unknown, so no older step is tried
+    with caplog.at_level(logging.WARNING, logger="lightning_ft"), \
+            pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] could not get step 20"):
+        resume_from_newest_intact([], tier, fresh, 0)
+    assert "damaged" not in caplog.text and fresh.list() == []
+    # it cannot be listed: memory as before, and nothing durable counts as seen everywhere
+    monkeypatch.setattr(tier.target, "list", lambda path: (_ for _ in ()).throw(OSError("connection reset")))
+    choice = resume_from_newest_intact([4], tier, fresh, 0)
+    assert (choice.step, choice.tier, choice.damaged) == (4, "memory", ())
+    assert not choice.durable_listed_everywhere
+
+
+def _resume_rank(rank: int, init_file: str, root: str, durable_dir: str, out: str) -> None:
+    """One rank of a 2-process gloo job: resume from the newest intact copy, write what it got."""
+    import torch.distributed as dist
+
+    from lightning_ft.checkpoint.exchange.agreement import resume_from_newest_intact
+
+    handler = logging.FileHandler(os.path.join(out, f"rank{rank}.log"))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("lightning_ft").addHandler(handler)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        store = SnapshotStore(os.path.join(root, f"shm{rank}"), run_id="job", rank=rank, keep_last=2)
+        tier = DurableTier(LocalDirTarget(durable_dir), "job")
+        choice = resume_from_newest_intact([i.step for i in store.list()], tier, store, rank)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"step": choice.step, "tier": choice.tier, "held": [i.step for i in store.list()]}, f)
+        store.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_fall_back_together_when_one_ranks_shard_is_damaged(tmp_path):
+    import multiprocessing
+
+    tier = tier_at(tmp_path)
+    writers = [SnapshotStore(tmp_path / f"shm{r}" if r == 0 else tmp_path / "old-shm1", run_id="job", rank=r,
+                             keep_last=2) for r in (0, 1)]
+    for step in (10, 20):
+        for s in writers:
+            tier.upload(s.save(state(float(step)), step), "seg", world_size=2)
+    for s in writers:
+        s.close()
+    _damage(tmp_path / "durable/job/steps/step-000000000020/seg/rank1.snap")
+    # rank 0 holds 10 and 20 in memory, rank 1 (a new node) nothing: 20 is agreed, rank 1's copy is damaged
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_resume_rank, args=(r, str(tmp_path / "init"), str(tmp_path),
+                                                        str(tmp_path / "durable"), str(tmp_path)))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        if p.exitcode is None:
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert got == [{"step": 10, "tier": "memory", "held": [20, 10]}, {"step": 10, "tier": "durable", "held": [10]}]
+    for r in (0, 1):  # every rank says why, in one line, though only rank 1 read the damaged shard
+        lines = (tmp_path / f"rank{r}.log").read_text().splitlines()
+        assert len(lines) == 1 and "durable step 20 is damaged (rank 1: " in lines[0], lines
+        assert "data checksum mismatch" in lines[0] and lines[0].endswith("resuming from step 10, the newest intact "
+                                                                          "copy before it")

@@ -8,6 +8,10 @@ from lightning_ft.checkpoint.durable.settings import DurableSettings
 from lightning_ft.checkpoint.pacing import UploadPacer, bucket_delay, next_upload_rate, slowdown_estimate
 from lightning_ft.checkpoint.policy import plan_write
 from lightning_ft.checkpoint.tiers import (
+    FETCH_DAMAGED,
+    FETCH_FAILED,
+    FETCH_OK,
+    ResumeChoice,
     Schedule,
     ScheduleProposal,
     ShardMarker,
@@ -17,8 +21,11 @@ from lightning_ft.checkpoint.tiers import (
     choose_resume_source,
     complete_steps,
     daly_interval_seconds,
+    damage_message,
     durable_copy_seconds,
+    every_copy_damaged,
     flush_fits,
+    judge_downloads,
     persist_due,
     persist_interval_steps,
     plan_durable_retention,
@@ -27,6 +34,7 @@ from lightning_ft.checkpoint.tiers import (
     snapshot_interval_for_budget,
     space_shortfall,
     upload_decision,
+    with_damage,
 )
 
 
@@ -100,6 +108,29 @@ def test_resume_prefers_memory_and_falls_back_to_durable_per_rank():
 def test_a_rank_that_cannot_reach_durable_storage_limits_the_choice_to_memory():
     choice = choose_resume_source([[10], [10]], [[20], []], rank=0)
     assert (choice.step, choice.tier) == (10, "memory") and "durable storage has newer 20" in choice.reason
+
+
+def test_only_a_damaged_copy_lets_the_ranks_try_an_older_step_an_unknown_failure_stops_them():
+    assert judge_downloads([(FETCH_OK, ""), (FETCH_DAMAGED, "crc")]) == ([], [(1, "crc")])
+    # unreachable on one rank, damaged on another: unknown wins, every rank that lacks the step is named
+    assert judge_downloads([(FETCH_FAILED, "refused"), (FETCH_DAMAGED, "crc")]) == ([0, 1], [(1, "crc")])
+    assert judge_downloads([(FETCH_OK, ""), (FETCH_OK, "")]) == ([], [])
+
+
+def test_a_choice_below_damaged_steps_names_them_and_the_line_says_what_happens_instead():
+    below = with_damage(ResumeChoice(5, "durable", "the newest step every rank can get"), {10: "rank 1: crc"})
+    assert below.damaged == ((10, "rank 1: crc"),) and "newer durable step(s) 10 damaged" in below.reason
+    assert with_damage(below, {}) is below
+    assert damage_message(below.damaged, 5, taken=True) == (
+        "durable step 10 is damaged (rank 1: crc); resuming from step 5, the newest intact copy before it")
+    none = with_damage(ResumeChoice(None, "none", "no snapshot in memory or durable storage"), {5: "b", 10: "a"})
+    assert none.damaged == ((10, "a"), (5, "b"))
+    assert damage_message(none.damaged, None, taken=False) == (
+        "durable steps 10, 5 are damaged (step 10: a; step 5: b); no intact copy before them is left")
+    not_taken = damage_message(below.damaged, 5, taken=False)
+    assert "every rank can get is 5, not newer than the checkpoint loaded" in not_taken
+    error = every_copy_damaged(none.damaged, "s3://bucket/runs")
+    assert "under s3://bucket/runs is damaged (steps 10, 5)" in error and "to start over from step 0" in error
 
 
 def test_the_token_bucket_waits_for_what_is_missing():

@@ -138,6 +138,8 @@ class ResumeChoice:
     reason: str
     #: every rank could list the durable storage (so what it lacks is really not there)
     durable_listed_everywhere: bool = True
+    #: (step, why) of the newer durable steps found damaged on download, newest first
+    damaged: tuple[tuple[int, str], ...] = ()
 
 
 def _newest(steps: Iterable[int]) -> str:
@@ -178,6 +180,62 @@ def choose_resume_source(memory_per_rank: Sequence[Iterable[int]], durable_per_r
     return ResumeChoice(step, "durable",
                         f"the newest step every rank can get; memory here holds {_newest(mine_mem)} "
                         f"(an empty memory tier means a new node or a lost /dev/shm)")
+
+
+#: what one rank's download of the agreed durable step came to (one code per rank, gathered)
+FETCH_OK, FETCH_FAILED, FETCH_DAMAGED = 0, 1, 2
+
+
+def judge_downloads(outcomes: Sequence[tuple[int, str]]) -> tuple[list[int], list[tuple[int, str]]]:
+    """From every rank's (code, why) of its download: the ranks that stop the resume, and the
+    (rank, why) of those that found the copy damaged.
+
+    A download that failed for another reason (storage unreachable, a shard missing) is unknown,
+    not damaged: then every rank that did not get the step stops the resume (as before damage was
+    told apart). Only when every failure is damage may the ranks try an older step.
+    """
+    damaged = [(r, why) for r, (code, why) in enumerate(outcomes) if code == FETCH_DAMAGED]
+    if any(code not in (FETCH_OK, FETCH_DAMAGED) for code, _ in outcomes):
+        return [r for r, (code, _) in enumerate(outcomes) if code != FETCH_OK], damaged
+    return [], damaged
+
+
+def with_damage(choice: ResumeChoice, damaged: Mapping[int, str]) -> ResumeChoice:
+    """``choice``, made below the durable steps found damaged (step -> why), naming them."""
+    if not damaged:
+        return choice
+    steps = sorted(damaged, reverse=True)
+    names = ", ".join(map(str, steps))
+    reason = (f"{choice.reason}; newer durable step(s) {names} damaged" if choice.step is not None
+              else f"every durable copy every rank can get is damaged (step(s) {names}); {choice.reason}")
+    return ResumeChoice(choice.step, choice.tier, reason, choice.durable_listed_everywhere,
+                        tuple((s, damaged[s]) for s in steps))
+
+
+def damage_message(damaged: Sequence[tuple[int, str]], step: int | None, taken: bool) -> str:
+    """The one line after the durable steps ``damaged`` ((step, why), newest first) were passed
+    over: which, why, and the step agreed below them (``taken``: resumed from, else not newer
+    than the checkpoint already loaded; None: none)."""
+    if len(damaged) == 1:
+        what, it = f"durable step {damaged[0][0]} is damaged ({damaged[0][1]})", "it"
+    else:
+        what = (f"durable steps {', '.join(str(s) for s, _ in damaged)} are damaged ("
+                + "; ".join(f"step {s}: {why}" for s, why in damaged) + ")")
+        it = "them"
+    if step is None:
+        return f"{what}; no intact copy before {it} is left"
+    if taken:
+        return f"{what}; resuming from step {step}, the newest intact copy before {it}"
+    return f"{what}; the newest step before {it} every rank can get is {step}, not newer than the checkpoint loaded"
+
+
+def every_copy_damaged(damaged: Sequence[tuple[int, str]], where: str) -> str:
+    """The error when nothing intact is left below the damaged durable steps: which, why, what to do."""
+    steps = ", ".join(str(step) for step, _ in damaged)
+    details = "; ".join(f"step {step}: {why}" for step, why in damaged)
+    return (f"every durable copy every rank can get under {where} is damaged (steps {steps}) and no older snapshot "
+            f"is left to resume from ({details}). Not starting from step 0 instead: to start over from step 0, "
+            f"remove those steps' manifests (<run id>/manifests/) or use another run id")
 
 
 # ---------------------------------------------------------------------- schedules

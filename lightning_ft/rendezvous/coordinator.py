@@ -25,7 +25,7 @@ from lightning_ft.rendezvous.decisions import (
     decide_completion,
     split_extras,
 )
-from lightning_ft.rendezvous.liveness import HeartbeatTracker
+from lightning_ft.rendezvous.liveness import HeartbeatTracker, came_back
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.rendezvous.settings import RendezvousSettings
 from lightning_ft.schema.run import (
@@ -237,8 +237,14 @@ class Coordinator:
         if not missing:
             return False
         # a previous active that withdrew or left unhealthy (a hand-over, an eviction) is lost for
-        # good already: nothing to wait out, no heartbeat to judge
-        gone = {pid for pid, record in self.records.lost_records().items() if record.silent_at is None}
+        # good already: nothing to wait out, no heartbeat to judge. So is one a peer's watchdog
+        # judged frozen, while its heartbeat stands where that judgement found it.
+        lost = self.records.lost_records()
+        gone = {pid for pid, record in lost.items() if record.silent_at is None}
+        judged = [pid for pid in missing if pid in lost and pid not in gone]
+        if judged:
+            beats = self.records.heartbeats(judged)
+            gone.update(pid for pid in judged if not came_back(lost[pid], beats[pid]))
         left = [pid for pid in missing if pid in gone]
         self._dead.update(left)
         missing = [pid for pid in missing if pid not in gone]

@@ -160,6 +160,10 @@ class RoundWatchdog(BackgroundThread):
         # go by in the first steps of a round and falls back to its floor. Looked at only after
         # this long without progress, so that steady training reads no heartbeats.
         self.silence_after = liveness.frozen_peer_after
+        # heartbeats are watched from this much idleness on (a step this long is rare) so that a
+        # peer frozen since the step began is judged at about silence_after, not twice that: its
+        # silence counts from the first read
+        self.watch_after = min(liveness.dead_after, self.silence_after)
         self.triggered: tuple[Detector, str, tuple[int, ...]] | None = None
         self._training_thread = threading.get_ident()
         self._published: tuple[int, int, str | None] | None = None
@@ -220,7 +224,7 @@ class RoundWatchdog(BackgroundThread):
             return self._trigger(Detector.RENDEZVOUS, f"round {current} opened while this rank trains in round "
                                                f"{self.round_id} (a peer saw a failure)", ())
         if not overdue:
-            if self.hang_detection and idle >= self.silence_after:
+            if self.hang_detection and idle >= self.watch_after:
                 return self._check_silent_peers(idle, now)
             self._heartbeats.clear()
             self._positions.clear()
@@ -245,6 +249,16 @@ class RoundWatchdog(BackgroundThread):
         silent = tuple(p.rank for p in self._peer_states(now) if p.silent_seconds >= self.silence_after)
         if not silent:
             return False
+        # recorded lost with the beat it stands at, as the round's coordinator would record it:
+        # the coordinator takes the record instead of judging the same silence again (2 s more);
+        # a peer whose heartbeat rises later was frozen, not dead, and comes back as a spare
+        try:
+            for rank in silent:
+                self.records.mark_lost(self._members[rank], f"heartbeat silent for {self.silence_after:.2f}s while "
+                                       f"rank {self.rank} could not progress (frozen or hung)",
+                                       silent_at=self._heartbeats.last_beat(rank))
+        except Exception as exc:  # noqa: BLE001 - the coordinator judges it then; the trigger must not wait
+            log.debug("round watchdog: recording rank(s) %s lost failed: %s", list(silent), exc)
         return self._trigger(Detector.HANG, f"no progress for {idle:.1f}s and the heartbeat of rank(s) {list(silent)} "
                                      f"silent for >= {self.silence_after:.1f}s (frozen or hung host)", silent)
 

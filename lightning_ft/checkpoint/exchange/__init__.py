@@ -1,7 +1,8 @@
 """What the ranks of a job tell each other about snapshots (collectives and the store).
 
 * :mod:`.agreement` -- every rank's steps (one all_gather of integers) and the step every rank
-  resumes from, in memory or durably (``agree_across_tiers``, ``bring_into_memory``);
+  resumes from, in memory or durably, falling back past damaged durable copies
+  (``resume_from_newest_intact``, built on ``agree_across_tiers``);
 * :mod:`.transfer` -- after a round forms, the newest snapshot sent to the ranks that lack it;
 * :mod:`.replication` -- copies of the newest snapshot on hot spares, through the rendezvous store.
 

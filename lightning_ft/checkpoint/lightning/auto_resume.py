@@ -18,12 +18,13 @@ from lightning_ft._lightning.checkpointing import (
     restore_from,
 )
 from lightning_ft.checkpoint.durable.tier import DurableTier
-from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
+from lightning_ft.checkpoint.exchange.agreement import resume_from_newest_intact
 from lightning_ft.checkpoint.identity import ExpectedIdentity, state_dict_fingerprint
 from lightning_ft.checkpoint.lightning.state import restore_shards
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.policy import parse_mem_url
+from lightning_ft.checkpoint.tiers import every_copy_damaged
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +103,13 @@ class AutoResume:
         else:
             scan = store.scan(include_peers=peers, expect=expect)
             local, skipped = scan.readable, scan.foreign
-        choice = agree_across_tiers(local, durable, store.rank, expect)
+        loaded_step = loaded_global_step(trainer)
+        # downloads the agreed step only when it is newer than what ckpt_path restored
+        choice = resume_from_newest_intact(local, durable, store, store.rank, expect, newer_than=loaded_step)
         self.durable_listed_everywhere = choice.durable_listed_everywhere
         step = choice.step
-        loaded_step = loaded_global_step(trainer)
+        if step is None and choice.damaged and durable is not None and not given:  # never silently from step 0
+            raise RuntimeError(f"rank {store.rank}: {every_copy_damaged(choice.damaged, durable.target.url)}")
         resumes = step is not None and (loaded_step is None or loaded_step < step)
         if skipped:
             outcome = (f"Resuming from this run's step {step} instead." if resumes else
@@ -119,7 +123,6 @@ class AutoResume:
             log.info("rank %d: keeping ckpt_path=%s (step %d); newest snapshot is step %d",
                      store.rank, given, loaded_step, step)
             return
-        bring_into_memory(choice, durable, store, expect)
         self.resumed_tier = (choice.tier, choice.reason)
         self._resume(trainer, store, step, peers, expect, given, loaded_step)
 

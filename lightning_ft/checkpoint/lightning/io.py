@@ -13,7 +13,7 @@ from lightning_ft._lightning.checkpointing import module_being_restored
 from lightning_ft._validation import require_number
 from lightning_ft.checkpoint.durable.settings import resolve_durable_settings
 from lightning_ft.checkpoint.durable.tier import DurableTier
-from lightning_ft.checkpoint.exchange.agreement import agree_across_tiers, bring_into_memory
+from lightning_ft.checkpoint.exchange.agreement import resume_from_newest_intact
 from lightning_ft.checkpoint.identity import ExpectedIdentity, identity_mismatch, state_dict_fingerprint
 from lightning_ft.checkpoint.memory.format import SnapshotError
 from lightning_ft.checkpoint.memory.roots import (
@@ -26,6 +26,7 @@ from lightning_ft.checkpoint.memory.roots import (
 )
 from lightning_ft.checkpoint.memory.store import SnapshotStore
 from lightning_ft.checkpoint.policy import parse_mem_url, pick_disk_checkpoint
+from lightning_ft.checkpoint.tiers import every_copy_damaged
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +110,22 @@ class MemoryCheckpointIO(CheckpointIO):
                      "belong to this job; set one that stays the same across restarts of the job")
         if spec == "latest":
             scan = store.scan(include_peers=self.replicated, expect=expect)
-            choice = agree_across_tiers(scan.readable, self.durable, store.rank, expect)
-            bring_into_memory(choice, self.durable, store, expect)
+            choice = resume_from_newest_intact(scan.readable, self.durable, store, store.rank, expect)
             step = choice.step
             if step is None:
                 why = no_run_id if store.configured_run_id is None else "; ".join(
                     f"step {info.step} skipped: {reason}" for info, reason in scan.foreign[:3])
+                if choice.damaged and self.durable is not None:
+                    why = "; ".join(filter(None, (every_copy_damaged(choice.damaged, self.durable.target.url), why)))
                 fallback = self._fallback_path()
                 if fallback is None:
                     raise FileNotFoundError(
                         f"{path}: no intact snapshot of run {store.run_id!r} under {store.run_dir}"
                         + (f" and no *.ckpt in {self.fallback_dir}" if self.fallback_dir else "")
                         + (f" ({why})" if why else ""))
-                log.info("%s: no snapshot of run %r%s; falling back to disk checkpoint %s", path, store.run_id,
-                         f" ({why})" if why else "", fallback)
+                (log.warning if choice.damaged else log.info)(
+                    "%s: no snapshot of run %r%s; falling back to disk checkpoint %s", path, store.run_id,
+                    f" ({why})" if why else "", fallback)
                 return self.checkpoint_io.load_checkpoint(fallback, *args, **kwargs)
         else:
             step = spec
