@@ -46,8 +46,10 @@ FAULTS = ("kill-active", "sigterm-active", "freeze-active", "kill-spare", "kill-
 
 
 def _args(args) -> list[str]:
+    # two copies of each snapshot wanted besides the actives' own: with 2 actives the spares hold
+    # one each, so losing both actives at once leaves the job its newest snapshot
     return ["--max-steps", str(args.max_steps), "--step-sleep", str(args.step_sleep), "--resumable-data",
-            "--snapshot-every", str(args.snapshot_every), "--hang-floor", "30"]
+            "--snapshot-every", str(args.snapshot_every), "--hang-floor", "30", "--replication-factor", "2"]
 
 
 class Job:
@@ -58,7 +60,9 @@ class Job:
         self.procs = ProcessSet(root, cwd=REPO)
         self.cluster = Cluster(self.procs, root, "2:4", run_id=f"bench-{name}")
         self.cluster.out.mkdir(parents=True)
-        self.secret = {"LIGHTNING_FT_SECRET": "bench-chaos-secret"}
+        # a durable tier as a user's job has one: a job lost as a whole resumes from it, never from step 0
+        self.secret = {"LIGHTNING_FT_SECRET": "bench-chaos-secret", "LIGHTNING_FT_PERSIST_TO": str(root / "durable"),
+                       "LIGHTNING_FT_PERSIST_EVERY_SECONDS": "5"}
         self.names = (f"n{i}" for i in itertools.count())
         self.ended: set[str] = set()
         self.frozen: set[str] = set()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from proc_utils import REPO_ROOT
+from proc_utils import REPO_ROOT, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
 from ft_cluster import Cluster, free_port, in_order, ordered_start, release
@@ -148,3 +148,35 @@ def test_a_hand_over_does_not_count_a_spare_that_just_died(processes, tmp_path):
     assert verdicts and not any(v["hands_over"] for v in verdicts), verdicts
     summary = summarize(read_events(str(cluster.events)))
     assert job_exit_code(summary, launcher_code=81).code == 81
+
+
+@pytest.mark.timeout(180)
+def test_both_actives_lost_at_once_with_the_store_the_spares_go_on_from_their_replica(processes, tmp_path):
+    """A (hosting the store) and B are SIGKILLed as one event; C and D, hot spares holding the
+    replica of the newest snapshot (a job secret), are all that is left. The successor store opens
+    without an active -- every active is proven gone (their presence ports refuse), so no partition
+    can hold a second store -- and the spares train on from their replica to the end. It used to
+    refuse ("no participant that was active reached the successor"), and both spares left 0: the
+    job was lost, and the scheduler was told nothing was wrong."""
+    env = {"LIGHTNING_FT_SECRET": "a-secret-for-this-test"}
+    cluster = Cluster(processes, tmp_path, "2:4")
+    # two copies wanted besides the actives' own: with 2 actives, the spares hold one each
+    args = ["--max-steps", "300", *SLOW, "--replication-factor", "2"]
+    cluster.out.mkdir(parents=True)
+    hold = ordered_start(cluster, "AB")
+    for infra_rank, name in enumerate("ABCD"):
+        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank), **env)
+        if name == "A":
+            cluster.wait_for_log("A", "hosting the rendezvous store")
+        in_order(cluster, name, actives="AB")
+    release(hold)
+    cluster.wait_for_step(60, 60)
+    assert wait_for(lambda: all(any((tmp_path / f"shm-{n}").rglob("*.snap")) for n in "CD"), 60), cluster.logs()
+    cluster.kill_together(["A", "B"])
+    lost_at = max(r["step"] for name in "AB" for r in cluster.steps()[name])
+    codes = cluster.wait(["C", "D"], 120)
+    assert codes == {"C": 0, "D": 0}, cluster.logs()
+    assert cluster.result("C")["step"] == 300 and cluster.result("D")["step"] == 300, cluster.logs()
+    resumed = min(r["step"] for name in "CD" for r in cluster.starts(name))
+    # from the replica: a snapshot step at most 10 before the loss, never step 0
+    assert lost_at - 10 <= resumed <= lost_at, (resumed, lost_at, cluster.logs())

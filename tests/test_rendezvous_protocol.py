@@ -485,6 +485,29 @@ def test_a_silent_previous_active_proven_gone_is_judged_dead_without_the_floor(t
     assert "its process gone" in rdzvs[1].records.lost()[gone]
 
 
+def test_places_lost_long_ago_and_taken_by_later_nodes_do_not_close_the_job(tcp_store):
+    """A long job loses nodes and a scheduler starts replacements (issue 45): every loss used to
+    count against ``max_nodes`` for good. After ``max_nodes - min_nodes + 1`` of them, the
+    survivor of the next failure, arriving before the spare, closed the job ("too few nodes") --
+    seen in bench_chaos.py. Six earlier participants are lost here (their places were taken by
+    the ones now running); B dies; A arrives alone first, C a moment later: the round completes."""
+    rdzvs = [make(tcp_store, i, infra=i, previous_active_grace=60.0) for i in range(3)]
+    try:
+        first = join_all(rdzvs)
+        assert [r.is_active for r in first] == [True, True, False]
+        for gone in range(6):
+            rdzvs[0].records.mark_lost(f"replaced-long-ago-{gone}", "withdrew: a node of earlier in the job")
+        rdzvs[1].stop_heartbeat()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            survivor = pool.submit(rdzvs[0].next_active_round)
+            time.sleep(0.5)
+            spare = pool.submit(rdzvs[2].next_active_round)
+            second = [survivor.result(timeout=30), spare.result(timeout=30)]
+    finally:
+        stop(rdzvs)
+    assert [(r.round, r.rank) for r in second] == [(1, 0), (1, 1)]
+
+
 def test_a_tick_given_after_the_waiters_check_wakes_its_wait(tcp_store):
     """The coordinator writes its decision, then ticks. A waiter that checked the decision just
     before it was written must be woken by that tick (it notes the newest tick before checking),

@@ -33,9 +33,21 @@ def test_two_survivors_of_two_may_serve_when_the_store_host_is_gone():
     assert may_serve(["host", "b"], {"b": True}, dead={"host"}).serve
 
 
-def test_spares_alone_do_not_serve():
+def test_spares_alone_do_not_serve_while_an_active_may_be_alive():
     verdict = may_serve(["a", "b", "s"], {"s": False}, dead={"a", "b"})
+    assert not verdict.serve and "active" in verdict.reason  # who was active is not known here
+    # b was active and is not proven gone (frozen, or on the other side of a partition): it may
+    # still train with a store of its own
+    verdict = may_serve(["a", "b", "s", "t"], {"s": False, "t": False}, dead={"a"}, actives={"a", "b"})
     assert not verdict.serve and "active" in verdict.reason
+
+
+def test_spares_serve_when_every_active_is_proven_gone():
+    """Both actives died at once, with the store: no partition can hold them, and the spares go on
+    from the replica they hold (issue 45, two nodes lost at once)."""
+    assert may_serve(["a", "b", "s", "t"], {"s": False, "t": False}, dead={"a", "b"}, actives={"a", "b"}).serve
+    # still a majority of those not proven gone
+    assert not may_serve(["a", "b", "s", "t", "u"], {"s": False}, dead={"a", "b"}, actives={"a", "b"}).serve
 
 
 def test_registrations_of_strangers_do_not_count():

@@ -20,7 +20,7 @@ from lightning_ft.failover.presence import refuses
 from lightning_ft.failover.switchboard import Candidate, StoreSwitchboard
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.failover import decode_presence, encode_presence, epoch_key, presence_key
-from lightning_ft.schema.run import ROSTER_HEAD, decode_number, decode_roster_head
+from lightning_ft.schema.run import ROSTER_HEAD, decode_last_actives, decode_number, decode_roster_head
 from lightning_ft.schema.signing import SealedStore
 
 if TYPE_CHECKING:
@@ -84,6 +84,9 @@ class FailoverParticipant:
 
     def track_round(self, result: RoundResult) -> None:
         self.switchboard.active = result.is_active
+        raw = self.rendezvous.values.get(self.rendezvous.keys.last_actives)
+        last = decode_last_actives(raw) if raw is not None else None
+        self.switchboard.actives = frozenset(last[1]) if last is not None and last[0] == result.round else frozenset()
         self.tracked_round = result.round
         self.whole = read_candidates(self.switchboard, self.rendezvous.records, result.round)
         if self._refresher is None and self.whole:

@@ -27,7 +27,8 @@ class Verdict(NamedTuple):
     reason: str = ""
 
 
-def may_serve(participants: Collection[str], registered: Mapping[str, bool], dead: Collection[str]) -> Verdict:
+def may_serve(participants: Collection[str], registered: Mapping[str, bool], dead: Collection[str],
+              actives: Collection[str] = ()) -> Verdict:
     """Whether a successor with these registrations may open its store.
 
     ``participants``: the last round's participants (every candidate); ``registered``: who
@@ -37,15 +38,18 @@ def may_serve(participants: Collection[str], registered: Mapping[str, bool], dea
     frozen or unreachable one is not dead, it may come back.
 
     The rule: the registered are a strict majority of the participants not proven dead, and at
-    least one of them was active. Every participant registers with one successor per epoch, so
-    two successors cannot both hold a majority of the same participants: a partition yields
-    at most one store that decides, and the minority side ends truthfully. Without an active
-    there is nothing to continue (the actives finished or died; spares alone hold no state
-    that the protocol has not already closed or lost).
+    least one of them was active -- or every one of ``actives`` (the last round's, as this
+    successor knows them) is proven dead. Every participant registers with one successor per
+    epoch, so two successors cannot both hold a majority of the same participants: a partition
+    yields at most one store that decides, and the minority side ends truthfully. With no active
+    alive, the spares go on from the newest snapshot they hold (a replica), if any; an active
+    that may still be alive (frozen, unreachable) may be training on the other side of a
+    partition, so without it nothing opens.
     """
     voters = [p for p in participants if p not in dead]
     reached = [p for p in voters if p in registered]
-    if not any(registered.get(p, False) for p in reached):
+    all_actives_dead = bool(actives) and all(p in dead for p in actives)
+    if not all_actives_dead and not any(registered.get(p, False) for p in reached):
         return Verdict(False, "no participant that was active reached the successor")
     if 2 * len(reached) <= len(voters):
         return Verdict(False, f"{len(reached)} of {len(voters)} participant(s) that may be alive reached it "

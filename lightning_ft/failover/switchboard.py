@@ -121,6 +121,8 @@ class StoreSwitchboard:
         self._epoch = 0
         self.hosting = hosting
         self.active = False
+        #: the actives of the last round this participant completed (see ``may_serve``)
+        self.actives: frozenset[str] = frozenset()
         self.participant_id = participant_id
         self.timeouts = timeouts
         self.signer = signer
@@ -403,8 +405,7 @@ class StoreSwitchboard:
         rebuilt = _rebuild(store, values, keys, [pid for pid in registered if pid != self.participant_id],
                            self.mirror.view())
         values.put(keys.open, f"{len(registered)} registered, {len(dead)} gone, {rebuilt} keys")
-        log.info("rendezvous store of epoch %d serves at %s: %d participant(s) registered, %d gone, %d key(s) rebuilt",
-                 epoch, endpoint, len(registered), len(dead), rebuilt)
+        _say_opened(epoch, str(endpoint), registered, len(dead), rebuilt, self.actives)
         self.endpoint, self.epoch, self.hosting = endpoint, epoch, True
         self._probe_store = None
 
@@ -440,13 +441,13 @@ class StoreSwitchboard:
             registered = {r.participant_id: r.active for r in
                           (decode_registration(raw) for raw in values.records(keys.registered)) if r is not None}
             now = monotonic()
-            verdict = may_serve(participants, registered, dead)
+            verdict = may_serve(participants, registered, dead, self.actives)
             if not verdict.serve and now - probed_at >= _PROBE_EVERY:
                 # who is gone counts for the quorum; the probe also tells the living to move
                 probed_at = now
                 dead |= self._gone([c for c in self.candidates
                                     if c.participant_id not in registered and c.participant_id not in dead], epoch - 1)
-                verdict = may_serve(participants, registered, dead)
+                verdict = may_serve(participants, registered, dead, self.actives)
             if verdict.serve:
                 quorum_at = now if quorum_at is None else quorum_at
                 everyone = all(p in registered or p in dead for p in participants)
@@ -499,6 +500,15 @@ class StoreSwitchboard:
         reserved, self._reserved = self._reserved, None
         if reserved is not None:
             reserved.close()
+
+
+def _say_opened(epoch: int, endpoint: str, registered: dict[str, bool], gone: int, rebuilt: int,
+                actives: frozenset[str]) -> None:
+    log.info("rendezvous store of epoch %d serves at %s: %d participant(s) registered, %d gone, %d key(s) rebuilt",
+             epoch, endpoint, len(registered), gone, rebuilt)
+    if not any(registered.values()):
+        log.warning("rendezvous store of epoch %d opened by spares alone: every active of the last round is gone "
+                    "(%s); the job goes on from the newest snapshot they hold", epoch, ", ".join(sorted(actives)))
 
 
 def _rebuild(store: BoundedStore, values: SealedStore, keys: EpochKeys, others: list[str], own: Any) -> int:

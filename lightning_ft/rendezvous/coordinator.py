@@ -140,6 +140,8 @@ class Coordinator:
         self.round_id = round_id
         self.clock = rendezvous.clock
         self.timer = RoundTimer(opened_at=self.clock())
+        #: the previous round's participants (actives and standby, lost or not)
+        self._previous_ids: frozenset[str] = frozenset()
         self.previous_actives, self.previous_standby = self._read_previous_round()
         self._heartbeats = HeartbeatTracker()
         self._dead: set[str] = set()
@@ -188,7 +190,9 @@ class Coordinator:
         if last is None or last[0] >= self.round_id:
             return (), ()
         lost = self.records.lost()
-        standby = tuple(a.participant_id for a in self.records.arrivals(last[0])
+        arrived = self.records.arrivals(last[0])
+        self._previous_ids = frozenset(a.participant_id for a in arrived) | frozenset(last[1])
+        standby = tuple(a.participant_id for a in arrived
                         if a.participant_id not in last[1] and a.participant_id not in lost)
         return last[1], standby
 
@@ -218,15 +222,24 @@ class Coordinator:
     def read_view(self) -> RoundView:
         """The round as the store says now (arrivals in log order, lost participants)."""
         arrivals = self._read_arrivals(self.clock())
-        return RoundView(self.round_id, arrivals, self.previous_actives, frozenset(self._dead),
-                         self._lost_count(len(arrivals)), self.previous_standby)
+        lost, replaced = self._lost_count(arrivals)
+        return RoundView(self.round_id, arrivals, self.previous_actives, frozenset(self._dead), lost,
+                         self.previous_standby, replaced)
 
-    def _lost_count(self, arrived: int) -> int:
-        """Participants lost for good that cannot come back: one judged dead while it was only
-        frozen beats again once thawed, waits as a spare and counts as able to take part. Its
-        heartbeat is read only while the count matters (fewer than min_nodes arrived)."""
+    def _lost_count(self, arrivals: tuple[Arrival, ...]) -> tuple[int, int]:
+        """Participants lost for good that cannot come back, and how many of their places nodes that
+        joined later took. One judged dead while it was only frozen beats again once thawed, waits
+        as a spare and counts as able to take part; its heartbeat is read only while the count
+        matters (fewer than min_nodes arrived). The places taken: participants known to this round
+        (the previous round's, this round's, the lost) beyond max_nodes -- without them every
+        replaced loss of a long job would count against it, and after max_nodes - min_nodes + 1
+        losses a survivor arriving before the spares closed the job for good."""
         lost = self.records.lost_records()
-        return self.records.not_back(lost) if arrived < self.settings.min_nodes else len(lost)
+        known = len(self._previous_ids | {a.participant_id for a in arrivals} | set(lost))
+        replaced = max(0, known - self.settings.max_nodes)
+        if len(arrivals) < self.settings.min_nodes:
+            return self.records.not_back(lost), replaced
+        return len(lost), replaced
 
     def _update_dead(self, view: RoundView) -> bool:
         """Mark silent previous actives dead; True when someone newly died."""
@@ -283,8 +296,9 @@ class Coordinator:
             self.tick()
         view = self.read_view()
         if self._update_dead(view):  # deaths just recorded as lost change what the view says
-            view = dataclasses.replace(view, dead_previous_actives=frozenset(self._dead),
-                                       lost_count=self._lost_count(len(view.arrivals)))
+            lost, replaced = self._lost_count(view.arrivals)
+            view = dataclasses.replace(view, dead_previous_actives=frozenset(self._dead), lost_count=lost,
+                                       replaced=replaced)
         if self._suspects:
             if self._suspects - self._dead:
                 return  # not judged yet: deciding now could give a dead coordinator a place

@@ -41,6 +41,8 @@ class RoundView:
     lost_count: int = 0
     #: participant ids that waited as standby in the previous round (hot spares, newcomers), not lost
     previous_standby: tuple[str, ...] = ()
+    #: how many of the lost places nodes that joined later took (participants known beyond max_nodes)
+    replaced: int = 0
 
 
 def arrivals_of_round(records: Sequence[ArrivalRecord | None]) -> tuple[Arrival, ...]:
@@ -192,7 +194,9 @@ def decide_completion(view: RoundView, settings: RendezvousSettings, timer: Roun
     Updates ``timer.min_reached_at`` the first time enough participants are present.
     """
     arrived = len(view.arrivals)
-    capacity = settings.max_nodes - view.lost_count
+    # a lost node's place is taken by a node that joined later (a replacement a scheduler started):
+    # the places lost over a long job are not all gone for good
+    capacity = settings.max_nodes - view.lost_count + view.replaced
     if arrived >= settings.max_nodes:
         return Decision(Action.COMPLETE, f"all max_nodes={settings.max_nodes} arrived")
 
@@ -202,7 +206,9 @@ def decide_completion(view: RoundView, settings: RendezvousSettings, timer: Roun
             return Decision(
                 Action.CLOSE_FOR_GOOD,
                 f"only {max(capacity, 0)} of max_nodes={settings.max_nodes} nodes can still take "
-                f"part ({view.lost_count} lost for good: unhealthy, dead or withdrawn), fewer than "
+                f"part ({view.lost_count} lost for good: unhealthy, dead or withdrawn"
+                f"{f'; {view.replaced} of their places taken by nodes that joined later' if view.replaced else ''}), "
+                f"fewer than "
                 f"min_nodes={settings.min_nodes}; {arrived} arrived in round {view.round}")
         need = (f"{settings.min_nodes} in whole segments of {settings.segment}"
                 if settings.segment > 1 else str(settings.min_nodes))

@@ -346,8 +346,10 @@ class RendezvousFitLoop:
                                   max_bytes=settings.replica_max_bytes)
         monitor = SpareMonitor(rdzv_store=session.store.clone(), keys=session.keys, signer=session.rendezvous.signer,
                                dead_after=session.rendezvous.settings.liveness.all_silent_after,
-                               open_round=session.open_round,
-                               replicas=replicas, join_timeout=settings.timeouts.thread_stop_timeout)
+                               open_round=session.open_round, replicas=replicas,
+                               proves_gone=session.rendezvous.proves_gone,
+                               gone_after=session.rendezvous.settings.liveness.dead_after,
+                               join_timeout=settings.timeouts.thread_stop_timeout)
         monitor.start()
         return monitor
 

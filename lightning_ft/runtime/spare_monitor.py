@@ -12,13 +12,14 @@ actives do the same work at the same moment (setting up, a snapshot of the same 
 loaded machine work that holds the GIL kept all of their heartbeat threads from running for
 about a second at the start of training -- long enough for a spare to open a round against a
 healthy job, whose coordinator (that spare) then judged the actives dead: exit 83 for all.
-Every active gone at once is not a case where a second or two matters.
+When every active's process is proven gone (its presence port refuses: the store fail-over's
+``proves_gone``), nothing is waited out: the round opens after ``dead_after`` of silence.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from lightning_ft._clock import monotonic
 from lightning_ft.checkpoint.exchange.replication import ReplicaPuller
@@ -41,6 +42,7 @@ class SpareMonitor(BackgroundThread):
 
     def __init__(self, *, rdzv_store: StoreClient, keys: RunKeys, signer: Signer, dead_after: float,
                  open_round: Callable[[int, str], object], replicas: ReplicaPuller | None = None,
+                 proves_gone: Callable[[Sequence[str]], set[str]] | None = None, gone_after: float = float("inf"),
                  poll_interval: float = 0.25, join_timeout: float = 2.0) -> None:
         super().__init__("lightning_ft-spare-monitor", join_timeout)
         self.store = rdzv_store
@@ -48,6 +50,9 @@ class SpareMonitor(BackgroundThread):
         self.keys = keys
         self.records = RunRecords(rdzv_store, signer, keys)
         self.dead_after = dead_after
+        #: which participants are proven gone (their processes ended), asked of actives silent for
+        #: ``gone_after``: every active gone is judged at once, not after ``dead_after``
+        self.proves_gone, self.gone_after = proves_gone, gone_after
         self.open_round = open_round
         self.replicas = replicas
         self.poll_interval = poll_interval
@@ -85,10 +90,13 @@ class SpareMonitor(BackgroundThread):
                 or self.records.round_finished(round_id)):  # the actives finished: their silence is no fault
             return
         # Only when *every* active is silent (see the module docstring).
-        members = self._members.values()
-        silent = [p for p in members
-                  if self._beats.silent({p: self.records.heartbeat(p)}, now, self.dead_after)]
-        if len(silent) == len(self._members):
+        members = list(self._members.values())
+        still = {p: self._beats.observe(p, self.records.heartbeat(p), now) for p in members}
+        silent = [p for p in members if still[p] >= self.dead_after]
+        if len(silent) < len(members) and self.proves_gone is not None and \
+                all(t >= self.gone_after for t in still.values()) and set(members) <= self.proves_gone(members):
+            silent = members  # every active's process ended: nothing to wait out
+        if len(silent) == len(members):
             if self._closed_for_good():
                 return  # the actives stopped (SIGTERM) or finished: their silence is the end, not a fault
             self.open_round(round_id, f"every active of round {round_id} is silent ({', '.join(silent)})")
