@@ -19,12 +19,12 @@ pytestmark = [pytest.mark.multiprocess]
 SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
 
 
-def start_a_hosting_the_store(cluster: Cluster, args: list[str], **env: str) -> None:
-    """A (hosting the store: the default launch) and B active, C a hot spare; returns once the job
-    trained step 40."""
+def start_a_hosting_the_store(cluster: Cluster, args: list[str], names: str = "ABC", **env: str) -> None:
+    """A (hosting the store: the default launch) and B active, the others (C, ...) hot spares;
+    returns once the job trained step 40."""
     cluster.out.mkdir(parents=True)
     hold = ordered_start(cluster, "AB")
-    for infra_rank, name in enumerate("ABC"):
+    for infra_rank, name in enumerate(names):
         cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank), **env)
         if name == "A":
             cluster.wait_for_log("A", "hosting the rendezvous store")
@@ -162,14 +162,7 @@ def test_both_actives_lost_at_once_with_the_store_the_spares_go_on_from_their_re
     cluster = Cluster(processes, tmp_path, "2:4")
     # two copies wanted besides the actives' own: with 2 actives, the spares hold one each
     args = ["--max-steps", "300", *SLOW, "--replication-factor", "2"]
-    cluster.out.mkdir(parents=True)
-    hold = ordered_start(cluster, "AB")
-    for infra_rank, name in enumerate("ABCD"):
-        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank), **env)
-        if name == "A":
-            cluster.wait_for_log("A", "hosting the rendezvous store")
-        in_order(cluster, name, actives="AB")
-    release(hold)
+    start_a_hosting_the_store(cluster, args, names="ABCD", **env)
     cluster.wait_for_step(60, 60)
     assert wait_for(lambda: all(any((tmp_path / f"shm-{n}").rglob("*.snap")) for n in "CD"), 60), cluster.logs()
     cluster.kill_together(["A", "B"])
