@@ -269,7 +269,6 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:
         args.repeats, args.replica_repeats, args.hidden_large, args.replica_max_seconds = 1, 1, 200_000, 15
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     base = Path(tempfile.mkdtemp(prefix="bench_fsdp_recovery-", dir=args.tmp_dir))
     found: Counter = Counter()
     recovery: dict[str, list[dict]] = {"fsdp_ft": [], "ddp_ft": []}

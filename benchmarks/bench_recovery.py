@@ -150,7 +150,6 @@ def main() -> int:
     parser.add_argument("--baseline-timeout", type=float, default=150.0,
                         help="give up on a baseline run that has not finished after this long")
     args = parser.parse_args()
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     results: dict[str, list[dict]] = {"ddp_ft": [], "baseline": []}
     base = Path(tempfile.mkdtemp(prefix="bench_recovery-"))
     try:

@@ -19,7 +19,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters

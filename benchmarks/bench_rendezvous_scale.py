@@ -36,7 +36,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 # the handler sets lightning_ft's level from this variable when it attaches its log output
 os.environ["LIGHTNING_FT_LOG_LEVEL"] = os.environ.get("BENCH_LOG_LEVEL", "ERROR")
 

@@ -90,7 +90,7 @@ def main() -> int:
     if args.worker:
         return worker(args)
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_CPP_LOG_LEVEL": "ERROR", "LIGHTNING_FT_LOG_LEVEL": "ERROR"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LIGHTNING_FT_LOG_LEVEL": "ERROR"}
     store = subprocess.Popen([sys.executable, "-m", "lightning_ft.cli", "store", "--host", "127.0.0.1", "--port", "0"],
                              stdout=subprocess.PIPE, text=True, env=env)
     line = store.stdout.readline() if store.stdout else ""

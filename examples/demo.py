@@ -82,8 +82,6 @@ def base_env() -> dict[str, str]:
         env.pop(key, None)
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONWARNINGS"] = "ignore"
-    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     env["OMP_NUM_THREADS"] = "1"  # three processes share a small machine
     env["LIGHTNING_FT_LOG_LEVEL"] = "WARNING"
     # the demo's "nodes" share this machine: one slowed by the others is no straggler of its own

@@ -6,16 +6,49 @@ each with the reason it is needed.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import glob
+import os
 import secrets
 import socket
 import struct
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import _weights_only_unpickler as _weights_only
 
 from lightning_ft._clock import monotonic
+
+#: torch's C++ log level for ERROR (c10: 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL)
+CPP_LOG_ERROR = 2
+
+
+def quiet_cpp_warnings() -> bool:
+    """Raise torch's C++ log level to ERROR unless the user chose one (``TORCH_CPP_LOG_LEVEL``);
+    True when it was raised here.
+
+    Why: this package opens, probes and breaks store connections and process groups on purpose
+    (a fail-over, a group broken after a fault), and torch's C++ code logs each of those as a
+    warning, often with a C++ stack ("frame #0: ..."); the package says what happened itself, in
+    one line. ERROR messages still print. Torch reads ``TORCH_CPP_LOG_LEVEL`` only when libc10
+    loads, so the level is set where c10 keeps it: its exported ``FLAGS_caffe2_log_level``. A
+    build without that symbol is left as it is."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return False
+    libraries = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*")))
+    try:
+        level = ctypes.c_int.in_dll(ctypes.CDLL(libraries[0]), "FLAGS_caffe2_log_level")
+    except (IndexError, OSError, ValueError):
+        return False
+    if level.value >= CPP_LOG_ERROR:
+        return False
+    level.value = CPP_LOG_ERROR
+    return True
+
+
+quiet_cpp_warnings()  # every module that talks to a store or a process group imports this one
 
 
 def exit_barrier_names() -> tuple[str, str]:

@@ -9,8 +9,6 @@ import zlib
 
 import pytest
 
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
 from loopback_dns import ensure_fast_loopback_reverse_lookup
 
 import characterization

@@ -36,14 +36,13 @@ STRAGGLERS_OFF = {"LIGHTNING_FT_STRAGGLER_FACTOR": "off"}
 
 
 def child_env(**overrides: str) -> dict[str, str]:
-    """Environment for a child process: quiet, unbuffered, no inherited rank variables."""
+    """Environment for a child process: a user's own (nothing that quiets it), unbuffered, no inherited rank variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "LOCAL_WORLD_SIZE", "JOB_COMPLETION_INDEX", "LIGHTNING_FT_INFRA_RANK"):
         env.pop(key, None)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["TORCH_CPP_LOG_LEVEL"] = env.get("TORCH_CPP_LOG_LEVEL", "ERROR")
     # one intra-op thread per process, as torchrun sets for its workers: a test's processes share
     # two cores (and one start-up environment for most of them: one fork server, prefork.py)
     env["OMP_NUM_THREADS"] = "1"

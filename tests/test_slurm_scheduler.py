@@ -167,7 +167,6 @@ class Jobs:
         root.mkdir(parents=True)
         environment = {
             "PYTHON": sys.executable, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1",
-            "PYTHONWARNINGS": "ignore", "TORCH_CPP_LOG_LEVEL": "ERROR",
             "OMP_NUM_THREADS": "1",  # three training processes share two cores
             "FT_RUN_DIR": str(root / "run"),
             # one "node" per task on this host: own failure domain, snapshot directory, health marker

@@ -38,8 +38,6 @@ def base_env(**overrides: str) -> dict[str, str]:
         env.pop(key, None)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    env["PYTHONWARNINGS"] = "ignore"
     # one intra-op thread per process, as torchrun sets for its workers: several training
     # processes share this machine's cores
     env["OMP_NUM_THREADS"] = "1"
