@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import os
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters

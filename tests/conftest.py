@@ -8,7 +8,6 @@ import time
 import zlib
 
 import pytest
-
 from loopback_dns import ensure_fast_loopback_reverse_lookup
 
 import characterization

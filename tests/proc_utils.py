@@ -36,7 +36,8 @@ STRAGGLERS_OFF = {"LIGHTNING_FT_STRAGGLER_FACTOR": "off"}
 
 
 def child_env(**overrides: str) -> dict[str, str]:
-    """Environment for a child process: a user's own (nothing that quiets it), unbuffered, no inherited rank variables."""
+    """Environment for a child process: a user's own (nothing that quiets it), unbuffered, no
+    inherited rank variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "LOCAL_WORLD_SIZE", "JOB_COMPLETION_INDEX", "LIGHTNING_FT_INFRA_RANK"):

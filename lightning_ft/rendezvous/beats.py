@@ -57,8 +57,8 @@ class TickWaiter:
 class Heartbeat(BackgroundThread):
     """Raises this participant's sealed heartbeat number every ``interval`` on a connection of its
     own (one that does not rise for ``dead_after`` counts as dead); beats on after a beat that
-    timed out, stops quietly when the store is gone. A sealed number, not a counter: a store client can neither bump it nor replay an
-    older one to keep a dead participant alive."""
+    timed out, stops quietly when the store is gone. A sealed number, not a counter: a store
+    client can neither bump it nor replay an older one to keep a dead participant alive."""
 
     def __init__(self, values: SealedStore, key: str, interval: float) -> None:
         super().__init__("lightning_ft-heartbeat", join_timeout=interval)
