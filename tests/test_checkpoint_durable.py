@@ -855,3 +855,23 @@ def test_two_ranks_fall_back_together_when_one_ranks_shard_is_damaged(tmp_path):
         assert len(lines) == 1 and "durable step 20 is damaged (rank 1: " in lines[0], lines
         assert "data checksum mismatch" in lines[0] and lines[0].endswith("resuming from step 10, the newest intact "
                                                                           "copy before it")
+
+
+def test_the_finish_of_a_run_is_recorded_sealed_and_only_its_own_counts(tmp_path, caplog):
+    from lightning_ft.schema.signing import Signer
+
+    tier = tier_at(tmp_path)
+    assert tier.finished() is None
+    tier.mark_finished(400, 7)
+    assert tier.finished() == (400, 7)
+    other = DurableTier(LocalDirTarget(str(tmp_path / "durable")), "another-job")
+    assert other.finished() is None  # another run's finish is not this one's
+    # with a job secret, a record written without it (or tampered with) is skipped, loudly
+    sealed = DurableTier(LocalDirTarget(str(tmp_path / "durable")), "job", signer=Signer(b"the-job-secret"))
+    with caplog.at_level("WARNING"):
+        assert sealed.finished() is None
+    assert "finished record" in caplog.text
+    sealed.mark_finished(500, 8)
+    assert sealed.finished() == (500, 8)
+    (tmp_path / "durable" / "job" / "finished.json").write_bytes(b"{not json")
+    assert tier.finished() is None

@@ -225,3 +225,27 @@ def test_a_hot_spare_steps_in_while_uploads_are_in_flight(launch, tmp_path):
     assert newest > 30  # completed after the recovery
     manifest = json.loads((durable / run_id / "manifests" / f"step-{newest:012d}.json").read_text())
     assert manifest["world_size"] == 2 and [s["rank"] for s in manifest["shards"]] == [0, 1]
+
+
+@pytest.mark.timeout(240)
+def test_a_finished_run_is_not_trained_again_by_nodes_started_after_it(launch, tmp_path):
+    """bench_chaos.py: nodes started in a job's last seconds found no store (its host had left),
+    opened a new one and trained the last 100 steps again from the durable tier. The finish is
+    recorded in the durable tier now: nodes started later leave 0 without training; a relaunch
+    that asks for more steps trains on from the newest durable step."""
+    persist_to = str(tmp_path / "durable")
+    first = relaunch(launch, tmp_path / "first", "finished-run", durable_env(persist_to))
+    finish(first, 120)
+    assert (tmp_path / "durable" / "finished-run").exists()
+    finished = list((tmp_path / "durable").rglob("finished.json"))
+    assert len(finished) == 1, list((tmp_path / "durable").rglob("*"))
+
+    late = relaunch(launch, tmp_path / "late", "finished-run", durable_env(persist_to))
+    assert late.wait(["A", "B"], 120) == {"A": 0, "B": 0}, late.logs()
+    assert all("is not needed" in late.procs[n].log() for n in "AB"), late.logs()
+    assert not any(late.steps().values()), late.logs()  # not one step trained again
+
+    more = relaunch(launch, tmp_path / "more", "finished-run", durable_env(persist_to), max_steps=MAX_STEPS + 20)
+    results = finish(more, 120)
+    assert [r["step"] for r in results] == [MAX_STEPS + 20] * 2, more.logs()
+    assert min(resumed_steps(more)) >= MAX_STEPS - 5, more.logs()

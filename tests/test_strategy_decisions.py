@@ -348,3 +348,15 @@ def test_a_sharded_job_starts_over_only_if_every_rank_that_trained_could():
     assert not may_start_over([START_OVER_YES, START_OVER_NO])  # one had copied (or resumed): more was lost
     assert not may_start_over([START_OVER_UNKNOWN, START_OVER_UNKNOWN])  # nobody knows the start state
     assert not may_start_over([])
+
+
+def test_a_fit_whose_run_finished_at_its_limits_is_not_trained_again():
+    from lightning_ft.runtime.decisions import fit_already_finished
+
+    assert not fit_already_finished(None, 100, None)  # nothing recorded
+    assert fit_already_finished((100, 3), 100, None)  # finished at max_steps
+    assert fit_already_finished((100, 3), 80, None)
+    assert not fit_already_finished((100, 3), 120, None)  # asked for more: trains on
+    assert fit_already_finished((100, 3), -1, 3)  # by epochs
+    assert not fit_already_finished((100, 3), -1, 5)
+    assert not fit_already_finished((100, 3), -1, None)  # no limit at all: nothing says it is done

@@ -74,7 +74,10 @@ class ParticipantExcludedError(RendezvousError):
 
 
 class ExtraParticipantError(ParticipantExcludedError):
-    """More participants arrived than ``max_nodes``; this one has no place."""
+    """More participants arrived than ``max_nodes``; this one has no place. ``job_full``: the job
+    had formed before (a replacement that found it full), not too many nodes at launch."""
+
+    job_full = False
 
 
 class UnhealthyNodeError(ParticipantExcludedError):
@@ -102,6 +105,21 @@ class RoundResult:
     def is_active(self) -> bool:
         return self.rank >= 0
 
+
+
+def extra_participant(participant_id: str, run_id: str, max_nodes: int, round_id: int) -> ExtraParticipantError:
+    """The error of a participant with no place: one of too many nodes at launch (round 0), or, once
+    the job has formed, a node started later that found every place taken (``job_full``)."""
+    if round_id == 0:
+        return ExtraParticipantError(
+            f"participant {participant_id} is extra: more than max_nodes={max_nodes} participants arrived in "
+            f"round 0 of run {run_id!r}; check --nnodes=MIN:MAX and how many nodes were launched. The job goes "
+            "on without this node.")
+    full = ExtraParticipantError(f"participant {participant_id} is not needed: run {run_id!r} has "
+                                 f"max_nodes={max_nodes} participants (round {round_id}); the job goes on without "
+                                 "this node")
+    full.job_full = True
+    return full
 
 
 #: a participant waiting for a round to complete says why after this long, then this often
@@ -420,11 +438,7 @@ class BarrierRendezvous:
     def _leave_as_extra(self, round_id: int) -> NoReturn:
         self._withdraw_arrival(round_id)
         self._leave(excluded=True)
-        raise ExtraParticipantError(
-            f"participant {self.participant_id} is extra: more than max_nodes="
-            f"{self.settings.max_nodes} participants arrived in round {round_id} of run "
-            f"{self.settings.run_id!r}; check --nnodes=MIN:MAX and how many nodes were "
-            "launched. The job goes on without this node.")
+        raise extra_participant(self.participant_id, self.settings.run_id, self.settings.max_nodes, round_id)
 
     # ----------------------------------------------------------------- helpers
 

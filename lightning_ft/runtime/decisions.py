@@ -414,6 +414,17 @@ def merge_setting(name: str, explicit: object, env_name: str, env_value: str | N
 START_OVER_NO, START_OVER_YES, START_OVER_UNKNOWN = 0, 1, -1
 
 
+def fit_already_finished(finished: tuple[int, int] | None, max_steps: int | None, max_epochs: int | None) -> bool:
+    """Whether a ``fit()`` that stops at ``max_steps`` / ``max_epochs`` (-1 or None: no limit)
+    would stop at once, its run's training having finished at ``finished`` = (step, epoch) (None:
+    not recorded). A larger limit trains on (the user asked for more)."""
+    if finished is None:
+        return False
+    step, epoch = finished
+    return (max_steps is not None and max_steps >= 0 and step >= max_steps) or \
+        (max_epochs is not None and max_epochs >= 0 and epoch >= max_epochs)
+
+
 def may_start_over(votes: list[int]) -> bool:
     """Whether a sharded round whose shards no longer make up any step can start over from the
     state the failed round started with: every rank that trained in it says that state was the

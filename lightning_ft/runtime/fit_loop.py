@@ -22,7 +22,7 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from lightning_ft.runtime.decisions import (
     Role,
     decide_on_rendezvous_end,
     elastic_accumulation,
+    fit_already_finished,
     looks_like_collective_error,
 )
 from lightning_ft.runtime.exit_barrier import BarrierOutcome, PeerSilence, wait_at_exit_barrier
@@ -73,6 +74,9 @@ from lightning_ft.schema.run import CloseKind
 from lightning_ft.settings.environment import fit_run_id, torchelastic_restart_count
 from lightning_ft.termination.callback import GracefulTermination
 from lightning_ft.termination.signals import SignalHandler
+
+if TYPE_CHECKING:
+    from lightning_ft.checkpoint.durable.tier import DurableTier
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +176,8 @@ class RendezvousFitLoop:
             after_failure = session.rendezvous.stages.follows_a_failure(result.round)
             run.start_round(RoundRuntime(result, result.round, run.failure_at, after_failure=after_failure))
             fit_accumulation_to_world(trainer, host.settings, result.world_size, self._accumulation)
+            if result.round == 0 and not session.was_active and is_fitting(trainer):
+                _leave_if_the_run_finished(session, trainer)
             session.was_active = True
             tuner_exit = None
             try:
@@ -249,7 +255,7 @@ class RendezvousFitLoop:
                                    f"{type(exc).__name__}: {first_line(exc)}")
         except RendezvousError as exc:  # extra participant, unhealthy
             if isinstance(exc, ParticipantExcludedError) and not session.was_active:
-                log.error("ddp_ft: %s", exc)
+                log.log(logging.WARNING if getattr(exc, "job_full", False) else logging.ERROR, "ddp_ft: %s", exc)
                 # it takes no part any more: no heartbeat beating on after fit() (one beat in
                 # flight when the interpreter finalized aborted the process)
                 rendezvous.stop_heartbeat()
@@ -390,6 +396,8 @@ class RendezvousFitLoop:
         run = self.run
         if is_fitting(run.trainer):
             session.trained_through = stage
+            tier = _durable_tier(run.trainer)
+            session.fit_finished = (tier, run.trainer.global_step, run.trainer.current_epoch) if tier else None
             if result.rank == 0:  # read by whoever runs a later stage without knowing the paths
                 _best_effort(session.rendezvous.values.put, session.keys.fit_checkpoint_paths,
                              checkpoint_paths(run.trainer, stage).encode())
@@ -403,6 +411,28 @@ class RendezvousFitLoop:
         kind = "fit" if is_fitting(run.trainer) else getattr(run.trainer.state.fn, "value", "stage")
         log.info("ddp_ft: %s() (stage %d) finished in round %d as rank %d at step %s", kind, stage, result.round,
                  result.rank, step)
+
+
+def _durable_tier(trainer: Any) -> DurableTier | None:
+    checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint) if trainer is not None else None
+    return checkpoint.durable if checkpoint is not None else None
+
+
+def _leave_if_the_run_finished(session: Session, trainer: Any) -> None:
+    """A node that starts a run whose training a job finished already (a replacement started in the
+    job's last moments, a restart after it) leaves with 0 instead of training it again: the durable
+    tier records the finish (read on every rank: each decides alike)."""
+    tier = _durable_tier(trainer)
+    finished = tier.finished() if tier is not None else None
+    if not fit_already_finished(finished, trainer.max_steps, trainer.max_epochs):
+        return
+    assert tier is not None and finished is not None
+    message = (f"run {tier.run_id!r} finished at step {finished[0]} (recorded at "
+               f"{tier.target.describe(tier.finished_path())}): this node is not needed; to train it again, "
+               "use another run id or a larger max_steps")
+    log.warning("ddp_ft: %s", message)
+    _best_effort(session.rendezvous.shutdown, job_finished=True, reason=message)
+    raise FaultTolerantExit(ExitCode.SUCCESS, message)
 
 
 class TorchrunFitLoop:

@@ -84,6 +84,9 @@ class Session:
     saw_round: bool = False
     #: snapshot roots of the job's EmergencyCheckpoints -> keep them when the job finished
     snapshot_roots: dict[str, bool] = field(default_factory=dict)
+    #: (durable tier, step, epoch) of the last fit() this process finished as an active: recorded
+    #: there when the job finishes (see ``DurableTier.mark_finished``)
+    fit_finished: tuple[Any, int, int] | None = None
 
     @classmethod
     def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> Session:
@@ -150,6 +153,12 @@ class Session:
             except (RuntimeError, OSError) as exc:
                 log.warning("ddp_ft: could not leave the rendezvous at the end of the job: %s", exc)
         self.participant.close()
+        if crashed is None and self.finished_as_active and self.fit_finished is not None:
+            tier, step, epoch = self.fit_finished
+            try:  # a node started later (a replacement, a restart) must not train the run again
+                tier.mark_finished(step, epoch)
+            except OSError as exc:
+                log.warning("ddp_ft: could not record in the durable tier that the run finished: %s", exc)
         if crashed is None and (self.last_stage_completed or self.saw_job_finish):
             self._remove_snapshots()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -52,7 +53,9 @@ class Cluster:
     launcher: Any  # has start(name, argv, env) -> proc with .pid, .popen, .log()
     root: Path
     nnodes: str
-    run_id: str = "ft-test"
+    #: unique per cluster, as a job's is: the store's places (its endpoint and the next ports) of
+    #: two tests' jobs side by side on this host may touch, and a newcomer joins a store of its run id
+    run_id: str = field(default_factory=lambda: f"ft-test-{secrets.token_hex(3)}")
     port: int = field(default_factory=free_port)
     procs: dict[str, Any] = field(default_factory=dict)
     #: name -> store process started by :meth:`start_store` (not a participant)

@@ -92,6 +92,17 @@ def parse_manifest(raw: Any) -> tuple[str, Completion]:
     return _text(raw["run_id"], "run id"), completion
 
 
+def finished_record(run_id: str, step: int, epoch: int) -> dict[str, Any]:
+    """The record that a run's training finished, at ``step`` in ``epoch``."""
+    return {"run_id": run_id, "finished_step": step, "finished_epoch": epoch}
+
+
+def parse_finished(raw: Any) -> tuple[str, int, int]:
+    """(run id, step, epoch) of a stored finished record; ValueError/KeyError/TypeError if it is not one."""
+    return (_text(raw["run_id"], "run id"), whole_number(raw["finished_step"], "step"),
+            whole_number(raw["finished_epoch"], "epoch"))
+
+
 def record_mismatch(run_id: str, model: str, step: int, expected: ExpectedIdentity) -> str | None:
     """Why a record of ``run_id`` and ``model`` must not be used by ``expected``; None if it fits."""
     return identity_mismatch(SnapshotIdentity(run_id, rank=-1, step=step, model=model),

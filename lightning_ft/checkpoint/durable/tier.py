@@ -207,6 +207,34 @@ class DurableTier:
     def manifest_path(self, step: int) -> str:
         return f"{self.run_id}/manifests/{_step_name(step)}.json"
 
+    def finished_path(self) -> str:
+        return f"{self.run_id}/finished.json"
+
+    # ------------------------------------------------------------------ the run's end
+    def mark_finished(self, step: int, epoch: int) -> None:
+        """Record that this run's training finished at ``step`` (in ``epoch``): a node started after
+        the job ended finds it here, not the last durable step to train on from (OSError: not written)."""
+        path = self.finished_path()
+        self.target.write(path, [records.encode(self.signer, path, records.finished_record(self.run_id, step, epoch))])
+
+    def finished(self) -> tuple[int, int] | None:
+        """(step, epoch) at which this run's training finished, when a job of it recorded that; None
+        when none did, the record is not this run's or not authentic (logged), or it cannot be read."""
+        path = self.finished_path()
+        try:
+            raw = self.target.read(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("durable storage %s: cannot read whether the run finished: %s", self.target.url, exc)
+            return None
+        try:
+            run_id, step, epoch = records.parse_finished(records.decode(self.signer, path, raw))
+        except (ValueError, KeyError, TypeError) as exc:
+            self._skip("finished record", path, str(exc))
+            return None
+        return (step, epoch) if run_id == self.run_id else None
+
     # ------------------------------------------------------------------ writing
     def upload(self, info: SnapshotInfo, timeline: str, world_size: int, deadline: float | None = None,
                fd: int | None = None, rate: Callable[[], float | None] | None = None) -> UploadResult:
