@@ -171,6 +171,7 @@ class RoundWatchdog(BackgroundThread):
         self._members: dict[int, str] = {}
         self._heartbeats = HeartbeatTracker()
         self._positions: dict[int, tuple[bytes, float]] = {}
+        self._polled_at = monotonic()
         self._warned_at = -1
 
     def run(self) -> None:
@@ -212,6 +213,13 @@ class RoundWatchdog(BackgroundThread):
     def _poll(self) -> bool:
         clock = self.clock
         now = monotonic()
+        if now - self._polled_at > max(1.0, 5 * self.poll_interval):
+            # this process was frozen (SIGSTOP) or starved: what it measured spans its own stop,
+            # not its peers' silence -- a peer that moved on meanwhile is judged afresh, and the
+            # broken group's errors reach this rank's collective by themselves
+            self._heartbeats.clear()
+            self._positions.clear()
+        self._polled_at = now
         timeout = hang_timeout(clock.durations(), self.hang_floor, self.hang_factor)
         idle = now - clock.last_activity
         overdue = self.hang_detection and idle >= timeout
