@@ -541,3 +541,14 @@ def test_a_participant_waiting_alone_says_why_at_a_bounded_rate(tcp_store, monke
     notes = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
     assert 1 <= len(notes) <= 4, notes  # 0.2 s, then every 0.5 s of a 1.6 s wait: 3 when idle
     assert "waiting for 1 more participant(s) (1 of min_nodes=2 arrived" in notes[0], notes
+
+
+def test_a_node_that_finds_a_running_job_full_is_told_it_is_not_needed_not_to_check_its_launch():
+    """bench_chaos.py: a replacement arriving while a frozen node that came back held the last place
+    logged an ERROR "is extra ... check --nnodes", meant for too many nodes at launch."""
+    from lightning_ft.rendezvous.barrier import extra_participant
+
+    at_launch = extra_participant("node9:1:0", "job", 3, 0)
+    assert not at_launch.job_full and "check --nnodes" in str(at_launch)
+    later = extra_participant("node9:1:0", "job", 3, 4)
+    assert later.job_full and "is not needed" in str(later) and "--nnodes" not in str(later)
