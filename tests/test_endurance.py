@@ -19,13 +19,15 @@ pytestmark = [pytest.mark.multiprocess]
 SLOW = ["--step-sleep", "0.03", "--snapshot-every", "10"]
 
 
-def start_a_hosting_the_store(cluster: Cluster, args: list[str], names: str = "ABC", **env: str) -> None:
-    """A (hosting the store: the default launch) and B active, the others (C, ...) hot spares;
-    returns once the job trained step 40."""
+def start_a_hosting_the_store(cluster: Cluster, args: list[str], names: str = "ABC",
+                              faults: dict[str, str] | None = None, **env: str) -> None:
+    """A (hosting the store: the default launch) and B active, the others (C, ...) hot spares
+    (``faults``: name -> ``--fault`` spec); returns once the job trained step 40."""
     cluster.out.mkdir(parents=True)
     hold = ordered_start(cluster, "AB")
     for infra_rank, name in enumerate(names):
-        cluster.start_participant(name, [*args, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank), **env)
+        fault = ["--fault", faults[name]] if faults and name in faults else []
+        cluster.start_participant(name, [*args, *fault, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank), **env)
         if name == "A":
             cluster.wait_for_log("A", "hosting the rendezvous store")
         in_order(cluster, name, actives="AB")
@@ -173,3 +175,83 @@ def test_both_actives_lost_at_once_with_the_store_the_spares_go_on_from_their_re
     resumed = min(r["step"] for name in "CD" for r in cluster.starts(name))
     # from the replica: a snapshot step at most 10 before the loss, never step 0
     assert lost_at - 10 <= resumed <= lost_at, (resumed, lost_at, cluster.logs())
+
+
+@pytest.mark.timeout(180)
+def test_the_store_host_lost_while_a_hand_over_settles_stops_the_job_with_its_state_saved(processes, tmp_path):
+    """B is SIGTERMed with two spares ready; A -- the other active, hosting the store -- is SIGKILLed
+    as it starts settling the hand-over verdict. The store fails over; the verdict counts A as gone
+    (its heartbeat stood still and its process is proven gone), so B does not leave with the only
+    live copy of the state: every active is signalled or gone, the whole job stops at the agreed
+    step, B saves it and exits 81, and the rerun resumes from that step. (B used to hand over to
+    the spares, which had nothing to take over from: they trained the run again from step 0, and
+    every process said 0.)"""
+    cluster = Cluster(processes, tmp_path, "2:4")
+    args = ["--max-steps", "300", *SLOW]
+    start_a_hosting_the_store(cluster, args, names="ABCD",
+                              faults={"A": "kill:lightning_ft.termination.handover:HandOverAgreement.verdict"})
+    cluster.kill("B", signal.SIGTERM)
+    codes = cluster.wait(["A", "B", "C", "D"], 120)
+    assert codes["A"] == -signal.SIGKILL and codes["B"] == 81, cluster.logs()
+    assert codes["C"] == codes["D"] == 143 or codes["C"] == codes["D"] == 0, cluster.logs()
+    verdicts = cluster.events_of("hand_over_verdict")
+    assert verdicts and not any(v["hands_over"] for v in verdicts), verdicts
+    steps = cluster.steps()
+    assert not steps["C"] and not steps["D"], cluster.logs()  # nobody trained the run again
+    saved = [e["step"] for e in cluster.events_of("termination_decision") if e.get("exit_code") == 81]
+    assert saved and saved[0] >= 40, cluster.events_of("termination_decision")
+
+
+@pytest.mark.timeout(180)
+def test_a_restarted_node_rejoins_as_a_spare_and_one_restarted_after_the_end_leaves_0(processes, tmp_path):
+    """What a scheduler's restart loop does (examples/slurm/ddp_ft.sbatch): B, an active of a job
+    with no spare left, is SIGKILLed; B2 -- B restarted on its node with ``LIGHTNING_FT_REJOIN=1``
+    -- joins the running job and takes B's place from A's live state (no step trained again).
+    After the job ended, a node restarted the same way finds no store of its run: it leaves 0 at
+    once, saying so, and never hosts a store or starts the run again."""
+    cluster = Cluster(processes, tmp_path, "2:2")
+    args = ["--max-steps", "300", *SLOW]
+    start_a_hosting_the_store(cluster, args, names="AB")
+    cluster.kill("B")
+    cluster.start_participant("B2", args, LIGHTNING_FT_INFRA_RANK="1", LIGHTNING_FT_REJOIN="1",
+                              LIGHTNING_FT_DOMAIN_ID="host-B", LIGHTNING_FT_SNAPSHOT_DIR=str(tmp_path / "shm-B"))
+    codes = cluster.wait(["A", "B2"], 120)
+    assert codes == {"A": 0, "B2": 0}, cluster.logs()
+    assert "rejoining the running job" in cluster.procs["B2"].log(), cluster.logs()
+    steps = cluster.steps()
+    assert [r["step"] for r in steps["A"]] == list(range(1, 301)), cluster.logs()
+    assert cluster.result("A")["weights"] == cluster.result("B2")["weights"], cluster.logs()
+    assert steps["B2"][0]["step"] > 40, cluster.logs()
+    cluster.start_participant("B3", args, LIGHTNING_FT_INFRA_RANK="1", LIGHTNING_FT_REJOIN="1")
+    assert cluster.wait(["B3"], 60) == {"B3": 0}, cluster.logs()
+    log = cluster.procs["B3"].log()
+    assert "there is no running job to rejoin" in log and "hosting" not in log and not steps.get("B3"), log
+
+
+RECOVERIES = int(os.environ.get("FT_TEST_RECOVERIES", "100"))
+
+
+@pytest.mark.timeout(600)
+def test_a_hundred_recoveries_leave_the_survivors_threads_fds_memory_and_shm_bounded(processes, tmp_path):
+    """A, hosting the store, survives 100 recoveries: its peer is SIGKILLed as soon as it trains,
+    and a new node (started as a scheduler's restart loop would) takes its place each time. What A
+    holds at each round's start -- threads, file descriptors, RSS, process groups retired after a
+    failure, snapshot files -- stays bounded: the last round's equals the tenth's."""
+    cluster = Cluster(processes, tmp_path, "2:2")
+    args = ["--max-steps", "1000000", "--step-sleep", "0.01", "--snapshot-every", "5"]
+    start_a_hosting_the_store(cluster, args, names="AB")
+    victim = "B"
+    for i in range(RECOVERIES):
+        cluster.kill(victim)
+        victim = f"B{i}"
+        cluster.start_participant(victim, args, LIGHTNING_FT_INFRA_RANK="1", LIGHTNING_FT_REJOIN="1")
+        assert wait_for(lambda name=victim: cluster.steps()[name], 60), cluster.logs()
+    starts = cluster.starts("A")
+    assert len(starts) == RECOVERIES + 1, cluster.logs()
+    tenth, last = starts[10], starts[-1]
+    print({k: (tenth[k], last[k]) for k in ("threads", "fds", "rss", "retired_groups", "shm_files")})
+    assert last["threads"] <= tenth["threads"] + 2, (tenth, last)
+    assert last["fds"] <= tenth["fds"] + 4, (tenth, last)
+    assert last["retired_groups"] <= max(tenth["retired_groups"], 2), (tenth, last)
+    assert last["shm_files"] <= tenth["shm_files"] + 2, (tenth, last)
+    assert last["rss"] <= tenth["rss"] + 64 * 2**20, (tenth, last)

@@ -166,11 +166,21 @@ def test_after_a_loss_the_round_completes_once_every_live_participant_of_the_pre
     assert decide_completion(no_previous, settings(), RoundTimer(0.0), now=0.0).action is Action.WAIT  # last call
 
 
-def test_close_for_good_when_too_few_can_ever_arrive():
+def test_close_for_good_when_too_few_can_ever_arrive_after_waiting_for_a_replacement():
     view = RoundView(3, (arrival(0, 0),), lost_count=2)
-    decision = decide_completion(view, settings(), RoundTimer(opened_at=0.0), now=0.0)
+    timer = RoundTimer(opened_at=0.0)
+    waiting = decide_completion(view, settings(), timer, now=0.0)
+    # a scheduler's restart loop brings a crashed node back within seconds: it is waited for
+    assert waiting.action is Action.WAIT and "waiting up to 10.0s for a replacement" in waiting.reason
+    assert decide_completion(view, settings(), timer, now=9.9).action is Action.WAIT
+    decision = decide_completion(view, settings(), timer, now=10.0)
     assert decision.action is Action.CLOSE_FOR_GOOD
     assert "min_nodes=2" in decision.reason and "2 lost" in decision.reason
+    # the wait counts from when the round first found itself short; enough nodes again resets it
+    fresh = RoundTimer(opened_at=0.0)
+    decide_completion(view, settings(), fresh, now=20.0)
+    assert decide_completion(RoundView(3, (arrival(0, 0),), lost_count=1), settings(), fresh, 25.0).action \
+        is Action.WAIT and fresh.short_since is None
     still_possible = RoundView(3, (arrival(0, 0),), lost_count=1)
     assert decide_completion(still_possible, settings(), RoundTimer(0.0), 0.0).action is Action.WAIT
 

@@ -384,13 +384,13 @@ def test_the_agreement_waits_out_the_settle_time_and_counts_signals_that_arrived
     import torch.distributed as dist
 
     from lightning_ft._clock import monotonic
-    from lightning_ft.termination.handover import HandOverAgreement
+    from lightning_ft.termination.handover import HandOverAgreement, SeatCensus
 
     class Seat:
         told: list = []
 
-        def spares_ready(self):
-            return 1
+        def census(self):
+            return SeatCensus(1)
 
         def hand_over(self, leaving, reason):
             self.told.append((leaving, reason))

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from lightning_ft.deadlines import BackgroundThread, first_line
 from lightning_ft.failover.partition import follow_newest
-from lightning_ft.failover.presence import refuses
+from lightning_ft.failover.presence import ask_each, refuses
 from lightning_ft.failover.switchboard import Candidate, StoreSwitchboard
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.failover import decode_presence, encode_presence, epoch_key, presence_key
@@ -100,10 +99,7 @@ class FailoverParticipant:
         :data:`GONE_CONNECT_TIMEOUT`; one whose presence is unknown here is not proven gone."""
         endpoints = {c.participant_id: c.presence for c in self.switchboard.candidates}
         asked = [(pid, endpoints[pid]) for pid in participant_ids if pid in endpoints]
-        if not asked:
-            return set()
-        with ThreadPoolExecutor(max_workers=min(16, len(asked)), thread_name_prefix="lightning_ft-gone") as pool:
-            refused = list(pool.map(lambda a: refuses(a[1], GONE_CONNECT_TIMEOUT), asked))
+        refused = ask_each(asked, lambda a: refuses(a[1], GONE_CONNECT_TIMEOUT), "gone")
         return {pid for (pid, _), gone in zip(asked, refused, strict=True) if gone}
 
     def follow_newest(self) -> None:

@@ -10,8 +10,7 @@ ports can give it), and the store it names opened with a majority behind it.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
+from lightning_ft.failover.presence import ask_each
 from lightning_ft.failover.rebuild import follow_settled, store_to_follow
 from lightning_ft.failover.switchboard import StoreSwitchboard
 from lightning_ft.schema.run import ROSTER_HEAD
@@ -31,7 +30,6 @@ def follow_newest(board: StoreSwitchboard) -> bool:
     for wave in (others[:first], others[first:]):
         if not wave or follow_settled(board.epoch, answers, len(others), announced):
             break
-        with ThreadPoolExecutor(max_workers=len(wave), thread_name_prefix="lightning_ft-probe") as pool:
-            answers += [(a.state, a.epoch, a.store) for a in pool.map(lambda c: board.probe(c, "STATUS"), wave)]
+        answers += [(a.state, a.epoch, a.store) for a in ask_each(wave, lambda c: board.probe(c, "STATUS"))]
     target = store_to_follow(board.epoch, answers, announced)
     return target is not None and board.follow(*target)

@@ -51,7 +51,9 @@ import json
 import logging
 import secrets
 import socket
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, TypeVar
 
 from lightning_ft._clock import monotonic
 from lightning_ft.schema.signing import Signer
@@ -240,6 +242,24 @@ def refuses(endpoint: str, timeout: float) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+_Asked = TypeVar("_Asked")
+_Answer = TypeVar("_Answer")
+
+#: at most this many peers are asked at once (each probe is bounded by its own timeout)
+PARALLEL_PROBES = 16
+
+
+def ask_each(asked: Sequence[_Asked], ask: Callable[[_Asked], _Answer], name: str = "probe") -> list[_Answer]:
+    """``ask(a)`` for each of ``asked``, in parallel threads (one wave of at most
+    :data:`PARALLEL_PROBES`), the answers in the order asked: a dead peer's probe waits out its
+    timeout beside the others instead of after them."""
+    if not asked:
+        return []
+    with ThreadPoolExecutor(max_workers=min(PARALLEL_PROBES, len(asked)),
+                            thread_name_prefix=f"lightning_ft-{name}") as pool:
+        return list(pool.map(ask, asked))
 
 
 def _exchange(sock: socket.socket, line: bytes, deadline: float) -> bytes | None:

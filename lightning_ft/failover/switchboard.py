@@ -48,13 +48,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from lightning_ft._clock import monotonic
 from lightning_ft.deadlines import Abandon, BoundedStore, first_line
 from lightning_ft.failover.listener import Presence
-from lightning_ft.failover.presence import PeerStatus, PresenceProof, local_address_towards, probe
+from lightning_ft.failover.presence import PeerStatus, PresenceProof, ask_each, local_address_towards, probe
 from lightning_ft.failover.reach import (
     StoreClosesConnectionsError,
     StoreLostError,
@@ -464,10 +463,7 @@ class StoreSwitchboard:
     def _gone(self, candidates: list[Candidate], epoch: int) -> set[str]:
         """Which of ``candidates`` are gone (their presence refused), asked in parallel; the living
         are told that the store of ``epoch`` is lost."""
-        if not candidates:
-            return set()
-        with ThreadPoolExecutor(max_workers=min(16, len(candidates)), thread_name_prefix="lightning_ft-probe") as pool:
-            states = list(pool.map(lambda c: self.probe(c, f"FAILOVER {epoch}").state, candidates))
+        states = ask_each(candidates, lambda c: self.probe(c, f"FAILOVER {epoch}").state)
         return {c.participant_id for c, state in zip(candidates, states, strict=True) if state == "dead"}
 
     # ----------------------------------------------------------------- after a partition

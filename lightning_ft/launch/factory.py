@@ -51,13 +51,15 @@ class Participant:
 
 
 def open_participant(endpoint: Endpoint | JobEndpoints, is_host: bool | None, info: ParticipantInfo,
-                     settings: RendezvousSettings) -> Participant:
+                     settings: RendezvousSettings, rejoin: bool = False) -> Participant:
     """Reach (``is_host`` False), host (True) or either (None: host when the port can be bound
     here) the job's store at ``endpoint`` -- wherever a fail-over moved it among the job's listed
     endpoints (:mod:`lightning_ft.store.locator`) -- and build ``info``'s participant with
-    ``settings``. Raises ``RendezvousError`` when the store cannot be reached."""
+    ``settings``. Raises ``RendezvousError`` when the store cannot be reached (``rejoin``: only a
+    running job's store is joined, :class:`~lightning_ft.store.locator.NoRunningJob` when none answers)."""
     job = JobEndpoints.of(endpoint)
-    first, hosting, reached = connect_job_store(job, is_host, settings.timeouts, settings.run_id, job_signer())
+    first, hosting, reached = connect_job_store(job, is_host, settings.timeouts, settings.run_id, job_signer(),
+                                                rejoin=rejoin)
     if hosting:  # a new store is a new launch (see read_launch_id)
         publish_launch_id(first, job_signer())
     backend: RendezvousBackend = (

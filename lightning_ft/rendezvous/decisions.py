@@ -185,6 +185,8 @@ class RoundTimer:
 
     opened_at: float
     min_reached_at: float | None = None
+    #: when the round first found too few nodes able to take part (see ``replacement_wait``)
+    short_since: float | None = None
 
 
 def decide_completion(view: RoundView, settings: RendezvousSettings, timer: RoundTimer,
@@ -202,7 +204,16 @@ def decide_completion(view: RoundView, settings: RendezvousSettings, timer: Roun
 
     if not can_form_active_set(view.arrivals, settings.min_nodes, settings.segment):
         timer.min_reached_at = None
-        if capacity < settings.min_nodes:
+        if capacity >= settings.min_nodes:
+            timer.short_since = None
+        else:
+            if timer.short_since is None:
+                timer.short_since = now
+            left = settings.timeouts.replacement_wait - (now - timer.short_since)
+            if left > 0:  # a scheduler's restart loop brings a crashed node back within seconds
+                return Decision(Action.WAIT, f"{arrived} arrived, need {settings.min_nodes}; too few nodes can "
+                                             f"still take part ({view.lost_count} lost for good): waiting up to "
+                                             f"{left:.1f}s for a replacement (replacement_wait)")
             return Decision(
                 Action.CLOSE_FOR_GOOD,
                 f"only {max(capacity, 0)} of max_nodes={settings.max_nodes} nodes can still take "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from lightning_ft.deadlines import StoreClient
 from lightning_ft.rendezvous.decisions import Arrival, arrivals_of_round, choose_incarnation
@@ -50,13 +50,22 @@ log = logging.getLogger(__name__)
 
 
 class CompletedRound(Protocol):
-    """What :meth:`RunRecords.beating_spares` needs of a round's result."""
+    """What :meth:`RunRecords.census` needs of a round's result."""
 
     @property
     def round(self) -> int: ...
 
     @property
     def world_size(self) -> int: ...
+
+
+class HandOverCensus(NamedTuple):
+    """See :meth:`RunRecords.census`."""
+
+    #: live hot spares that could take a place now
+    spares: int
+    #: (rank, participant id) of each active of the round whose heartbeat stood still
+    silent_actives: tuple[tuple[int, str], ...]
 
 
 class RunRecords:
@@ -165,26 +174,30 @@ class RunRecords:
         live = [a for a in self.arrivals(round_id) if a.participant_id not in lost]
         return max(0, len(live) - actives)
 
-    def beating_spares(self, result: CompletedRound, heartbeat_every: float,
-                       sleep: Callable[[float], None] = time.sleep) -> int:
-        """:meth:`spares_of_round` of ``result``'s round, counting only spares whose heartbeat rose
-        within two heartbeat intervals (read, wait, read again): a spare that died a moment ago is
-        still an arrival, and not yet lost, but it must not be handed a place. One read of the
-        round's actives and two of the standbys' heartbeats."""
+    def census(self, result: CompletedRound, heartbeat_every: float,
+               sleep: Callable[[float], None] = time.sleep) -> HandOverCensus:
+        """Who could hand over and who could take over in ``result``'s round, by liveness: the
+        :meth:`spares_of_round` whose heartbeat rose within two heartbeat intervals (read, wait,
+        read again: a spare that died a moment ago is still an arrival, and not yet lost, but it
+        must not be handed a place), and the round's actives whose heartbeat did not (a rank that
+        died a moment ago must not be counted on to carry the state on). One read of the round's
+        actives and two of the heartbeats."""
         round_id, actives, watch = result.round, result.world_size, 2 * heartbeat_every
         lost = self.lost()
         live = [a.participant_id for a in self.arrivals(round_id) if a.participant_id not in lost]
         raw = self.values.get(self.keys.last_actives)
         last = decode_last_actives(raw) if raw is not None else None
-        known = set(last[1]) if last is not None and last[0] == round_id else set()
-        standby = [pid for pid in live if pid not in known]
-        if not standby:
-            return 0
-        before = self.heartbeats(standby)
+        ranked = last[1] if last is not None and last[0] == round_id else ()
+        standby = [pid for pid in live if pid not in ranked]
+        watched = [*standby, *ranked]
+        if not watched:
+            return HandOverCensus(0, ())
+        before = self.heartbeats(watched)
         sleep(watch)
-        after = self.heartbeats(standby)
+        after = self.heartbeats(watched)
         beating = [pid for pid in standby if _rose(before[pid], after[pid])]
-        return min(len(beating), max(0, len(live) - actives))
+        silent = tuple((rank, pid) for rank, pid in enumerate(ranked) if not _rose(before[pid], after[pid]))
+        return HandOverCensus(min(len(beating), max(0, len(live) - actives)), silent)
 
     def mark_lost(self, participant_id: str, why: str, silent_at: int | None = None) -> bool:
         """Record ``participant_id`` as lost for good (``silent_at``: the heartbeat number it stood

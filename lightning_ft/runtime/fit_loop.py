@@ -72,6 +72,7 @@ from lightning_ft.runtime.spare_monitor import SpareMonitor
 from lightning_ft.runtime.stage_state import FitCheckpointPaths, checkpoint_path_for
 from lightning_ft.schema.run import CloseKind
 from lightning_ft.settings.environment import fit_run_id, torchelastic_restart_count
+from lightning_ft.store.locator import NoRunningJob
 from lightning_ft.termination.callback import GracefulTermination
 from lightning_ft.termination.signals import SignalHandler
 
@@ -210,6 +211,11 @@ class RendezvousFitLoop:
         host = self._host
         try:
             return host.open_session()
+        except NoRunningJob as exc:  # a restarted node whose job ended: nothing of it is lost, nothing to do
+            message = f"{exc}; this node is not needed"
+            log.warning("ddp_ft: %s", message)
+            host.event_log.emit(ev.SPARE_EXIT, reason=message)
+            raise FaultTolerantExit(ExitCode.SUCCESS, message) from None
         except RendezvousError as exc:
             give_up_without_session(host, f"cannot reach the rendezvous store: {exc}", cause=exc)
 

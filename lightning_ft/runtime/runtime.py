@@ -49,6 +49,7 @@ from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
 from lightning_ft.schema.signing import SealedStore
 from lightning_ft.settings.environment import local_rank, master_port
 from lightning_ft.stragglers.watch import StragglerWatch
+from lightning_ft.termination.handover import SeatCensus
 
 log = logging.getLogger(__name__)
 
@@ -181,13 +182,13 @@ class FaultToleranceRuntime:
             launch.max_nodes <= launch.min_nodes and not self.settings.rendezvous.elastic
         return None if self.under_torchrun or launch.max_nodes == 1 or no_spares else self
 
-    def spares_ready(self) -> int | None:
-        """Live hot spares of this round that could take a leaver's place (None: none can)."""
+    def census(self) -> SeatCensus | None:
+        """This round's live hot spares and gone ranks (:func:`seat_census`); None: none can take a place."""
         runtime, session = self.round, self.session
         if (runtime is None or runtime.result is None or session is None or self.cannot_reform() is not None
                 or not self.layout.can_hand_over()):
             return None
-        return session.rendezvous.records.beating_spares(runtime.result, session.rendezvous.settings.heartbeat_every)
+        return seat_census(session.rendezvous, runtime.result)
 
     def min_world_size(self) -> int | None:
         """An elastic job may shrink to its ``min_nodes`` participants; None: its world size is fixed."""
@@ -478,3 +479,15 @@ class FaultToleranceRuntime:
             self.round.stop_watchdog()
         if self._replicas is not None:
             self._replicas.stop()
+
+
+def seat_census(rendezvous: Any, result: Any) -> SeatCensus:
+    """The hot spares of ``result``'s round whose heartbeat beats, and its ranks whose heartbeat
+    stood still -- proven gone too where the fail-over can prove it (a stalled live rank is not
+    gone)."""
+    census = rendezvous.records.census(result, rendezvous.settings.heartbeat_every)
+    silent = dict(census.silent_actives)
+    if silent and rendezvous.proves_gone is not None:
+        proven = rendezvous.proves_gone(list(silent.values()))
+        silent = {rank: pid for rank, pid in silent.items() if pid in proven}
+    return SeatCensus(census.spares, frozenset(silent))

@@ -109,7 +109,8 @@ class Session:
             # the cyclic collector happens to run
             gc.collect()
         info = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
-        participant = open_participant(launch.endpoint, settings.is_store_host, info, settings.rendezvous_settings())
+        participant = open_participant(launch.endpoint, settings.is_store_host, info, settings.rendezvous_settings(),
+                                       rejoin=settings.rejoin)
         session = cls(participant, events_for(info.participant_id))
         _SESSIONS[key] = session
         _end_sessions_at_exit()

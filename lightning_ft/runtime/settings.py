@@ -144,6 +144,10 @@ class StrategySettings:
                                                "host it when the port can be bound here",
                                          rule=lambda v: None if v in (None, True, False) else "True, False or None",
                                          env="LIGHTNING_FT_IS_STORE_HOST", parse=parse_flag, advanced=True)
+    rejoin: bool = setting(False, "this process restarts a node of a running job (a scheduler's restart loop sets "
+                                  "it): join that job as a spare, never host its store or start it; with no store "
+                                  "of the run answering at the job's endpoints within 10 s, leave with 0",
+                           rule=boolean, env="LIGHTNING_FT_REJOIN", parse=parse_flag, advanced=True)
     infra_rank: int | None = setting(None, "the scheduler's node index (default: from SLURM/JobSet variables)",
                                      rule=number(integer=True, inclusive=True, allow_none=True), advanced=True)
     events: EventSettings = group(EventSettings)

@@ -16,14 +16,19 @@ import socket
 
 import torch.distributed as dist
 
+from lightning_ft._clock import monotonic
 from lightning_ft._torch import all_groups, set_default_group_timeout
 from lightning_ft.process import destroy_process_group
 from lightning_ft.sockets import open_sockets, shut_down, with_socket
 
 log = logging.getLogger(__name__)
 
-#: process groups broken by a failure, kept until interpreter exit (see retire_group)
-_BROKEN_GROUPS: list = []
+#: how long a group broken by a failure is kept alive after it was retired (see retire_group): its
+#: gloo workers finish the failed collectives within moments of the connections' shutdown
+RETIRED_GROUP_GRACE = 5.0
+
+#: process groups broken by a failure, with when each was retired (see retire_group)
+_BROKEN_GROUPS: list[tuple[float, object]] = []
 
 
 
@@ -82,6 +87,7 @@ def init_round_group(backend: str, rank: int, world_size: int, store: dist.Store
     timeout is then set to ``pg_timeout`` (as ``DDPStrategy(timeout=...)``).
     """
     destroy_process_group()  # a stale group from an earlier round or fit()
+    release_retired_groups()
     before = open_sockets()
     timeout = datetime.timedelta(seconds=init_timeout)
     if pg_timeout is not None:
@@ -109,14 +115,32 @@ def retire_group(transport: GroupTransport | None) -> None:
     gloo worker threads while holding the GIL, and a worker thread still finishing a
     failed all-reduce needs the GIL to free it: a deadlock (seen under torchrun, gdb:
     ``~ProcessGroupGloo`` -> ``thread::join`` vs ``~AsyncAllreduceWork`` -> ``take_gil``).
-    Kept alive, it is destroyed at interpreter exit, long after its threads went idle.
+    Kept alive, it is destroyed once its threads went idle: when a later round's group is
+    created :data:`RETIRED_GROUP_GRACE` seconds or more after it was retired
+    (:func:`release_retired_groups`), else at interpreter exit -- never one per recovery until
+    then (a long job's recoveries would each keep a group's threads and descriptors).
     """
     if transport is not None:
         transport.abort()
     try:
         if dist.is_available() and dist.is_initialized():
             # the default group and every subgroup (a device mesh's): each has gloo worker threads
-            _BROKEN_GROUPS.extend(all_groups())
+            now = monotonic()
+            _BROKEN_GROUPS.extend((now, group) for group in all_groups())
     except (RuntimeError, ValueError, AttributeError):
         pass
     destroy_process_group()
+
+
+def release_retired_groups(grace: float = RETIRED_GROUP_GRACE) -> int:
+    """Drop this module's references to the groups retired ``grace`` seconds ago or earlier (their
+    failed collectives ended long since: destroying them joins idle worker threads); returns how
+    many. Called on the training thread as a round's group is created."""
+    cutoff = monotonic() - grace
+    released = [group for retired_at, group in _BROKEN_GROUPS if retired_at <= cutoff]
+    _BROKEN_GROUPS[:] = [(retired_at, group) for retired_at, group in _BROKEN_GROUPS if retired_at > cutoff]
+    count = len(released)
+    del released  # the last references: each group's destructor runs here, on this thread
+    if count:
+        log.debug("released %d process group(s) retired after a failure", count)
+    return count

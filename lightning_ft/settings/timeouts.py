@@ -24,7 +24,7 @@ def _SECONDS(value: object) -> str | None:
 
 #: the bounds the barrier rendezvous and its torchrun handler use (what ``--rdzv-conf`` may set)
 RENDEZVOUS_TIMEOUTS = ("join_timeout", "rejoin_timeout", "last_call_timeout", "previous_active_grace",
-                       "store_grace_timeout", "heartbeat_interval", "connect_timeout",
+                       "replacement_wait", "store_grace_timeout", "heartbeat_interval", "connect_timeout",
                        "store_timeout", "health_timeout")
 
 
@@ -41,6 +41,10 @@ class Timeouts:
                                        rule=_SECONDS, advanced=True)
     previous_active_grace: float = setting(3.0, "survivors of the previous round keep their places for this long "
                                                 "after a round opens", rule=_SECONDS, advanced=True)
+    replacement_wait: float = setting(10.0, "a round that too many lost nodes left short of min_nodes waits this "
+                                            "long for a replacement (a node its scheduler restarts, which rejoins "
+                                            "as a spare) before the job stops (81: saved)", rule=_SECONDS,
+                                      advanced=True)
     store_grace_timeout: float = setting(3.0, "the store host waits at most this long for the others to "
                                               "acknowledge the end before its process (and the store) goes",
                                          rule=_SECONDS, advanced=True)

@@ -22,6 +22,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+
 from lightning_ft._clock import monotonic
 from lightning_ft._torch import store_ping
 from lightning_ft.deadlines import BoundedStore, first_line
@@ -41,6 +43,10 @@ MAX_ENDPOINTS = 16
 SPREAD = 4
 #: how long a place other than the first endpoint may take to answer a newcomer's ping
 PLACE_PING_TIMEOUT = 0.5
+#: how long a restarted node (``rejoin``) looks for its running job's store before it concludes that
+#: there is none: a fail-over that is under way opens the successor within a few seconds
+REJOIN_PATIENCE = 10.0
+_REJOIN_POLL = 0.5
 #: how often a successor tries again to bind a listed endpoint that a dying store host still holds
 _REBIND_EVERY = 0.02
 
@@ -155,16 +161,28 @@ def locator_key(run_id: str) -> str:
     return f"lightning_ft_launch/{run_id}/epoch"
 
 
+class NoRunningJob(RendezvousError):
+    """A restarted node (``rejoin``) found no store of its run at any of the job's places: the job
+    it belonged to ended (or was lost whole, which its scheduler handles), and it must not start
+    one of its own."""
+
+
 def connect_job_store(where: Endpoint | JobEndpoints, is_host: bool | None, timeouts: Timeouts,
-                      run_id: str = "", signer: Signer | None = None) -> tuple[BoundedStore, bool, Endpoint]:
+                      run_id: str = "", signer: Signer | None = None, rejoin: bool = False,
+                      patience: float = REJOIN_PATIENCE) -> tuple[BoundedStore, bool, Endpoint]:
     """Reach this job's store wherever it is among its places, or host it at the first listed
     endpoint (``is_host`` as :func:`~lightning_ft.store.tcp.connect_store`): ``(store, hosting, endpoint)``.
 
     A store that a fail-over opened says so (:func:`locator_key`: this run, its epoch). A newcomer
     joins the store of the highest epoch among those that answer -- the running job's -- rather
     than host a second store at the first endpoint (a second job of the same run id beside the
-    live one), or join a stale one that a thawed store host still serves there."""
+    live one), or join a stale one that a thawed store host still serves there.
+
+    ``rejoin`` (a node a scheduler restarted while its job runs): only ever join, never host, and
+    raise :class:`NoRunningJob` when no store of the run answers within ``patience`` seconds."""
     job = JobEndpoints.of(where)
+    if rejoin:
+        return _rejoin(job, timeouts, run_id, signer or Signer(None), patience)
     if is_host is not True:
         found = job.answering()
         if found and found != [job.first]:
@@ -177,6 +195,24 @@ def connect_job_store(where: Endpoint | JobEndpoints, is_host: bool | None, time
                 return store, False, endpoint
     store, hosting = connect_store(job.first, is_host, timeouts)
     return store, hosting, job.first
+
+
+def _rejoin(job: JobEndpoints, timeouts: Timeouts, run_id: str, signer: Signer,
+            patience: float) -> tuple[BoundedStore, bool, Endpoint]:
+    deadline = monotonic() + patience
+    while True:
+        found = job.answering()
+        best = _newest_store(found, job.first, timeouts, run_id, signer) if found else None
+        if best is not None:
+            store, endpoint, epoch = best
+            log.info("rejoining the running job: its rendezvous store serves at %s (epoch %d of its fail-overs)",
+                     endpoint, epoch)
+            return store, False, endpoint
+        if monotonic() >= deadline:
+            raise NoRunningJob(f"no rendezvous store of run {run_id!r} answers at the job's endpoints ({job}, and "
+                               f"the next {SPREAD - 1} ports of each) within {patience:g}s: there is no running job "
+                               "to rejoin")
+        time.sleep(_REJOIN_POLL)
 
 
 def _newest_store(found: list[Endpoint], first: Endpoint, timeouts: Timeouts, run_id: str,

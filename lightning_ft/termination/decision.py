@@ -118,8 +118,9 @@ def decide_hand_over(*, world_size: int, signalled: Iterable[int], unhealthy: It
     """A termination that reached only some actives: do they hand over to hot spares, or does the job stop?
 
     ``signalled``: ranks that received the signal themselves; ``unhealthy``: ranks that left as
-    unhealthy; ``spares_ready``: live hot spares not signalled themselves (``None``: this job cannot
-    re-form in-process -- plain DDP, torchrun's agent restarts the workers, a job of one process).
+    unhealthy or are gone (died during the settle); ``spares_ready``: live hot spares not signalled
+    themselves (``None``: this job cannot re-form in-process -- plain DDP, torchrun's agent
+    restarts the workers, a job of one process).
     The signalled and the unhealthy leave; everyone else goes on when a spare takes every
     leaver's place -- or, in an elastic job (``min_world_size``: its ``min_nodes``), when the
     survivors and the spares are at least ``min_world_size``: the job shrinks. When every active
@@ -132,8 +133,8 @@ def decide_hand_over(*, world_size: int, signalled: Iterable[int], unhealthy: It
     if not leaving:
         return HandOverVerdict((), "no rank says it was signalled: the whole job stops")
     if len(leaving) >= world_size:
-        return HandOverVerdict((), f"every active was signalled or is unhealthy ({world_size} of {world_size}): "
-                                   "the whole job stops")
+        return HandOverVerdict((), f"every active was signalled, is unhealthy or is gone ({world_size} of "
+                                   f"{world_size}): the whole job stops")
     left = world_size - len(leaving) + spares_ready
     if spares_ready < len(leaving) and min_world_size is not None and left >= min_world_size:
         return HandOverVerdict(leaving, f"ranks {list(leaving)} of {world_size} leave; with {spares_ready} hot "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from lightning_ft._clock import monotonic
 from lightning_ft.deadlines import call_with_timeout
@@ -29,11 +29,20 @@ from lightning_ft.termination.decision import decide_hand_over
 log = logging.getLogger(__name__)
 
 
+class SeatCensus(NamedTuple):
+    """What a hand-over can count on, by liveness (see :meth:`HandOverSeat.census`)."""
+
+    #: live hot spares that could take a place now
+    spares_ready: int
+    #: ranks of the round that are gone (died a moment ago: not yet a failure anyone acted on)
+    actives_gone: frozenset[int] = frozenset()
+
+
 class HandOverSeat(Protocol):
     """What a strategy that re-forms in-process offers the SIGTERM path (its ``hand_over_seat``)."""
 
-    def spares_ready(self) -> int | None:
-        """Live hot spares that could take a place now; None: this job cannot hand over."""
+    def census(self) -> SeatCensus | None:
+        """Live hot spares, and the round's ranks that are gone; None: this job cannot hand over."""
 
     def hand_over(self, leaving: bool, reason: str) -> None:
         """Act on a hand-over verdict at the next step boundary: leave (``leaving``) or re-form."""
@@ -97,9 +106,13 @@ class HandOverAgreement:
                 if published is not None:
                     return published
             signalled = coordinator.signalled_ranks() | ({coordinator.rank} if self_signalled else set())
-            gone = known_unhealthy | set(coordinator.unhealthy_peers())
+            census = seat.census()
+            # a rank that died during the settle leaves too: the leavers must not count on it to
+            # carry the state on (with every active leaving, the whole job stops and saves)
+            gone = known_unhealthy | set(coordinator.unhealthy_peers()) | (census.actives_gone if census else set())
             verdict = decide_hand_over(world_size=coordinator.world_size, signalled=signalled, unhealthy=gone,
-                                       spares_ready=seat.spares_ready(), min_world_size=seat.min_world_size())
+                                       spares_ready=census.spares_ready if census else None,
+                                       min_world_size=seat.min_world_size())
             return coordinator.publish_hand_over(verdict)
 
         outcome = call_with_timeout(_agree, self._timeout_s + self._settle_s, "agreeing on a hand-over")

@@ -12,7 +12,8 @@ Same script for every mode:
 
 Writes into ``--out`` (one file per process, named by pid):
   steps-<pid>.jsonl   {"t", "step", "rank", "loss"} for every completed training step
-  start-<pid>.jsonl   {"t", "step", "rank"} every time training starts (after any restore)
+  start-<pid>.jsonl   {"t", "step", "rank", threads, fds, rss, retired_groups, shm_files} every time
+                      training starts (after any restore)
   result-<pid>.json   {"rank", "trained", "step", "weights", "t"} when fit() returns
   exit-<pid>          the exit code, when the process leaves through SystemExit
 """
@@ -220,6 +221,17 @@ def main() -> int:
                 return resumable_loader(dataset, args.batch_size, self.trainer, seed=7)
             return DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
 
+    def resources() -> dict:
+        """What this process holds now (a test bounds it over many recoveries)."""
+        from lightning_ft.runtime import transport
+
+        shm = os.environ.get("LIGHTNING_FT_SNAPSHOT_DIR")
+        with open("/proc/self/statm") as statm:
+            rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
+                "rss": rss, "retired_groups": len(transport._BROKEN_GROUPS),
+                "shm_files": sum(len(files) for _, _, files in os.walk(shm)) if shm else None}
+
     class Recorder(pl.Callback):
         def on_train_end(self, trainer, pl_module):
             pl_module.final_weights = pl_module.full_weights()  # here, while the round's group is up
@@ -230,7 +242,8 @@ def main() -> int:
                 for tid in os.listdir("/proc/self/task"):
                     os.sched_setaffinity(int(tid), core)
             with open(out / f"start-{pid}.jsonl", "a") as f:
-                f.write(json.dumps({"t": time.time(), "step": trainer.global_step, "rank": trainer.global_rank}) + "\n")
+                f.write(json.dumps({"t": time.time(), "step": trainer.global_step, "rank": trainer.global_rank,
+                                    **resources()}) + "\n")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             with open(out / f"steps-{pid}.jsonl", "a") as f:
