@@ -250,8 +250,10 @@ def test_a_hundred_recoveries_leave_the_survivors_threads_fds_memory_and_shm_bou
     assert len(starts) == RECOVERIES + 1, cluster.logs()
     tenth, last = starts[10], starts[-1]
     print({k: (tenth[k], last[k]) for k in ("threads", "fds", "rss", "retired_groups", "shm_files")})
-    assert last["threads"] <= tenth["threads"] + 2, (tenth, last)
-    assert last["fds"] <= tenth["fds"] + 4, (tenth, last)
-    assert last["retired_groups"] <= max(tenth["retired_groups"], 2), (tenth, last)
+    # at most one failure's retired group is kept (its threads and descriptors: the slack), however
+    # fast the failures come; without releasing them, 40 recoveries added 90 threads and 120 fds
+    assert max(s["retired_groups"] for s in starts) <= 1, starts
+    assert last["threads"] <= tenth["threads"] + 4, (tenth, last)
+    assert last["fds"] <= tenth["fds"] + 8, (tenth, last)
     assert last["shm_files"] <= tenth["shm_files"] + 2, (tenth, last)
     assert last["rss"] <= tenth["rss"] + 64 * 2**20, (tenth, last)

@@ -118,3 +118,27 @@ def test_an_endpoint_port_held_by_another_program_is_reported_at_once(processes,
     assert proc.popen.returncode not in (0, None), proc.log()
     assert f"127.0.0.1:{port} is held by a program that is not a rendezvous store" in proc.log(), proc.log()
     assert "within connect_timeout" not in proc.log(), proc.log()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("held_by", ["silent", "echo"])
+def test_an_endpoint_held_by_a_silent_or_echoing_program_ends_83_in_seconds_in_one_line(processes, tmp_path, held_by):
+    """Issue 46 item 5: a port held by a program that accepts and says nothing (the ping's 2 s plus
+    6 s) or that echoes the ping (5 s for the first store request): the participant ends with 83
+    and one line naming the port -- no traceback, no wait for connect_timeout or store_timeout."""
+    import time
+
+    from test_store_endpoint import ECHO_LAST_4, listener
+
+    with listener(None if held_by == "silent" else ECHO_LAST_4) as port:
+        cluster = Cluster(processes, tmp_path, "2:2", run_id="held-port")
+        cluster.port = port
+        cluster.out.mkdir(parents=True)
+        proc = cluster.start_participant("A", ["--max-steps", "5"])
+        started = time.monotonic()
+        assert wait_for(lambda: proc.popen.poll() is not None, 90), proc.log()
+        waited = time.monotonic() - started
+    log = proc.log()
+    assert proc.popen.returncode == 83, log
+    assert f"port {port}" in log and "Traceback" not in log, log
+    assert waited < 60, (waited, log)  # 8 s or 5 s, and the interpreter's start: never a 60 s bound

@@ -39,6 +39,7 @@ from lightning_ft.runtime.elastic import grow_reason
 from lightning_ft.runtime.fit_loop import RendezvousFitLoop, TorchrunFitLoop
 from lightning_ft.runtime.layout import StateLayout
 from lightning_ft.runtime.log_history import decide_log_versions, keep_log_history
+from lightning_ft.runtime.random_streams import RandomStreams
 from lightning_ft.runtime.run import RunState
 from lightning_ft.runtime.run_metrics import first_step_figures, log_figures
 from lightning_ft.runtime.session import RoundRuntime, Session
@@ -100,6 +101,7 @@ class FaultToleranceRuntime:
         #: this launch resumed from an earlier launch's snapshot and continues its logs
         self._continues_launch = False
         self._per_device = False
+        self._streams = RandomStreams(settings.run_id) if settings.random_streams else None
 
     def train_on_devices(self, devices: int) -> None:
         """``Trainer(devices=N)``: the job counts N participants per node (see ``LaunchConfig.per_device``)."""
@@ -389,8 +391,9 @@ class FaultToleranceRuntime:
         if runtime is not None and runtime.work is not None and module is not None:
             runtime.work.watch_gradients(module)
 
-    def on_train_batch_start(self) -> None:
-        """At a step boundary: a hand-over verdict, or a straggler verdict against this rank, is acted on here."""
+    def on_train_batch_start(self, batch_idx: int) -> None:
+        """At a step boundary: a hand-over verdict, or a straggler verdict against this rank, is acted on
+        here; then this batch's random streams (runtime/random_streams.py)."""
         runtime = self.round
         if runtime is None:
             return
@@ -402,6 +405,8 @@ class FaultToleranceRuntime:
             self.layout.before_hand_over(self._checkpoint, self.run.trainer, self.progress)
             raise pending
         runtime.step_started()
+        if self._streams is not None:
+            self._streams.start_batch(self.surface.global_rank, self.run.trainer.global_step, batch_idx)
         if runtime.work is not None:
             runtime.work.micro_batch_started()
         watch = runtime.stragglers
@@ -410,19 +415,7 @@ class FaultToleranceRuntime:
         if watch.evicted is not None:  # at a step boundary: the peers' live state is this step
             raise StragglerEvicted(f"evicted as a straggler at step {self.run.trainer.global_step}: {watch.evicted}")
         if self.surface.global_rank == 0 and watch.scores:
-            self._log_work(watch)
-
-    def _log_work(self, watch: StragglerWatch) -> None:
-        """Rank 0: every rank's own work and wait, and their straggler scores, to the Trainer's loggers."""
-        trainer = self.run.trainer
-        summaries, scores = watch.summaries, watch.scores
-        watch.scores = {}  # each judgement is logged once
-        metrics = {"ft/straggler_score": max(scores.values())}
-        for rank, summary in summaries.items():
-            metrics[f"ft/busy_seconds/rank{rank}"] = summary.median
-            metrics[f"ft/wait_seconds/rank{rank}"] = summary.wait
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            log_work(watch, self.run.trainer)
 
     def timed_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """The optimizer's closure, timed for the straggler meter when this round watches stragglers."""
@@ -491,3 +484,15 @@ def seat_census(rendezvous: Any, result: Any) -> SeatCensus:
         proven = rendezvous.proves_gone(list(silent.values()))
         silent = {rank: pid for rank, pid in silent.items() if pid in proven}
     return SeatCensus(census.spares, frozenset(silent))
+
+
+def log_work(watch: StragglerWatch, trainer: Any) -> None:
+    """Rank 0: every rank's own work and wait, and their straggler scores, to the Trainer's loggers."""
+    summaries, scores = watch.summaries, watch.scores
+    watch.scores = {}  # each judgement is logged once
+    metrics = {"ft/straggler_score": max(scores.values())}
+    for rank, summary in summaries.items():
+        metrics[f"ft/busy_seconds/rank{rank}"] = summary.median
+        metrics[f"ft/wait_seconds/rank{rank}"] = summary.wait
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)

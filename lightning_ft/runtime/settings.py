@@ -169,6 +169,12 @@ class StrategySettings:
     elastic_grow_interval: float = setting(30.0, "an elastic job takes in participants that arrived while it "
                                                  "trains at most once per this many seconds (a round must be "
                                                  "this old first)", rule=_SECONDS, advanced=True)
+    random_streams: bool = setting(True, "each training batch starts from torch's, Python's and NumPy's "
+                                         "generators seeded from (seed, rank, step, batch), so a recovery draws "
+                                         "what the uninterrupted run drew (Dropout); a model with random layers "
+                                         "then draws other numbers than under plain DDP; False: the generators "
+                                         "run on as they are (recoveries of random models are not exact)",
+                                   rule=boolean, advanced=True)
     keep_snapshots_when_finished: bool = setting(False, "keep the job's snapshots in memory (/dev/shm) after its "
                                                         "last stage completed; by default each participant that "
                                                         "saw the job finish removes its own", rule=boolean,

@@ -24,6 +24,13 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 29400
 #: how often an endpoint that refuses connections is asked again while its store host starts
 _REFUSED_POLL = 0.1
+#: how long an endpoint that accepts connections and answers nothing may stay silent before a
+#: participant that has not reached its store yet gives up (83): a store host frozen that long
+#: as the job starts is rarer than a port another program holds
+SILENT_ENDPOINT_PATIENCE = 6.0
+#: the first store request on a new connection must be answered within this: a program that
+#: answers the ping (an echo) but is no store ends the start in seconds, not after store_timeout
+FIRST_ANSWER_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -152,9 +159,18 @@ def _wait_for_a_store(endpoint: Endpoint, host: str, port: int, deadline: float)
             f"({found.partition(': ')[2]}): another job or service uses port {port}; choose a free port "
             "(--rdzv-endpoint / LIGHTNING_FT_ENDPOINT)")
     if found == "silent":
+        patience = min(SILENT_ENDPOINT_PATIENCE, max(0.0, deadline - monotonic()))
         log.warning("the rendezvous endpoint %s accepts connections but does not answer as a store within %gs: "
                     "its store host is frozen or overloaded, or another program holds port %d; waiting up to "
-                    "connect_timeout for it", endpoint, STORE_PING_TIMEOUT, port)
+                    "%gs more for it", endpoint, STORE_PING_TIMEOUT, port, patience)
+        silent_until = monotonic() + patience
+        while found == "silent" and monotonic() < silent_until:
+            found = store_ping(host, port, max(0.1, min(STORE_PING_TIMEOUT, silent_until - monotonic())))
+        if found != "store":
+            raise RendezvousConnectionError(
+                f"the rendezvous endpoint {endpoint} accepts connections but has answered nothing as a store for "
+                f"{STORE_PING_TIMEOUT + patience:.0f}s ({found}): another program holds port {port}, or the store "
+                "host is frozen; choose a free port (--rdzv-endpoint / LIGHTNING_FT_ENDPOINT)")
 
 
 def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) -> tuple[BoundedStore, bool]:
@@ -195,5 +211,20 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) 
             f"cannot reach the rendezvous store at {endpoint} within connect_timeout={connect_timeout:g}s "
             f"(--rdzv-endpoint); is the store host running, and is port {port} its? ({connecting.problem})")
     store = connecting.value
+    _first_answer(store, endpoint, min(timeouts.store_timeout, FIRST_ANSWER_TIMEOUT))
     store.set_timeout(timeout)
     return BoundedStore(store, timeouts.store_timeout), False
+
+
+def _first_answer(store: dist.TCPStore, endpoint: Endpoint, seconds: float) -> None:
+    """One request that any TCPStore answers at once, under a short timeout of the client's own
+    (no call is left waiting in torch): an endpoint that answered the ping but is no store (a
+    program that echoes bytes) is named now, in one line, instead of after store_timeout."""
+    store.set_timeout(datetime.timedelta(seconds=seconds))
+    try:
+        store.check(["lightning_ft/first-answer"])
+    except (RuntimeError, OSError) as exc:  # DistStoreError / DistNetworkError are RuntimeErrors
+        raise RendezvousConnectionError(
+            f"the rendezvous endpoint {endpoint} answered the ping but not a store request within {seconds:g}s "
+            f"({first_line(exc)}): another program holds port {endpoint.port}, or the store host is overloaded; "
+            "choose a free port (--rdzv-endpoint / LIGHTNING_FT_ENDPOINT)") from None

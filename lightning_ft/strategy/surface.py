@@ -205,7 +205,7 @@ class FaultTolerantSurface(ParallelStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        self.ft.on_train_batch_start()
+        self.ft.on_train_batch_start(batch_idx)
 
     def post_backward(self, closure_loss: Any) -> None:
         super().post_backward(closure_loss)

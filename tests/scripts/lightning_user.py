@@ -159,11 +159,11 @@ class UserDataModule(pl.LightningDataModule):
 
 class UserModel(pl.LightningModule):
     def __init__(self, hidden: int = 64, lr: float = 3e-3, weight_decay: float = 0.01, warmup_steps: int = 20,
-                 total_steps: int = 400) -> None:
+                 total_steps: int = 400, dropout: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(16, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
-                                 nn.Linear(hidden, 4))
+        self.net = nn.Sequential(nn.Linear(16, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, hidden),
+                                 nn.GELU(), nn.Linear(hidden, 4))
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4, average="micro")
         self.val_samples_at_end: list[int] = []  # an attribute outside the state dict, as users keep them
 
@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--data", default="plain", choices=["plain", "resumable"])
+    p.add_argument("--dropout", type=float, default=0.0, help="a Dropout layer with this probability")
     p.add_argument("--tensorboard", action="store_true", help="add a TensorBoardLogger after the CSVLogger")
     p.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint dirpath (default: under the logger's version)")
     p.add_argument("--ckpt-path", default=None, help="fit(ckpt_path=...), e.g. mem://120 (needs MemoryCheckpointIO)")
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         plugins.append(MemoryCheckpointIO())
 
     pl.seed_everything(args.seed, workers=True)
-    model = UserModel(total_steps=args.max_steps)
+    model = UserModel(total_steps=args.max_steps, dropout=args.dropout)
     data = UserDataModule(loader=args.data)
     loggers: list[Any] = [CSVLogger(args.root, name="lightning_logs")]
     if args.tensorboard:
