@@ -24,6 +24,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import NoReturn
 
 from lightning_ft._clock import monotonic
@@ -174,6 +175,33 @@ def destroy_process_group() -> None:
             log.debug("destroyed the default process group")
     except Exception as exc:  # noqa: BLE001 - a broken group may refuse; exiting matters more
         log.debug("destroying the process group failed: %s: %s", type(exc).__name__, exc)
+
+
+# --- configuration errors ----------------------------------------------------------------
+_config_error_types: tuple[type[BaseException], ...] = ()
+
+
+def end_uncaught_configuration_errors(kinds: tuple[type[BaseException], ...], code: int) -> None:
+    """An uncaught exception of ``kinds`` (a bad setting, raised while the Trainer builds the
+    strategy) ends the program with ``code`` and one line on stderr instead of a 20-30 line
+    traceback through Lightning's constructors and exit code 1: what a scheduler and a user read
+    is what is wrong. Any other exception reaches the previous hook (idempotent; an interactive
+    shell, which shows exceptions itself, is unaffected)."""
+    global _config_error_types
+    if _config_error_types:
+        _config_error_types = tuple(dict.fromkeys((*_config_error_types, *kinds)))
+        return
+    _config_error_types = kinds
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+        if not isinstance(error, _config_error_types):
+            previous(kind, error, trace)
+            return
+        print(f"lightning_ft: configuration error ({code}): {error}", file=sys.stderr, flush=True)
+        exit_now(code)
+
+    sys.excepthook = hook
 
 
 # --- at interpreter exit ----------------------------------------------------------------

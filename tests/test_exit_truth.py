@@ -128,6 +128,21 @@ def test_unresolvable_endpoint_host_fails_within_connect_timeout(processes, tmp_
     assert no_traceback(log), log
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["nnodes", "endpoint"])
+def test_a_bad_configuration_ends_83_in_one_line(processes, tmp_path, bad):
+    """Issue 46 item 8: a bad setting, raised while the Trainer builds the strategy, ended the
+    script with a 20-30 line traceback through Lightning's constructors and exit code 1; docs/sigterm.md
+    says 83. One line on stderr names what is wrong, and the code is 83."""
+    cluster = Cluster(processes, tmp_path, "1:1")
+    cluster.out.mkdir(parents=True)
+    setting = {"nnodes": {"LIGHTNING_FT_NNODES": "3:2"}, "endpoint": {"LIGHTNING_FT_ENDPOINT": "127.0.0.1:99999"}}
+    proc = cluster.start_participant("A", ["--max-steps", "5"], **setting[bad])
+    assert cluster.wait(["A"], 45) == {"A": 83}, cluster.logs()
+    log = proc.log()
+    assert "lightning_ft: configuration error (83): ddp_ft: " in log and no_traceback(log), log
+
+
 @pytest.mark.timeout(180)
 def test_a_participant_that_starts_after_its_job_finished_exits_0(processes, tmp_path):
     """A slow start (loaded machine): the run closed and its store is gone... almost; the store

@@ -26,6 +26,8 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ft._lightning.names import STRATEGY_DESCRIPTION, STRATEGY_NAME
+from lightning_ft.exit_codes import ExitCode
+from lightning_ft.process import end_uncaught_configuration_errors
 from lightning_ft.runtime.layout import ReplicatedState
 from lightning_ft.runtime.settings import (
     LAUNCH_ARGUMENTS,
@@ -33,7 +35,7 @@ from lightning_ft.runtime.settings import (
     StrategySettings,
     resolve_settings,
 )
-from lightning_ft.settings.fields import setting_names
+from lightning_ft.settings.fields import SettingsError, setting_names
 from lightning_ft.strategy.surface import (
     FaultTolerantSurface,
     cluster_environment_for,
@@ -81,6 +83,7 @@ class FaultTolerantDDPStrategy(FaultTolerantSurface, DDPStrategy):
         process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
+        end_uncaught_configuration_errors((SettingsError,), int(ExitCode.NO_RESTART))
         given, ddp_kwargs = split_strategy_kwargs(kwargs)
         settings = resolve_settings(endpoint=endpoint, run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes,
                                     timeout=timeout, **given)

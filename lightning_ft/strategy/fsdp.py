@@ -27,9 +27,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_ft._lightning.names import FSDP_STRATEGY_DESCRIPTION, FSDP_STRATEGY_NAME
 from lightning_ft._lightning.trainer import data_parallel_mesh, give_module_its_mesh
+from lightning_ft.exit_codes import ExitCode
+from lightning_ft.process import end_uncaught_configuration_errors
 from lightning_ft.runtime.layout import ShardedState
 from lightning_ft.runtime.settings import LAUNCH_ARGUMENTS, StrategyConfigError, StrategySettings, resolve_settings
-from lightning_ft.settings.fields import setting_names
+from lightning_ft.settings.fields import SettingsError, setting_names
 from lightning_ft.strategy.surface import (
     FaultTolerantSurface,
     cluster_environment_for,
@@ -61,6 +63,7 @@ class FaultTolerantFSDPStrategy(FaultTolerantSurface, ModelParallelStrategy):
         process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
+        end_uncaught_configuration_errors((SettingsError,), int(ExitCode.NO_RESTART))
         if kwargs.get("keep_ranks", True) is not True:
             raise StrategyConfigError("fsdp_ft: keep_ranks is always on (a rank's shards exist only where that rank "
                                       "ran); remove keep_ranks=False")
