@@ -195,7 +195,8 @@ def end_uncaught_configuration_errors(kinds: tuple[type[BaseException], ...], co
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
-        if not isinstance(error, _config_error_types):
+        # an interactive session (python -i, the plain REPL) shows the error and goes on
+        if not isinstance(error, _config_error_types) or hasattr(sys, "ps1") or sys.flags.interactive:
             previous(kind, error, trace)
             return
         print(f"lightning_ft: configuration error ({code}): {error}", file=sys.stderr, flush=True)

@@ -225,6 +225,7 @@ def decide_completion(view: RoundView, settings: RendezvousSettings, timer: Roun
                 if settings.segment > 1 else str(settings.min_nodes))
         return Decision(Action.WAIT, f"{arrived} arrived, need {need}")
 
+    timer.short_since = None  # enough nodes again: a later shortage waits for a replacement anew
     if timer.min_reached_at is None:
         timer.min_reached_at = now
     last_call_end = timer.min_reached_at + settings.timeouts.last_call_timeout

@@ -1,6 +1,6 @@
 """Random-number streams a recovery reproduces: each rank's stream is a function of its step.
 
-A recovered rank must draw what the uninterrupted run drew (a Dropout mask, a random crop):
+A recovered rank must draw what the uninterrupted run drew (a Dropout mask in the forward pass):
 a survivor that resumes from the step boundary before the failure has drawn the masks of the
 failed step already, and a spare that takes a lost rank's place has none of that rank's
 generator state. Rather than ship every rank's generators at every step (only the lost rank had
@@ -10,7 +10,9 @@ batch)``: the uninterrupted run, a survivor that redoes the step and a spare tha
 and every CUDA device), Python's ``random`` and, when the program imported it, NumPy's global
 state -- what ``seed_everything`` seeds. ``base`` is the user's ``seed_everything`` seed
 (``PL_GLOBAL_SEED``), else one derived from the run id: the same on every node and every
-relaunch. Generators a program creates itself (``torch.Generator()``) are its own.
+relaunch. Generators a program creates itself (``torch.Generator()``) are its own, and so is the
+data side: batches are fetched before the hook, and loader workers draw their seeds when an
+iterator is made (a recovery makes one mid-epoch).
 
 The price: a model with random layers draws other numbers under ``ddp_ft`` than under ``ddp``
 (equal runs with and without faults, not equal to another strategy's); ``random_streams=False``
@@ -33,9 +35,10 @@ _SEED_BITS = 32
 
 def base_seed(run_id: str, environ: Mapping[str, str] = os.environ) -> int:
     """The job's base seed: ``seed_everything``'s (``PL_GLOBAL_SEED``), else one from ``run_id``."""
-    given = environ.get("PL_GLOBAL_SEED", "").strip()
-    if given.lstrip("-").isdigit():
-        return int(given)
+    try:
+        return int(environ.get("PL_GLOBAL_SEED", "").strip())
+    except ValueError:  # unset, or not a number: the run id's
+        pass
     return int.from_bytes(hashlib.blake2b(run_id.encode(), digest_size=8).digest(), "big")
 
 

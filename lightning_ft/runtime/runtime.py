@@ -476,14 +476,14 @@ class FaultToleranceRuntime:
 
 def seat_census(rendezvous: Any, result: Any) -> SeatCensus:
     """The hot spares of ``result``'s round whose heartbeat beats, and its ranks whose heartbeat
-    stood still -- proven gone too where the fail-over can prove it (a stalled live rank is not
-    gone)."""
+    stood still and whose process the fail-over proves gone (a stalled live rank is not gone;
+    without store fail-over no rank counts as gone)."""
     census = rendezvous.records.census(result, rendezvous.settings.heartbeat_every)
     silent = dict(census.silent_actives)
-    if silent and rendezvous.proves_gone is not None:
-        proven = rendezvous.proves_gone(list(silent.values()))
-        silent = {rank: pid for rank, pid in silent.items() if pid in proven}
-    return SeatCensus(census.spares, frozenset(silent))
+    if not silent or rendezvous.proves_gone is None:  # without a proof nobody counts as gone
+        return SeatCensus(census.spares)
+    proven = rendezvous.proves_gone(list(silent.values()))
+    return SeatCensus(census.spares, frozenset(rank for rank, pid in silent.items() if pid in proven))
 
 
 def log_work(watch: StragglerWatch, trainer: Any) -> None:

@@ -221,10 +221,13 @@ def _first_answer(store: dist.TCPStore, endpoint: Endpoint, seconds: float) -> N
     (no call is left waiting in torch): an endpoint that answered the ping but is no store (a
     program that echoes bytes) is named now, in one line, instead of after store_timeout."""
     store.set_timeout(datetime.timedelta(seconds=seconds))
-    try:
-        store.check(["lightning_ft/first-answer"])
-    except (RuntimeError, OSError) as exc:  # DistStoreError / DistNetworkError are RuntimeErrors
+    # bounded here too: torch's check() does not honour the client's timeout (a store host that
+    # froze after the ping would hold the training thread)
+    answered = call_with_timeout(lambda: store.check(["lightning_ft/first-answer"]), seconds,
+                                 f"the first store request to {endpoint}", store_call=True,
+                                 exit_bound=connect_exit_bound(seconds))
+    if not answered.ok:
         raise RendezvousConnectionError(
             f"the rendezvous endpoint {endpoint} answered the ping but not a store request within {seconds:g}s "
-            f"({first_line(exc)}): another program holds port {endpoint.port}, or the store host is overloaded; "
-            "choose a free port (--rdzv-endpoint / LIGHTNING_FT_ENDPOINT)") from None
+            f"({answered.problem}): another program holds port {endpoint.port}, or the store host is frozen or "
+            "overloaded; choose a free port (--rdzv-endpoint / LIGHTNING_FT_ENDPOINT)")
