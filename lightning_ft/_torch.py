@@ -13,7 +13,8 @@ import os
 import secrets
 import socket
 import struct
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,13 @@ from torch import _weights_only_unpickler as _weights_only
 
 from lightning_ft._clock import monotonic
 
-#: torch's C++ log level for ERROR (c10: 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL)
-CPP_LOG_ERROR = 2
+#: torch's C++ log levels for ERROR and FATAL (c10: 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL)
+CPP_LOG_ERROR, CPP_LOG_FATAL = 2, 3
+
+#: c10's log level, once :func:`quiet_cpp_warnings` raised it (else None: the user's choice stands)
+_cpp_log_level: ctypes.c_int | None = None
+_connects_lock = threading.Lock()
+_connects_under_way = 0
 
 
 def quiet_cpp_warnings() -> bool:
@@ -45,7 +51,34 @@ def quiet_cpp_warnings() -> bool:
     if level.value >= CPP_LOG_ERROR:
         return False
     level.value = CPP_LOG_ERROR
+    global _cpp_log_level
+    _cpp_log_level = level
     return True
+
+
+def connect_quietly(connect: Callable[[], Any]) -> Any:
+    """Run ``connect`` (a new TCPStore client) with torch's C++ ERROR logs held back, and return
+    what it returns.
+
+    Why: torch's client retries a failed connect or handshake until its timeout and then logs the
+    failure at ERROR with the exception's C++ stack ("frame #0: ..."), before raising it. Every
+    caller here bounds its connects and says what failed in one line (a store that died as this
+    process reached for it is a fault the package handles). Only while at least one such connect
+    runs, and only where the package chose the log level (see :func:`quiet_cpp_warnings`)."""
+    global _connects_under_way
+    level = _cpp_log_level
+    if level is None:
+        return connect()
+    with _connects_lock:
+        _connects_under_way += 1
+        level.value = CPP_LOG_FATAL
+    try:
+        return connect()
+    finally:
+        with _connects_lock:
+            _connects_under_way -= 1
+            if _connects_under_way == 0:
+                level.value = CPP_LOG_ERROR
 
 
 quiet_cpp_warnings()  # every module that talks to a store or a process group imports this one

@@ -21,6 +21,7 @@ Bounds come from :class:`lightning_ft.settings.Timeouts`. No Lightning, no torch
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import queue
 import threading
@@ -30,7 +31,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from lightning_ft._clock import monotonic
-from lightning_ft._torch import store_ping
+from lightning_ft._torch import connect_quietly, store_ping
 
 log = logging.getLogger(__name__)
 
@@ -386,6 +387,8 @@ class BoundedStore:
 
     def _call(self, name: str, *args: Any, exit_bound: float | None = None) -> Any:
         method = getattr(self.raw, name)
+        if name == "clone":  # a new client connects: its failure is ours to say (see connect_quietly)
+            method = functools.partial(connect_quietly, method)
         exit_bound = self.bound if exit_bound is None else exit_bound
         if self._worker is None:
             admitted = _STORE_CALLS.enter(monotonic() + exit_bound, threading.current_thread().name)

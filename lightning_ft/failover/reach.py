@@ -25,6 +25,7 @@ import time
 import torch.distributed as dist
 
 from lightning_ft._clock import monotonic
+from lightning_ft._torch import connect_quietly
 from lightning_ft.deadlines import Abandon, BoundedStore, StoreUnresponsiveError, call_with_timeout, connect_exit_bound
 from lightning_ft.exit_codes import JobCannotGoOn
 from lightning_ft.store.tcp import Endpoint, store_ping
@@ -111,8 +112,9 @@ def _connect(endpoint: Endpoint, bound: float, timeout: float, probe_timeout: fl
             continue
         attempt = max(0.5, min(_CONNECT_ATTEMPT, deadline - monotonic()))
         connecting = call_with_timeout(
-            functools.partial(dist.TCPStore, endpoint.host, endpoint.port, is_master=False,
-                              timeout=datetime.timedelta(seconds=attempt)),
+            functools.partial(connect_quietly, functools.partial(
+                dist.TCPStore, endpoint.host, endpoint.port, is_master=False,
+                timeout=datetime.timedelta(seconds=attempt))),
             attempt + 1.0, f"connecting to the rendezvous store at {endpoint}", store_call=True,
             abandon=abandon, exit_bound=connect_exit_bound(attempt))
         if connecting.ok:

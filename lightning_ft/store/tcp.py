@@ -13,6 +13,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from lightning_ft._clock import monotonic
 from lightning_ft._torch import STORE_PING_TIMEOUT as STORE_PING_TIMEOUT  # re-exported: the endpoint's ping
+from lightning_ft._torch import connect_quietly
 from lightning_ft._torch import store_ping as store_ping
 from lightning_ft.deadlines import BoundedStore, call_with_timeout, connect_exit_bound, first_line
 from lightning_ft.settings import Timeouts
@@ -202,7 +203,8 @@ def connect_store(endpoint: Endpoint, is_host: bool | None, timeouts: Timeouts) 
     # waits for the handshake's answer without limit. torch's own connect retries end after
     # ``remaining``; the margin is for a loaded machine.
     connecting = call_with_timeout(
-        lambda: dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=remaining)),
+        lambda: connect_quietly(
+            lambda: dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))),
         remaining + 5.0, f"connecting to the rendezvous store at {endpoint}",
         unanswered="its host is frozen or overloaded, or the connection hangs", store_call=True,
         exit_bound=connect_exit_bound(remaining))
