@@ -7,7 +7,13 @@ shortened to what Lightning reads). Lightning's auto-detected ``SLURMEnvironment
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -103,3 +109,58 @@ def test_skips_detection_only_for_names_of_our_strategies():
     assert not skips_cluster_detection("unknown", None, registry, ours)
     assert not skips_cluster_detection("ddp_ft", LightningEnvironment(), registry, ours)  # a plugin is used as given
     assert not skips_cluster_detection(object(), None, registry, ours)  # an instance brings its environment
+
+
+SBATCH = Path(__file__).resolve().parent.parent / "examples" / "slurm" / "ddp_ft.sbatch"
+
+
+def task_loop() -> str:
+    """The per-task restart loop srun runs in examples/slurm/ddp_ft.sbatch (its ``bash -c`` text)."""
+    text = SBATCH.read_text()
+    return text.split("srun --kill-on-bad-exit=0 --wait=0 bash -c '", 1)[1].split("' ddp_ft-task", 1)[0]
+
+
+@contextlib.contextmanager
+def task_loop_running(tmp_path: Path, participant: str) -> Iterator[subprocess.Popen[str]]:
+    """The task loop around ``participant`` (a bash script; ``$RUNS``: a file it may append to),
+    its whole session killed at the end."""
+    env = {**os.environ, **NTASKS_3, "SLURMD_NODENAME": "localhost", "FT_RESTART_DELAY": "0",
+           "RUNS": str(tmp_path / "runs")}
+    loop = subprocess.Popen(["bash", "-c", task_loop(), "ddp_ft-task", "bash", "-c", participant], env=env,
+                            start_new_session=True, text=True)
+    try:
+        yield loop
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(loop.pid, signal.SIGKILL)
+        loop.wait(10)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_the_task_loop_restarts_a_crashed_participant_as_a_rejoining_spare(tmp_path):
+    # crashes (SIGKILL: 137) twice, then finishes: run 3 is the restarted participant's second start
+    participant = 'echo "${LIGHTNING_FT_REJOIN:-0}" >> "$RUNS"; [ $(wc -l < "$RUNS") -ge 3 ] || kill -9 $$'
+    with task_loop_running(tmp_path, participant) as loop:
+        assert loop.wait(30) == 0
+    assert (tmp_path / "runs").read_text().split() == ["0", "1", "1"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_after_a_stop_signal_the_task_loop_never_restarts_its_participant(tmp_path):
+    # the participant outlives the stop (KillWait ran out: SIGKILL, 137): a crash's code, but the
+    # task was told to stop, so it ends with that code and starts nothing
+    participant = 'echo run >> "$RUNS"; trap "" TERM; sleep 2; kill -9 $$'
+    with task_loop_running(tmp_path, participant) as loop:
+        assert wait_for_file(tmp_path / "runs", 20)
+        os.kill(loop.pid, signal.SIGTERM)
+        assert loop.wait(30) == 137
+    assert (tmp_path / "runs").read_text().split() == ["run"]
+
+
+def wait_for_file(path: Path, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.exists()

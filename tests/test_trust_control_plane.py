@@ -11,9 +11,10 @@ import time
 import pytest
 
 from lightning_ft.rendezvous.decisions import choose_incarnation
-from lightning_ft.rendezvous.records import resolve_incarnation
+from lightning_ft.rendezvous.records import current_incarnation, resolve_incarnation
 from lightning_ft.schema.run import CloseKind, CloseReason, RunKeys
 from lightning_ft.schema.signing import ENV_SECRET, ENV_SECRET_FILE, SealedStore, SecretError, Signer, read_secret
+from lightning_ft.store.locator import NoRunningJob
 
 KEY = "lightning_ft/job/i0/r3/job/member/1"
 
@@ -112,6 +113,22 @@ def test_a_new_launch_after_close_opens_the_next_incarnation_once(tcp_store, sec
     assert resolve_incarnation(tcp_store, signer, run, started_at=now) == 0       # late starter
     assert resolve_incarnation(tcp_store, signer, run, started_at=now + 2) == 1   # requeue
     assert resolve_incarnation(tcp_store, signer, run, started_at=now + 3) == 1   # its peers join it
+
+
+def test_a_restarted_node_finding_its_jobs_store_after_the_end_starts_nothing(tcp_store):
+    """A node its scheduler restarted (``rejoin``) reaches the store of a job that ended before it
+    started (a store that outlives its job): no running job -- it never opens the next incarnation
+    and waits there for peers that are not coming."""
+    signer = Signer(b"job")
+    now = time.time()
+    assert resolve_incarnation(tcp_store, signer, "ended", started_at=now) == 0
+    values = SealedStore(tcp_store, signer)
+    closed = CloseReason(CloseKind.FINISHED, "done", closed_at=now + 1)
+    values.put_if_absent(values.unlisted(RunKeys("ended", 0).closed_for_good), closed.encode())
+    assert resolve_incarnation(tcp_store, signer, "ended", started_at=now, rejoin=True) == 0  # it ran then
+    with pytest.raises(NoRunningJob, match="its job ended .* no running job to rejoin"):
+        resolve_incarnation(tcp_store, signer, "ended", started_at=now + 2, rejoin=True)
+    assert current_incarnation(tcp_store, signer, "ended") == 0
 
 
 def test_a_forged_close_does_not_move_a_sealed_run_to_a_new_incarnation(tcp_store):

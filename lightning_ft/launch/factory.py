@@ -20,7 +20,7 @@ from lightning_ft.rendezvous.records import publish_launch_id
 from lightning_ft.rendezvous.settings import RendezvousSettings
 from lightning_ft.schema.signing import job_signer
 from lightning_ft.store.backend import RendezvousBackend, StoreBackend
-from lightning_ft.store.locator import JobEndpoints, connect_job_store
+from lightning_ft.store.locator import JobEndpoints, NoRunningJob, connect_job_store
 from lightning_ft.store.tcp import Endpoint
 
 
@@ -66,8 +66,12 @@ def open_participant(endpoint: Endpoint | JobEndpoints, is_host: bool | None, in
         FailoverBackend(reached, job, first, hosting, info.participant_id, settings.timeouts, job_signer())
         if settings.store_failover else StoreBackend(first, hosting))
     store = backend.store
-    rendezvous = BarrierRendezvous(store, settings, info, is_store_host=hosting,
-                                   heartbeat_store_factory=lambda: store.clone(inline=True))
+    try:
+        rendezvous = BarrierRendezvous(store, settings, info, is_store_host=hosting,
+                                       heartbeat_store_factory=lambda: store.clone(inline=True), rejoin=rejoin)
+    except NoRunningJob:  # the job whose store answered ended before this restarted node started
+        backend.close()
+        raise
     rendezvous.open_connections()
     participant = Participant(info, rendezvous, backend)
 

@@ -140,7 +140,7 @@ class BarrierRendezvous:
                  sleep: Callable[[float], None] = time.sleep,
                  heartbeat_store_factory: Callable[[], Any] | None = None,
                  signer: Signer | None = None, incarnation: int | None = None,
-                 started_at: float | None = None) -> None:
+                 started_at: float | None = None, rejoin: bool = False) -> None:
         self.store = store
         self.settings = settings
         self.participant = participant
@@ -149,7 +149,8 @@ class BarrierRendezvous:
         self.values = SealedStore(store, self.signer)
         if incarnation is None:
             incarnation = resolve_incarnation(store, self.signer, settings.run_id,
-                                              process_start_time() if started_at is None else started_at)
+                                              process_start_time() if started_at is None else started_at,
+                                              rejoin=rejoin)
         self.keys = RunKeys(settings.run_id, incarnation)
         self.records = RunRecords(store, self.signer, self.keys)
         self.clock, self._sleep = clock, sleep

@@ -45,6 +45,7 @@ from lightning_ft.schema.run import (
     new_launch_id,
 )
 from lightning_ft.schema.signing import SealedStore, Signer, get_if_present
+from lightning_ft.store.locator import NoRunningJob
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,13 @@ class RunRecords:
         return decode_number(self.values.get(self.keys.heartbeat(participant_id)))
 
     def heartbeats(self, participant_ids: Iterable[str]) -> dict[str, int | None]:
-        return {pid: self.heartbeat(pid) for pid in participant_ids}
+        """The heartbeat numbers of ``participant_ids``: two store requests when every one has
+        beaten (the usual case), else one per participant."""
+        ids = list(participant_ids)
+        raws = self.values.multi_get_if_all_present([self.keys.heartbeat(pid) for pid in ids])
+        if raws is None:
+            return {pid: self.heartbeat(pid) for pid in ids}
+        return {pid: decode_number(raw) for pid, raw in zip(ids, raws, strict=True)}
 
     def claim_coordinator(self, round_id: int, participant_id: str) -> str | None:
         """Try to become the coordinator of ``round_id`` (the first claim wins); returns the holder
@@ -302,9 +309,13 @@ def current_incarnation(store: StoreClient, signer: Signer, run_id: str) -> int 
     return decode_number(signer.open(key, bytes(raw)))
 
 
-def resolve_incarnation(store: StoreClient, signer: Signer, run_id: str, started_at: float) -> int:
+def resolve_incarnation(store: StoreClient, signer: Signer, run_id: str, started_at: float,
+                        rejoin: bool = False) -> int:
     """The incarnation of ``run_id`` a participant started at ``started_at`` belongs to (see
-    :func:`~lightning_ft.rendezvous.decisions.choose_incarnation`); opens the next one if needed.
+    :func:`~lightning_ft.rendezvous.decisions.choose_incarnation`); opens the next one if needed --
+    except for a node restarted to ``rejoin`` its running job: when that job was closed for good
+    before this process started (its store still serves a moment after the end), it raises
+    :class:`~lightning_ft.store.locator.NoRunningJob` instead of starting the run again.
 
     The incarnation is a sealed number: a store client can neither bump it (``add`` cannot
     parse it) nor forge one. A value that fails its check is replaced by the number this
@@ -324,6 +335,9 @@ def resolve_incarnation(store: StoreClient, signer: Signer, run_id: str, started
         chosen = choose_incarnation(current, closed.closed_at if closed is not None else None, started_at)
         if chosen == current:
             return current
+        if rejoin:
+            raise NoRunningJob(f"run {run_id!r}: its job ended ({closed}) before this process started: there is "
+                               "no running job to rejoin")
         held = _move_incarnation(values, run_id, chosen)
         if held == chosen:
             log.info("run %s: incarnation %d was closed for good (%s) before this process started; this is "

@@ -41,7 +41,7 @@ from lightning_ft.settings.fields import (
     parse_text,
     setting_values,
 )
-from lightning_ft.store.locator import JobEndpoints, parse_endpoints
+from lightning_ft.store.locator import REJOIN_PATIENCE, JobEndpoints, parse_endpoints
 
 ENV_ENDPOINT = "LIGHTNING_FT_ENDPOINT"
 ENV_RUN_ID = "LIGHTNING_FT_RUN_ID"
@@ -146,7 +146,8 @@ class StrategySettings:
                                          env="LIGHTNING_FT_IS_STORE_HOST", parse=parse_flag, advanced=True)
     rejoin: bool = setting(False, "this process restarts a node of a running job (a scheduler's restart loop sets "
                                   "it): join that job as a spare, never host its store or start it; with no store "
-                                  "of the run answering at the job's endpoints within 10 s, leave with 0",
+                                  f"of the run answering at the job's endpoints within {REJOIN_PATIENCE:g} s, or "
+                                  "its job ended before this process started, leave with 0",
                            rule=boolean, env="LIGHTNING_FT_REJOIN", parse=parse_flag, advanced=True)
     infra_rank: int | None = setting(None, "the scheduler's node index (default: from SLURM/JobSet variables)",
                                      rule=number(integer=True, inclusive=True, allow_none=True), advanced=True)
