@@ -3,15 +3,19 @@ die and replacements arrive -- real processes, real stores, real signals."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import time
 
 import pytest
 
 from proc_utils import REPO_ROOT, wait_for
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
+from chaos_job import FAULTS, ChaosJob, job_args
+
 from ft_cluster import Cluster, free_port, in_order, ordered_start, release
 
 pytestmark = [pytest.mark.multiprocess]
@@ -258,3 +262,48 @@ def test_a_hundred_recoveries_leave_the_survivors_threads_fds_memory_and_shm_bou
     assert last["fds"] <= tenth["fds"] + 8, (tenth, last)
     assert last["shm_files"] <= tenth["shm_files"] + 2, (tenth, last)
     assert last["rss"] <= tenth["rss"] + 64 * 2**20, (tenth, last)
+
+
+#: the short chaos run: a fault every FAULT_EVERY steps (about 10 s), each once the job is whole
+#: again; the last stretch leaves room for faults that came late (a freeze's recovery takes longer)
+FAULT_EVERY = 250
+CHAOS_STEPS = FAULT_EVERY * len(FAULTS) + 400
+#: codes a participant of the chaos job may end with: finished or not needed (0), handed over (0),
+#: killed (-9: the test's SIGKILL), a thawed node that was replaced (0 as "not needed")
+CHAOS_CODES = {0, -signal.SIGKILL}
+
+
+@pytest.mark.timeout(420)
+def test_a_job_under_every_kind_of_fault_in_turn_ends_as_the_uninterrupted_run(processes, tmp_path):
+    """The short version of ``benchmarks/bench_chaos.py`` (issue 45): 2 actives + 2 hot spares, a
+    job secret, a durable tier, the default launch (the first participant hosts the store). Every
+    FAULT_EVERY steps, once the job is whole again (two actives training, two spares standing by),
+    the next fault of the cycle hits it -- SIGKILL an active, SIGTERM an active, SIGSTOP an active
+    (thawed 12 s later, as the issue has it), SIGKILL a spare, SIGKILL the store's host, SIGKILL both actives at once --
+    and every ended process is replaced 1-2 s later by a fresh one with the same launch settings.
+    The job finishes once, never splits into a second job from step 0, leaves nothing running, and
+    its weights equal the uninterrupted run's (a 2-rank job of the same steps and data)."""
+    reference = Cluster(processes, tmp_path / "reference", "2:2", run_id="chaos-reference")
+    reference.start(["R0", "R1"], job_args(CHAOS_STEPS, 0.0))
+    job = ChaosJob(processes, tmp_path / "chaos", "chaos-test", job_args(CHAOS_STEPS, 0.03), replace_after=(1.0, 2.0))
+    job.start(4)
+    since = job.first_step_at(120)
+    deadline = time.monotonic() + 300
+    timeline = tmp_path / "timeline.jsonl"  # what happened when, to read after a failure
+    for number, kind in enumerate(FAULTS, start=1):
+        while not (job.whole() and job.newest_step() >= number * FAULT_EVERY):
+            assert time.monotonic() < deadline and not job.finished(), (job.timeline, job.cluster.logs())
+            job.tend()
+            time.sleep(0.05)
+        assert job.inject(kind, freeze=12.0)["victims"], (kind, job.timeline)
+        timeline.write_text("\n".join(json.dumps(line) for line in job.timeline))
+    while not job.finished():
+        assert time.monotonic() < deadline, (job.timeline, job.cluster.logs())
+        job.tend()
+        time.sleep(0.05)
+    codes = job.cluster.wait(list(job.cluster.procs), 60)
+    summary = job.summary(since)
+    assert summary["fresh_starts"] == 0, (summary, job.cluster.logs())
+    assert set(codes.values()) <= CHAOS_CODES, (codes, job.timeline, job.cluster.logs())
+    assert reference.wait(["R0", "R1"], 120) == {"R0": 0, "R1": 0}, reference.logs()
+    assert summary["weights"] == [json.dumps(reference.result("R0")["weights"])], (summary, job.cluster.logs())

@@ -508,6 +508,26 @@ def test_places_lost_long_ago_and_taken_by_later_nodes_do_not_close_the_job(tcp_
     assert [(r.round, r.rank) for r in second] == [(1, 0), (1, 1)]
 
 
+def test_a_replacement_takes_the_place_of_a_spare_that_died_standing_by(tcp_store):
+    """A spare SIGKILLed while it stood by fails no collective: nobody noticed, its arrival held
+    its place, and the replacement its scheduler started was turned away as extra (the job ran a
+    spare short for good; seen in the chaos test). The replacement now watches the standby
+    heartbeats, frees the dead spare's place and stands by in it; a live spare keeps its place."""
+    rdzvs = [make(tcp_store, i, infra=i, max_nodes=3) for i in range(3)]
+    late = make(tcp_store, 3, infra=3, max_nodes=3)
+    extra = make(tcp_store, 4, infra=4, max_nodes=3)
+    try:
+        first = join_all(rdzvs)
+        assert [r.is_active for r in first] == [True, True, False]
+        rdzvs[2].stop_heartbeat()  # the spare dies: its heartbeat stands still, its arrival stays
+        assert not late.join_round().is_active  # it stands by in the dead spare's place
+        assert "node2" in "".join(rdzvs[0].records.lost())
+        with pytest.raises(ExtraParticipantError):  # the job is full again: the live spare's place holds
+            extra.join_round()
+    finally:
+        stop([*rdzvs, late, extra])
+
+
 def test_a_tick_given_after_the_waiters_check_wakes_its_wait(tcp_store):
     """The coordinator writes its decision, then ticks. A waiter that checked the decision just
     before it was written must be woken by that tick (it notes the newest tick before checking),

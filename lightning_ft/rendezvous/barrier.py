@@ -433,8 +433,8 @@ class BarrierRendezvous:
         return result
 
     def _is_extra_late_arrival(self, round_id: int) -> bool:
-        ids = [a.participant_id for a in self.records.arrivals(round_id)]
-        return self.participant_id in ids and ids.index(self.participant_id) >= self.settings.max_nodes
+        return self.records.no_place_for(round_id, self.participant_id, self.settings.max_nodes,
+                                         self.settings.liveness.unproven_dead_after, self._sleep)
 
     def _leave_as_extra(self, round_id: int) -> NoReturn:
         self._withdraw_arrival(round_id)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 from lightning_ft.deadlines import StoreClient
@@ -183,22 +183,67 @@ class RunRecords:
         must not be handed a place), and the round's actives whose heartbeat did not (a rank that
         died a moment ago must not be counted on to carry the state on). One read of the round's
         actives and two of the heartbeats."""
-        round_id, actives, watch = result.round, result.world_size, 2 * heartbeat_every
+        round_id, actives = result.round, result.world_size
         lost = self.lost()
         live = [a.participant_id for a in self.arrivals(round_id) if a.participant_id not in lost]
+        ranked = self.ranked_actives(round_id)
+        standby = [pid for pid in live if pid not in ranked]
+        still = set(self.not_beating([*standby, *ranked], 2 * heartbeat_every, sleep))
+        beating = [pid for pid in standby if pid not in still]
+        silent = tuple((rank, pid) for rank, pid in enumerate(ranked) if pid in still)
+        return HandOverCensus(min(len(beating), max(0, len(live) - actives)), silent)
+
+    def ranked_actives(self, round_id: int) -> tuple[str, ...]:
+        """The actives of ``round_id`` in rank order, as its decision recorded them (empty when
+        the record is of another round or absent)."""
         raw = self.values.get(self.keys.last_actives)
         last = decode_last_actives(raw) if raw is not None else None
-        ranked = last[1] if last is not None and last[0] == round_id else ()
-        standby = [pid for pid in live if pid not in ranked]
-        watched = [*standby, *ranked]
-        if not watched:
-            return HandOverCensus(0, ())
-        before = self.heartbeats(watched)
+        return last[1] if last is not None and last[0] == round_id else ()
+
+    def no_place_for(self, round_id: int, participant_id: str, max_nodes: int, watch: float,
+                     sleep: Callable[[float], None] = time.sleep) -> bool:
+        """Whether ``max_nodes`` live participants hold places ahead of ``participant_id``, a late
+        arrival of ``round_id`` (the places of standby participants that died meanwhile are freed
+        first: :meth:`free_dead_standby_places`, each heartbeat watched for ``watch`` seconds)."""
+        ids = [a.participant_id for a in self.arrivals(round_id)]
+        if participant_id not in ids:
+            return False
+        lost = self.lost()
+        ahead = [pid for pid in ids[:ids.index(participant_id)] if pid not in lost]
+        if len(ahead) < max_nodes:
+            return False
+        return len(ahead) - self.free_dead_standby_places(round_id, ahead, watch, participant_id, sleep) >= max_nodes
+
+    def free_dead_standby_places(self, round_id: int, participant_ids: Sequence[str], watch: float, by: str,
+                                 sleep: Callable[[float], None] = time.sleep) -> int:
+        """Record as lost the standby participants among ``participant_ids`` (not ranked in
+        ``round_id``) whose heartbeat did not rise within ``watch`` seconds; returns how many.
+
+        Why: a spare SIGKILLed while it stood by is noticed by nobody -- no collective of its fails
+        -- and its arrival holds a place: the replacement its scheduler starts (``by``) was turned
+        away as extra, and the job ran a spare short for good. The round's actives are never
+        judged here (their watchdogs do, with their own thresholds); a frozen spare whose heartbeat
+        rises later comes back as a spare (see :func:`~.liveness.came_back`)."""
+        ranked = self.ranked_actives(round_id)
+        dead = self.not_beating([pid for pid in participant_ids if pid not in ranked], watch, sleep)
+        for pid in dead:
+            self.mark_lost(pid, f"heartbeat silent for {watch:g}s while standing by (found by {by}, which "
+                                "arrived to replace a node)")
+        if dead:
+            log.warning("%s: standby participant(s) %s of round %d are gone (heartbeat silent for %gs): their places "
+                        "are free", by, dead, round_id, watch)
+        return len(dead)
+
+    def not_beating(self, participant_ids: Sequence[str], watch: float,
+                    sleep: Callable[[float], None] = time.sleep) -> list[str]:
+        """Those of ``participant_ids`` whose heartbeat did not rise within ``watch`` seconds (read,
+        wait, read again): dead or frozen. Two reads of the heartbeats, whatever their number."""
+        if not participant_ids:
+            return []
+        before = self.heartbeats(participant_ids)
         sleep(watch)
-        after = self.heartbeats(watched)
-        beating = [pid for pid in standby if _rose(before[pid], after[pid])]
-        silent = tuple((rank, pid) for rank, pid in enumerate(ranked) if not _rose(before[pid], after[pid]))
-        return HandOverCensus(min(len(beating), max(0, len(live) - actives)), silent)
+        after = self.heartbeats(participant_ids)
+        return [pid for pid in participant_ids if not _rose(before[pid], after[pid])]
 
     def mark_lost(self, participant_id: str, why: str, silent_at: int | None = None) -> bool:
         """Record ``participant_id`` as lost for good (``silent_at``: the heartbeat number it stood

@@ -143,6 +143,8 @@ def main() -> int:
                         format=f"[%(asctime)s pid={os.getpid()} %(name)s %(levelname)s] %(message)s")
     for noisy in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for name in filter(None, os.environ.get("FT_DEBUG_LOGGERS", "").split(",")):  # to look into a test run
+        logging.getLogger(name).setLevel(logging.DEBUG)
 
     import datetime
 
