@@ -44,8 +44,9 @@ class FailoverBackend:
         self.participant = FailoverParticipant(self.switchboard, rendezvous)
         self.switchboard.on_switch.append(on_switch)
 
-    def follow_newest(self) -> bool:
-        return self.participant is not None and self.participant.follow_newest()
+    def follow_newest(self) -> None:
+        if self.participant is not None:
+            self.participant.follow_newest()
 
     def close(self) -> None:
         """Stop the candidates' refresher and the presence listener (joined)."""

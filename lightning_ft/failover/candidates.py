@@ -102,9 +102,9 @@ class FailoverParticipant:
         refused = ask_each(asked, lambda a: refuses(a[1], GONE_CONNECT_TIMEOUT), "gone")
         return {pid for (pid, _), gone in zip(asked, refused, strict=True) if gone}
 
-    def follow_newest(self) -> bool:
+    def follow_newest(self) -> None:
         """Before re-joining after a failure (see :func:`~lightning_ft.failover.partition.follow_newest`)."""
-        return follow_newest(self.switchboard)
+        follow_newest(self.switchboard)
 
     def close(self) -> None:
         """The participant left for good: stop the refresher (joined)."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_ft._clock import monotonic
 from lightning_ft.checkpoint.memory.roots import remove_run_snapshots
-from lightning_ft.deadlines import first_line, on_service_thread_stop, raw_store
+from lightning_ft.deadlines import on_service_thread_stop, raw_store
 from lightning_ft.events import EventLog, NullEventLog
 from lightning_ft.events import names as ev
 from lightning_ft.exit_codes import HandOver
@@ -208,10 +208,10 @@ class Session:
         self.events.emit(ev.STORE_FAILOVER, epoch=epoch, endpoint=str(switchboard.endpoint), hosting=hosting,
                          seconds=round(seconds, 3), successor=successor)
 
-    def follow_newest_store(self) -> bool:
+    def follow_newest_store(self) -> None:
         """Before re-joining: follow the store the others failed over to while this process was
-        frozen, if they did (see the backend); True when it moved."""
-        return self.participant.backend.follow_newest()
+        frozen, if they did (see the backend)."""
+        self.participant.backend.follow_newest()
 
     def round_store(self, result: RoundResult, store: Any = None) -> dist.PrefixStore:
         """The job's store of a round (on ``store``, default the session's connection), for
@@ -361,7 +361,7 @@ class RoundRuntime:
             liveness=session.rendezvous.settings.liveness, on_trigger=on_trigger,
             break_group=transport.abort if transport is not None else (lambda: 0),
             poll_interval=hang.watchdog_interval, join_timeout=timeouts.thread_stop_timeout,
-            on_poll=partial(_tick_all, ticks) if ticks else None, on_thaw=partial(_follow_if_hosting, session))
+            on_poll=partial(_tick_all, ticks) if ticks else None)
         self.watchdog.start()
 
     def stop_watchdog(self) -> RoundWatchdog | None:
@@ -387,20 +387,3 @@ def crashed_error() -> str | None:
     if error is None:
         return None
     return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}".rstrip(": ")
-
-
-def _follow_if_hosting(session: Session) -> bool:
-    """This rank's process was frozen (or starved) while it trains. When it hosts the store, its
-    own clients kept reaching the store it serves, so nothing tells it that the others failed
-    over meanwhile -- a freeze shorter than their verdict on it left it training with them on a
-    stale store of its own, and the next fault found it alone there (ended 81 in the chaos test).
-    So it asks the others which store they follow, as a frozen participant does before it
-    re-joins (:func:`~lightning_ft.failover.partition.follow_newest`). True when settled: it moved,
-    or it does not host the store."""
-    if not session.rendezvous.is_store_host or session.participant.backend.name == "store":
-        return True  # its clients would find out; a plain store never moves
-    try:
-        return session.follow_newest_store()
-    except Exception as exc:  # noqa: BLE001 - the next store call fails over if it must
-        log.debug("ddp_ft: after a freeze: following the newest store failed: %s", first_line(exc))
-        return False

@@ -32,10 +32,6 @@ from lightning_ft.schema.signing import SealedStore
 
 log = logging.getLogger(__name__)
 
-#: how long after a freeze of this process ``on_thaw`` is asked again (a fail-over the others
-#: began while it was frozen may still be under way when it thaws)
-THAW_WINDOW = 10.0
-
 
 class StepClock:
     """Progress of this rank, written by the training thread, read by the watchdog.
@@ -136,7 +132,7 @@ class RoundWatchdog(BackgroundThread):
                  hang_detection: bool, hang_floor: float, hang_factor: float, liveness: LivenessThresholds,
                  on_trigger: Callable[[Detector, str, tuple[int, ...]], None], break_group: Callable[[], int],
                  poll_interval: float = 0.2, progress_interval: float = 1.0, join_timeout: float = 2.0,
-                 on_poll: Callable[[], None] | None = None, on_thaw: Callable[[], bool] | None = None) -> None:
+                 on_poll: Callable[[], None] | None = None) -> None:
         super().__init__("lightning_ft-round-watchdog", join_timeout)
         self.round_values = round_values
         self.records = records
@@ -153,11 +149,6 @@ class RoundWatchdog(BackgroundThread):
         self.poll_interval = poll_interval
         #: more work for each poll on this thread and connection (the straggler watch)
         self.on_poll = on_poll
-        #: called when this process was frozen (or starved) between two polls, then about once a
-        #: second until it returns True or THAW_WINDOW passed (what it checks may still be settling)
-        self.on_thaw = on_thaw
-        self._thawed_at: float | None = None
-        self._thaw_checked_at = float("-inf")
         # Peers read a rank's progress only once their own progress is overdue (>= hang_floor),
         # so publishing it every poll is wasted store traffic, which competes with training for
         # the CPU when the store shares the machine; fresh within progress_interval suffices.
@@ -228,12 +219,7 @@ class RoundWatchdog(BackgroundThread):
             # broken group's errors reach this rank's collective by themselves
             self._heartbeats.clear()
             self._positions.clear()
-            self._thawed_at = now
         self._polled_at = now
-        if self._thawed_at is not None and self.on_thaw is not None and now - self._thaw_checked_at >= 1.0:
-            self._thaw_checked_at = now
-            if self.on_thaw() or now - self._thawed_at >= THAW_WINDOW:
-                self._thawed_at = None
         timeout = hang_timeout(clock.durations(), self.hang_floor, self.hang_factor)
         idle = now - clock.last_activity
         overdue = self.hang_detection and idle >= timeout

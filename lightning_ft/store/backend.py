@@ -37,9 +37,9 @@ class RendezvousBackend(Protocol):
         """Once the participant (``rendezvous``: its ``BarrierRendezvous``) exists;
         ``on_switch(hosting)`` runs whenever the store moved."""
 
-    def follow_newest(self) -> bool:
+    def follow_newest(self) -> None:
         """Before a participant that trained re-joins: follow the store the others moved to while
-        this process could not (it was frozen), if they did; True when it moved."""
+        this process could not (it was frozen), if they did."""
 
     def close(self) -> None:
         """The participant left the run for good: stop the backend's threads and listeners."""
@@ -65,9 +65,8 @@ class StoreBackend:
     def attach(self, rendezvous: Any, on_switch: Callable[[bool], None]) -> None:
         """A plain store never moves."""
 
-    def follow_newest(self) -> bool:
+    def follow_newest(self) -> None:
         """A plain store never moves."""
-        return False
 
     def close(self) -> None:
         """Nothing of its own runs (the store's connections go with their last holder)."""
