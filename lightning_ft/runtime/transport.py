@@ -116,9 +116,9 @@ def retire_group(transport: GroupTransport | None) -> None:
     failed all-reduce needs the GIL to free it: a deadlock (seen under torchrun, gdb:
     ``~ProcessGroupGloo`` -> ``thread::join`` vs ``~AsyncAllreduceWork`` -> ``take_gil``).
     Kept alive, it is destroyed once its threads went idle: as a later round's group is created
-    at least :data:`RETIRED_GROUP_GRACE` seconds after it was retired
-    (:func:`release_retired_groups`), else at interpreter exit -- never one per recovery until
-    then (a long job's recoveries would each keep a group's threads and descriptors).
+    after a newer failure retired its own, or :data:`RETIRED_GROUP_GRACE` seconds after it was
+    retired (:func:`release_retired_groups`), else at interpreter exit -- never one per recovery
+    until then (a long job's recoveries would each keep a group's threads and descriptors).
     """
     if transport is not None:
         transport.abort()
@@ -133,17 +133,16 @@ def retire_group(transport: GroupTransport | None) -> None:
 
 
 def release_retired_groups(grace: float = RETIRED_GROUP_GRACE) -> int:
-    """Drop this module's references to the groups retired at least ``grace`` seconds ago (their
-    failed collectives ended long since: destroying them joins idle worker threads); returns how
-    many. A group retired more recently is kept, even after a newer failure: a worker thread of
-    its may still be finishing the failed collective (the deadlock :func:`retire_group` avoids).
-    So what is kept is bounded by the failures of the last ``grace`` seconds, however long the job
-    runs. Called on the training thread as a round's group is created."""
+    """Drop this module's references to the groups retired before the newest retirement, and to
+    those of the newest once ``grace`` seconds old (their failed collectives ended long since:
+    destroying them joins idle worker threads); returns how many. At most one failure's groups are
+    kept, however fast failures come. Called on the training thread as a round's group is created."""
     if not _BROKEN_GROUPS:
         return 0
-    cutoff = monotonic() - grace
-    released = [group for retired_at, group in _BROKEN_GROUPS if retired_at <= cutoff]
-    _BROKEN_GROUPS[:] = [(retired_at, group) for retired_at, group in _BROKEN_GROUPS if retired_at > cutoff]
+    newest = max(retired_at for retired_at, _ in _BROKEN_GROUPS)
+    keep_from = newest if newest > monotonic() - grace else float("inf")
+    released = [group for retired_at, group in _BROKEN_GROUPS if retired_at < keep_from]
+    _BROKEN_GROUPS[:] = [(retired_at, group) for retired_at, group in _BROKEN_GROUPS if retired_at >= keep_from]
     count = len(released)
     del released  # the last references: each group's destructor runs here, on this thread
     if count:
