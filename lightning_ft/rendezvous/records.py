@@ -222,8 +222,9 @@ class RunRecords:
         Why: a spare SIGKILLed while it stood by is noticed by nobody -- no collective of its fails
         -- and its arrival holds a place: the replacement its scheduler starts (``by``) was turned
         away as extra, and the job ran a spare short for good. The round's actives are never
-        judged here (their watchdogs do, with their own thresholds); a frozen spare whose heartbeat
-        rises later comes back as a spare (see :func:`~.liveness.came_back`)."""
+        judged here (their watchdogs do, with their own thresholds). Recorded without the beat it
+        stood at: unlike a frozen active judged by its silence (:func:`~.liveness.came_back`), a
+        spare frozen that long and thawed later does not count as back."""
         ranked = self.ranked_actives(round_id)
         dead = self.not_beating([pid for pid in participant_ids if pid not in ranked], watch, sleep)
         for pid in dead:
