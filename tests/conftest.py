@@ -12,6 +12,7 @@ from loopback_dns import ensure_fast_loopback_reverse_lookup
 
 import characterization
 from prefork import DISABLE_ENV as DISABLE_PREFORK
+from prefork import TIMELINE_ENV
 from proc_utils import ProcessSet, child_env, free_port, launcher
 
 #: modules whose tests take longest (``--durations``): they start first
@@ -83,18 +84,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)
 
 
-#: a file to append one JSON line per test to (worker, node id, start, end): where the suite's wall time goes
-TIMELINE_ENV = "LIGHTNING_FT_TEST_TIMELINE"
+#: a file to append one JSON line per test to (worker, node id, start, end, the worker's own CPU):
+#: where the suite's wall time goes; the fork servers add one line per process with its CPU
+#: (tests/prefork.py)
+
+
+def _own_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     path = os.environ.get(TIMELINE_ENV)
-    started = time.time()
+    started, cpu_before = time.time(), _own_cpu()
     result = yield
     if path:
         record = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "-"), "test": item.nodeid,
-                  "start": round(started, 3), "end": round(time.time(), 3)}
+                  "start": round(started, 3), "end": round(time.time(), 3),
+                  "cpu": round(_own_cpu() - cpu_before, 3)}
         with open(path, "a") as timeline:
             timeline.write(json.dumps(record) + "\n")
     return result

@@ -51,6 +51,8 @@ MAX_SERVERS = 8
 #: how long a request waits for its server to finish importing (a loaded machine: ~10 s)
 READY_WAIT = 60.0
 DISABLE_ENV = "LIGHTNING_FT_TESTS_NO_PREFORK"
+#: the suite's timeline (tests/conftest.py): the server adds a line per child it reaped
+TIMELINE_ENV = "LIGHTNING_FT_TEST_TIMELINE"
 
 
 def startup_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -103,7 +105,8 @@ class _Server:
         self.results.mkdir(exist_ok=True)
         with open(root / "server.log", "wb") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, __file__, str(self.socket_path), str(self.results), str(os.getpid())],
+                [sys.executable, __file__, str(self.socket_path), str(self.results), str(os.getpid()),
+                 os.environ.get(TIMELINE_ENV, "")],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
     def ready(self) -> bool:
@@ -202,7 +205,7 @@ def _serve(socket_path: str, results: str, parent: int) -> dict | None:
     listener.bind(socket_path + ".tmp")
     listener.listen(16)
     os.rename(socket_path + ".tmp", socket_path)  # the client takes its existence as "ready"
-    children: dict[int, str] = {}
+    children: dict[int, tuple[str, dict]] = {}
     serial = 0
     while os.getppid() == parent:
         readable, _, _ = select.select([listener], [], [], 0.02)
@@ -228,21 +231,34 @@ def _serve(socket_path: str, results: str, parent: int) -> dict | None:
                     conn.close()
                     listener.close()
                     return request
-                children[pid] = result
+                children[pid] = (result, request)
                 conn.sendall(json.dumps({"pid": pid, "result": result}).encode() + b"\n")
         while children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            result = children.pop(pid, None)
-            if result is not None:
+            entry = children.pop(pid, None)
+            if entry is not None:
+                result, request = entry
                 with open(result + ".tmp", "w") as f:
                     f.write(str(os.waitstatus_to_exitcode(status)))
                 os.rename(result + ".tmp", result)
+                _account(request, usage)
     return None
+
+
+def _account(request: dict, usage) -> None:
+    """Where the suite's timeline is kept (conftest.py's TIMELINE_ENV): one line per reaped child
+    with the CPU it used and the test that started it -- where the suite's CPU goes."""
+    path = sys.argv[4]
+    if path:
+        line = json.dumps({"process": request["argv"][1:4], "test": request["env"].get("PYTEST_CURRENT_TEST", "?"),
+                           "cpu": round(usage.ru_utime + usage.ru_stime, 3)})
+        with open(path, "a") as timeline:
+            timeline.write(line + "\n")
 
 
 def _become(request: dict) -> None:
