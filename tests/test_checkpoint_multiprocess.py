@@ -55,7 +55,7 @@ def _torchrun(processes, name: str, root: Path, max_steps: int, mode: str):
     # LIGHTNING_FT_RUN_ID would be refused: tests/test_settings.py)
     proc = processes.start(name, argv, env=env)
     try:
-        code = proc.popen.wait(timeout=90)
+        code = proc.popen.wait(timeout=110)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{name} did not finish\n{processes.dump_logs()}")
     assert code == 0, processes.dump_logs()
@@ -68,7 +68,7 @@ def _torchrun(processes, name: str, root: Path, max_steps: int, mode: str):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(360)  # three torchrun jobs of fresh interpreters: 115 s alone, 150 s beside the suite
 def test_ddp_two_ranks_snapshot_then_resume_at_the_same_step(processes, tmp_path):
     root = tmp_path / "shm"
     first = _torchrun(processes, "train", root, 12, "auto")

@@ -108,6 +108,30 @@ def test_frozen_store_host_then_its_return_never_makes_two_deciding_stores(proce
     assert active_rounds_of_a == [0], active_rounds_of_a
 
 
+@pytest.mark.timeout(180)
+def test_a_store_host_thawed_before_it_was_judged_follows_the_store_the_others_moved_to(processes, tmp_path):
+    """A (active, hosting the store) is frozen; B and C fail over to a store of their own; A is
+    thawed right then, before anyone judged it: A and B train on together (a watchdog reads
+    heartbeats only while its rank cannot progress). A's own clients still reached the store A
+    serves, so nothing told A that the job had moved: when B was killed next, A recovered on its
+    stale store and C on the new one, never meeting again -- the job was lost (found by the chaos
+    test: 81). A store host that was frozen now asks the others which store they follow as it
+    thaws: A and C recover together and finish."""
+    cluster = three(processes, tmp_path, ["--max-steps", "500", *SLOW, "--hang-floor", "60"], standalone=False)
+    cluster.wait_for_step(30, 60)
+    cluster.kill("A", signal.SIGSTOP)
+    try:
+        cluster.wait_for_log("B", "failed over to", 60)
+    finally:
+        os.kill(cluster.procs["A"].pid, signal.SIGCONT)
+    step = max(r["step"] for r in cluster.steps()["B"])
+    cluster.wait_for_step(step + 60, 60, among=["A"])  # A trains on with B
+    cluster.kill("B")
+    codes = cluster.wait(["A", "C"], 120)
+    assert codes == {"A": 0, "C": 0}, cluster.logs()
+    assert cluster.result("A")["step"] == 500 and cluster.result("C")["step"] == 500, cluster.logs()
+
+
 def two_with_a_store(processes, tmp_path, steps: int) -> Cluster:
     """2 actives (A, B), no spare, a standalone store."""
     cluster = Cluster(processes, tmp_path, "2:2")

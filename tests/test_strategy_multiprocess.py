@@ -361,7 +361,7 @@ def test_sole_active_lost_the_spare_resumes_from_its_replica(processes, tmp_path
     assert any("silent" in e["reason"] for e in cluster.events_of("round_open"))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # torchrun agents and their workers are fresh interpreters: 91 s seen
 def test_under_torchrun_the_new_worker_receives_the_snapshot(processes, tmp_path):
     # torchrun --rdzv-backend=lightning_ft: torchrun's agents do the node rendezvous and restart
     # workers; the strategy behaves like DDP and hands the in-memory snapshot to the worker of

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from lightning_ft._clock import monotonic
 from lightning_ft.deadlines import BackgroundThread, first_line
 from lightning_ft.failover.partition import follow_newest
 from lightning_ft.failover.presence import ask_each, refuses
@@ -115,9 +116,22 @@ class FailoverParticipant:
 class CandidateRefresher(BackgroundThread):
     """Re-reads the tracked round's arrivals when their hint changes (about once a second, one
     request), so the fail-over order includes hot spares that arrived after the round completed;
-    on a connection of its own. Ends when the participant left."""
+    on a connection of its own. Ends when the participant left.
+
+    It also notices a freeze of its own process (:meth:`frozen_for`): a store host frozen for
+    less than the others take to judge it comes back on the store it serves itself -- its own
+    clients still reach it, so nothing else tells it that the others failed over meanwhile; it
+    would train on with them and, at the next fault, recover there alone (found by the chaos
+    test: it ended 81 while they went on). After such a gap it asks the others which store they
+    follow (:func:`~lightning_ft.failover.partition.follow_newest`) once a pass, for up to
+    :attr:`THAW_WINDOW` -- their fail-over may still be under way as it thaws."""
 
     INTERVAL = 1.0
+    #: a pass this much later than its interval means this process did not run (SIGSTOP, a hung
+    #: or starved host); asking the others then costs a few probes, and moves only to a store a
+    #: majority of them follow
+    FROZEN_GAP = 1.5
+    THAW_WINDOW = 10.0
 
     def __init__(self, owner: FailoverParticipant, records: RunRecords) -> None:
         super().__init__("lightning_ft-candidates", join_timeout=owner.switchboard.timeouts.thread_stop_timeout)
@@ -125,9 +139,16 @@ class CandidateRefresher(BackgroundThread):
         self._hint: tuple[int, bytes] | None = None
 
     def run(self) -> None:
+        passed_at, follow_until = monotonic(), None
         while not self.stopping.wait(self.INTERVAL):
             if self.owner.rendezvous.left:
                 return
+            now = monotonic()
+            if self.frozen_for(now - passed_at) and self.owner.switchboard.hosting:
+                follow_until = now + self.THAW_WINDOW
+            if follow_until is not None:
+                follow_until = None if self._followed_the_others() or now >= follow_until else follow_until
+            passed_at = monotonic()
             round_id = self.owner.tracked_round
             if round_id is None or not self.owner.whole:
                 continue  # spares arriving later join the end of the order: only the first need them
@@ -138,3 +159,14 @@ class CandidateRefresher(BackgroundThread):
                     self._hint = hint
             except Exception as exc:  # noqa: BLE001 - the next try, or the fail-over, tells
                 log.debug("refreshing the fail-over candidates: %s", first_line(exc))
+
+    def frozen_for(self, since_last_pass: float) -> bool:
+        """Whether ``since_last_pass`` seconds between two passes mean this process was frozen."""
+        return since_last_pass > self.INTERVAL + self.FROZEN_GAP
+
+    def _followed_the_others(self) -> bool:
+        try:
+            return follow_newest(self.owner.switchboard)
+        except Exception as exc:  # noqa: BLE001 - asked again next pass; a store call fails over if it must
+            log.debug("after a freeze: asking which store the others follow: %s", first_line(exc))
+            return False
