@@ -162,7 +162,10 @@ class RecoveryExecutor:
         if outcome.action is not FailureAction.INTERRUPT:
             self._leave_at_once(outcome, kind, exc, facts, step)
         detector = detector or Detector.COLLECTIVE
-        self._interrupt(trainer, exc, kind, detector, step)
+        # this rank's watchdog reported its own verdict when it fired; a verdict read from a peer
+        # (the store's) is this rank's to report
+        reported = own_detector is not None and own_detector.judges_a_stall
+        self._interrupt(trainer, exc, kind, detector, step, reported)
         planned = runtime.hand_over  # the SIGTERM path's verdict, reached while the collective failed
         if planned is not None and planned.leaving:
             self._leave_handed_over(planned, trainer)
@@ -225,14 +228,15 @@ class RecoveryExecutor:
         self.leave(withdraw=message)
         raise FaultTolerantExit(ExitCode.SUCCESS, message) from None
 
-    def _interrupt(self, trainer: Any, exc: BaseException, kind: FailureKind, detector: Detector, step: int) -> None:
-        """Report the failure; retire the group; callbacks and loggers learn of the interruption as
-        Lightning would tell them (GracefulTermination decides here whether a peer's failure is part
-        of a termination)."""
+    def _interrupt(self, trainer: Any, exc: BaseException, kind: FailureKind, detector: Detector, step: int,
+                   reported: bool) -> None:
+        """Report the failure (unless this rank's watchdog did: ``reported``); retire the group;
+        callbacks and loggers learn of the interruption as Lightning would tell them
+        (GracefulTermination decides here whether a peer's failure is part of a termination)."""
         runtime = self._run.round
         assert runtime is not None and runtime.result is not None
         error_text = f"{type(exc).__name__}: {first_line(exc)}"
-        if not detector.judges_a_stall:  # the watchdog reported it already, when it fired
+        if not reported:
             self._session.events.emit(ev.FAILURE_DETECTED, round=runtime.result.round, step=step, error=error_text,
                                       detector=detector.value, stalled=[],
                                       step_seconds=runtime.clock.median_seconds())
