@@ -393,3 +393,24 @@ def test_an_elastic_model_with_batchnorm_is_warned_about_once_naming_its_layers(
     assert len(caplog.records) == 1, caplog.text
     assert "body.1 normalises with each batch's statistics (BatchNorm)" in caplog.text
     assert "LayerNorm" in caplog.text and "body.2" not in caplog.text
+
+
+@pytest.mark.parametrize("name", ["fsdp_ft", "ddp_ft"])
+def test_the_runtime_lines_and_errors_name_the_strategy_the_user_chose(name, caplog):
+    """An ``fsdp_ft`` job's lines and configuration errors say ``fsdp_ft:``, not ``ddp_ft:`` (issue 46)."""
+    import logging
+
+    import lightning_ft  # noqa: F401 - registers both strategies
+    from lightning_ft._logging import StrategyLog, set_strategy_name
+    from lightning_ft.strategy.ddp import FaultTolerantDDPStrategy
+    from lightning_ft.strategy.fsdp import FaultTolerantFSDPStrategy
+
+    strategy = {"fsdp_ft": FaultTolerantFSDPStrategy, "ddp_ft": FaultTolerantDDPStrategy}[name]
+    try:
+        with pytest.raises(StrategyConfigError, match=rf"^{name}: run_id must be a non-empty string"):
+            strategy(endpoint="127.0.0.1:29400", run_id="a/b", min_nodes=1, max_nodes=1)
+        with caplog.at_level(logging.INFO, logger="strategy-log-test"):
+            StrategyLog(logging.getLogger("strategy-log-test"), {}).info("round %d re-forms", 3)
+        assert caplog.messages == [f"{name}: round 3 re-forms"]
+    finally:
+        set_strategy_name("ddp_ft")

@@ -17,7 +17,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_ft._logging import StrategyLog
+
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 #: layers that normalise a training batch with that batch's own statistics (public torch classes)
 BATCH_STATISTICS_LAYERS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm,
@@ -81,7 +84,7 @@ def warn_of_batch_statistics(module: torch.nn.Module) -> bool:
         return False
     _warned_about.add(id(module))
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    log.warning("ddp_ft: elastic: %s normalise%s with each batch's statistics (BatchNorm): while the world is "
+    ft_log.warning("elastic: %s normalise%s with each batch's statistics (BatchNorm): while the world is "
                 "smaller than its maximum, a rank's micro-batches hold other samples than the full world's ranks "
                 "did, so these layers -- and the weights -- train differently from the uninterrupted run (parameter-"
                 "free layers and GroupNorm/LayerNorm train the same math to float tolerance). For equal results use "

@@ -37,7 +37,10 @@ from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from lightning_ft._logging import StrategyLog
+
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 Version = int | str | None
 VersionedLogger = CSVLogger | TensorBoardLogger
@@ -55,7 +58,7 @@ def resolve_versions(loggers: Sequence[VersionedLogger]) -> list[Version]:
 
 def pin_versions(loggers: Sequence[VersionedLogger], versions: Sequence[Version]) -> None:
     if len(loggers) != len(versions):
-        log.warning("ddp_ft: %d logger(s) but %d agreed version(s); versions left as they are", len(loggers),
+        ft_log.warning("%d logger(s) but %d agreed version(s); versions left as they are", len(loggers),
                     len(versions))
         return
     for logger, version in zip(loggers, versions, strict=True):
@@ -89,7 +92,7 @@ def record_versions(loggers: Sequence[VersionedLogger], versions: Sequence[Versi
                 out.write(f"{version}\n")
             os.replace(tmp, path)
         except OSError as exc:
-            log.warning("ddp_ft: could not record the log version of run %s in %s (a relaunch will start a new "
+            ft_log.warning("could not record the log version of run %s in %s (a relaunch will start a new "
                         "version): %s", run_id, path, exc)
 
 
@@ -158,7 +161,7 @@ def continue_history(trainer: Any, resume_step: int, is_global_zero: bool) -> No
             path = os.path.join(logger.log_dir, ExperimentWriter.NAME_METRICS_FILE)
             header = truncate_metrics(path, resume_step) if os.path.isfile(path) else []
             logger._experiment = _ContinuingExperimentWriter(logger.log_dir, header)
-            log.info("ddp_ft: continuing %s from step %d (rows of later steps dropped; they are logged again)",
+            ft_log.info("continuing %s from step %d (rows of later steps dropped; they are logged again)",
                      path, resume_step)
 
 
@@ -168,7 +171,7 @@ def finalize_failed(trainer: Any) -> None:
         try:
             logger.finalize("failed")
         except Exception as exc:  # noqa: BLE001 - a logger must not stop the recovery
-            log.warning("ddp_ft: %s.finalize raised %s: %s", type(logger).__name__, type(exc).__name__, exc)
+            ft_log.warning("%s.finalize raised %s: %s", type(logger).__name__, type(exc).__name__, exc)
 
 
 def mark_saved_configs(trainer: Any, strategy: Any) -> None:
@@ -208,6 +211,6 @@ def set_aside_abandoned_checkpoints(trainer: Any, snapshot_created: float) -> li
                 os.replace(path, os.path.join(target_dir, entry.name))
                 moved.append(path)
     if moved:
-        log.info("ddp_ft: moved %d checkpoint file(s) written after the restored snapshot into %s/: %s",
+        ft_log.info("moved %d checkpoint file(s) written after the restored snapshot into %s/: %s",
                  len(moved), ABANDONED_DIR, ", ".join(os.path.basename(p) for p in moved))
     return moved

@@ -28,8 +28,10 @@ import lightning.pytorch as pl
 from torch import nn
 
 from lightning_ft._lightning.callbacks import trainer_callbacks
+from lightning_ft._logging import StrategyLog
 
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 # attributes of an nn.Module that hold the tensors and the module tree: shared, never copied
 _MODULE_STRUCTURE = ("_parameters", "_buffers", "_modules")
@@ -69,7 +71,7 @@ class PristineState:
                 state._save(submodule, own, memo)
             state.requires_grad = [(p, p.requires_grad) for p in module.parameters()]
         if state.skipped:
-            log.warning("ddp_ft: cannot copy %s at fit() start (%s); after a recovery they keep the state the "
+            ft_log.warning("cannot copy %s at fit() start (%s); after a recovery they keep the state the "
                         "failed round left", ", ".join(sorted(set(state.skipped))),
                         "they hold locks, threads or open files")
         return state
@@ -78,7 +80,7 @@ class PristineState:
         try:
             copied = copy.deepcopy(state, dict(memo))
         except Exception as exc:  # noqa: BLE001 - an uncopyable object stays as it is
-            log.debug("ddp_ft: %s not copied: %s: %s", type(target).__name__, type(exc).__name__, exc)
+            ft_log.debug("%s not copied: %s: %s", type(target).__name__, type(exc).__name__, exc)
             self.skipped.append(type(target).__name__)
             return
         self.objects.append(_Saved(target, copied))

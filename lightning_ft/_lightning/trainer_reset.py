@@ -34,7 +34,10 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ft._logging import StrategyLog
+
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 
 def reset_trainer_for_rerun(trainer: pl.Trainer) -> None:
@@ -70,7 +73,7 @@ def _fresh_fit_loop(trainer: pl.Trainer) -> None:
         trainer.fit_loop = fit_loop
     else:
         # a user-supplied loop class: keep it, but drop the data it cached for the old group
-        log.warning("ddp_ft: custom fit loop %s; only its cached data loaders are reset for the re-run",
+        ft_log.warning("custom fit loop %s; only its cached data loaders are reset for the re-run",
                     type(old_fit).__name__)
         old_fit.teardown()
         old_fit._combined_loader = None
@@ -106,7 +109,7 @@ def _remove_leftover_forward_patch(module: nn.Module | None) -> None:
     # attribute stays
     if patched is not None and getattr(patched, "__name__", "") == "wrapped_forward":
         del module.forward
-        log.info("ddp_ft: removed Lightning's forward redirection left on the module by the failure")
+        ft_log.info("removed Lightning's forward redirection left on the module by the failure")
 
 
 def teardown_trainer(trainer: pl.Trainer) -> None:

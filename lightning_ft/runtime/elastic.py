@@ -23,10 +23,12 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_ft._clock import monotonic
+from lightning_ft._logging import StrategyLog
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.signing import SealedStore
 
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 #: the round's key for the step to re-form after (first writer wins)
 GROW_KEY = "elastic/grow_at"
@@ -80,7 +82,7 @@ class GrowWatch:
             try:
                 self.grow_at = int(raw.decode())
             except ValueError:
-                log.warning("ddp_ft: ignored a damaged elastic grow step in the store: %r", raw[:40])
+                ft_log.warning("ignored a damaged elastic grow step in the store: %r", raw[:40])
 
     def _propose(self) -> None:
         newcomers = self.records.spares_of_round(self.round_id, self.world_size)
@@ -89,7 +91,7 @@ class GrowWatch:
             return
         at = step + steps_ahead(self.step_seconds())
         self.values.put_if_absent(GROW_KEY, str(at))
-        log.warning("ddp_ft: elastic: %d participant(s) arrived while %d train; re-forming after step %d",
+        ft_log.warning("elastic: %d participant(s) arrived while %d train; re-forming after step %d",
                     newcomers, self.world_size, at)
 
 

@@ -39,6 +39,7 @@ from lightning_ft._lightning.elastic import ElasticBatches
 from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer import is_fitting, is_tuner_exit, replace_checkpoint_path
 from lightning_ft._lightning.trainer_reset import mark_finished
+from lightning_ft._logging import StrategyLog, strategy_name
 from lightning_ft.checkpoint.exchange.replication import replica_cipher
 from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
@@ -80,6 +81,7 @@ if TYPE_CHECKING:
     from lightning_ft.checkpoint.durable.tier import DurableTier
 
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 
 class _SpareTerminated(BaseException):
@@ -92,7 +94,7 @@ def add_default_callbacks(trainer: Any, settings: StrategySettings) -> None:
     checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
     if checkpoint is None:
         trainer.callbacks.append(EmergencyCheckpoint(**settings.snapshot_kwargs()))
-        log.info("ddp_ft: added EmergencyCheckpoint(every_n_steps=%s, every_n_seconds=%s, max_overhead=%s%s) for "
+        ft_log.info("added EmergencyCheckpoint(every_n_steps=%s, every_n_seconds=%s, max_overhead=%s%s) for "
                  "recovery", settings.snapshot_every_n_steps, settings.snapshot_every_n_seconds,
                  settings.snapshot_max_overhead,
                  f", persist_to={settings.durable.persist_to}" if settings.durable.persist_to else "")
@@ -100,12 +102,12 @@ def add_default_callbacks(trainer: Any, settings: StrategySettings) -> None:
         given = settings.snapshot_arguments_given()
         if given:
             raise StrategyConfigError(
-                f"ddp_ft: {', '.join(given)} configure the EmergencyCheckpoint the strategy adds, but the Trainer "
-                "has one of its own: set them on that EmergencyCheckpoint instead")
+                f"{strategy_name()}: {', '.join(given)} configure the EmergencyCheckpoint the strategy adds, "
+                "but the Trainer has one of its own: set them on that EmergencyCheckpoint instead")
         checkpoint.adopt_run_id(settings.run_id)
     if settings.graceful_termination and first_callback_of_type(trainer, GracefulTermination) is None:
         trainer.callbacks.append(GracefulTermination())
-        log.info("ddp_ft: added GracefulTermination() for the SIGTERM path")
+        ft_log.info("added GracefulTermination() for the SIGTERM path")
     if settings.rendezvous.elastic and first_callback_of_type(trainer, ElasticBatches) is None:
         trainer.callbacks.append(ElasticBatches())
 
@@ -118,9 +120,9 @@ def fit_accumulation_to_world(trainer: Any, settings: StrategySettings, world_si
         return
     per_rank, problem = elastic_accumulation(world_size, maximum, accumulation)
     if problem is not None:
-        log.warning("ddp_ft: elastic: %s", problem)
+        ft_log.warning("elastic: %s", problem)
     if per_rank != trainer.accumulate_grad_batches:
-        log.warning("ddp_ft: elastic: %d rank(s) train; each accumulates %d micro-batches per optimizer step (the "
+        ft_log.warning("elastic: %d rank(s) train; each accumulates %d micro-batches per optimizer step (the "
                     "global batch of %d ranks x %d)", world_size, per_rank, maximum, accumulation)
     trainer.accumulate_grad_batches = per_rank
 
@@ -151,7 +153,7 @@ class RendezvousFitLoop:
         run.trainer = trainer
         session = self._open_session()
         if session.failed_with is not None:
-            raise JobEndedError(f"ddp_ft: run {host.settings.run_id!r} ended in {session.failed_with} (this "
+            raise JobEndedError(f"{strategy_name()}: run {host.settings.run_id!r} ended in {session.failed_with} (this "
                                 "process's error); its other participants have left, so no later fit(), "
                                 "validate(), test() or predict() can run in it: start a new run (run id)")
         stage, fit = session.next_stage(is_fitting(trainer))
@@ -213,7 +215,7 @@ class RendezvousFitLoop:
             return host.open_session()
         except NoRunningJob as exc:  # a restarted node whose job ended: nothing of it is lost, nothing to do
             message = f"{exc}; this node is not needed"
-            log.warning("ddp_ft: %s", message)
+            ft_log.warning("%s", message)
             host.event_log.emit(ev.SPARE_EXIT, reason=message)
             raise FaultTolerantExit(ExitCode.SUCCESS, message) from None
         except RendezvousError as exc:
@@ -261,7 +263,7 @@ class RendezvousFitLoop:
                                    f"{type(exc).__name__}: {first_line(exc)}")
         except RendezvousError as exc:  # extra participant, unhealthy
             if isinstance(exc, ParticipantExcludedError) and not session.was_active:
-                log.log(logging.WARNING if getattr(exc, "job_full", False) else logging.ERROR, "ddp_ft: %s", exc)
+                ft_log.log(logging.WARNING if getattr(exc, "job_full", False) else logging.ERROR, "%s", exc)
                 # it takes no part any more: no heartbeat beating on after fit() (one beat in
                 # flight when the interpreter finalized aborted the process)
                 rendezvous.stop_heartbeat()
@@ -311,15 +313,15 @@ class RendezvousFitLoop:
         _best_effort(rendezvous.shutdown, job_finished=False)
         if action is EndAction.STOPPED:
             session.events.emit(ev.STOPPED, reason=text)
-            log.warning("ddp_ft: leaving fit() stopped, with exit code %d (nothing of this participant's to "
+            ft_log.warning("leaving fit() stopped, with exit code %d (nothing of this participant's to "
                         "save): %s", int(ExitCode.STOPPED), text)
             self._leave_as_spare()
             raise FaultTolerantExit(ExitCode.STOPPED, f"stopped while waiting in the rendezvous: {text}")
         session.events.emit(ev.SPARE_EXIT, reason=text)
         if cause is EndCause.STORE_LOST:
-            log.warning("ddp_ft: hot spare leaves fit() (exit 0; the actives report the job's outcome): %s", text)
+            ft_log.warning("hot spare leaves fit() (exit 0; the actives report the job's outcome): %s", text)
         else:
-            log.info("ddp_ft: leaving fit() (%s): %s", "job over" if role is Role.TRAINED else "hot spare not needed",
+            ft_log.info("leaving fit() (%s): %s", "job over" if role is Role.TRAINED else "hot spare not needed",
                      text)
         self._leave_as_spare()
         return None
@@ -329,7 +331,7 @@ class RendezvousFitLoop:
         (it stays in the rendezvous; the job ends for it at process exit)."""
         session.last_stage_completed = True
         session.events.emit(ev.SPARE_EXIT, reason=reason)
-        log.info("ddp_ft: hot spare not needed in this stage: %s", reason)
+        ft_log.info("hot spare not needed in this stage: %s", reason)
         self._leave_as_spare()
 
     def _give_up(self, message: str) -> NoReturn:
@@ -384,7 +386,7 @@ class RendezvousFitLoop:
         outcome = call_with_timeout(
             lambda: wait_at_exit_barrier(session.round_store(result), session.rendezvous.records, result.round,
                                          result.world_size, timeout, peers),
-            timeout + 1.0, f"ddp_ft: exit barrier of round {result.round} (bound {timeout:.0f}s)",
+            timeout + 1.0, f"{strategy_name()}: exit barrier of round {result.round} (bound {timeout:.0f}s)",
             unanswered="going on without it", log_problem=True, store_call=True)
         self._barrier_seconds = round(monotonic() - start, 4)
         if not outcome.ok or outcome.value.passed:
@@ -415,7 +417,7 @@ class RendezvousFitLoop:
                             step_seconds=run.round.clock.median_seconds() if run.round else None)
         destroy_process_group()
         kind = "fit" if is_fitting(run.trainer) else getattr(run.trainer.state.fn, "value", "stage")
-        log.info("ddp_ft: %s() (stage %d) finished in round %d as rank %d at step %s", kind, stage, result.round,
+        ft_log.info("%s() (stage %d) finished in round %d as rank %d at step %s", kind, stage, result.round,
                  result.rank, step)
 
 
@@ -436,7 +438,7 @@ def _leave_if_the_run_finished(session: Session, trainer: Any) -> None:
     message = (f"run {tier.run_id!r} finished at step {finished[0]} (recorded at "
                f"{tier.target.describe(tier.finished_path())}): this node is not needed; to train it again, "
                "use another run id or a larger max_steps")
-    log.warning("ddp_ft: %s", message)
+    ft_log.warning("%s", message)
     _best_effort(session.rendezvous.shutdown, job_finished=True, reason=message)
     raise FaultTolerantExit(ExitCode.SUCCESS, message)
 
@@ -466,7 +468,7 @@ class TorchrunFitLoop:
             if looks_like_collective_error(exception_chain(exc)):
                 # torchrun restarts this worker; Lightning's teardown must not wait on the broken group.
                 # The restarted workers resume from /dev/shm: leave them this rank's live state.
-                log.warning("ddp_ft: collective failed (%s: %s); torchrun restarts the workers",
+                ft_log.warning("collective failed (%s: %s); torchrun restarts the workers",
                             type(exc).__name__, first_line(exc))
                 save_live_state(trainer, "collective failure under torchrun")
                 runtime.retire_group()
@@ -493,7 +495,7 @@ def _best_effort(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     try:
         call(*args, **kwargs)
     except (RuntimeError, OSError) as exc:
-        log.debug("ddp_ft: %s on the way out: %s", getattr(call, "__name__", call), exc)
+        ft_log.debug("%s on the way out: %s", getattr(call, "__name__", call), exc)
 
 
 def _install_sigterm_raiser() -> SignalHandler:

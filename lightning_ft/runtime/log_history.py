@@ -20,9 +20,11 @@ from lightning_ft._lightning.history import (
     versioned_loggers,
     versions_of_earlier_launch,
 )
+from lightning_ft._logging import StrategyLog
 from lightning_ft.schema.run import decode_log_versions, encode_log_versions
 
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 
 def decide_log_versions(trainer: Any, run_id: str, resume_step: int | None) -> str:
@@ -32,7 +34,7 @@ def decide_log_versions(trainer: Any, run_id: str, resume_step: int | None) -> s
     versions = earlier if earlier is not None else resolve_versions(loggers)
     record_versions(loggers, versions, run_id)
     if earlier is not None:
-        log.info("ddp_ft: run %s resumes at step %s: its logs continue in version(s) %s of the earlier launch",
+        ft_log.info("run %s resumes at step %s: its logs continue in version(s) %s of the earlier launch",
                  run_id, resume_step, ", ".join(str(v) for v in earlier))
     return encode_log_versions(versions, continues_launch=earlier is not None)
 

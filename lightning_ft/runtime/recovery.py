@@ -28,6 +28,7 @@ from lightning_ft._lightning.history import finalize_failed
 from lightning_ft._lightning.pristine import PristineState
 from lightning_ft._lightning.trainer import is_fitting
 from lightning_ft._lightning.trainer_reset import reset_trainer_for_rerun, teardown_trainer
+from lightning_ft._logging import StrategyLog, strategy_name
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
 from lightning_ft.deadlines import call_with_timeout, first_line
 from lightning_ft.events import names as ev
@@ -53,6 +54,7 @@ from lightning_ft.schema.run import CloseKind, CloseReason
 from lightning_ft.termination.callback import GracefulTermination
 
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 
 def exception_chain(exc: BaseException) -> list[tuple[str, str]]:
@@ -111,7 +113,7 @@ def read_failure_facts(exc: BaseException, runtime: RoundRuntime, session: Sessi
     if notices.ok:
         peer_error, detector, newer = notices.value
     else:
-        log.warning("ddp_ft: classifying the failure without the rendezvous store: %s", notices.problem)
+        ft_log.warning("classifying the failure without the rendezvous store: %s", notices.problem)
     chain = exception_chain(exc)
     return FailureFacts(
         exception_type=type(exc).__name__,
@@ -205,7 +207,7 @@ class RecoveryExecutor:
         runtime.stop_watchdog()
         self._session.events.emit(ev.GROW if exc.grow else ev.HAND_OVER, round=result.round, step=step,
                                   reason=exc.reason)
-        log.warning("ddp_ft: round %d re-forms after step %d (%s)", result.round, step, exc.reason)
+        ft_log.warning("round %d re-forms after step %d (%s)", result.round, step, exc.reason)
         runtime.retire_group()
         _call_on_exception(trainer, exc)
         finalize_failed(trainer)
@@ -221,7 +223,7 @@ class RecoveryExecutor:
         message = f"handed over to a hot spare: {exc.reason}"
         self._session.events.emit(ev.HANDED_OVER, round=runtime.round_id if runtime is not None else None,
                                   step=trainer.global_step if trainer is not None else None, reason=exc.reason)
-        log.warning("ddp_ft: %s; leaving with exit code 0", message)
+        ft_log.warning("%s; leaving with exit code 0", message)
         print(f"lightning_ft: HANDED_OVER (0): {message}", file=sys.stderr, flush=True)
         if runtime is not None:
             runtime.stop_watchdog()
@@ -240,7 +242,7 @@ class RecoveryExecutor:
             self._session.events.emit(ev.FAILURE_DETECTED, round=runtime.result.round, step=step, error=error_text,
                                       detector=detector.value, stalled=[],
                                       step_seconds=runtime.clock.median_seconds())
-        log.warning("ddp_ft: round %d failed at step %s (%s, detected by %s): %s", runtime.result.round, step,
+        ft_log.warning("round %d failed at step %s (%s, detected by %s): %s", runtime.result.round, step,
                     kind.value, detector.value, error_text)
         runtime.retire_group()  # nothing may wait on the broken group from here on (see retire_group)
         _call_on_exception(trainer, exc)
@@ -273,7 +275,7 @@ class RecoveryExecutor:
         text = f"{type(exc).__name__}: {first_line(exc)}"
         if outcome.action is FailureAction.UNHEALTHY:
             message = f"this node cannot go on ({facts.node_fault}: {text}); leaving as an unhealthy node"
-            log.error("ddp_ft: %s, exit code %d", message, int(ExitCode.UNHEALTHY_NODE))
+            ft_log.error("%s, exit code %d", message, int(ExitCode.UNHEALTHY_NODE))
             print(f"lightning_ft: UNHEALTHY_NODE ({int(ExitCode.UNHEALTHY_NODE)}): {message}", file=sys.stderr,
                   flush=True)
             session.events.emit(ev.NODE_FAULT, round=result.round, step=step, error=text, errno=facts.node_fault)
@@ -295,14 +297,14 @@ class RecoveryExecutor:
             try:
                 session.rendezvous.records.finish_round(result.round)
             except (RuntimeError, OSError) as error:
-                log.warning("ddp_ft: could not record the end of round %d: %s", result.round, first_line(error))
-            log.info("ddp_ft: %s; not recovering (%s); a later stage of the job may still run", text, kind.value)
+                ft_log.warning("could not record the end of round %d: %s", result.round, first_line(error))
+            ft_log.info("%s; not recovering (%s); a later stage of the job may still run", text, kind.value)
             raise exc
         if close is not None and close.kind is CloseKind.FAILED:
             session.failed_with = f"stage {session.stages_started - 1}: {close.text}"
         # Lightning runs on_exception hooks and its teardown, as for any error: the group stays
         self.leave(close, failed=text if outcome.publish_error else None, destroy_group=False)
-        log.info("ddp_ft: %s; not recovering (%s)", text, kind.value)
+        ft_log.info("%s; not recovering (%s)", text, kind.value)
         raise exc
 
     def _leave_evicted(self, exc: StragglerEvicted, trainer: Any) -> NoReturn:
@@ -312,14 +314,14 @@ class RecoveryExecutor:
         message = str(exc)
         self._session.events.emit(ev.EVICTED, round=runtime.round_id if runtime is not None else None,
                                   step=trainer.global_step if trainer is not None else None, reason=message)
-        log.warning("ddp_ft: %s; leaving with exit code %d (EVICTED)", message, int(ExitCode.EVICTED))
+        ft_log.warning("%s; leaving with exit code %d (EVICTED)", message, int(ExitCode.EVICTED))
         marker = self._host.settings.stragglers.straggler_marker
         if marker:  # the health-marker hook: this node reads as unhealthy until someone looks at it
             try:
                 with open(marker, "w") as f:
                     f.write(f"evicted as a straggler from run {self._host.settings.run_id}: {message}\n")
             except OSError as error:
-                log.warning("ddp_ft: could not write the straggler marker %s: %s", marker, error)
+                ft_log.warning("could not write the straggler marker %s: %s", marker, error)
         print(f"lightning_ft: EVICTED ({int(ExitCode.EVICTED)}): {message}", file=sys.stderr, flush=True)
         self.leave(withdraw=message)
         raise FaultTolerantExit(ExitCode.EVICTED, message) from exc
@@ -328,12 +330,12 @@ class RecoveryExecutor:
         # what Lightning's _call_and_handle_interrupt does after on_exception, minus re-raising;
         # bounded: a teardown stuck on the broken group would leave this process alive but useless
         timeout = self._host.settings.timeouts.init_timeout
-        guard = ExitWatchdog.within(timeout, 1, f"ddp_ft: teardown after a failure (bound {timeout:.0f}s); exiting "
-                                                "so the others see this participant gone")
+        guard = ExitWatchdog.within(timeout, 1, f"{strategy_name()}: teardown after a failure (bound "
+                                                f"{timeout:.0f}s); exiting so the others see this participant gone")
         try:
             teardown_trainer(trainer)
         except Exception as exc:  # noqa: BLE001 - a broken group may make parts of teardown fail
-            log.warning("ddp_ft: teardown after the failure raised %s: %s", type(exc).__name__, exc)
+            ft_log.warning("teardown after the failure raised %s: %s", type(exc).__name__, exc)
         finally:
             guard.disarm()
         runtime.retire_group()
@@ -358,7 +360,7 @@ class RecoveryExecutor:
             if close is not None:
                 session.close(close.kind, close.text)
         except (RuntimeError, OSError) as exc:  # the store is gone: nobody is left to tell
-            log.warning("ddp_ft: could not tell the rendezvous that this participant leaves (%s: %s)",
+            ft_log.warning("could not tell the rendezvous that this participant leaves (%s: %s)",
                         type(exc).__name__, first_line(exc))
         self._host.stop_round_threads()
         session.rendezvous.shutdown(job_finished=False)
@@ -374,7 +376,7 @@ class RecoveryExecutor:
         runtime = self._run.round
         self._host.event_log.emit(ev.STOPPED, round=runtime.round_id if runtime is not None else None,
                                   reason=text, code=int(ExitCode.PREEMPTED))
-        log.error("ddp_ft: cannot go on in-process; exit code %d (PREEMPTED, requeue): %s", int(ExitCode.PREEMPTED),
+        ft_log.error("cannot go on in-process; exit code %d (PREEMPTED, requeue): %s", int(ExitCode.PREEMPTED),
                   text)
         print(f"lightning_ft: PREEMPTED ({int(ExitCode.PREEMPTED)}): {text}", file=sys.stderr, flush=True)
         self.leave(None)
@@ -385,7 +387,7 @@ class RecoveryExecutor:
         runtime = self._run.round
         self._host.event_log.emit(ev.NO_RESTART, round=runtime.round_id if runtime is not None else None,
                                   reason=message)
-        log.error("ddp_ft: giving up with exit code %d (NO_RESTART): %s", int(ExitCode.NO_RESTART), message)
+        ft_log.error("giving up with exit code %d (NO_RESTART): %s", int(ExitCode.NO_RESTART), message)
         print(f"lightning_ft: NO_RESTART ({int(ExitCode.NO_RESTART)}): {message}", file=sys.stderr, flush=True)
         self.leave(CloseReason(CloseKind.FAILED, message) if close else None)
         raise FaultTolerantExit(ExitCode.NO_RESTART, message) from cause
@@ -394,7 +396,7 @@ class RecoveryExecutor:
 def give_up_without_session(host: RuntimeHost, message: str, cause: BaseException | None = None) -> NoReturn:
     """NO_RESTART (83) before this process has a session (the store cannot be reached)."""
     host.event_log.emit(ev.NO_RESTART, round=None, reason=message)
-    log.error("ddp_ft: giving up with exit code %d (NO_RESTART): %s", int(ExitCode.NO_RESTART), message)
+    ft_log.error("giving up with exit code %d (NO_RESTART): %s", int(ExitCode.NO_RESTART), message)
     print(f"lightning_ft: NO_RESTART ({int(ExitCode.NO_RESTART)}): {message}", file=sys.stderr, flush=True)
     host.stop_round_threads()
     destroy_process_group()
@@ -414,7 +416,7 @@ def _call_on_exception(trainer: Any, exc: BaseException) -> None:
         try:
             callback.on_exception(trainer, trainer.lightning_module, exc)
         except Exception as hook_error:  # noqa: BLE001 - one callback must not stop the recovery
-            log.warning("ddp_ft: %s.on_exception raised %s: %s", type(callback).__name__,
+            ft_log.warning("%s.on_exception raised %s: %s", type(callback).__name__,
                         type(hook_error).__name__, hook_error)
 
 

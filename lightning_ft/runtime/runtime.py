@@ -28,6 +28,7 @@ from lightning_ft._clock import monotonic
 from lightning_ft._lightning.callbacks import first_callback_of_type
 from lightning_ft._lightning.history import set_aside_abandoned_checkpoints, versioned_loggers
 from lightning_ft._lightning.trainer import is_fitting, log_device_info
+from lightning_ft._logging import StrategyLog, strategy_name
 from lightning_ft.checkpoint.exchange.replication import ReplicaPublisher, replica_cipher
 from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
@@ -53,6 +54,7 @@ from lightning_ft.stragglers.watch import StragglerWatch
 from lightning_ft.termination.handover import SeatCensus
 
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 #: the rank of a process that is not (or no longer) training: a hot spare, or after fit()
 NO_RANK = -1
@@ -226,7 +228,7 @@ class FaultToleranceRuntime:
             return
         runtime, session = self.round, self.session
         if runtime is None or runtime.result is None or session is None:
-            raise RuntimeError("ddp_ft: setup_distributed ran outside the strategy's launcher")
+            raise RuntimeError(f"{strategy_name()}: setup_distributed ran outside the strategy's launcher")
         result = runtime.result
         self.surface.assign_rank(result.rank, result.world_size)
         backend = self.surface.group_backend()
@@ -239,7 +241,7 @@ class FaultToleranceRuntime:
         seconds = time.perf_counter() - start
         self.event_log.emit(ev.GROUP_FORMED, round=result.round, rank=result.rank, world=result.world_size,
                             seconds=round(seconds, 4))
-        log.info("ddp_ft: round %d: process group up as rank %d of %d in %.3fs (%s)", result.round,
+        ft_log.info("round %d: process group up as rank %d of %d in %.3fs (%s)", result.round,
                  result.rank, result.world_size, seconds, backend)
         assert self.settings.domain_id is not None  # resolved by resolve_settings
         session.round_values(result).put(member_key(result.rank),
@@ -271,7 +273,7 @@ class FaultToleranceRuntime:
         if session.trained_through < stage:
             session.trained_through = stage
             self.event_log.emit(ev.STATE_RECEIVED, round=runtime.round_id, source=source, stage=stage)
-            log.info("ddp_ft: rank %d stood by in the fit of stage %d: took its model state from rank %d",
+            ft_log.info("rank %d stood by in the fit of stage %d: took its model state from rank %d",
                      self.surface.global_rank, stage, source)
 
     def note_early_rank(self, node_index: int) -> None:
@@ -297,7 +299,7 @@ class FaultToleranceRuntime:
                                     lambda event, **f: self.event_log.emit(event, round=round_id, **f),
                                     model_fingerprint_before_setup(self.surface.lightning_module))
         if self.round is not None and self.round.follows_a_failure and not checkpoint.auto_resume:
-            log.info("ddp_ft: turning on EmergencyCheckpoint auto-resume to continue after the failure")
+            ft_log.info("turning on EmergencyCheckpoint auto-resume to continue after the failure")
             checkpoint.auto_resume = True
         return step
 
@@ -325,7 +327,7 @@ class FaultToleranceRuntime:
         deadline = monotonic() + self.settings.timeouts.init_timeout
         while (raw := values.get(key)) is None:
             if monotonic() > deadline:
-                raise RuntimeError(f"ddp_ft: no authentic value of {values.key(key)} within "
+                raise RuntimeError(f"{strategy_name()}: no authentic value of {values.key(key)} within "
                                    f"init_timeout={self.settings.timeouts.init_timeout:g}s")
             time.sleep(0.01)
         return raw
@@ -452,7 +454,7 @@ class FaultToleranceRuntime:
         if since_failure is not None:
             self.event_log.emit(ev.FIRST_STEP_AFTER_RECOVERY, round=runtime.round_id, step=step,
                                 seconds_since_failure=round(since_failure, 4))
-            log.info("ddp_ft: first step after recovery completed (step %d, %.3fs after the failure)",
+            ft_log.info("first step after recovery completed (step %d, %.3fs after the failure)",
                      step, since_failure)
         if self._replicas is not None and runtime.result is not None:
             assert self._checkpoint is not None  # replicas are published only with one

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_ft._clock import monotonic
+from lightning_ft._logging import StrategyLog
 from lightning_ft.checkpoint.memory.roots import remove_run_snapshots
 from lightning_ft.deadlines import on_service_thread_stop, raw_store
 from lightning_ft.events import EventLog, NullEventLog
@@ -44,6 +45,7 @@ from lightning_ft.stragglers.meter import WorkMeter
 from lightning_ft.stragglers.watch import StragglerWatch
 
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 
 #: the open session of each run this process takes part in, by (endpoint, run id): a script's
@@ -118,7 +120,7 @@ class Session:
         session.events.emit(ev.JOIN, participant=info.participant_id, domain=settings.domain_id,
                             endpoint=str(launch.endpoint), run_id=launch.run_id, min_nodes=launch.min_nodes,
                             max_nodes=launch.max_nodes, store_host=participant.hosting)
-        log.info("ddp_ft: participant %s (domain %s) joins run %s at %s (nodes %d:%d)%s",
+        ft_log.info("participant %s (domain %s) joins run %s at %s (nodes %d:%d)%s",
                  info.participant_id, settings.domain_id, launch.run_id, launch.endpoint, launch.min_nodes,
                  launch.max_nodes, "; hosting the store" if participant.hosting else "")
         return session
@@ -152,14 +154,14 @@ class Session:
                 rendezvous.shutdown(job_finished=self.finished_as_active and crashed is None,
                                     reason="the job's last stage completed")
             except (RuntimeError, OSError) as exc:
-                log.warning("ddp_ft: could not leave the rendezvous at the end of the job: %s", exc)
+                ft_log.warning("could not leave the rendezvous at the end of the job: %s", exc)
         self.participant.close()
         if crashed is None and self.finished_as_active and self.fit_finished is not None:
             tier, step, epoch = self.fit_finished
             try:  # a node started later (a replacement, a restart) must not train the run again
                 tier.mark_finished(step, epoch)
             except OSError as exc:
-                log.warning("ddp_ft: could not record in the durable tier that the run finished: %s", exc)
+                ft_log.warning("could not record in the durable tier that the run finished: %s", exc)
         if crashed is None and (self.last_stage_completed or self.saw_job_finish):
             self._remove_snapshots()
 
@@ -177,10 +179,10 @@ class Session:
             try:
                 removed = remove_run_snapshots(root, self.participant.rendezvous.settings.run_id)
             except OSError as exc:
-                log.warning("ddp_ft: could not remove the finished job's snapshots under %s: %s", root, exc)
+                ft_log.warning("could not remove the finished job's snapshots under %s: %s", root, exc)
                 continue
             if removed:
-                log.info("ddp_ft: the job finished: removed its snapshots from memory (%s)", ", ".join(removed))
+                ft_log.info("the job finished: removed its snapshots from memory (%s)", ", ".join(removed))
 
     @property
     def store(self) -> Any:
@@ -233,7 +235,7 @@ class Session:
         try:
             self.rendezvous.close_for_good(CloseReason(kind, text))
         except (RuntimeError, OSError) as exc:
-            log.warning("ddp_ft: could not close the rendezvous: %s", exc)
+            ft_log.warning("could not close the rendezvous: %s", exc)
 
 
 _exit_hook_installed = False

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_ft._logging import strategy_name
 from lightning_ft.checkpoint.durable.settings import DurableSettings
 from lightning_ft.checkpoint.settings import SnapshotSettings
 from lightning_ft.events.log import EventSettings
@@ -48,7 +49,6 @@ ENV_RUN_ID = "LIGHTNING_FT_RUN_ID"
 ENV_NNODES = "LIGHTNING_FT_NNODES"
 ENV_TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 
-_PREFIX = "ddp_ft: "
 #: the launch settings: resolved by :func:`resolve_launch_config`, not by the settings loader
 LAUNCH_ARGUMENTS = ("endpoint", "run_id", "min_nodes", "max_nodes")
 
@@ -268,11 +268,11 @@ def resolve_settings(env: Mapping[str, str] | None = None, *, timeout: Any = Non
     try:
         read_secret(env)  # an unusable secret is a configuration error now, not a traceback at fit()
     except SecretError as exc:
-        raise StrategyConfigError(f"{_PREFIX}{exc}") from None
+        raise StrategyConfigError(f"{strategy_name()}: {exc}") from None
     if not (timeout is None or isinstance(timeout, datetime.timedelta)):
-        raise StrategyConfigError(f"{_PREFIX}timeout must be a datetime.timedelta, got {timeout!r}")
+        raise StrategyConfigError(f"{strategy_name()}: timeout must be a datetime.timedelta, got {timeout!r}")
     settings = load(StrategySettings, {**given, "launch": launch, "pg_timeout": timeout}, env=env,
-                    error=StrategyConfigError, prefix=_PREFIX)
+                    error=StrategyConfigError, prefix=f"{strategy_name()}: ")
     return dataclasses.replace(settings, domain_id=resolve_domain_id(settings.domain_id, env),
                                given=frozenset(given))
 
@@ -289,7 +289,7 @@ def resolve_launch_config(endpoint: str | None, run_id: str | None, min_nodes: i
         run_id_value, _ = resolve_run_id(run_id, env)
         nodes = _merge_nodes(min_nodes, max_nodes, env.get(ENV_NNODES))
     except ValueError as exc:
-        raise StrategyConfigError(f"{_PREFIX}{exc}") from None
+        raise StrategyConfigError(f"{strategy_name()}: {exc}") from None
     missing = []
     if endpoint_text is None:
         missing.append(f"endpoint= (or {ENV_ENDPOINT}=HOST:PORT)")
@@ -298,16 +298,17 @@ def resolve_launch_config(endpoint: str | None, run_id: str | None, min_nodes: i
     if nodes is None:
         missing.append(f"min_nodes=/max_nodes= (or {ENV_NNODES}=MIN:MAX)")
     if missing:
-        raise StrategyConfigError(f"{_PREFIX}missing setting(s): " + "; ".join(missing) +
+        raise StrategyConfigError(f"{strategy_name()}: missing setting(s): " + "; ".join(missing) +
                                   ". Or launch with torchrun --rdzv-backend=lightning_ft.")
     assert nodes is not None and run_id_value is not None
     try:
         parsed = parse_endpoints(str(endpoint_text))
     except RendezvousConfigError as exc:
-        raise StrategyConfigError(f"{_PREFIX}endpoint {endpoint_text!r}: {exc}") from None
+        raise StrategyConfigError(f"{strategy_name()}: endpoint {endpoint_text!r}: {exc}") from None
     run_id_text = str(run_id_value)
     if not run_id_text or "/" in run_id_text:
-        raise StrategyConfigError(f"{_PREFIX}run_id must be a non-empty string without '/', got {run_id_text!r}")
+        raise StrategyConfigError(f"{strategy_name()}: run_id must be a non-empty string without '/', "
+                                  f"got {run_id_text!r}")
     return LaunchConfig(LaunchMode.RENDEZVOUS, run_id_text, parsed, nodes[0], nodes[1])
 
 
@@ -342,13 +343,14 @@ def _torchelastic_config(endpoint: str | None, run_id: str | None, min_nodes: in
         conflicts.append(ENV_NNODES)
     if conflicts:
         raise StrategyConfigError(
-            f"{_PREFIX}contradictory settings: this process was started by torchrun ({ENV_TORCHELASTIC_RUN_ID}="
-            f"{elastic_run_id!r}), whose agent does the rendezvous (--rdzv-endpoint, --nnodes), but "
+            f"{strategy_name()}: contradictory settings: this process was started by torchrun "
+            f"({ENV_TORCHELASTIC_RUN_ID}={elastic_run_id!r}), whose agent does the rendezvous (--rdzv-endpoint, "
+            "--nnodes), but "
             f"{', '.join(conflicts)} {'is' if len(conflicts) == 1 else 'are'} set too; remove "
             f"{'it' if len(conflicts) == 1 else 'them'}, or launch without torchrun")
     for name, value in (("run_id", run_id), (ENV_RUN_ID, env.get(ENV_RUN_ID))):
         if value not in (None, "") and value != elastic_run_id:
             raise StrategyConfigError(
-                f"{_PREFIX}contradictory settings: {name}={value!r} but torchrun's --rdzv-id is "
+                f"{strategy_name()}: contradictory settings: {name}={value!r} but torchrun's --rdzv-id is "
                 f"{elastic_run_id!r}; drop {name} or make them equal")
     return LaunchConfig(LaunchMode.TORCHELASTIC, elastic_run_id)

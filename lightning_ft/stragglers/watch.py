@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 
 from lightning_ft._clock import monotonic
+from lightning_ft._logging import StrategyLog
 from lightning_ft.events import names as ev
 from lightning_ft.rendezvous.records import RunRecords
 from lightning_ft.schema.round import (
@@ -38,6 +39,7 @@ from lightning_ft.stragglers.meter import WorkMeter
 from lightning_ft.stragglers.policy import StragglerAction, WorkSummary, decide, judge
 
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 
 class StragglerWatch:
@@ -99,7 +101,7 @@ class StragglerWatch:
                 why = ("it is bound to another run, incarnation, round or launch, or not an eviction"
                        if self.authenticated else "this job has no secret, so straggler eviction only warns "
                        "(a store client could have written it)")
-                log.warning("ddp_ft: ignored the eviction in store key %s: %s", self.round_values.key(EVICT_KEY), why)
+                ft_log.warning("ignored the eviction in store key %s: %s", self.round_values.key(EVICT_KEY), why)
             return
         if eviction.rank == self.rank:
             self.evicted = eviction.reason
@@ -140,14 +142,14 @@ class StragglerWatch:
             winner = self.round_values.replace(EVICT_KEY, lambda raw: decode_eviction(raw, self.scope) is not None,
                                                encode_eviction(self.scope, straggler, step, reason))
             if decode_eviction(winner, self.scope) == (straggler, step, reason):
-                log.warning("ddp_ft: evicting rank %d as a straggler at step %d: %s", straggler, step, reason)
+                ft_log.warning("evicting rank %d as a straggler at step %d: %s", straggler, step, reason)
                 self.emit(ev.STRAGGLER, round=self.round_id, rank=straggler, step=step, action=action.value,
                           score=round(verdict.scores[straggler], 3), reason=reason)
             return
         if self._warned is not None and self._warned[0] == straggler and step - self._warned[1] < self.window:
             return  # said within this window already
         self._warned = (straggler, step)
-        log.warning("ddp_ft: rank %d is a straggler at step %d: %s", straggler, step, reason)
+        ft_log.warning("rank %d is a straggler at step %d: %s", straggler, step, reason)
         self.emit(ev.STRAGGLER, round=self.round_id, rank=straggler, step=step, action=action.value,
                   score=round(verdict.scores[straggler], 3), reason=reason)
 

@@ -26,6 +26,7 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ft._lightning.names import STRATEGY_DESCRIPTION, STRATEGY_NAME
+from lightning_ft._logging import set_strategy_name
 from lightning_ft.exit_codes import ExitCode
 from lightning_ft.process import end_uncaught_configuration_errors
 from lightning_ft.runtime.layout import ReplicatedState
@@ -84,6 +85,7 @@ class FaultTolerantDDPStrategy(FaultTolerantSurface, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         end_uncaught_configuration_errors((SettingsError,), int(ExitCode.NO_RESTART))
+        set_strategy_name(self.strategy_name)  # the runtime's lines and errors name this strategy
         given, ddp_kwargs = split_strategy_kwargs(kwargs)
         settings = resolve_settings(endpoint=endpoint, run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes,
                                     timeout=timeout, **given)

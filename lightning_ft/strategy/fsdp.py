@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_ft._lightning.names import FSDP_STRATEGY_DESCRIPTION, FSDP_STRATEGY_NAME
 from lightning_ft._lightning.trainer import data_parallel_mesh, give_module_its_mesh
+from lightning_ft._logging import set_strategy_name
 from lightning_ft.exit_codes import ExitCode
 from lightning_ft.process import end_uncaught_configuration_errors
 from lightning_ft.runtime.layout import ShardedState
@@ -64,6 +65,7 @@ class FaultTolerantFSDPStrategy(FaultTolerantSurface, ModelParallelStrategy):
         **kwargs: Any,
     ) -> None:
         end_uncaught_configuration_errors((SettingsError,), int(ExitCode.NO_RESTART))
+        set_strategy_name(self.strategy_name)  # the runtime's lines and errors name this strategy
         if kwargs.get("keep_ranks", True) is not True:
             raise StrategyConfigError("fsdp_ft: keep_ranks is always on (a rank's shards exist only where that rank "
                                       "ran); remove keep_ranks=False")

@@ -19,10 +19,12 @@ import subprocess
 
 from lightning_ft._clock import monotonic
 from lightning_ft._lightning.launcher import script_command
+from lightning_ft._logging import StrategyLog
 from lightning_ft.process import before_leaving
 from lightning_ft.settings.environment import ENV_LOCAL_PARENT, ENV_LOCAL_PROCESS, child_environment
 
 log = logging.getLogger(__name__)
+ft_log = StrategyLog(log, {})
 
 _started: list[subprocess.Popen] = []
 
@@ -37,7 +39,7 @@ def start_local_processes(count: int) -> list[subprocess.Popen]:
         env = child_environment(**{ENV_LOCAL_PROCESS: str(index), ENV_LOCAL_PARENT: str(os.getpid()),
                                    "LIGHTNING_FT_IS_STORE_HOST": "0"})
         _started.append(subprocess.Popen(command, env=env))
-    log.info("ddp_ft: devices=%d: started this node's processes %s (pids %s), each a participant", count,
+    ft_log.info("devices=%d: started this node's processes %s (pids %s), each a participant", count,
              ", ".join(str(i) for i in range(1, count)), ", ".join(str(p.pid) for p in _started))
     before_leaving(_wait_for_local_processes)
     return _started
@@ -49,5 +51,5 @@ def _wait_for_local_processes(seconds: float) -> None:
         try:
             process.wait(max(0.0, deadline - monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("ddp_ft: this node's process %d is still running %.0fs after this one finished; it ends "
+            ft_log.warning("this node's process %d is still running %.0fs after this one finished; it ends "
                         "with this one", process.pid, seconds)

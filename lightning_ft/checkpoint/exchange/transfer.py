@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from lightning_ft._logging import strategy_name
 from lightning_ft.checkpoint.exchange.agreement import gather_steps
 from lightning_ft.checkpoint.identity import ExpectedIdentity
 from lightning_ft.checkpoint.memory.listing import SnapshotInfo
@@ -43,7 +44,7 @@ def exchange_snapshots(store: SnapshotStore, rank: int, world_size: int, emit: C
     local = store.readable_steps(include_peers=True, expect=expect)
     gathered = gather_steps(local)
     if len(gathered) != world_size:
-        raise RuntimeError(f"ddp_ft: snapshot exchange expected {world_size} ranks, the default group has "
+        raise RuntimeError(f"{strategy_name()}: snapshot exchange expected {world_size} ranks, the default group has "
                            f"{len(gathered)}")
     plan = plan_snapshot_transfer(gathered)
     emit(ev.SNAPSHOT_PLAN, step=plan.step if plan else None, source=plan.source if plan else None,
@@ -74,7 +75,7 @@ def exchange_shards(store: SnapshotStore, rank: int, world_size: int, emit: Call
     by_shard = {(info.rank, info.step): info for info in store.readable_in_every_rank_dir(expect)}
     gathered = gather_steps([value for shard, step in by_shard for value in (shard, step)])
     if len(gathered) != world_size:
-        raise RuntimeError(f"ddp_ft: shard exchange expected {world_size} ranks, the default group has "
+        raise RuntimeError(f"{strategy_name()}: shard exchange expected {world_size} ranks, the default group has "
                            f"{len(gathered)}")
     plan = plan_shard_transfers([list(zip(flat[0::2], flat[1::2], strict=True)) for flat in gathered])
     emit(ev.SNAPSHOT_PLAN, step=plan.step if plan else None,
@@ -113,7 +114,7 @@ def _send_snapshot(store: SnapshotStore, plan: TransferPlan, rank: int, emit: Ca
                      seconds=round(time.perf_counter() - start, 4))
         payload = None  # the last reference to the map's view goes before the map is closed
     if nbytes < 0:
-        raise RuntimeError(f"ddp_ft: snapshot of step {plan.step} vanished on rank {rank} before it could "
+        raise RuntimeError(f"{strategy_name()}: snapshot of step {plan.step} vanished on rank {rank} before it could "
                            "be sent to the ranks that lack it")
     log.info("rank %d: sent snapshot step %d (%d bytes) to rank(s) %s in %.3fs", rank, plan.step, nbytes,
              list(plan.receivers), time.perf_counter() - start)
@@ -126,7 +127,7 @@ def _receive_snapshot(store: SnapshotStore, plan: TransferPlan, rank: int, emit:
     dist.recv(size, src=plan.source)
     nbytes = int(size.item())
     if nbytes < 0:
-        raise RuntimeError(f"ddp_ft: rank {plan.source} could not send the snapshot of step {plan.step}")
+        raise RuntimeError(f"{strategy_name()}: rank {plan.source} could not send the snapshot of step {plan.step}")
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     dist.recv(buffer, src=plan.source)
     store.write_bytes(buffer.numpy().data)  # a memoryview of the received bytes
@@ -157,7 +158,7 @@ def _move_shards(store: SnapshotStore, plan: ShardTransferPlan, by_shard: dict[t
         dist.all_reduce(sizes)  # each entry is written by its source only
         failed = [plan.transfers[i] for i in range(len(plan.transfers)) if sizes[i] < 0]
         if failed:
-            raise RuntimeError(f"ddp_ft: shards of step {plan.step} vanished before they could be sent "
+            raise RuntimeError(f"{strategy_name()}: shards of step {plan.step} vanished before they could be sent "
                                f"(source, receiver): {failed}")
         requests, received = [], {}
         for index, (source, receiver) in enumerate(plan.transfers):
