@@ -327,3 +327,37 @@ def test_a_hand_over_is_reported_with_its_cost_and_the_job_exit_code_stays_0():
     text = format_report(summary)
     assert "hand-overs    1" in text and "node1 left after step 30 (exit 0)" in text and "steps redone 0" in text
     assert job_exit_code(summary, launcher_code=0).code == 0
+
+
+def test_a_spare_used_in_one_stage_and_not_needed_in_the_next_is_listed_once_as_used():
+    """node2 stood by, took node1's place after a failure, and left 0 in the next stage (not
+    needed): one spare used, none exited unused (issue 46 item 8: it was listed as both)."""
+    events = [*recovered_run(), ev(30.0, "node2", "spare_exit", reason="not needed in stage 1")]
+    summary = summarize(events)
+    assert summary.spares_used == ("node2",) and summary.spares_exited == ()
+    assert "spares exited unused" not in format_report(summary)
+
+
+def test_a_node_an_elastic_job_grew_to_take_in_is_no_spare_used():
+    """1:2, both launched together: node1 stood by in round 0 and joined when the job grew -- it
+    replaced nobody, so no spare was used (issue 46 item 4: the report said one was)."""
+    events = [
+        ev(0.0, "node0", "join"), ev(0.1, "node1", "join"),
+        ev(1.0, "node0", "round_complete", round=0, rank=0, world=1, standby=False),
+        ev(1.0, "node1", "round_complete", round=0, rank=None, world=1, standby=True),
+        ev(4.0, "node0", "grow", round=0, step=12, reason="1 participant arrived"),
+        ev(4.5, "node0", "round_complete", round=1, rank=0, world=2, standby=False),
+        ev(4.5, "node1", "round_complete", round=1, rank=1, world=2, standby=False),
+        ev(9.0, "node0", "finished", step=40), ev(9.0, "node1", "finished", step=40),
+    ]
+    summary = summarize(events)
+    assert summary.spares_used == () and summary.failures == ()
+    assert [(c.kind, c.before, c.after) for c in summary.world_changes] == [("grow", 1, 2)]
+    # a spare that takes a lost active's place in a grown job still counts
+    later = [*events[:-2], ev(6.0, "node2", "join"),
+             ev(6.1, "node2", "round_complete", round=1, rank=None, world=2, standby=True),
+             ev(7.0, "node0", "failure_detected", round=1, step=30, error="peer lost", detector="collective"),
+             ev(7.5, "node0", "round_complete", round=2, rank=0, world=2, standby=False),
+             ev(7.5, "node2", "round_complete", round=2, rank=1, world=2, standby=False),
+             ev(9.0, "node0", "finished", step=40)]
+    assert summarize(later).spares_used == ("node2",)

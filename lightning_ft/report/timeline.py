@@ -278,6 +278,30 @@ def _participants(timeline: Sequence[TimelineEntry]) -> tuple[ParticipantSummary
     return tuple(result)
 
 
+def _spares_used(timeline: Sequence[TimelineEntry]) -> tuple[str, ...]:
+    """Who stood by and later took an active's place after a failure or a hand-over -- not one that
+    an elastic job grew to take in (it replaced nobody: a ``grow`` ended the round before, nothing
+    failed in it). Launched together, an elastic job's nodes can start that way with no spare."""
+    grown = {e.fields.get("round") for e in timeline if e.event == ev.GROW}
+    replaced = {e.fields.get("round") for e in timeline
+                if e.event in (ev.FAILURE_DETECTED, ev.HAND_OVER, ev.HANDED_OVER, ev.DECISION)}
+    used: dict[str, None] = {}
+    stood_by: set[str] = set()
+    for entry in timeline:
+        if entry.event != ev.ROUND_COMPLETE:
+            continue
+        if entry.fields.get("standby"):
+            stood_by.add(entry.who)
+            continue
+        round_ = _int(entry.fields.get("round"))
+        if entry.who in stood_by and entry.who not in used:
+            before = None if round_ is None else round_ - 1
+            if before not in grown or before in replaced:
+                used[entry.who] = None
+            stood_by.discard(entry.who)
+    return tuple(used)
+
+
 def _finished(entry: TimelineEntry) -> bool:
     """A stage completed: a participant's ``finished``, or a torchrun agent whose workers finished
     (its workers may log nothing of their own: not every torchrun script is a Lightning one)."""
@@ -326,9 +350,10 @@ def summarize(events: Iterable[Any]) -> RunSummary:
         until = incidents[index + 1][0].seconds if index + 1 < len(incidents) else float("inf")
         failures.append(_summarize_failure(incident, timeline, until))
     participants = _participants(timeline)
-    spares_used = tuple(p.who for p in participants
-                        if "standby" in p.roles and "active" in p.roles[p.roles.index("standby"):])
-    spares_exited = tuple(dict.fromkeys(e.who for e in timeline if e.event == ev.SPARE_EXIT))
+    spares_used = _spares_used(timeline)
+    # a spare used in one stage that a later stage did not need is a spare used, not one unused
+    spares_exited = tuple(who for who in dict.fromkeys(e.who for e in timeline if e.event == ev.SPARE_EXIT)
+                          if who not in spares_used)
     rounds = {r for r in (_int(e.fields.get("round")) for e in timeline if e.event == ev.ROUND_COMPLETE)
               if r is not None}
     status, detail, final_step = _final_status(timeline)
