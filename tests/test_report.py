@@ -361,3 +361,34 @@ def test_a_node_an_elastic_job_grew_to_take_in_is_no_spare_used():
              ev(7.5, "node2", "round_complete", round=2, rank=1, world=2, standby=False),
              ev(9.0, "node0", "finished", step=40)]
     assert summarize(later).spares_used == ("node2",)
+
+
+def test_a_test_stage_killed_and_run_again_is_a_recovery_that_cost_the_rerun():
+    """test() (stage 1, no training steps) loses node1 at +12 s; node0 and the spare node2 re-form
+    at +13 s and run the whole stage again, which finishes: recovered, lost 1 s of re-forming + the
+    2 s of the stage the failed round had done (issue 46 item 8: "not recovered, goodput 100 %")."""
+    events = [
+        ev(0.0, "node0", "join"), ev(0.1, "node1", "join"), ev(0.2, "node2", "join"),
+        ev(1.0, "node0", "round_complete", round=0, rank=0, world=2, standby=False),
+        ev(1.0, "node1", "round_complete", round=0, rank=1, world=2, standby=False),
+        ev(1.0, "node2", "round_complete", round=0, rank=None, world=2, standby=True),
+        ev(1.1, "node0", "group_formed", round=0), ev(1.1, "node1", "group_formed", round=0),
+        ev(9.0, "node0", "finished", round=0, step=50), ev(9.0, "node1", "finished", round=0, step=50),
+        ev(10.0, "node0", "round_complete", round=1, rank=0, world=2, standby=False),
+        ev(10.0, "node1", "round_complete", round=1, rank=1, world=2, standby=False),
+        ev(10.0, "node0", "group_formed", round=1), ev(10.0, "node1", "group_formed", round=1),
+        ev(12.0, "node0", "failure_detected", round=1, step=50, error="peer lost", detector="collective"),
+        ev(12.1, "node0", "decision", round=1, kind="peer_lost", action="recover"),
+        ev(12.8, "node0", "round_complete", round=2, rank=0, world=2, standby=False),
+        ev(12.8, "node2", "round_complete", round=2, rank=1, world=2, standby=False),
+        ev(13.0, "node0", "group_formed", round=2), ev(13.0, "node2", "group_formed", round=2),
+        ev(16.0, "node0", "finished", round=2, step=50), ev(16.0, "node2", "finished", round=2, step=50),
+    ]
+    summary = summarize(events)
+    [failure] = summary.failures
+    assert failure.recovered and failure.stage_rerun and failure.steps_redone is None
+    assert failure.recovery_seconds == pytest.approx(1.0) and failure.redone_seconds == pytest.approx(2.0)
+    assert summary.lost_seconds == pytest.approx(3.0) and summary.goodput < 1.0
+    assert summary.spares_used == ("node2",)
+    text = format_report(summary)
+    assert "ran again from its start and finished" in text and "not recovered" not in text

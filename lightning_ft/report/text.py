@@ -65,14 +65,17 @@ def format_summary(summary: RunSummary) -> list[str]:
         lines.append(f"    #{n}{in_round} at +{f.detected_at:.2f}s, detected by {', '.join(f.detected_by)}"
                      + (f": {_short(f.error)}" if f.error else ""))
         if f.recovered:
-            redone = "redone work unknown (no step time)" if f.redone_seconds is None else \
-                f"redone work {_fmt_seconds(f.redone_seconds)}"
+            unknown = "redone work unknown" + ("" if f.stage_rerun else " (no step time)")
+            redone = unknown if f.redone_seconds is None else f"redone work {_fmt_seconds(f.redone_seconds)}"
             lines.append(f"       lost time {_fmt_seconds(f.lost_seconds)} = detection and recovery "
                          f"{_fmt_seconds(f.recovery_seconds)} + {redone}")
-            lines.append(f"       failure step {_fmt_opt(f.failure_step)}, restored step {_fmt_opt(f.restored_step)}, "
-                         f"steps redone {_fmt_opt(f.steps_redone)}")
+            if f.stage_rerun:
+                lines.append("       the interrupted stage ran again from its start and finished")
+            else:
+                lines.append(f"       failure step {_fmt_opt(f.failure_step)}, restored step "
+                             f"{_fmt_opt(f.restored_step)}, steps redone {_fmt_opt(f.steps_redone)}")
         else:
-            lines.append("       not recovered (no first step after recovery)")
+            lines.append("       not recovered (no first step after recovery, no stage finished after it)")
     if summary.relaunches:
         lines.append(f"  relaunches    {len(summary.relaunches)}")
     for n, r in enumerate(summary.relaunches, 1):

@@ -83,6 +83,10 @@ class FailureSummary:
     #: recovery_seconds + redone_seconds (the recovery alone when the step time is unknown)
     lost_seconds: float | None
     recovered: bool
+    #: a stage without training steps (validate, test, predict) failed and ran again from its start
+    #: in the next round: recovered when it finished there; its redone work is what the failed
+    #: round had done of it
+    stage_rerun: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,6 +239,10 @@ def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[Timelin
     step_seconds = next((v for e in incident if (v := _number(e.fields.get("step_seconds"))) is not None and v > 0),
                         None) or _run_step_seconds(timeline)
     redone = max(redone_steps, 0) * step_seconds if redone_steps is not None and step_seconds is not None else None
+    rerun = _stage_rerun(incident, timeline, until) if first_step is None else None
+    if rerun is not None:
+        lost, redone = rerun
+        redone_steps = None
     return FailureSummary(
         round=_int(incident[0].fields.get("round")),
         detected_at=detected_at,
@@ -246,8 +254,26 @@ def _summarize_failure(incident: list[TimelineEntry], timeline: Sequence[Timelin
         recovery_seconds=lost,
         redone_seconds=redone,
         lost_seconds=None if lost is None else lost + (redone or 0.0),
-        recovered=first_step is not None,
+        recovered=first_step is not None or rerun is not None,
+        stage_rerun=rerun is not None,
     )
+
+
+def _stage_rerun(incident: list[TimelineEntry], timeline: Sequence[TimelineEntry],
+                 until: float) -> tuple[float, float | None] | None:
+    """(re-forming, redone) seconds of a failure in a stage without training steps that ran again and
+    finished: from the detection to the next round's group, and what the failed round had done of
+    the stage (its group -> the detection). None when no later round of it finished."""
+    failed_round, detected_at = _int(incident[0].fields.get("round")), incident[0].seconds
+    if failed_round is None:
+        return None
+    reformed = next((e for e in timeline if e.event == ev.GROUP_FORMED and detected_at <= e.seconds < until
+                     and (_int(e.fields.get("round")) or -1) > failed_round), None)
+    if reformed is None or not any(_finished(e) and reformed.seconds <= e.seconds < until for e in timeline):
+        return None
+    began = [e.seconds for e in timeline if e.event == ev.GROUP_FORMED and e.seconds <= detected_at
+             and _int(e.fields.get("round")) == failed_round]
+    return reformed.seconds - detected_at, (detected_at - max(began)) if began else None
 
 
 def _training_seconds(timeline: Sequence[TimelineEntry]) -> float | None:
