@@ -10,6 +10,7 @@ import signal
 import pytest
 
 from ft_cluster import Cluster
+from proc_utils import wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -33,10 +34,16 @@ def test_devices_2_a_lost_node_is_replaced_by_a_spare_node(processes, tmp_path):
     its position is in every snapshot), not only with four processes that agree."""
     cluster = Cluster(processes, tmp_path / "recovered", "2:3", run_id="devices-2")
     args = ["--devices", "2", "--max-steps", "60", "--step-sleep", "0.05", "--snapshot-every", "10", "--loader-data"]
-    cluster.start(["A", "B"], args)
-    cluster.wait_for_step(5, 90, among=["A", "B"])
+    # the spare node's two processes stand by before the node is lost: the job holds its first
+    # step until they do (its second process is a fresh interpreter, ~8 s on a loaded machine: it
+    # once arrived after the loss, joined the next round directly, and the record differed)
+    hold = tmp_path / "hold-first-step"
+    hold.touch()
+    cluster.start(["A", "B"], [*args, "--hold-first-step-while", str(hold)])
+    cluster.wait_for_log("A", "process group up", 90)
     cluster.start_participant("C", args)
-    cluster.wait_for_log("C", "started this node's processes 1")
+    assert wait_for(lambda: cluster.procs["C"].log().count(" is standby") >= 2, 90), cluster.logs()
+    hold.unlink()
     cluster.wait_for_step(25, 90, among=["A", "B"])
     cluster.procs["A"].signal_group(signal.SIGKILL)  # the node dies: its first process and the one it started
     codes = cluster.wait(["A", "B", "C"], 150)
