@@ -48,8 +48,9 @@ def test_an_elastic_job_shrinks_when_a_node_is_lost_or_signalled_and_keeps_the_m
     epoch re-sharded by position, and ends with the weights of an uninterrupted 2-rank run."""
     reference = start_reference(processes, tmp_path, ARGS)
     cluster = Cluster(processes, tmp_path / "job", "1:2", run_id="elastic")
-    # both must train in round 0: it completes when both arrived (max), whatever the machine's load
-    cluster.start(["A", "B"], [*ARGS, "--ft-option", "last_call_timeout=60"], LIGHTNING_FT_ELASTIC="1")
+    # both must train in round 0: the job's start window (60 s here, whatever the machine's load)
+    # holds it until both arrived (max)
+    cluster.start(["A", "B"], [*ARGS, "--ft-option", "elastic_start_window=60"], LIGHTNING_FT_ELASTIC="1")
     cluster.wait_for_step(20, 90, among=["A", "B"])
     sig = signal.SIGKILL if how == "lost" else signal.SIGTERM
     cluster.kill("B", sig)
@@ -106,3 +107,25 @@ def test_an_elastic_job_that_shrank_grows_back_when_a_node_arrives_and_keeps_the
     assert cluster.result("A")["weights"] == cluster.result("C")["weights"]
     expected = reference.result("R0")["weights"]
     assert cluster.result("A")["weights"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_a_node_that_missed_the_start_window_is_taken_in_at_once_not_after_the_grow_interval(processes, tmp_path):
+    """Issue 46, item 4: 1:2 elastic, A started alone (a 1 s start window), B once A trains: the
+    job's first round takes B in at the next steps -- no 30 s ``elastic_grow_interval`` (default)
+    -- and the report names it a grow, not a spare used."""
+    cluster = Cluster(processes, tmp_path, "1:2", run_id="elastic-young")
+    args = [*ARGS[:-1], "400", "--ft-option", "elastic_start_window=1"]
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    cluster.start_participant("A", args, LIGHTNING_FT_ELASTIC="1")
+    cluster.wait_for_step(10, 90, among=["A"])
+    cluster.start_participant("B", args, LIGHTNING_FT_ELASTIC="1")
+    assert cluster.wait(["A", "B"], 150) == {"A": 0, "B": 0}, cluster.logs()
+    pid = cluster.procs["A"].pid
+    worlds = [(e["round"], e["world"]) for e in cluster.events_of("round_complete") if e["pid"] == pid]
+    assert worlds == [(0, 1), (1, 2)], worlds
+    assert cluster.result("A")["step"] == cluster.result("B")["step"] == 400
+    assert cluster.result("A")["weights"] == cluster.result("B")["weights"]
+    summary = summarize(read_events(str(cluster.events)))
+    assert summary.spares_used == () and [c.kind for c in summary.world_changes] == ["grow"], summary

@@ -7,6 +7,7 @@ Real processes: a standalone ``lightning-ft store`` and ``tests/scripts/ft_train
 
 from __future__ import annotations
 
+import csv
 import signal
 import sys
 
@@ -46,7 +47,8 @@ def assert_no_step_trained_twice(cluster: Cluster, name: str) -> list[int]:
 @pytest.mark.timeout(180)
 def test_sigterm_to_one_active_hands_over_to_the_spare_and_no_step_is_trained_again(processes, tmp_path):
     cluster = Cluster(processes, tmp_path, "2:3", run_id="hand-over")
-    start_with_spares(cluster, "ABC", "AB", ["--max-steps", "150", *SLOW])
+    logs = tmp_path / "csv"
+    start_with_spares(cluster, "ABC", "AB", ["--max-steps", "150", *SLOW, "--csv-logs", str(logs)])
     cluster.wait_for_step(20, 60)
     cluster.kill("B", signal.SIGTERM)
     codes = cluster.wait(["A", "B", "C"], 90)
@@ -73,6 +75,11 @@ def test_sigterm_to_one_active_hands_over_to_the_spare_and_no_step_is_trained_ag
     assert hand_over.steps_redone == 0 and hand_over.step == left_at and hand_over.seconds is not None
     assert summary.failures == () and summary.status == "finished"
     assert job_exit_code(summary, launcher_code=0).code == 0
+    # the Trainer's logger agrees: a point per round, no recovery counted, the pause costed
+    rows = [row for path in sorted(logs.rglob("metrics.csv")) for row in csv.DictReader(path.open(newline=""))
+            if row.get("ft/recoveries")]
+    assert [(float(r["ft/world_size"]), float(r["ft/recoveries"])) for r in rows] == [(2.0, 0.0), (2.0, 0.0)], rows
+    assert float(rows[-1]["ft/lost_seconds"]) > 0 and 0 < float(rows[-1]["ft/goodput"]) < 1, rows
 
 
 @pytest.mark.timeout(180)

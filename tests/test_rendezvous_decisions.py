@@ -132,6 +132,26 @@ def test_last_call_after_min_nodes():
     assert decide_completion(view, settings(), timer, now=1.2).action is Action.COMPLETE
 
 
+def test_an_elastic_jobs_first_round_waits_its_start_window_for_the_nodes_started_with_it():
+    """Issue 46, item 4: 1:2 elastic, both nodes started together but the second's interpreter
+    slower -- the first round waits for it (up to elastic_start_window from its opening) instead
+    of forming with one after the 0.3 s last call and leaving the other standby until a grow."""
+    elastic = settings(min_nodes=1, max_nodes=2, last_call_timeout=0.3, elastic=True, elastic_start_window=5.0)
+    one = RoundView(0, (arrival(0, 0),))
+    timer = RoundTimer(opened_at=0.0)
+    waiting = decide_completion(one, elastic, timer, now=0.5)
+    assert waiting.action is Action.WAIT and waiting.wake_at == 5.0
+    assert decide_completion(one, elastic, timer, now=5.0).action is Action.COMPLETE  # the window bounds it
+    both = RoundView(0, (arrival(0, 0), arrival(1, 1)))
+    assert decide_completion(both, elastic, RoundTimer(opened_at=0.0), now=2.0).action is Action.COMPLETE
+    # a later round (a grow, a recovery) and a job with hot spares keep the short last call
+    spares = settings(min_nodes=1, max_nodes=2, last_call_timeout=0.3, elastic_start_window=5.0)
+    for view, these in ((RoundView(3, (arrival(0, 0),)), elastic), (one, spares)):
+        timer = RoundTimer(opened_at=0.0)
+        assert decide_completion(view, these, timer, now=0.1).action is Action.WAIT
+        assert decide_completion(view, these, timer, now=0.4).action is Action.COMPLETE
+
+
 def test_previous_active_grace_holds_places_unless_dead():
     previous = (info(0).participant_id, info(1).participant_id)
     view = RoundView(1, (arrival(0, 1), arrival(1, 9)), previous_actives=previous)

@@ -180,7 +180,8 @@ def test_failure_with_no_spare_left_saves_exits_81_and_a_relaunch_resumes(proces
     round, exits 81 (requeue: a relaunch resumes) -- not 83. Both nodes relaunched by hand resume at
     that step and finish."""
     cluster = Cluster(processes, tmp_path, "2:2", run_id="no-spare")
-    cluster.start(["A", "B"], ["--max-steps", "400", *SLOW])
+    logs = ["--csv-logs", str(tmp_path / "logs")]
+    cluster.start(["A", "B"], ["--max-steps", "400", *SLOW, *logs])
     cluster.wait_for_step(15, 45)
     cluster.kill("B")
     codes = cluster.wait(["A"], 30)
@@ -202,7 +203,7 @@ def test_failure_with_no_spare_left_saves_exits_81_and_a_relaunch_resumes(proces
         again.out.mkdir(parents=True)
         again.start_store()
         for name in ("A", "B"):  # the same nodes again: their snapshot roots and domains
-            again.start_participant(name, ["--max-steps", str(final_step), *SLOW],
+            again.start_participant(name, ["--max-steps", str(final_step), *SLOW, *logs],
                                     LIGHTNING_FT_SNAPSHOT_DIR=str(tmp_path / f"shm-{name}"),
                                     LIGHTNING_FT_DOMAIN_ID=f"host-{name}")
         assert again.wait(["A", "B"], 90) == {"A": 0, "B": 0}, again.logs()
@@ -210,6 +211,13 @@ def test_failure_with_no_spare_left_saves_exits_81_and_a_relaunch_resumes(proces
         assert {again.result(name)["step"] for name in ("A", "B")} == {final_step}
     finally:
         relaunched.kill_all()
+    # the Trainer's logger goes on with the run's figures: the relaunch (the stop, the gap, the
+    # steps done again) is lost time, as lightning-ft report counts it -- no recovery
+    with open(tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("ft/recoveries")]
+    assert [float(r["ft/recoveries"]) for r in rows] == [0.0, 0.0], rows
+    assert float(rows[0]["ft/goodput"]) == 1 and 0 < float(rows[1]["ft/goodput"]) < 1, rows
+    assert float(rows[1]["ft/lost_seconds"]) > 0, rows
 
 
 @pytest.mark.timeout(180)

@@ -229,6 +229,8 @@ def decide_completion(view: RoundView, settings: RendezvousSettings, timer: Roun
     if timer.min_reached_at is None:
         timer.min_reached_at = now
     last_call_end = timer.min_reached_at + settings.timeouts.last_call_timeout
+    if settings.elastic and view.round == 0:  # nodes started together arrive seconds apart: wait for them
+        last_call_end = max(last_call_end, timer.opened_at + settings.timeouts.elastic_start_window)
     arrived_ids = {a.participant_id for a in view.arrivals}
     missing = [pid for pid in view.previous_actives
                if pid not in arrived_ids and pid not in view.dead_previous_actives]

@@ -150,6 +150,17 @@ class RunRecords:
         """The stage ``round_id`` is the first of (None: it is not the first round of a stage)."""
         return decode_number(self.values.get(self.keys.stage(round_id)))
 
+    def mark_planned(self, round_id: int, why: str) -> None:
+        """Record that ``round_id`` is opened by a planned re-form (``hand_over``, ``grow``), not a
+        failure; the first record stands."""
+        self.values.put_if_absent(self.keys.planned(round_id), why)
+
+    def planned(self, round_id: int) -> str | None:
+        """Why ``round_id`` was opened when it was planned (see :meth:`mark_planned`); None: after a
+        failure, or the first round of the job or a stage."""
+        raw = self.values.get(self.keys.planned(round_id))
+        return raw.decode(errors="replace") if raw is not None else None
+
     def closed_for_good(self) -> bytes | None:
         """The authentic close reason of this incarnation (encoded), or None while it is open."""
         return self.values.get(self.values.unlisted(self.keys.closed_for_good))

@@ -3,7 +3,9 @@
 A node that arrives later (a requeued task, a new pod) finds the round formed and waits in it as
 a standby participant. Rank 0's round watchdog -- a thread with its own store connection, never
 the training thread -- looks for such arrivals at most every ``_LOOK_EVERY_S`` seconds and, when
-the round is at least ``elastic_grow_interval`` old and the job is below ``max_nodes``, publishes
+the round is at least ``elastic_grow_interval`` old (the job's first round: at once -- a node
+started with the job but after its start window closed joins it now, not 30 s later, and that
+grow can happen once) and the job is below ``max_nodes``, publishes
 the step to re-form after: about one second of training ahead (``grow_at``, first writer wins).
 Every rank's watchdog reads that value, and each training thread raises a planned re-form
 (:class:`~lightning_ft.exit_codes.HandOver`, nobody leaving) at the first step boundary at or
@@ -70,7 +72,7 @@ class GrowWatch:
         if self.grow_at is not None or self.world_size >= self.max_world_size:
             return
         now = monotonic()
-        if now - self.started < self.grow_interval:
+        if self.round_id > 0 and now - self.started < self.grow_interval:
             return
         if self.rank == 0 and now - self._looked_at >= _LOOK_EVERY_S:
             self._looked_at = now

@@ -43,6 +43,7 @@ from lightning_ft._logging import StrategyLog, strategy_name
 from lightning_ft.checkpoint.exchange.replication import replica_cipher
 from lightning_ft.checkpoint.lightning.auto_resume import model_fingerprint_before_setup
 from lightning_ft.checkpoint.lightning.callback import EmergencyCheckpoint
+from lightning_ft.checkpoint.memory.holders import RunHeldError
 from lightning_ft.checkpoint.service import replica_puller
 from lightning_ft.deadlines import call_with_timeout, first_line
 from lightning_ft.events import names as ev
@@ -162,7 +163,10 @@ class RendezvousFitLoop:
             add_default_callbacks(trainer, host.settings)
         checkpoint = first_callback_of_type(trainer, EmergencyCheckpoint)
         if checkpoint is not None:
-            session.note_snapshot_root(checkpoint.root, host.settings.keep_snapshots_when_finished)
+            try:
+                session.note_snapshot_root(checkpoint.root, host.settings.keep_snapshots_when_finished)
+            except RunHeldError as exc:  # a second job of this run id on this host: refused at once
+                raise StrategyConfigError(f"{strategy_name()}: {exc}") from None
             if fit is not None:
                 checkpoint.keep_under(fit_run_id(host.settings.run_id, fit))
         module = next((a for a in args if isinstance(a, pl.LightningModule)), None)
@@ -177,7 +181,9 @@ class RendezvousFitLoop:
             if result is None:
                 return stand_by_result(trainer)  # a spare that was not needed (or the job ended)
             after_failure = session.rendezvous.stages.follows_a_failure(result.round)
-            run.start_round(RoundRuntime(result, result.round, run.failure_at, after_failure=after_failure))
+            planned = session.rendezvous.records.planned(result.round) if after_failure else None
+            run.start_round(RoundRuntime(result, result.round, run.failure_at, after_failure=after_failure,
+                                         planned=planned))
             fit_accumulation_to_world(trainer, host.settings, result.world_size, self._accumulation)
             if result.round == 0 and not session.was_active and is_fitting(trainer):
                 _leave_if_the_run_finished(session, trainer)

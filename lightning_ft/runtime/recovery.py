@@ -199,10 +199,13 @@ class RecoveryExecutor:
     def _hand_over(self, exc: HandOver, trainer: Any) -> None:
         """A hand-over verdict at a step boundary: a leaver leaves (exit 0); the others re-form with
         the spares from their live state, as after a lost peer but planned -- no step is lost."""
-        if exc.leaving:
-            self._leave_handed_over(exc, trainer)
         runtime = self._run.round
         assert runtime is not None and runtime.result is not None
+        # before anyone opens the next round (a leaver too: with no survivor, the spares alone form
+        # it): the run's figures count a planned re-form as no recovery
+        self._mark_planned(runtime.result.round + 1, "grow" if exc.grow else "hand_over")
+        if exc.leaving:
+            self._leave_handed_over(exc, trainer)
         result, step = runtime.result, trainer.global_step
         runtime.stop_watchdog()
         self._session.events.emit(ev.GROW if exc.grow else ev.HAND_OVER, round=result.round, step=step,
@@ -214,7 +217,13 @@ class RecoveryExecutor:
         if self._host.layout.resumes_from_live_state and is_fitting(trainer):
             save_live_state(trainer, f"hand-over in round {result.round}")
         self._teardown(trainer, runtime)
-        self._prepare_next_round(trainer, f"hand-over in round {result.round}: {exc.reason}")
+        self._prepare_next_round(trainer, f"hand-over in round {result.round}: {exc.reason}", failure=False)
+
+    def _mark_planned(self, round_id: int, why: str) -> None:
+        try:
+            self._session.rendezvous.records.mark_planned(round_id, why)
+        except (RuntimeError, OSError) as exc:  # the store gone: opening the round says so next
+            ft_log.debug("could not record round %d as planned (%s): %s", round_id, why, exc)
 
     def _leave_handed_over(self, exc: HandOver, trainer: Any) -> NoReturn:
         """This rank was signalled and a hot spare takes its place: leave the job for good (withdrawn)
@@ -248,9 +257,10 @@ class RecoveryExecutor:
         _call_on_exception(trainer, exc)
         finalize_failed(trainer)
 
-    def _prepare_next_round(self, trainer: Any, reason: str) -> None:
+    def _prepare_next_round(self, trainer: Any, reason: str, failure: bool = True) -> None:
         """Every participant of the next round -- survivor or spare -- starts from what a fresh
-        process would have: pristine callbacks, loggers, datamodule and module state."""
+        process would have: pristine callbacks, loggers, datamodule and module state.
+        ``failure``: the round failed (False: a planned re-form, which is no recovery)."""
         run, session = self._run, self._session
         result = run.round.result if run.round is not None else None
         assert result is not None
@@ -258,7 +268,8 @@ class RecoveryExecutor:
         if self._pristine is not None:
             self._pristine.restore(trainer, self._module)
         self._host.rebuild_module()  # after the pristine state: it shares the module tree it restores
-        run.recoveries += 1
+        if failure:
+            run.recoveries += 1
         try:
             session.open_round(result.round, reason)
         except (RuntimeError, OSError) as store_error:  # torch's DistNetworkError/DistStoreError

@@ -42,7 +42,7 @@ from lightning_ft.runtime.layout import StateLayout
 from lightning_ft.runtime.log_history import decide_log_versions, keep_log_history
 from lightning_ft.runtime.random_streams import RandomStreams
 from lightning_ft.runtime.run import RunState
-from lightning_ft.runtime.run_metrics import first_step_figures, log_figures
+from lightning_ft.runtime.run_metrics import earlier_launch, first_step_figures, log_figures
 from lightning_ft.runtime.session import RoundRuntime, Session
 from lightning_ft.runtime.settings import LaunchMode, StrategySettings
 from lightning_ft.runtime.stage_state import align_module_state
@@ -448,9 +448,12 @@ class FaultToleranceRuntime:
                 self.settings.launch.max_nodes != 1:
             figures = first_step_figures(self.run.trainer, session.store, session.keys.run_metrics,
                                          self.surface.world_size, self.surface.global_rank,
-                                         runtime.follows_a_failure, since_failure)
-            if figures is not None:
-                log_figures(self.run.trainer, figures, step)
+                                         runtime.follows_a_failure, since_failure, runtime.planned,
+                                         None if runtime.follows_a_failure else earlier_launch(self._checkpoint))
+            if self.surface.global_rank == 0:
+                log_figures(self.run.trainer, figures.metrics(time.time()), step)
+            if self._checkpoint is not None:
+                self._checkpoint.run_figures = figures.totals()
         if since_failure is not None:
             self.event_log.emit(ev.FIRST_STEP_AFTER_RECOVERY, round=runtime.round_id, step=step,
                                 seconds_since_failure=round(since_failure, 4))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from lightning_ft._clock import monotonic
 from lightning_ft._logging import StrategyLog
+from lightning_ft.checkpoint.memory.holders import claim_run, release_run
 from lightning_ft.checkpoint.memory.roots import remove_run_snapshots
 from lightning_ft.deadlines import on_service_thread_stop, raw_store
 from lightning_ft.events import EventLog, NullEventLog
@@ -89,6 +90,8 @@ class Session:
     #: (durable tier, step, epoch) of the last fit() this process finished as an active: recorded
     #: there when the job finishes (see ``DurableTier.mark_finished``)
     fit_finished: tuple[Any, int, int] | None = None
+    #: the rendezvous endpoint the launch names: what tells this job from another of its run id
+    job_endpoint: str = ""
 
     @classmethod
     def open(cls, settings: StrategySettings, events_for: Callable[[str], EventLog | NullEventLog]) -> Session:
@@ -113,7 +116,7 @@ class Session:
         info = local_participant(domain_id=settings.domain_id, infra_rank=settings.infra_rank)
         participant = open_participant(launch.endpoint, settings.is_store_host, info, settings.rendezvous_settings(),
                                        rejoin=settings.rejoin)
-        session = cls(participant, events_for(info.participant_id))
+        session = cls(participant, events_for(info.participant_id), job_endpoint=str(launch.endpoint))
         _SESSIONS[key] = session
         _end_sessions_at_exit()
         participant.on_switch.append(session._store_moved)
@@ -164,10 +167,19 @@ class Session:
                 ft_log.warning("could not record in the durable tier that the run finished: %s", exc)
         if crashed is None and (self.last_stage_completed or self.saw_job_finish):
             self._remove_snapshots()
+        for root in self.snapshot_roots:
+            try:
+                release_run(root, self.rendezvous.settings.run_id)
+            except OSError as exc:  # a dead holder's line drops out at the next claim anyway
+                ft_log.debug("could not release the run's directory under %s: %s", root, exc)
 
     def note_snapshot_root(self, root: str, keep: bool) -> None:
         """A stage's EmergencyCheckpoint writes under ``root``: the job's end removes the job's
-        snapshots there once it finished, unless one of the stages said ``keep``."""
+        snapshots there once it finished, unless one of the stages said ``keep``. The first time,
+        this process claims the run's directory there (``RunHeldError``: another live job of this
+        run id holds it on this host)."""
+        if root not in self.snapshot_roots:
+            claim_run(root, self.rendezvous.settings.run_id, self.job_endpoint)
         self.snapshot_roots[root] = self.snapshot_roots.get(root, False) or keep
 
     def _remove_snapshots(self) -> None:
@@ -276,6 +288,10 @@ class RoundRuntime:
     #: this round replaces a failed one -- the same answer on every participant of the round,
     #: spares included (unlike ``failure_at``, which only processes that saw the failure have)
     after_failure: bool = False
+    #: with ``after_failure``: the round replaces one that did not fail but re-formed on purpose
+    #: (``hand_over``, ``grow``; see ``RunRecords.mark_planned``) -- the run's figures count no
+    #: recovery for it
+    planned: str | None = None
     clock: StepClock = field(default_factory=StepClock)
     transport: GroupTransport | None = None
     watchdog: RoundWatchdog | None = None

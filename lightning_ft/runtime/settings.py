@@ -169,7 +169,8 @@ class StrategySettings:
                                          rule=number(integer=True, inclusive=True, allow_none=True), advanced=True)
     elastic_grow_interval: float = setting(30.0, "an elastic job takes in participants that arrived while it "
                                                  "trains at most once per this many seconds (a round must be "
-                                                 "this old first)", rule=_SECONDS, advanced=True)
+                                                 "this old first; the job's first round takes them in at once)",
+                                           rule=_SECONDS, advanced=True)
     random_streams: bool = setting(True, "each training batch starts from torch's, Python's and NumPy's "
                                          "generators seeded from (seed, rank, step, batch), so a recovery draws "
                                          "what the uninterrupted run drew (Dropout); a model with random layers "

@@ -149,6 +149,12 @@ class RunKeys:
         opened after a failure have none and belong to the stage of the round before."""
         return self.round_key(round_id, "stage")
 
+    def planned(self, round_id: int) -> str:
+        """A round opened by a planned re-form, not a failure: a sealed word, ``hand_over`` (a
+        signalled node left for a spare) or ``grow`` (an elastic job took in a node). Rounds after
+        a failure have none; the run's figures count only those as recoveries."""
+        return self.round_key(round_id, "planned")
+
     def exit_barrier(self, round_id: int) -> str:
         return f"{self.round_store_prefix(round_id)}/{EXIT_BARRIER_KEY}"
 

@@ -23,9 +23,9 @@ def _SECONDS(value: object) -> str | None:
 
 
 #: the bounds the barrier rendezvous and its torchrun handler use (what ``--rdzv-conf`` may set)
-RENDEZVOUS_TIMEOUTS = ("join_timeout", "rejoin_timeout", "last_call_timeout", "previous_active_grace",
-                       "replacement_wait", "store_grace_timeout", "heartbeat_interval", "connect_timeout",
-                       "store_timeout", "health_timeout")
+RENDEZVOUS_TIMEOUTS = ("join_timeout", "rejoin_timeout", "last_call_timeout", "elastic_start_window",
+                       "previous_active_grace", "replacement_wait", "store_grace_timeout", "heartbeat_interval",
+                       "connect_timeout", "store_timeout", "health_timeout")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class Timeouts:
                                            "must complete within this", rule=_SECONDS, advanced=True)
     last_call_timeout: float = setting(0.3, "after min_nodes arrived, wait this long for more before completing",
                                        rule=_SECONDS, advanced=True)
+    elastic_start_window: float = setting(5.0, "an elastic job's first round waits up to this long after it "
+                                               "opened for the nodes started with the job (up to max_nodes), so "
+                                               "that they all train from step 0; it completes as soon as max_nodes "
+                                               "arrived", rule=_SECONDS, advanced=True)
     previous_active_grace: float = setting(3.0, "survivors of the previous round keep their places for this long "
                                                 "after a round opens", rule=_SECONDS, advanced=True)
     replacement_wait: float = setting(10.0, "a round that too many lost nodes left short of min_nodes waits this "

@@ -26,6 +26,7 @@ from lightning_ft.checkpoint.durable.tier import DurableTier
 from lightning_ft.checkpoint.lightning.auto_resume import AutoResume, replicated
 from lightning_ft.checkpoint.lightning.background import BackgroundSnapshots
 from lightning_ft.checkpoint.lightning.calibration import ScheduleCalibration
+from lightning_ft.checkpoint.lightning.carried import CarriesRunFigures
 from lightning_ft.checkpoint.lightning.durable_copies import DurableCopies
 from lightning_ft.checkpoint.lightning.live import LiveState
 from lightning_ft.checkpoint.lightning.state import dump_state, estimate_state_bytes
@@ -84,7 +85,7 @@ def room_problem(store: SnapshotStore, nbytes: int, copies: int, ranks: int) -> 
             f"64 MiB: docker --shm-size, a Kubernetes memory emptyDir), or lower keep_last/preallocate")
 
 
-class EmergencyCheckpoint(pl.Callback):
+class EmergencyCheckpoint(CarriesRunFigures):
     """Snapshots the full Lightning checkpoint of each rank into host shared memory.
 
     * periodically at step boundaries (``every_n_steps`` and/or ``every_n_seconds``), so a
