@@ -118,3 +118,22 @@ def test_after_a_hand_over_used_the_only_spare_a_second_signal_stops_the_job_wit
     assert len({e["step"] for e in decisions}) == 1 and all(e["exit_code"] == 81 for e in decisions), decisions
     summary = summarize(read_events(str(cluster.events)))
     assert len(summary.hand_overs) == 1 and job_exit_code(summary, launcher_code=0).code == 81
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_on_one_active_stops_the_whole_job_with_its_state_saved_never_a_hand_over(processes, tmp_path):
+    """Issue 46, item 8: SIGINT (Ctrl-C) to B while a spare waits is no hand-over -- a user ends the
+    job: A and B stop at one agreed step with their snapshots (81: a relaunch resumes there), the
+    spare is not used; before, B ended 1 and A 143 "nothing saved"."""
+    cluster = Cluster(processes, tmp_path, "2:3", run_id="ctrl-c")
+    start_with_spares(cluster, "ABC", "AB", ["--max-steps", "400", *SLOW])
+    cluster.wait_for_step(20, 60)
+    cluster.kill("B", signal.SIGINT)
+    codes = cluster.wait(["A", "B", "C"], 60)
+    assert (codes["A"], codes["B"]) == (81, 81), cluster.logs()
+    assert not [e for e in cluster.events_of("hand_over_verdict") if e["hands_over"]], cluster.logs()
+    decisions = cluster.events_of("termination_decision")
+    assert len({e["step"] for e in decisions}) == 1 and all(e["exit_code"] == 81 for e in decisions), decisions
+    assert not cluster.steps()["C"], "the spare trained"
+    summary = summarize(read_events(str(cluster.events)))
+    assert summary.hand_overs == () and job_exit_code(summary, launcher_code=0).code == 81

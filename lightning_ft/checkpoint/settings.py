@@ -29,7 +29,7 @@ class SnapshotSettings:
                                    "step 8; None: no periodic snapshots without a schedule (a warning says so)",
         rule=number(allow_none=True))
     max_seconds_at_risk: float | None = setting(
-        300.0, "sharded state (fsdp_ft) only, where a lost rank's work since its last snapshot cannot be recovered "
+        60.0, "sharded state (fsdp_ft) only, where a lost rank's work since its last snapshot cannot be recovered "
                "from the survivors: the max_overhead schedule snapshots at least this often (seconds of training, a "
                "power-of-two number of steps; wins over the save budget); None: the budget alone",
         rule=number(allow_none=True), advanced=True)

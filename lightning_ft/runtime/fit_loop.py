@@ -421,7 +421,9 @@ class RendezvousFitLoop:
         session.events.emit(ev.FINISHED, round=result.round, rank=result.rank, step=step,
                             seconds=self._barrier_seconds,
                             step_seconds=run.round.clock.median_seconds() if run.round else None)
-        destroy_process_group()
+        # the round's group lives on until the next stage forms its own (init_round_group) or the
+        # process exits (plan_exit): a user's code after fit() may take collectives -- FSDP's full
+        # state dict, a metric's sync -- as under Lightning's own strategies
         kind = "fit" if is_fitting(run.trainer) else getattr(run.trainer.state.fn, "value", "stage")
         ft_log.info("%s() (stage %d) finished in round %d as rank %d at step %s", kind, stage, result.round,
                  result.rank, step)
@@ -479,8 +481,8 @@ class TorchrunFitLoop:
                 save_live_state(trainer, "collective failure under torchrun")
                 runtime.retire_group()
             raise
-        destroy_process_group()
-        # the run's outcome for `lightning-ft report --exit-code` (rendezvous mode: _finish_stage)
+        # the group lives on (see _finish_stage); the run's outcome for `lightning-ft report
+        # --exit-code` (rendezvous mode: _finish_stage)
         host.event_log.emit(ev.FINISHED, round=runtime.round_id, rank=trainer.global_rank if trainer else None,
                                 step=trainer.global_step if trainer is not None else None)
         return output

@@ -84,7 +84,7 @@ class GracefulTermination(pl.Callback):
             ``[]`` = no probing (always healthy).
         store: a ``torch.distributed.Store`` to agree through instead of the default
             process group's store (must be fresh for each job run).
-        signals: the signals that start a termination (default SIGTERM only).
+        signals: the signals that start a termination (SIGTERM, SIGINT: see ``hands_over_on``)
         **settings: any setting of :class:`~lightning_ft.termination.settings.TerminationSettings`
             (``grace_seconds``, ``margin_steps``, ``save_safety_factor``, ``exit_reserve_seconds``,
             ``overrun_is_unhealthy``, ``exit_record_dir``) and the SIGTERM path's bounds of
@@ -101,7 +101,7 @@ class GracefulTermination(pl.Callback):
         *,
         probes: Sequence[Any] | None = None,
         store: Any | None = None,
-        signals: Sequence[int] = (signal.SIGTERM,),
+        signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
         **settings: Any,
     ) -> None:
         sources: dict[str, str] = {}
@@ -253,7 +253,7 @@ class GracefulTermination(pl.Callback):
         self._events.emit(ev.TERMINATION_SIGNAL, signal=name, step=step)
         self._begin(signum, seen_at, f"{name} received")
         coordinator = self._coordinator
-        if isinstance(coordinator, StoreStopCoordinator) and self._hand_over.possible:
+        if isinstance(coordinator, StoreStopCoordinator) and self._hand_over.possible and hands_over_on(signum):
             # for the hand-over verdict: this rank leaves if peers and spares can go on without it
             call_with_timeout(coordinator.mark_signalled, self.timeouts.announce_timeout,
                               f"rank {self._rank}: recording the signal", unanswered="going on without it",
@@ -380,8 +380,8 @@ class GracefulTermination(pl.Callback):
         return {}  # not reached
 
     def _signalled(self) -> bool:
-        """This rank received the signal itself (not only a peer's stop request)."""
-        return self._listener is not None and self._listener.received is not None
+        """This rank received a signal itself (not only a peer's stop request) that hands it over."""
+        return self._listener is not None and (got := self._listener.received) is not None and hands_over_on(got[0])
 
     def _handed_over(self, trainer: pl.Trainer, termination: Termination, step: int,
                      unhealthy: dict[int, list[str]]) -> bool:
@@ -473,6 +473,13 @@ class GracefulTermination(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._finish()
+
+
+def hands_over_on(signum: int) -> bool:
+    """Whether a node that received ``signum`` hands its place over to a hot spare (SIGTERM: a
+    scheduler takes the node) rather than stopping the whole job with the others (SIGINT: Ctrl-C,
+    a user ending the job; a second Ctrl-C raises ``KeyboardInterrupt`` at once)."""
+    return signum != signal.SIGINT
 
 
 def propose_margin(margin_steps: int, world_size: int) -> int:

@@ -56,6 +56,8 @@ class SignalListener:
     def _handler(self, signum: int, frame: object) -> None:
         if self._recorded is None:
             self._recorded = (signum, monotonic())
+        elif signum == signal.SIGINT:  # Ctrl-C again: the user wants out now, not at the agreed step
+            signal.default_int_handler(signum, frame)  # type: ignore[arg-type]
 
     @property
     def received(self) -> tuple[int, float] | None:

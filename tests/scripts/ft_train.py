@@ -126,6 +126,8 @@ def main() -> int:
     parser.add_argument("--explicit-callbacks", action="store_true",
                         help="EmergencyCheckpoint() and GracefulTermination() with no arguments, as a user adds them")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--weights-after-fit", action="store_true",
+                        help="gather the full weights after fit() returned (a collective, as a user's code may run)")
     parser.add_argument("--csv-logs", default=None, help="a CSVLogger here; the loss logged every step")
     args = parser.parse_args()
     if args.background_copy_min_bytes is not None:
@@ -317,7 +319,8 @@ def main() -> int:
         profiler.dump_stats(str(Path(profile_to) / f"fit-{pid}.prof"))
     trained = getattr(trainer.strategy, "trained", True)
     result = {"rank": trainer.global_rank, "trained": trained, "step": trainer.global_step, "t": time.time(),
-              "weights": getattr(model, "final_weights", None) or model.full_weights()}
+              "weights": model.full_weights() if args.weights_after_fit and trained else
+              getattr(model, "final_weights", None) or model.full_weights()}
     (out / f"result-{pid}.json").write_text(json.dumps(result))
     if args.strategy == "ddp":
         import torch.distributed as dist
