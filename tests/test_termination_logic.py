@@ -318,6 +318,24 @@ def test_signal_listener_records_in_the_handler_and_acts_in_a_thread():
     assert len(seen) == 1
 
 
+def test_a_first_ctrl_c_is_recorded_and_a_second_raises_keyboard_interrupt_at_once():
+    """Issue 46, item 8: the first SIGINT starts the whole job's orderly stop (recorded, like
+    SIGTERM); a second is the user wanting out now -- Python's own KeyboardInterrupt."""
+    from lightning_ft.termination.decision import hands_over_on
+
+    seen = threading.Event()
+    listener = SignalListener([signal.SIGINT], lambda signum, when: seen.set())
+    assert listener.install()
+    try:
+        signal.raise_signal(signal.SIGINT)  # recorded: no exception here
+        assert seen.wait(5) and listener.received is not None and listener.received[0] == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        listener.uninstall()
+    assert not hands_over_on(signal.SIGINT) and hands_over_on(signal.SIGTERM) and hands_over_on(signal.SIGUSR1)
+
+
 # ------------------------------------------------------------------ hand-over (issue 38)
 
 

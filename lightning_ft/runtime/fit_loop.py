@@ -181,7 +181,7 @@ class RendezvousFitLoop:
             if result is None:
                 return stand_by_result(trainer)  # a spare that was not needed (or the job ended)
             after_failure = session.rendezvous.stages.follows_a_failure(result.round)
-            planned = session.rendezvous.records.planned(result.round) if after_failure else None
+            planned = session.rendezvous.records.planned(result.round) if after_failure and result.rank == 0 else None
             run.start_round(RoundRuntime(result, result.round, run.failure_at, after_failure=after_failure,
                                          planned=planned))
             fit_accumulation_to_world(trainer, host.settings, result.world_size, self._accumulation)

@@ -13,10 +13,10 @@ At the first completed step of every round, rank 0 logs (at that step)
 
 Every rank takes the same small collectives at that step (the max above; a sum that tells every
 rank rank 0's totals). Across launches: every rank keeps the totals with its snapshots
-(``EmergencyCheckpoint.run_figures``);
-a relaunch that resumes from one -- its store new -- continues them, the relaunch's cost (from the
-snapshot's time to its first step: the stop, the gap and the steps done again) counted as lost,
-as ``lightning-ft report`` counts a relaunch.
+(``EmergencyCheckpoint.run_figures``); a relaunch that resumes from one -- the keys of its
+incarnation new -- continues them, the relaunch's cost (from the snapshot's time to its first
+step: the stop, the gap and the steps done again) counted as lost, as ``lightning-ft report``
+counts a relaunch.
 
 Not in a job of one participant (``max_nodes=1``: no peer, no recovery; its logs stay as
 under ``ddp``). The totals live in the run's store (counters any later rank 0 continues), so a spare that
@@ -81,7 +81,9 @@ def first_step_figures(trainer: Any, store: Any, key_prefix: str, world_size: in
         now = time.time()
         first = repr(float(earlier.totals.get("started", now))) if earlier is not None else repr(now)
         held = store.compare_set(f"{key_prefix}/started", "", first).decode()
-        if earlier is not None and held == first:  # this launch's store is new: go on from the earlier launch
+        # this launch's store had no figures yet (its first step): go on from the earlier launch's,
+        # once -- a later stage resuming a snapshot of that launch must not add them again
+        if earlier is not None and held == first and store.add(f"{key_prefix}/continued", 1) == 1:
             recovered += int(earlier.totals.get("recoveries", 0))
             lost += earlier.totals.get("lost_seconds", 0.0) + max(0.0, now - earlier.snapshot_created)
         recoveries = store.add(f"{key_prefix}/recoveries", recovered)

@@ -290,7 +290,7 @@ class RoundRuntime:
     after_failure: bool = False
     #: with ``after_failure``: the round replaces one that did not fail but re-formed on purpose
     #: (``hand_over``, ``grow``; see ``RunRecords.mark_planned``) -- the run's figures count no
-    #: recovery for it
+    #: recovery for it (known on rank 0 only, which alone adds to them)
     planned: str | None = None
     clock: StepClock = field(default_factory=StepClock)
     transport: GroupTransport | None = None

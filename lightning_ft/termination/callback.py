@@ -60,7 +60,7 @@ from lightning_ft.termination.coordination import (
     StoreStopCoordinator,
     coordinator_for,
 )
-from lightning_ft.termination.decision import BoundaryAction, decide_at_boundary, resolve_grace_seconds
+from lightning_ft.termination.decision import BoundaryAction, decide_at_boundary, hands_over_on, resolve_grace_seconds
 from lightning_ft.termination.execution import Termination, TerminationExecutor
 from lightning_ft.termination.handover import HandOverAgreement, hand_over_seat
 from lightning_ft.termination.settings import TerminationSettings, check_reserve
@@ -84,7 +84,7 @@ class GracefulTermination(pl.Callback):
             ``[]`` = no probing (always healthy).
         store: a ``torch.distributed.Store`` to agree through instead of the default
             process group's store (must be fresh for each job run).
-        signals: the signals that start a termination (SIGTERM, SIGINT: see ``hands_over_on``)
+        signals: the signals that start a termination (SIGTERM, SIGINT: see ``decision.hands_over_on``)
         **settings: any setting of :class:`~lightning_ft.termination.settings.TerminationSettings`
             (``grace_seconds``, ``margin_steps``, ``save_safety_factor``, ``exit_reserve_seconds``,
             ``overrun_is_unhealthy``, ``exit_record_dir``) and the SIGTERM path's bounds of
@@ -473,13 +473,6 @@ class GracefulTermination(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._finish()
-
-
-def hands_over_on(signum: int) -> bool:
-    """Whether a node that received ``signum`` hands its place over to a hot spare (SIGTERM: a
-    scheduler takes the node) rather than stopping the whole job with the others (SIGINT: Ctrl-C,
-    a user ending the job; a second Ctrl-C raises ``KeyboardInterrupt`` at once)."""
-    return signum != signal.SIGINT
 
 
 def propose_margin(margin_steps: int, world_size: int) -> int:

@@ -34,6 +34,13 @@ class Decision:
         return f"{self.action.value} (exit {self.exit_code}): {'; '.join(self.reasons)}"
 
 
+def hands_over_on(signum: int) -> bool:
+    """Whether a node that received ``signum`` hands its place over to a hot spare (SIGTERM: a
+    scheduler takes the node) rather than stopping the whole job with the others (SIGINT: Ctrl-C,
+    a user ending the job; a second Ctrl-C raises ``KeyboardInterrupt`` at once)."""
+    return signum != signal.SIGINT
+
+
 def not_saved_exit_code(signum: int) -> int:
     """Exit code when this stop saved no emergency snapshot: 128 + signal, like a signal death.
 
