@@ -136,6 +136,9 @@ def add_training_args(parser: argparse.ArgumentParser, *, max_steps: int, batch_
     train.add_argument("--lr", type=positive_float, default=lr, help=f"peak learning rate of the head (default {lr:g})")
     train.add_argument("--seed", type=non_negative_int, default=0,
                        help="seed for data, initialization and shuffling; same seed, same result (default 0)")
+    train.add_argument("--pretrained", default=None, metavar="PATH",
+                       help="load the pretrained part from PATH; the first process to need it pretrains and "
+                            "writes it there, the others wait and load it (default: every process pretrains)")
     ft = parser.add_argument_group("distribution and fault tolerance")
     ft.add_argument("--strategy", choices=STRATEGIES, default="auto",
                     help="auto: one process; ddp: Lightning DDP with --devices local processes; ddp_ft: "
@@ -160,6 +163,32 @@ def add_training_args(parser: argparse.ArgumentParser, *, max_steps: int, batch_
     out.add_argument("--step-delay", type=non_negative_float, default=0.0,
                      help="sleep this long after each step, to imitate a bigger model in demos (default 0)")
     out.add_argument("--verbose", action="store_true", help="show lightning_ft and Lightning info logs")
+
+
+def pretrained_module(path: str | None, pretrain: Callable[[], Any], blank: Callable[[], Any]) -> Any:
+    """The pretrained part of a model: ``pretrain()``, or with ``path`` its weights loaded from that
+    file, which the first process to get there pretrains and writes (the others wait on a lock: one
+    pretraining for all the processes on a machine, as a real job loads a downloaded checkpoint).
+
+    The global random state after this is the same on either path, so the rest of the model is too.
+    """
+    import fcntl
+
+    import torch
+
+    with torch.random.fork_rng():
+        if path is None:
+            return pretrain()
+        with open(path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(path):
+                module = pretrain()
+                torch.save(module.state_dict(), path + ".tmp")
+                os.replace(path + ".tmp", path)  # whole or absent
+                return module
+        module = blank()
+        module.load_state_dict(torch.load(path, weights_only=True))
+        return module
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, environ=os.environ) -> None:

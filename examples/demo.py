@@ -180,8 +180,10 @@ class Demo:
                        LIGHTNING_FT_NNODES="2:3", LIGHTNING_FT_DOMAIN_ID=name,
                        LIGHTNING_FT_SNAPSHOT_DIR=str(self.shm_dir / name),
                        LIGHTNING_FT_EVENTS_DIR=str(self.events_dir))
-            self.processes.start(name, [sys.executable, script, "--strategy", "ddp_ft",
-                                        "--max-steps", str(self.args.max_steps), "--progress-every", "10"], env)
+            # one of them pretrains, the others load its result (as a job loads a downloaded checkpoint)
+            self.processes.start(name, [sys.executable, script, "--strategy", "ddp_ft", "--pretrained",
+                                        str(self.run_dir / "pretrained.pt"), "--max-steps",
+                                        str(self.args.max_steps), "--progress-every", "10"], env)
 
     def check_nobody_died(self, expected_dead: set[str] = frozenset()) -> None:
         for name, proc in self.participants().items():

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.seed_everything(args.seed, workers=True, verbose=False)
     run_id = args.run_id or common.default_run_id(EXAMPLE)
     train_set, val_set = target_data(args.seed, args.target_rows)
-    body = pretrain_body(args.hidden, args.pretrain_steps, args.seed)
+    body = common.pretrained_module(args.pretrained, lambda: pretrain_body(args.hidden, args.pretrain_steps, args.seed),
+                                    lambda: make_body(args.hidden))
     model = make_module(args, body, train_set)
     sharded = common.final_of_sharded(lambda: evaluate(model, val_set))
     trainer = common.build_trainer(args, run_id, [sharded])

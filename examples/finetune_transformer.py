@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.seed_everything(args.seed, workers=True, verbose=False)
     run_id = args.run_id or common.default_run_id(EXAMPLE)
     train_set, val_set = labelled_data(args)
-    encoder = pretrain_encoder(args)
+    encoder = common.pretrained_module(args.pretrained, lambda: pretrain_encoder(args), lambda: make_encoder(args))
     model = make_module(args, encoder, train_set)
     trainer = common.build_trainer(args, run_id)
     trainer.fit(model)

@@ -74,6 +74,31 @@ def test_bad_arguments_exit_2_with_a_clear_message(script, args, message, monkey
     assert message in capsys.readouterr().err
 
 
+def test_a_pretrained_file_gives_the_same_model_and_random_state_as_pretraining_here(tmp_path):
+    """``--pretrained PATH``: the first process pretrains and writes PATH, the next loads it; either
+    way the module and the random state after it (the head's initialization) are the same."""
+    import torch
+
+    finetune_mlp = __import__("finetune_mlp")
+    calls = []
+
+    def pretrain():
+        calls.append(1)
+        return finetune_mlp.pretrain_body(8, 3, seed=1)
+
+    def run(path):
+        torch.manual_seed(5)
+        body = common.pretrained_module(path, pretrain, lambda: finetune_mlp.make_body(8))
+        return [p.detach().clone() for p in body.parameters()], torch.rand(3)
+
+    path = str(tmp_path / "body.pt")
+    here, written, loaded = run(None), run(path), run(path)
+    assert len(calls) == 2 and os.path.exists(path) and not os.path.exists(path + ".tmp")
+    for other in (written, loaded):
+        assert all(torch.equal(a, b) for a, b in zip(here[0], other[0], strict=True))
+        assert torch.equal(here[1], other[1])
+
+
 def test_argument_error_from_the_command_line_has_no_traceback():
     done = run_example("finetune_transformer.py", ["--seq-len", "1"], timeout=60)
     assert done.returncode == 2

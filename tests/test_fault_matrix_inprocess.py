@@ -19,6 +19,7 @@ import datetime
 import gc
 import re
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -261,6 +262,30 @@ def test_a_frozen_active_is_found_by_its_silent_heartbeat_and_replaced(make_clus
     cluster.finish()
     assert cluster.wait_for_ends(a, b, c) == {"A": 0, "B": 0, "C": 0}, cluster.describe()
     assert (b.end.role, b.end.action) == (Role.TRAINED, EndAction.RETURN), b.end
+
+
+def test_an_active_judged_frozen_that_thaws_while_the_round_is_short_takes_part_again(make_cluster):
+    """A live process starved for seconds on an overloaded machine looks frozen: a peer's watchdog
+    records it lost by its silent heartbeat (seen with devices=2 on CI, at the first step). With no
+    spare the next round is short of min_nodes; once it arrives with its heartbeat risen, it takes
+    part and the job goes on -- before, the round counted it lost though it had arrived and the
+    job ended 81 for want of a node it had."""
+    cluster = make_cluster(2, 2)
+    a, b = cluster.start("A", "B")
+    wait_rounds(cluster, a, b, round_id=0)
+    wait_training(cluster, a, b, round_id=0)
+    b.freeze()
+    assert cluster.wait_until(lambda: b.participant_id in cluster.records.lost()
+                              and cluster.records.current_round() == 1, WAIT), cluster.describe()
+    assert "heartbeat silent" in cluster.records.lost()[b.participant_id]
+    time.sleep(1.5)  # A coordinates round 1 and finds B lost, missing and silent (it waits for a replacement)
+    b.thaw()
+    wait_rounds(cluster, a, b, round_id=1)
+    assert sorted(placement(a, b, round_id=1).values()) == [(0, 2), (1, 2)], cluster.describe()
+    assert cluster.records.closed_for_good() is None
+    wait_training(cluster, a, b, round_id=1)
+    cluster.finish()
+    assert cluster.wait_for_ends(a, b) == {"A": 0, "B": 0}, cluster.describe()
 
 
 def test_a_frozen_coordinator_is_taken_over_and_joins_as_standby_when_it_thaws(make_cluster):

@@ -34,6 +34,7 @@ from lightning_ft.schema.run import (
     Beat,
     CloseKind,
     CloseReason,
+    LostRecord,
     RunKeys,
     decode_last_actives,
     decode_rank_answer,
@@ -145,6 +146,11 @@ class Coordinator:
         self.previous_actives, self.previous_standby = self._read_previous_round()
         self._heartbeats = HeartbeatTracker()
         self._dead: set[str] = set()
+        #: the dead judged by a silent heartbeat alone (a watchdog's verdict or this coordinator's),
+        #: with the beat each stood at: one that arrives with its heartbeat risen past it was frozen
+        #: or starved, not dead, and takes part in this round after all
+        self._silenced: dict[str, LostRecord] = {}
+        self._silenced_read_at = -float("inf")
         #: when each silent participant was last asked whether it is gone (once per heartbeat)
         self._asked_gone: dict[str, float] = {}
         # a coordinator this one took over from fell silent; if its heartbeat is silent too it
@@ -257,7 +263,9 @@ class Coordinator:
         judged = [pid for pid in missing if pid in lost and pid not in gone]
         if judged:
             beats = self.records.heartbeats(judged)
-            gone.update(pid for pid in judged if not came_back(lost[pid], beats[pid]))
+            stayed = [pid for pid in judged if not came_back(lost[pid], beats[pid])]
+            gone.update(stayed)
+            self._silenced.update((pid, lost[pid]) for pid in stayed if pid not in self._suspects)
         left = [pid for pid in missing if pid in gone]
         self._dead.update(left)
         missing = [pid for pid in missing if pid not in gone]
@@ -279,8 +287,29 @@ class Coordinator:
             self._dead.add(pid)
             why = ("coordinator of this round that went silent" if pid in self._suspects
                    else f"previous active, missing from round {self.round_id}")
-            self.rdzv.mark_lost(pid, f"{dead[pid]} ({why})", silent_at=self._heartbeats.last_beat(pid))
+            record = LostRecord(pid, f"{dead[pid]} ({why})", self._heartbeats.last_beat(pid))
+            self.rdzv.mark_lost(pid, record.why, silent_at=record.silent_at)
+            if pid not in self._suspects and pid not in unproven:
+                self._silenced[pid] = record
         return bool(dead or left)
+
+    def _revive_silenced(self, arrivals: tuple[Arrival, ...]) -> None:
+        """Give back their place to the :attr:`_silenced` that arrived and beat again (read once per
+        heartbeat). A live process starved for seconds on an overloaded machine was once judged
+        frozen by a peer's watchdog; without this the round counted it lost though it had
+        arrived, and with too few nodes left the whole job ended 81."""
+        now = self.clock()
+        arrived = [a.participant_id for a in arrivals if a.participant_id in self._silenced]
+        if not arrived or now - self._silenced_read_at < self.settings.heartbeat_every:
+            return
+        self._silenced_read_at = now
+        beats = self.records.heartbeats(arrived)
+        for pid in arrived:
+            if came_back(self._silenced[pid], beats[pid]):
+                del self._silenced[pid]
+                self._dead.discard(pid)
+                log.info("round %d: %s, judged dead by its silent heartbeat, arrived and beats again "
+                         "(it was starved or frozen, not dead): it takes part", self.round_id, pid)
 
     def _proven_gone(self, silent: list[str], now: float) -> set[str]:
         """Which of ``silent`` are proven gone, each asked at most once per heartbeat: a silent
@@ -302,6 +331,7 @@ class Coordinator:
         if self._suspects:
             if self._suspects - self._dead:
                 return  # not judged yet: deciding now could give a dead coordinator a place
+        self._revive_silenced(view.arrivals)
         if self._dead:
             view = dataclasses.replace(view, arrivals=tuple(a for a in view.arrivals
                                                             if a.participant_id not in self._dead))
