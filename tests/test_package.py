@@ -51,10 +51,34 @@ def test_the_installed_package_registers_its_strategies_when_lightning_loads():
     assert out.stdout.strip() == "[] True True", (out.stdout, out.stderr[-2000:])
     # turned off: no watcher at all (so Lightning's import, not run here, registers nothing)
     code = "import sys; print([type(f).__name__ for f in sys.meta_path if 'Startup' in type(f).__name__])"
-    for autoload, expected in (("1", "['_StartupWatcher']"), ("0", "[]")):
+    for autoload, expected in (("1", "['LightningFtStartupWatcher']"), ("0", "[]")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "LIGHTNING_FT_AUTOLOAD": autoload})
         assert out.stdout.strip() == expected, (autoload, out.stdout, out.stderr[-2000:])
+
+
+def test_the_startup_hook_imports_nothing_cannot_be_shadowed_and_off_means_off(tmp_path):
+    """Issue 47, item 6: the hook imported its module by name at every start -- one planted in the
+    current directory or on PYTHONPATH ran instead, in pip too -- pulled in ~66 modules through
+    ``importlib.abc`` (13-78 ms), imported its module with ``LIGHTNING_FT_AUTOLOAD=0`` and ran under
+    ``python -I``. Now its line imports nothing until Lightning is imported."""
+    import os
+
+    planted = tmp_path / "_lightning_ft_startup.py"
+    planted.write_text("import pathlib; pathlib.Path(__file__).with_name('ran').write_text('planted code ran')\n")
+    probe = ("import sys; print(sorted(sys.modules) == sorted(BASE), "
+             "[type(f).__name__ for f in sys.meta_path if 'Startup' in type(f).__name__])")
+    base = subprocess.run([sys.executable, "-c", "import sys; print(sorted(sys.modules))"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "LIGHTNING_FT_AUTOLOAD": "0"}).stdout.strip()
+    for env, flags, expected in (({"LIGHTNING_FT_AUTOLOAD": "1", "PYTHONPATH": f":{tmp_path}"}, [],
+                                  "True ['LightningFtStartupWatcher']"),
+                                 ({"LIGHTNING_FT_AUTOLOAD": "0"}, [], "True []"),
+                                 ({}, ["-I"], "True []")):
+        out = subprocess.run([sys.executable, *flags, "-c", f"BASE = {base}\n{probe}"], capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path, env={**os.environ, **env})
+        assert out.stdout.strip() == expected, (env, flags, out.stdout, out.stderr[-2000:])
+    assert not (tmp_path / "ran").exists()
+    # (Lightning's import, which registers the strategies, is the test above)
 
 
 def test_the_checkpoint_layer_below_its_lightning_pieces_does_not_pull_in_lightning():

@@ -392,3 +392,52 @@ def test_a_test_stage_killed_and_run_again_is_a_recovery_that_cost_the_rerun():
     assert summary.spares_used == ("node2",)
     text = format_report(summary)
     assert "ran again from its start and finished" in text and "not recovered" not in text
+
+
+HOSTILE_LINES = [
+    b'{"t": 1700000003.0, "who": "x", "event": "\xff\xfe not utf-8"}\n',
+    b"[" * 100_000 + b"]" * 100_000 + b"\n",
+    b'{"t": 1700000003.0, "who": "x", "event": "join", "pid": ' + b"7" * 5_000 + b"}\n",
+    b'{"t": NaN, "who": "x", "event": "join"}\n',
+    b'{"t": "soon", "who": "x", "event": "join"}\n',
+    b'{"t": 1700000003.0, "who": "x", "event": ["join"]}\n',
+    b'"just a string"\n',
+]
+
+
+@pytest.mark.parametrize("exit_code", [False, True])
+def test_hostile_lines_are_skipped_and_counted_and_control_sequences_never_reach_the_terminal(tmp_path, exit_code):
+    """Issue 47, item 4: invalid UTF-8, 100,000 nested brackets or a 5,000-digit number crashed the
+    report with exit 1 -- also ``--exit-code``, which the SLURM scripts take the job's exit code
+    from -- and ESC/OSC/C1 sequences in event fields reached the terminal raw."""
+    run = recovered_run()
+    run[4]["error"] = "\x1b]0;owned\x07\x1b[2J\u009b31m\u202egnp.exe"  # OSC title, clear screen, C1 CSI, bidi
+    _write_events(tmp_path, run)
+    with open(tmp_path / "events-planted-1.jsonl", "wb") as planted:
+        planted.writelines(HOSTILE_LINES)
+    argv = [sys.executable, "-m", "lightning_ft.cli", "report", str(tmp_path)]
+    if exit_code:
+        argv += ["--exit-code", "--launcher-code", "1"]
+    done = subprocess.run(argv, capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")  # finished: the job's code is 0
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert f"skipped {len(HOSTILE_LINES)} line(s)" in err and "Traceback" not in err, err
+    assert "FINISHED" in out
+    assert not any(c in out + err for c in ("\x1b", "\x07", "\u009b", "\u202e")), out
+    assert "\\x1b]0;owned\\x07" in out  # shown, escaped
+
+
+def test_the_events_directory_must_be_private_or_nothing_is_written_there(tmp_path, caplog):
+    """A directory another user could write is where they would plant the events the job's exit
+    code is read from: the log is not written there (one warning), as snapshot directories."""
+    from lightning_ft.events.log import NullEventLog, open_event_log
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert isinstance(open_event_log("p", shared), NullEventLog)
+    assert "writable by its group and other users" in caplog.text
+    made = tmp_path / "new" / "events"
+    log = open_event_log("p", made)
+    log.emit("join")
+    assert (made.stat().st_mode & 0o777) == 0o700 and list(made.glob("events-p-*.jsonl"))

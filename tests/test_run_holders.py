@@ -74,6 +74,33 @@ def test_a_dead_process_holds_nothing(tmp_path):
     release_run(str(tmp_path), "run")
 
 
+def test_a_claim_waiting_while_the_last_holder_removes_the_file_lands_in_the_file_that_is_there(tmp_path):
+    """The last holder to release unlinks the file under the lock; a claimer that opened it before
+    and waited for the lock must not write its claim into the unlinked file, where the next job's
+    claimer would never see it (then two jobs held one run id)."""
+    import fcntl
+    import time
+
+    path = holders_path(str(tmp_path), "run")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as release_run holds it
+    waiting = claimer(tmp_path, "run", "job-a", hold=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(os.path.realpath(f"/proc/{waiting.pid}/fd/{n}") == os.path.realpath(path)
+                      for n in os.listdir(f"/proc/{waiting.pid}/fd")):  # it opened the file: it waits for the lock
+            assert time.monotonic() < deadline and waiting.poll() is None, "the claimer never opened the file"
+            time.sleep(0.01)
+        os.unlink(path)  # the last holder left
+        os.close(fd)
+        assert waiting.stdout.readline().strip() == "claimed"
+        with pytest.raises(RunHeldError, match=f"pid {waiting.pid} "):  # the next job sees the claim
+            claim_run(str(tmp_path), "run", "job-b")
+    finally:
+        waiting.kill()
+        waiting.wait(timeout=30)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_second_job_with_the_run_id_of_a_live_one_ends_83_at_once_and_the_first_finishes(

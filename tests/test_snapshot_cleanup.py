@@ -59,3 +59,80 @@ def test_ages():
     assert [parse_age(a) for a in ("90s", "30m", "12h", "2d", "5")] == [90, 1800, 43200, 172800, 5]
     with pytest.raises(ValueError):
         parse_age("²d")
+
+
+CHURN = """
+import os, sys, time
+run = sys.argv[1]
+end = time.monotonic() + float(sys.argv[2])
+n = 0
+while time.monotonic() < end:  # a job writing snapshots: a new file, the older one removed
+    n += 1
+    os.makedirs(os.path.join(run, "rank0"), exist_ok=True)
+    with open(os.path.join(run, "rank0", f"step-{n}.snap"), "wb") as f:
+        f.write(b"x")
+    try:
+        os.unlink(os.path.join(run, "rank0", f"step-{n - 1}.snap"))
+    except FileNotFoundError:
+        pass
+"""
+
+
+def test_entries_vanishing_under_it_are_passed_over(tmp_path, capsys):
+    """Issue 47, item 5: ``remove --older-than`` crashed with FileNotFoundError while a job wrote
+    snapshots (a file listed, then replaced before it was looked at)."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "shm"
+    for i in range(20):
+        _run_dir(root, f"old-{i}", 10, age_seconds=3 * 86400)
+    writer = subprocess.Popen([sys.executable, "-c", CHURN, str(root / "busy"), "30"])
+    try:
+        for _ in range(300):
+            assert main(["--root", str(root), "list"]) == 0
+            assert main(["--root", str(root), "remove", "--older-than", "1h"]) == 0
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    capsys.readouterr()
+    assert sorted(os.listdir(root)) == ["busy"]
+
+
+def test_remove_takes_only_run_directories_by_the_jobs_own_name_and_never_a_held_one(tmp_path, capsys):
+    """Issue 47, item 5: ``--root ~ remove src`` removed ~/src; ``remove exp/42`` missed the job's
+    ``exp_42``; a run of a live but idle (or SIGSTOPped) job was removed."""
+    import signal
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    (home / "src").mkdir(parents=True)
+    (home / "src" / "main.py").write_text("print()")
+    assert main(["--root", str(home), "remove", "src"]) == 0
+    assert (home / "src" / "main.py").exists() and "nothing to remove" in capsys.readouterr().out
+
+    root = tmp_path / "shm"
+    _run_dir(root, "exp_42", 10, age_seconds=3 * 86400)
+    assert main(["--root", str(root), "remove", "exp/42"]) == 0
+    assert not (root / "exp_42").exists() and "removed" in capsys.readouterr().out
+
+    _run_dir(root, "live", 10, age_seconds=3 * 86400)
+    _run_dir(root, "live-fit1", 10, age_seconds=3 * 86400)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from lightning_ft.checkpoint.memory.holders import claim_run; "
+         "claim_run(sys.argv[1], 'live', 'job'); print('claimed', flush=True); sys.stdin.readline()", str(root)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        holder.send_signal(signal.SIGSTOP)  # frozen, not gone
+        for argv in (["remove", "live"], ["remove", "--older-than", "1h"]):
+            assert main(["--root", str(root), *argv]) == 0
+            out = capsys.readouterr().out
+            assert f"held by the live process(es) {holder.pid}" in out and "removed" not in out, out
+        assert (root / "live").is_dir() and (root / "live-fit1").is_dir()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert main(["--root", str(root), "remove", "live"]) == 0  # its job is gone now
+    assert not (root / "live").exists() and not (root / "live-fit1").exists()

@@ -6,18 +6,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from lightning_ft.events import names as ev
-from lightning_ft.events.log import read_events
+from lightning_ft.events.log import read_events_counted
 from lightning_ft.report.handovers import hand_over_lines, world_change_lines
 from lightning_ft.report.timeline import MAX_VALUE_CHARS, SOURCE_LOCATION, RunSummary, job_exit_code, summarize
 from lightning_ft.report.work import format_work
 
 # ---------------------------------------------------------------------- text
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control and format characters (ESC and the sequences it
+    starts, C1 controls, bidirectional overrides) written as escapes, newlines kept. Event fields
+    come from every process that could write the events directory and from the store's peers."""
+    return "".join(c if c == "\n" or unicodedata.category(c) not in ("Cc", "Cf") else
+                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") for c in text)
+
 
 def _short(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
@@ -154,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--launcher-code must be an exit status 0..255, got {args.launcher_code}")
 
     def no_report(problem: str) -> int:
+        problem = printable(problem)
         if not args.exit_code:
             print(f"lightning-ft report: {problem}", file=sys.stderr)
             return 2
@@ -165,9 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     if not run_dir.is_dir():
         return no_report(f"{run_dir} is not a directory")
     try:
-        events = read_events(run_dir)
+        events, skipped = read_events_counted(run_dir)
     except OSError as exc:
         return no_report(f"cannot read events in {run_dir}: {exc}")
+    if skipped:
+        print(printable(f"lightning-ft report: skipped {skipped} line(s) in {run_dir} that are not events (torn by "
+                        "a kill mid-write, or not written by lightning_ft)"), file=sys.stderr)
     summary = summarize(events)
     if not summary.timeline:
         return no_report(f"no events in {run_dir} (expected events-*.jsonl files; set LIGHTNING_FT_EVENTS_DIR "
@@ -179,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             data["job_exit_code"], data["job_exit_reason"] = outcome.code, outcome.reason
         print(json.dumps(data, indent=2))
     else:
-        print(format_report(summary, timeline=not args.summary_only))
+        print(printable(format_report(summary, timeline=not args.summary_only)))
         if outcome is not None:
-            print(f"  job exit code {outcome.code}: {outcome.reason}")
+            print(printable(f"  job exit code {outcome.code}: {outcome.reason}"))
     return 0 if outcome is None else outcome.code
 
 

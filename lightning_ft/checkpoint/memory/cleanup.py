@@ -4,7 +4,10 @@ A job that finishes removes its own snapshots (unless told to keep them); a job 
 cancelled, lost every node or ran out of requeues leaves them in ``/dev/shm`` -- the node's RAM
 -- until someone removes them. This lists what lies under a snapshot root, run by run, and
 removes one run's snapshots (with its later fits' ``<run>-fitN``) or every run untouched for a
-given time. Only this user's directories, never through a link.
+given time. Only this user's directories that hold ``rank<N>`` directories, never through a link,
+never a run a live process holds (a job still running, however idle, or stopped with SIGSTOP:
+see :mod:`.holders`); a run id is made a directory name as the job makes it (``exp/42`` is
+``exp_42``), and entries a running job removes meanwhile are passed over.
 
     lightning-ft snapshots [--root DIR] list
     lightning-ft snapshots [--root DIR] remove RUN_ID
@@ -21,7 +24,9 @@ import stat
 import time
 from dataclasses import dataclass
 
-from lightning_ft.checkpoint.memory.roots import remove_run_snapshots, resolve_root
+from lightning_ft.checkpoint.memory.holders import live_holders
+from lightning_ft.checkpoint.memory.roots import resolve_root, safe_run_id
+from lightning_ft.settings.environment import is_later_fit_of
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -59,18 +64,52 @@ def runs_under(root: str, now: float | None = None) -> list[RunSnapshots]:
         return []
     for name in names:
         path = os.path.join(root, name)
-        info = os.lstat(path)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:  # a job removed it meanwhile
+            continue
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or not _holds_rank_dirs(path):
             continue
         size = files = 0
         newest = info.st_mtime
         for folder, _dirs, names_here in os.walk(path):  # os.walk does not follow links
             for file_name in names_here:
-                entry = os.lstat(os.path.join(folder, file_name))
+                try:
+                    entry = os.lstat(os.path.join(folder, file_name))
+                except FileNotFoundError:  # a job replaced its older snapshot meanwhile
+                    continue
                 if stat.S_ISREG(entry.st_mode):
                     size, files, newest = size + entry.st_size, files + 1, max(newest, entry.st_mtime)
         found.append(RunSnapshots(name, path, size, files, max(0.0, now - newest)))
     return found
+
+
+def holding_pids(root: str, name: str) -> list[int]:
+    """The live processes holding the run whose directory is ``name`` (a later fit's, too)."""
+    run_id = re.sub(r"-fit\d+$", "", name)
+    return sorted({int(h["pid"]) for run in {name, run_id} for h in live_holders(root, run)})
+
+
+def _remove_tree(path: str) -> None:
+    def vanished_is_fine(_function: object, _path: str, exc_info: tuple[type, BaseException, object]) -> None:
+        if not isinstance(exc_info[1], FileNotFoundError):
+            raise exc_info[1]
+
+    shutil.rmtree(path, onerror=vanished_is_fine)
+
+
+def remove_runs(root: str, runs: list[RunSnapshots]) -> tuple[list[str], list[str]]:
+    """Remove ``runs``' directories, except those a live process holds; returns (removed paths,
+    a line per run kept for a live holder)."""
+    removed, kept = [], []
+    for run in runs:
+        pids = holding_pids(root, run.name)
+        if pids:
+            kept.append(f"kept {run.path}: held by the live process(es) {', '.join(map(str, pids))} of its job")
+            continue
+        _remove_tree(run.path)
+        removed.append(run.path)
+    return removed, kept
 
 
 def parse_age(text: str) -> float:
@@ -113,19 +152,20 @@ def main(argv: list[str]) -> int:
     if (args.run_id is None) == (args.older_than is None):
         parser.error("remove takes a RUN_ID or --older-than AGE (one of them)")
     if args.run_id is not None:
-        removed = remove_run_snapshots(root, args.run_id)
+        try:
+            name = safe_run_id(args.run_id)
+        except ValueError as exc:
+            parser.error(str(exc))
+        chosen = [run for run in runs_under(root) if run.name == name or is_later_fit_of(run.name, name)]
     else:
         try:
             age = parse_age(args.older_than)
         except ValueError as exc:
             parser.error(str(exc))
-        removed = []
-        for run in runs_under(root):
-            if run.idle_seconds >= age:
-                shutil.rmtree(run.path)
-                removed.append(run.path)
-    for path in removed:
-        print(f"removed {path}")
-    if not removed:
+        chosen = [run for run in runs_under(root) if run.idle_seconds >= age]
+    removed, kept = remove_runs(root, chosen)
+    for line in [*(f"removed {path}" for path in removed), *kept]:
+        print(line)
+    if not removed and not kept:
         print(f"nothing to remove under {root}")
     return 0

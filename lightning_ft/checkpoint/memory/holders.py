@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,14 +37,46 @@ def process_start_tick(pid: int) -> str | None:
 
 
 def holders_path(root: str, run_id: str) -> str:
-    return os.path.join(root, f".held-{run_id}")
+    # the run id made safe as a file name as the snapshot directories make it: never a path
+    return os.path.join(root, ".held-" + re.sub(r"[^A-Za-z0-9._-]", "_", run_id))
+
+
+def live_holders(root: str, run_id: str) -> list[dict[str, Any]]:
+    """The live processes that hold ``run_id`` under ``root`` (each ``{"pid", "tick", "job"}``);
+    reads only, creates nothing."""
+    try:
+        fd = os.open(holders_path(root, run_id), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # none (or not a file this package wrote): nobody holds it
+        return []
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return _live_holders(fd, os.getpid())
+    finally:
+        os.close(fd)
+
+
+def _is_file_at(fd: int, path: str) -> bool:
+    """Whether the file open as ``fd`` is still the one named ``path`` (not unlinked or replaced)."""
+    try:
+        named = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 @contextlib.contextmanager
 def _locked(path: str) -> Iterator[int]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)  # released with the descriptor, also when this process dies
+        # the last holder to release unlinks the file under the lock: one who opened it before and
+        # waited for the lock holds a file nobody else will open again -- a claim written there
+        # would be seen by nobody. Open the file that is there now instead.
+        if _is_file_at(fd, path):
+            break
+        os.close(fd)
+    try:
         yield fd
     finally:
         os.close(fd)

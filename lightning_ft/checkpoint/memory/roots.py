@@ -63,7 +63,8 @@ def resolve_root(root: str | os.PathLike | None = None) -> str:
     return load(RootSettings, {}).root or default_root()
 
 
-def _safe_run_id(run_id: object) -> str:
+def safe_run_id(run_id: object) -> str:
+    """``run_id`` as the name of its snapshot directory (ValueError when it cannot be one)."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", str(run_id))
     require(safe not in ("", ".", ".."), "run_id", "usable as a directory name", run_id)
     return safe
@@ -75,7 +76,7 @@ def configured_run_id(run_id: str | None = None, environ: Mapping[str, str] | No
     SLURM_JOB_ID), made safe as a directory name. None when no run id is configured anywhere: then
     no snapshot can be shown to belong to this job."""
     resolved, _ = resolve_run_id_from(run_id, environ)
-    return None if resolved is None else _safe_run_id(resolved)
+    return None if resolved is None else safe_run_id(resolved)
 
 
 def resolve_run_id(run_id: str | None = None, environ: Mapping[str, str] | None = None) -> str:
