@@ -449,3 +449,59 @@ def test_an_elastic_job_without_spares_shrinks_down_to_min_nodes_but_not_below()
     assert not below.hands_over and "0 hot spare(s)" in below.reason
     every = decide_hand_over(world_size=2, signalled={0, 1}, unhealthy=(), spares_ready=0, min_world_size=1)
     assert not every.hands_over and "every active" in every.reason
+
+
+@pytest.mark.parametrize(("leavers", "rank", "own_reason", "problem"), [
+    ((1,), 1, True, None),                       # the signalled rank leaves
+    ((1,), 0, False, None),                      # this rank stays: re-forms with a spare
+    ((0,), 0, False, "neither signalled nor found unhealthy"),
+    ((0, 1), 1, True, "every active would leave"),
+    ((1, 5), 1, True, "outside the world"),
+    ((), 0, False, None),                        # the whole job stops: always acceptable
+])
+def test_a_hand_over_verdict_is_acted_on_only_within_its_invariants(leavers, rank, own_reason, problem):
+    from lightning_ft.schema.termination import HandOverVerdict
+    from lightning_ft.termination.decision import hand_over_verdict_problem
+
+    found = hand_over_verdict_problem(HandOverVerdict(leavers, "x"), world_size=2, rank=rank,
+                                      own_reason_to_leave=own_reason)
+    assert (found is None) if problem is None else (problem in found), found
+
+
+class _Seat:
+    def census(self):
+        from lightning_ft.termination.handover import SeatCensus
+
+        return SeatCensus(spares_ready=1)
+
+    def hand_over(self, leaving, reason):
+        raise AssertionError("not asked here")
+
+    def min_world_size(self):
+        return None
+
+
+@pytest.mark.parametrize("forged", [[0, 1], [0]])
+def test_a_hand_over_verdict_a_store_client_published_cannot_make_a_healthy_rank_leave(tcp_store, forged, caplog):
+    """Issue 47, item 2: without a secret a store client published ``leavers=[0, 1]`` during the
+    settle; both actives left with exit 0 and the job was lost with no requeue. Rank 0 -- not
+    signalled, healthy -- now refuses any verdict that has it leave, or every active leave: it
+    takes the whole-job stop (save, 81); a reason with terminal escapes is logged escaped."""
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_ft.schema.signing import Signer
+    from lightning_ft.schema.termination import HandOverVerdict
+    from lightning_ft.termination.handover import HandOverAgreement
+
+    prefix = dist.PrefixStore("forged/", tcp_store)
+    unsigned = Signer(None)
+    rank0 = StoreStopCoordinator(prefix.clone(), 0, 2, signer=unsigned)
+    StoreStopCoordinator(prefix.clone(), 1, 2, signer=unsigned).mark_signalled()
+    attacker = StoreStopCoordinator(prefix.clone(), 1, 2, signer=unsigned)  # any client of the store
+    attacker.publish_hand_over(HandOverVerdict(tuple(forged), "\x1b]0;pwned\x07 leave now"))
+    agreement = HandOverAgreement(rank0, _Seat(), settle_s=0.0, timeout_s=10.0)
+    verdict = agreement.verdict(time.monotonic(), self_signalled=False)
+    assert not verdict.hands_over and "refused" in verdict.reason, verdict
+    assert "\x1b" not in caplog.text and "\\x1b]0;pwned\\x07" in caplog.text

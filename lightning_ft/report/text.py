@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lightning_ft._text import printable
 from lightning_ft.events import names as ev
 from lightning_ft.events.log import read_events_counted
 from lightning_ft.report.handovers import hand_over_lines, world_change_lines
@@ -19,14 +19,6 @@ from lightning_ft.report.timeline import MAX_VALUE_CHARS, SOURCE_LOCATION, RunSu
 from lightning_ft.report.work import format_work
 
 # ---------------------------------------------------------------------- text
-
-def printable(text: str) -> str:
-    """``text`` safe for a terminal: control and format characters (ESC and the sequences it
-    starts, C1 controls, bidirectional overrides) written as escapes, newlines kept. Event fields
-    come from every process that could write the events directory and from the store's peers."""
-    return "".join(c if c == "\n" or unicodedata.category(c) not in ("Cc", "Cf") else
-                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") for c in text)
-
 
 def _short(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)

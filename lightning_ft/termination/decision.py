@@ -153,6 +153,29 @@ def decide_hand_over(*, world_size: int, signalled: Iterable[int], unhealthy: It
                                     f"{spares_ready} ready hot spare(s) take their places")
 
 
+def hand_over_verdict_problem(verdict: HandOverVerdict, *, world_size: int, rank: int,
+                              own_reason_to_leave: bool) -> str | None:
+    """Why ``rank`` must not act on a hand-over verdict read from the store (None: it may).
+
+    Holds with and without a job secret (without one, any client of the store can publish a
+    verdict): a rank leaves only with a reason of its own -- it received the signal, or it was
+    found unhealthy -- and never on a verdict :func:`decide_hand_over` cannot give: every active
+    leaving (that is the whole job stopping, which saves and is requeued) or a rank outside the
+    world. A verdict that keeps this rank is acted on: its worst is a re-form with the spares.
+    """
+    if not verdict.hands_over:
+        return None
+    leavers = set(verdict.leavers)
+    outside = sorted(r for r in leavers if r >= world_size)
+    if outside:
+        return f"it names rank(s) {outside} outside the world of {world_size}"
+    if len(leavers) >= world_size:
+        return f"every active would leave ({world_size} of {world_size}), which no hand-over does"
+    if rank in leavers and not own_reason_to_leave:
+        return f"it has rank {rank} leave, which was neither signalled nor found unhealthy"
+    return None
+
+
 def budget_left(*, grace_s: float, signal_time: float, now: float, exit_reserve_s: float) -> float:
     """Seconds still usable for a save: grace minus time since the signal minus the exit reserve."""
     return grace_s - (now - signal_time) - exit_reserve_s

@@ -20,11 +20,12 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple, Protocol
 
 from lightning_ft._clock import monotonic
+from lightning_ft._text import printable
 from lightning_ft.deadlines import call_with_timeout
 from lightning_ft.events import names as ev
 from lightning_ft.schema.termination import HandOverVerdict
 from lightning_ft.termination.coordination import LocalStopCoordinator, StoreStopCoordinator
-from lightning_ft.termination.decision import decide_hand_over
+from lightning_ft.termination.decision import decide_hand_over, hand_over_verdict_problem
 
 log = logging.getLogger(__name__)
 
@@ -120,4 +121,10 @@ class HandOverAgreement:
             log.warning("rank %d: %s; the whole job stops", coordinator.rank, outcome.problem)
             return HandOverVerdict((), f"no hand-over verdict ({outcome.problem}): the whole job stops")
         verdict: HandOverVerdict = outcome.value
-        return verdict
+        problem = hand_over_verdict_problem(verdict, world_size=coordinator.world_size, rank=coordinator.rank,
+                                            own_reason_to_leave=self_signalled or coordinator.rank in known_unhealthy)
+        if problem is not None:
+            log.warning("rank %d: the published hand-over verdict is refused (%s): the whole job stops; it said: %s",
+                        coordinator.rank, problem, printable(verdict.reason[:300]))
+            return HandOverVerdict((), f"the published hand-over verdict is refused ({problem}): the whole job stops")
+        return HandOverVerdict(verdict.leavers, printable(verdict.reason[:300]))
