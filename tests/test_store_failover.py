@@ -285,6 +285,41 @@ def test_after_a_peer_loss_a_squatter_with_a_newer_store_is_not_followed(process
     assert "keys others wrote to its store: 0" in squatter.log(), squatter.log()
 
 
+@pytest.mark.timeout(180)
+def test_in_a_job_of_two_a_squatter_on_the_lost_peers_ports_moves_nobody(processes, tmp_path):
+    """Issue 47, item 1 (no secret). Elastic 1:2, A hosts the store; B dies and a process on its
+    host takes over its ports and answers "alive, I follow epoch 1 over there". The majority rule
+    left A itself out, so B's forged answer alone was a majority: A moved its store into the
+    attacker's (22 of the job's keys written there). A counts itself now, a voter that stays: it
+    goes on alone (the job shrinks) on its own store and finishes."""
+    cluster = Cluster(processes, tmp_path, "1:2")
+    cluster.out.mkdir(parents=True)
+    hold = ordered_start(cluster, "AB")
+    for infra_rank, name in enumerate("AB"):
+        cluster.start_participant(name, ["--max-steps", "150", *SLOW, *hold], LIGHTNING_FT_INFRA_RANK=str(infra_rank))
+        if name == "A":
+            cluster.wait_for_log("A", "hosting the rendezvous store")
+    in_order(cluster, "B", actives="AB")
+    release(hold)
+    cluster.wait_for_step(30, 60)
+    squatter = processes.start("squatter", [sys.executable, SQUATTER, "--endpoint", f"127.0.0.1:{cluster.port}",
+                                            "--run-id", cluster.run_id, "--victim", participant_id(cluster, "B"),
+                                            "--epoch-value", b"1".hex(), "--seconds", "60"], env=base_env())
+    wait_for_output(squatter, "ready")
+    os.kill(cluster.procs["A"].pid, signal.SIGSTOP)  # A sees the loss only once the squatter holds the ports
+    try:
+        cluster.kill("B")
+        wait_for_output(squatter, "squatting")
+    finally:
+        os.kill(cluster.procs["A"].pid, signal.SIGCONT)
+    assert cluster.wait(["A"], 90) == {"A": 0}, cluster.logs() + squatter.log()
+    assert "answered" in squatter.log(), squatter.log()  # A asked it: the attack was made
+    assert "failed over to" not in cluster.logs() and cluster.result("A")["step"] == 150
+    squatter.popen.send_signal(signal.SIGTERM)
+    squatter.popen.wait(30)
+    assert "keys others wrote to its store: 0" in squatter.log(), squatter.log()
+
+
 def wait_for_output(proc, text: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while text not in proc.log():

@@ -188,12 +188,13 @@ def job_signer() -> Signer:
     """This process's signer, from the environment (read once); warns once when there is no secret."""
     secret, source = read_secret()
     if secret is None:
-        log.warning("no job secret (%s or %s): control-plane values in the store are not authenticated; anyone "
-                    "who can reach the store can end, stop or fail this job. No snapshot is taken from the store "
-                    "(no replicas on hot spares: a spare starts from the survivors' snapshots), straggler eviction "
-                    "only warns, and a store fail-over moves only to a successor this process computed from the "
-                    "fail-over candidates it read while its store lived, at the endpoint that candidate announced. "
-                    "See docs/trust.md.", ENV_SECRET_FILE, ENV_SECRET)
+        log.warning("no job secret (%s or %s): every client of the store is trusted as a member of this job, as "
+                    "with torchrun's store -- it can join it, steer its weights, stop or end it; it cannot make a "
+                    "process run code, resume another job's state or make a healthy node leave (docs/trust.md). "
+                    "To authenticate the job: umask 077; python3 -c 'import secrets; "
+                    "print(secrets.token_hex(32))' > ~/.lightning_ft_secret and export "
+                    "%s=~/.lightning_ft_secret on every node (a filesystem they all see).",
+                    ENV_SECRET_FILE, ENV_SECRET, ENV_SECRET_FILE)
     return Signer(secret, source)
 
 
