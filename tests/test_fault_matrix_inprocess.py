@@ -288,6 +288,24 @@ def test_an_active_judged_frozen_that_thaws_while_the_round_is_short_takes_part_
     assert cluster.wait_for_ends(a, b) == {"A": 0, "B": 0}, cluster.describe()
 
 
+def test_an_arrival_no_process_stands_behind_gets_no_place(make_cluster):
+    """Issue 47, item 3: one forged arrival record (any store client without a secret; with one, a
+    replayed record of a dead participant) put a phantom rank in the round, and no step came for
+    the group's 60 s init timeout. An arrival is placed only with a heartbeat of its own."""
+    from types import SimpleNamespace
+
+    cluster = make_cluster(2, 3)
+    ghost = SimpleNamespace(participant_id="ghost:1:0", infra_rank=0, domain_id="ghost-host")
+    cluster.records.append_arrival(0, 1, ghost)  # first in the log: it would have been rank 0
+    a, b = cluster.start("A", "B")
+    wait_rounds(cluster, a, b, round_id=0)
+    assert sorted(placement(a, b, round_id=0).values()) == [(0, 2), (1, 2)], cluster.describe()
+    assert ghost.participant_id not in cluster.records.ranked_actives(0)
+    wait_training(cluster, a, b, round_id=0)
+    cluster.finish()
+    assert cluster.wait_for_ends(a, b) == {"A": 0, "B": 0}, cluster.describe()
+
+
 def test_a_frozen_coordinator_is_taken_over_and_joins_as_standby_when_it_thaws(make_cluster):
     """SIGSTOP x rendezvous (rendezvous_faults: the same name). The coordinator of round 0 freezes after writing
     its answers; a waiter takes over and decides without it. Thawed, it loses the race for ``ready``, finds no

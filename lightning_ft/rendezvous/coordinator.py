@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lightning_ft._text import printable
 from lightning_ft.rendezvous.decisions import (
     Action,
     Arrival,
@@ -151,6 +152,8 @@ class Coordinator:
         #: or starved, not dead, and takes part in this round after all
         self._silenced: dict[str, LostRecord] = {}
         self._silenced_read_at = -float("inf")
+        #: arrivals found without a heartbeat (logged once each)
+        self._phantoms: set[str] = set()
         #: when each silent participant was last asked whether it is gone (once per heartbeat)
         self._asked_gone: dict[str, float] = {}
         # a coordinator this one took over from fell silent; if its heartbeat is silent too it
@@ -293,6 +296,22 @@ class Coordinator:
                 self._silenced[pid] = record
         return bool(dead or left)
 
+    def _without_heartbeat(self, arrivals: tuple[Arrival, ...]) -> tuple[Arrival, ...] | None:
+        """``arrivals`` less those without a heartbeat of their own (absent, or not authentic), or
+        None when every one has one (one read, as the round is about to complete). A participant
+        beats before it arrives, so only an arrival record nobody's process stands behind lacks
+        one: a store client's forgery without a secret, a replayed record of a dead participant
+        with one. Placed, such a phantom held every step for the group's init timeout (60 s)."""
+        beats = self.records.heartbeats([a.participant_id for a in arrivals])
+        phantoms = {pid for pid, beat in beats.items() if beat is None}
+        if not phantoms:
+            return None
+        for pid in sorted(phantoms - self._phantoms):
+            log.warning("round %d: arrival of %s has no heartbeat of its own (no process stands behind it): no "
+                        "place for it", self.round_id, printable(pid[:200]))
+        self._phantoms |= phantoms
+        return tuple(a for a in arrivals if a.participant_id not in phantoms)
+
     def _revive_silenced(self, arrivals: tuple[Arrival, ...]) -> None:
         """Give back their place to the :attr:`_silenced` that arrived and beat again (read once per
         heartbeat). A live process starved for seconds on an overloaded machine was once judged
@@ -335,10 +354,17 @@ class Coordinator:
         if self._dead:
             view = dataclasses.replace(view, arrivals=tuple(a for a in view.arrivals
                                                             if a.participant_id not in self._dead))
-        eligible, extras = split_extras(view.arrivals, self.settings.max_nodes)
+        arrived = view.arrivals
+        eligible, extras = split_extras(arrived, self.settings.max_nodes)
         view = dataclasses.replace(view, arrivals=eligible)
         now = self.clock()
         decision = decide_completion(view, self.settings, self.timer, now)
+        if decision.action is Action.COMPLETE:
+            beating = self._without_heartbeat(arrived)
+            if beating is not None:  # a place only for arrivals seen beating
+                eligible, extras = split_extras(beating, self.settings.max_nodes)
+                view = dataclasses.replace(view, arrivals=eligible)
+                decision = decide_completion(view, self.settings, self.timer, now)
         if decision.reason != self._last_reason:
             log.debug("round %d: %s -> %s", self.round_id, decision.reason, decision.action.value)
             self._last_reason = decision.reason
