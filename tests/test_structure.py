@@ -140,7 +140,7 @@ def test_at_most_three_type_ignores():
 #: the package's layers, bottom first (ARCHITECTURE.md): a package imports only packages of its
 #: own layer or below, and, within a layer, only those listed before it
 LAYERS = (
-    ("foundation", ("_clock", "_validation", "_lazy", "exit_codes", "sockets", "private_dirs", "_torch",
+    ("foundation", ("_clock", "_text", "_validation", "_lazy", "exit_codes", "sockets", "private_dirs", "_torch",
                     "deadlines", "settings", "_logging", "_lightning", "process")),
     ("records", ("schema", "events", "health", "store")),
     ("protocol and state", ("rendezvous", "checkpoint")),
