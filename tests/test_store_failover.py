@@ -313,7 +313,8 @@ def test_in_a_job_of_two_a_squatter_on_the_lost_peers_ports_moves_nobody(process
     finally:
         os.kill(cluster.procs["A"].pid, signal.SIGCONT)
     assert cluster.wait(["A"], 90) == {"A": 0}, cluster.logs() + squatter.log()
-    assert "answered" in squatter.log(), squatter.log()  # A asked it: the attack was made
+    # A is one of the two voters and stays: no answer could make a majority, so it asks none (the
+    # code before asked the squatter and moved)
     assert "failed over to" not in cluster.logs() and cluster.result("A")["step"] == 150
     squatter.popen.send_signal(signal.SIGTERM)
     squatter.popen.wait(30)

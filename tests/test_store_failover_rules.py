@@ -471,3 +471,25 @@ def test_a_successor_serves_at_the_first_place_of_the_job_it_can_bind(switchboar
     assert server.port == endpoint.port
     assert str(endpoint) in board.announced()
     assert board._reserved is not None
+
+
+@pytest.mark.parametrize(("others", "moves"), [
+    ({"B": (1, "b:2")}, False),                        # a job of two: the lost peer's answer alone
+    ({"B": (1, "b:2"), "C": (1, "b:2")}, True),        # two of three follow it: a majority
+    ({"B": (1, "b:2"), "C": (0, "")}, False),          # one of three
+])
+def test_following_a_newer_store_takes_a_majority_that_counts_the_asker(others, moves):
+    """Issue 47, item 1: the asking process left itself out of the majority, so in a job of two
+    the lost peer's forged "I follow epoch 1 over there" alone was a majority."""
+    from types import SimpleNamespace
+
+    from lightning_ft.failover.partition import follow_newest
+
+    followed = []
+    board = SimpleNamespace(
+        participant_id="A", scope="s", epoch=0, announced=lambda: {"b:2"},
+        candidates=[SimpleNamespace(participant_id=p) for p in ["A", *others]],
+        probe=lambda c, what: SimpleNamespace(state="alive", epoch=others[c.participant_id][0],
+                                              store=others[c.participant_id][1]),
+        follow=lambda epoch, store: followed.append((epoch, store)) or True)
+    assert follow_newest(board) is moves and followed == ([(1, "b:2")] if moves else [])
