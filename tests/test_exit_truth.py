@@ -9,6 +9,7 @@ endpoint whose host does not resolve, and a participant that starts after its jo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -59,6 +60,24 @@ def test_sigterm_while_round_0_forms_stops_everyone_with_143(processes, tmp_path
     assert not any(cluster.steps().values())
     assert "job stopped" in cluster.procs["B"].log()
     assert cluster.events_of("stopped") and not cluster.events_of("finished")
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_while_the_rounds_process_group_forms_takes_the_sigterm_path(processes, tmp_path):
+    """Issue 47, item 3: a SIGTERM that came while a round's process group formed (torch blocks
+    there, up to the 60 s init timeout when a peer never comes) met the default action: the
+    process died with -15, nothing saved, no 81. Held there, the SIGTERM path takes it once
+    training starts: both stop at one agreed step, save and exit 81."""
+    cluster = Cluster(processes, tmp_path, "2:2")
+    cluster.out.mkdir(parents=True)
+    cluster.start_store()
+    cluster.start_participant("A", ["--max-steps", "300", "--step-sleep", "0.03",
+                                    "--fault", "term:lightning_ft.runtime.runtime:init_round_group"])
+    cluster.start_participant("B", ["--max-steps", "300", "--step-sleep", "0.03"])
+    assert cluster.wait(["A", "B"], 120) == {"A": 81, "B": 81}, cluster.logs()
+    assert "SIGTERM came while the round's process group formed" in cluster.procs["A"].log()
+    stops = [re.search(r"reached the agreed stop step (\d+)", cluster.procs[n].log()) for n in "AB"]
+    assert all(stops) and len({m.group(1) for m in stops}) == 1, cluster.logs()
 
 
 @pytest.mark.timeout(180)

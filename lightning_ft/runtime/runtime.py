@@ -15,11 +15,13 @@ collective (the broken group raises there).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -51,7 +53,9 @@ from lightning_ft.schema.round import PROCESS_GROUP, encode_member, member_key
 from lightning_ft.schema.signing import SealedStore
 from lightning_ft.settings.environment import local_rank, master_port
 from lightning_ft.stragglers.watch import StragglerWatch
+from lightning_ft.termination.callback import GracefulTermination, carry_signal
 from lightning_ft.termination.handover import SeatCensus
+from lightning_ft.termination.signals import HeldSignals
 
 log = logging.getLogger(__name__)
 ft_log = StrategyLog(log, {})
@@ -233,11 +237,12 @@ class FaultToleranceRuntime:
         self.surface.assign_rank(result.rank, result.world_size)
         backend = self.surface.group_backend()
         start = time.perf_counter()
-        runtime.transport = init_round_group(
-            backend, result.rank, result.world_size,
-            store=dist.PrefixStore(f"{result.store_prefix}/{PROCESS_GROUP}", raw_store(session.store)),
-            init_timeout=self.settings.timeouts.init_timeout, pg_timeout=self.settings.pg_timeout,
-            store_port=getattr(session.store, "port", None))
+        with signals_held_for(self.run.trainer):
+            runtime.transport = init_round_group(
+                backend, result.rank, result.world_size,
+                store=dist.PrefixStore(f"{result.store_prefix}/{PROCESS_GROUP}", raw_store(session.store)),
+                init_timeout=self.settings.timeouts.init_timeout, pg_timeout=self.settings.pg_timeout,
+                store_port=getattr(session.store, "port", None))
         seconds = time.perf_counter() - start
         self.event_log.emit(ev.GROUP_FORMED, round=result.round, rank=result.rank, world=result.world_size,
                             seconds=round(seconds, 4))
@@ -501,3 +506,22 @@ def log_work(watch: StragglerWatch, trainer: Any) -> None:
         metrics[f"ft/wait_seconds/rank{rank}"] = summary.wait
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
+
+
+@contextlib.contextmanager
+def signals_held_for(trainer: Any) -> Iterator[None]:
+    """Hold SIGTERM/SIGINT while the round's process group forms (torch blocks there, up to the
+    init timeout when a peer never comes) when this fit's SIGTERM path will act on them: with the
+    default action a SIGTERM there killed the process (-15, nothing saved); held, the round's
+    :class:`GracefulTermination` takes it once training starts."""
+    callback = first_callback_of_type(trainer, GracefulTermination)
+    held = HeldSignals(callback.signals) if callback is not None else None
+    held = held if held is not None and held.hold() else None
+    try:
+        yield
+    finally:
+        received = held.release() if held is not None else None
+        if received is not None and callback is not None:
+            ft_log.warning("%s came while the round's process group formed: the SIGTERM path takes it once "
+                           "training starts", signal.Signals(received[0]).name)
+            carry_signal(callback, received)

@@ -531,3 +531,10 @@ def _require(ok: bool, name: str, expected: str, value: Any) -> None:
 
 
 __all__ = ["GracefulTermination"]
+
+
+def carry_signal(callback: GracefulTermination, received: tuple[int, float]) -> None:
+    """A signal that came while the round's group formed (held, see ``HeldSignals``): ``callback``
+    acts on it as its listener installs, like one carried from a round before."""
+    if callback._carried_signal is None:
+        callback._carried_signal = received

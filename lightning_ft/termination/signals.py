@@ -170,3 +170,38 @@ class _Watcher(BackgroundThread):
 
     def run(self) -> None:
         self._watch()
+
+
+class HeldSignals:
+    """Signals held while a round's process group forms, before the SIGTERM path's listener of
+    that round is installed: recorded, not acted on. With the default action a SIGTERM there
+    killed the process (-15: nothing saved, no 81). :meth:`release` puts the handlers back and
+    returns what came, ``(signum, monotonic time)``, for the listener to act on when it installs.
+    A second Ctrl-C while held interrupts at once, as everywhere else."""
+
+    def __init__(self, signals: Sequence[int]) -> None:
+        self.signals = [signal.Signals(s) for s in signals]
+        self.received: tuple[int, float] | None = None
+        self._previous: dict[int, SignalHandler] = {}
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = (signum, monotonic())
+        elif signum == signal.SIGINT:
+            signal.default_int_handler(signum, frame)
+
+    def hold(self) -> bool:
+        """Install the recording handlers (main thread only; False where that is impossible)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._record)
+        return True
+
+    def release(self) -> tuple[int, float] | None:
+        """Put back the handlers :meth:`hold` replaced; returns the first signal held, if any."""
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) == self._record:
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+        return self.received
