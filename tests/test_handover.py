@@ -83,6 +83,35 @@ def test_sigterm_to_one_active_hands_over_to_the_spare_and_no_step_is_trained_ag
 
 
 @pytest.mark.timeout(180)
+def test_a_hand_over_verdict_a_store_client_forged_makes_no_healthy_node_leave(processes, tmp_path):
+    """Issue 47, item 2 (no secret): a store client watching the keys wrote the termination's
+    verdict first, ``leavers=[0, 1]``, during the settle after a SIGTERM to B alone; both actives
+    -- the healthy one too -- left with exit 0 and the spare ended 83: the job was lost, no
+    requeue. A verdict that has every active leave (or a rank leave that was neither signalled
+    nor unhealthy) is refused: the whole job stops at the agreed step, saves, 81."""
+    import time
+
+    from ft_cluster import base_env
+
+    cluster = Cluster(processes, tmp_path, "2:3", run_id="forged-hand-over")
+    start_with_spares(cluster, "ABC", "AB", ["--max-steps", "300", *SLOW])
+    forger = processes.start("forger", [sys.executable, str(REPO_ROOT / "tests" / "scripts" / "forge_hand_over.py"),
+                                        "--endpoint", f"127.0.0.1:{cluster.port}", "--leavers", "0,1"],
+                             env=base_env())
+    deadline = time.monotonic() + 60
+    while "watching" not in forger.log():
+        assert forger.popen.poll() is None and time.monotonic() < deadline, forger.log()
+        time.sleep(0.05)
+    cluster.wait_for_step(20, 60)
+    cluster.kill("B", signal.SIGTERM)
+    codes = cluster.wait(["A", "B", "C"], 90)
+    assert "forged" in forger.log(), forger.log()  # the verdict was there before the ranks' own
+    assert (codes["A"], codes["B"]) == (81, 81) and codes["C"] != 0, cluster.logs()
+    assert "hand-over verdict is refused" in cluster.procs["A"].log(), cluster.logs()
+    assert "\x1b" not in cluster.logs() and not cluster.events_of("handed_over")
+
+
+@pytest.mark.timeout(180)
 def test_an_unhealthy_signalled_node_leaves_at_once_and_the_spare_takes_its_place(processes, tmp_path):
     marker = tmp_path / "xid"
     marker.write_text("Xid 79: GPU has fallen off the bus")
