@@ -38,6 +38,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from lightning_ft._logging import StrategyLog
+from lightning_ft.settings.environment import file_name_of_run
 
 log = logging.getLogger(__name__)
 ft_log = StrategyLog(log, {})
@@ -72,7 +73,7 @@ def _record_path(logger: VersionedLogger, run_id: str) -> str | None:
     root = logger.root_dir
     if "://" in root:  # a remote log directory (fsspec): not recorded, a relaunch starts a version
         return None
-    return os.path.join(root, _RECORD_PREFIX + re.sub(r"[^A-Za-z0-9._-]", "_", run_id))
+    return os.path.join(root, _RECORD_PREFIX + file_name_of_run(run_id))
 
 
 def _version_dir(version: Version) -> str:

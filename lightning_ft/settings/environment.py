@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 import socket
 from collections.abc import Mapping
 
@@ -109,6 +110,12 @@ def run_id_from_environment(env: Mapping[str, str] | None = None) -> str | None:
         if value and not (key == ENV_TORCHELASTIC_RUN_ID and value == _TORCHRUN_PLACEHOLDER_RUN_ID):
             return value
     return None
+
+
+def file_name_of_run(run_id: str) -> str:
+    """``run_id`` as a file or directory name: every character but ``A-Za-z0-9._-`` made ``_``
+    (the snapshot directories, the run claim and the logger's version record all name it so)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
 
 
 def fit_run_id(run_id: str, fit: int) -> str:

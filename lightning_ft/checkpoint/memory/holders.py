@@ -17,9 +17,10 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
+
+from lightning_ft.settings.environment import file_name_of_run
 
 
 class RunHeldError(ValueError):
@@ -37,8 +38,7 @@ def process_start_tick(pid: int) -> str | None:
 
 
 def holders_path(root: str, run_id: str) -> str:
-    # the run id made safe as a file name as the snapshot directories make it: never a path
-    return os.path.join(root, ".held-" + re.sub(r"[^A-Za-z0-9._-]", "_", run_id))
+    return os.path.join(root, ".held-" + file_name_of_run(run_id))
 
 
 def live_holders(root: str, run_id: str) -> list[dict[str, Any]]:

@@ -14,7 +14,6 @@ a private directory of this user (:mod:`lightning_ft.private_dirs`, :data:`SNAPS
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import stat
 import tempfile
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from lightning_ft._validation import require
 from lightning_ft.private_dirs import DirPurpose, make_private_dir
 from lightning_ft.settings import load, setting
-from lightning_ft.settings.environment import RUN_ID_VARIABLES, is_later_fit_of, launcher_rank
+from lightning_ft.settings.environment import RUN_ID_VARIABLES, file_name_of_run, is_later_fit_of, launcher_rank
 from lightning_ft.settings.environment import resolve_run_id as resolve_run_id_from
 from lightning_ft.settings.fields import optional_path, parse_text
 
@@ -65,7 +64,7 @@ def resolve_root(root: str | os.PathLike | None = None) -> str:
 
 def safe_run_id(run_id: object) -> str:
     """``run_id`` as the name of its snapshot directory (ValueError when it cannot be one)."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", str(run_id))
+    safe = file_name_of_run(str(run_id))
     require(safe not in ("", ".", ".."), "run_id", "usable as a directory name", run_id)
     return safe
 
